@@ -1,1 +1,12 @@
-//! placeholder
+//! quotalease allocator: owns each key's global token bucket and hands out
+//! short-lived leases of tokens (SPEC §1, §2).
+//!
+//! Sans-IO cores ([`bucket`], [`ledger`], [`core`]) take time and messages as
+//! arguments; [`server`] and [`http`] are thin tokio/tonic/axum drivers.
+#![warn(missing_docs)]
+
+pub mod bucket;
+pub mod clock;
+pub mod core;
+pub mod ledger;
+pub mod rules;

@@ -1,0 +1,435 @@
+//! Token bucket core: integer fixed-point tokens with lazy, exact refill.
+//!
+//! The level is kept in *fine units*: one token is `period_ns` fine units, and
+//! a rate of `N` tokens per period adds exactly `N` fine units per
+//! nanosecond. Refill is therefore exact integer arithmetic and keeps every
+//! remainder: 5/min loses no fractions, and stepping lazily over an interval
+//! equals stepping every tick (min(min(f + a, c) + b, c) = min(f + a + b, c)).
+//! All values fit in `u128` by construction: `burst <= 1e9` tokens and
+//! `period_ns <= 8.64e13`, so a full bucket is below 2^77 fine units, and
+//! `elapsed_ns * N <= 2^64 * 1e9 < 2^94`.
+//!
+//! [`Level`] is the bare refilling quantity with a caller-given cap (the
+//! allocator's ledger caps it at `B - outstanding`); [`TokenBucket`] is a
+//! level capped at the burst.
+
+use crate::rules::Rate;
+
+/// Why a bucket said no.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Denied {
+    /// Not enough tokens now; enough will have refilled after this many ms
+    /// (rounded up), if nobody else takes them.
+    Wait {
+        /// `ceil(missing / rate)` in milliseconds, at least 1.
+        retry_after_ms: u64,
+    },
+    /// The cost can never be paid: 0 or above the burst.
+    Invalid,
+}
+
+/// A refilling amount of tokens in fine units with its own timestamp.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Level {
+    fine: u128,
+    last_ns: u64,
+}
+
+impl Level {
+    /// A level holding `tokens` at `now_ns`.
+    pub fn new(tokens: u64, rate: Rate, now_ns: u64) -> Self {
+        Self {
+            fine: u128::from(tokens) * u128::from(rate.period_ns()),
+            last_ns: now_ns,
+        }
+    }
+
+    /// Refill up to `now_ns` at `rate`, never above `cap_tokens`. Time that
+    /// runs backwards creates nothing and does not move the timestamp back.
+    /// A level already above the cap (the cap was lowered) is left alone.
+    pub fn refill(&mut self, rate: Rate, cap_tokens: u64, now_ns: u64) {
+        let Some(elapsed) = now_ns.checked_sub(self.last_ns) else {
+            return;
+        };
+        self.last_ns = now_ns;
+        let cap = u128::from(cap_tokens) * u128::from(rate.period_ns());
+        if self.fine >= cap {
+            return;
+        }
+        let added = u128::from(elapsed) * u128::from(rate.tokens);
+        self.fine = (self.fine + added).min(cap);
+    }
+
+    /// Lower the level to at most `cap_tokens` (after a burst change or when
+    /// outstanding tokens grew).
+    pub fn clamp(&mut self, rate: Rate, cap_tokens: u64) {
+        let cap = u128::from(cap_tokens) * u128::from(rate.period_ns());
+        self.fine = self.fine.min(cap);
+    }
+
+    /// Whole tokens available.
+    pub fn tokens(&self, rate: Rate) -> u64 {
+        u64::try_from(self.fine / u128::from(rate.period_ns())).unwrap_or(u64::MAX)
+    }
+
+    /// Timestamp of the last refill.
+    pub fn last_ns(&self) -> u64 {
+        self.last_ns
+    }
+
+    /// Take `n` whole tokens if present.
+    pub fn take(&mut self, rate: Rate, n: u64) -> bool {
+        let need = u128::from(n) * u128::from(rate.period_ns());
+        if self.fine >= need {
+            self.fine -= need;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Add `n` whole tokens, never above `cap_tokens`.
+    pub fn give(&mut self, rate: Rate, n: u64, cap_tokens: u64) {
+        let p = u128::from(rate.period_ns());
+        self.fine = (self.fine + u128::from(n) * p).min(u128::from(cap_tokens) * p);
+    }
+
+    /// Milliseconds (rounded up, >= 1) until the level holds `n` tokens at
+    /// `rate`; 0 if it already does.
+    pub fn wait_ms(&self, rate: Rate, n: u64) -> u64 {
+        let need = u128::from(n) * u128::from(rate.period_ns());
+        if self.fine >= need {
+            return 0;
+        }
+        let missing = need - self.fine;
+        let ns = missing.div_ceil(u128::from(rate.tokens));
+        let ms = ns.div_ceil(1_000_000).max(1);
+        u64::try_from(ms).unwrap_or(u64::MAX)
+    }
+
+    /// Re-express the level under a new rate period, rounding down (never
+    /// creates tokens).
+    pub fn rescale(&mut self, old: Rate, new: Rate) {
+        if old.period_ns() != new.period_ns() {
+            self.fine = self.fine * u128::from(new.period_ns()) / u128::from(old.period_ns());
+        }
+    }
+}
+
+/// A token bucket: rate `R`, burst `B`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBucket {
+    rate: Rate,
+    burst: u64,
+    level: Level,
+}
+
+impl TokenBucket {
+    /// A full bucket at `now_ns`.
+    pub fn new_full(rate: Rate, burst: u64, now_ns: u64) -> Self {
+        Self {
+            rate,
+            burst,
+            level: Level::new(burst, rate, now_ns),
+        }
+    }
+
+    /// An empty bucket at `now_ns`.
+    pub fn new_empty(rate: Rate, burst: u64, now_ns: u64) -> Self {
+        Self {
+            rate,
+            burst,
+            level: Level::new(0, rate, now_ns),
+        }
+    }
+
+    /// The rate.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The burst.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// Whole tokens in the bucket at `now_ns`.
+    pub fn tokens(&mut self, now_ns: u64) -> u64 {
+        self.level.refill(self.rate, self.burst, now_ns);
+        self.level.tokens(self.rate)
+    }
+
+    /// Take `cost` tokens at `now_ns`; a denial changes nothing.
+    /// Returns the whole tokens left.
+    pub fn try_acquire(&mut self, cost: u64, now_ns: u64) -> Result<u64, Denied> {
+        if cost == 0 || cost > self.burst {
+            return Err(Denied::Invalid);
+        }
+        self.level.refill(self.rate, self.burst, now_ns);
+        if self.level.take(self.rate, cost) {
+            Ok(self.level.tokens(self.rate))
+        } else {
+            Err(Denied::Wait {
+                retry_after_ms: self.level.wait_ms(self.rate, cost),
+            })
+        }
+    }
+
+    /// Give back `n` tokens (never above the burst).
+    pub fn refund(&mut self, n: u64, now_ns: u64) {
+        self.level.refill(self.rate, self.burst, now_ns);
+        self.level.give(self.rate, n, self.burst);
+    }
+
+    /// Change rate and burst at `now_ns` without resetting to full: refill
+    /// under the old rate up to now, then clamp to the new burst.
+    pub fn set_limits(&mut self, rate: Rate, burst: u64, now_ns: u64) {
+        self.level.refill(self.rate, self.burst, now_ns);
+        self.level.rescale(self.rate, rate);
+        self.rate = rate;
+        self.burst = burst;
+        self.level.clamp(rate, burst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn rate(tokens: u64, period_s: u64) -> Rate {
+        Rate { tokens, period_s }
+    }
+
+    #[test]
+    fn five_per_minute_loses_no_fractions() {
+        let r = rate(5, 60);
+        let mut b = TokenBucket::new_empty(r, 5, 0);
+        // 12 s per token; step in awkward 7 s increments for 60 s.
+        let mut t = 0;
+        while t + 7 * SEC <= 56 * SEC {
+            t += 7 * SEC;
+            b.tokens(t);
+        }
+        assert_eq!(b.tokens(60 * SEC), 5);
+        let mut b2 = TokenBucket::new_empty(r, 5, 0);
+        assert_eq!(b2.tokens(12 * SEC - 1), 0);
+        assert_eq!(b2.tokens(12 * SEC), 1);
+    }
+
+    #[test]
+    fn clamps_to_burst() {
+        let mut b = TokenBucket::new_full(rate(10, 1), 7, 0);
+        assert_eq!(b.tokens(1000 * SEC), 7);
+    }
+
+    #[test]
+    fn cost_is_validated() {
+        let mut b = TokenBucket::new_full(rate(10, 1), 7, 0);
+        assert_eq!(b.try_acquire(0, 0), Err(Denied::Invalid));
+        assert_eq!(b.try_acquire(8, 0), Err(Denied::Invalid));
+        assert_eq!(b.try_acquire(7, 0), Ok(0));
+    }
+
+    #[test]
+    fn retry_after_is_ceil_of_missing_over_rate() {
+        // 1/d: one token takes a day.
+        let mut b = TokenBucket::new_full(rate(1, 86_400), 10, 0);
+        for _ in 0..10 {
+            b.try_acquire(1, 0).unwrap();
+        }
+        assert_eq!(
+            b.try_acquire(1, 0),
+            Err(Denied::Wait {
+                retry_after_ms: 86_400_000
+            })
+        );
+        // 3/s, need 2 tokens from empty: 666.67 ms -> 667.
+        let mut b = TokenBucket::new_empty(rate(3, 1), 5, 0);
+        assert_eq!(
+            b.try_acquire(2, 0),
+            Err(Denied::Wait {
+                retry_after_ms: 667
+            })
+        );
+    }
+
+    #[test]
+    fn negative_elapsed_creates_nothing() {
+        let mut b = TokenBucket::new_empty(rate(1, 1), 10, 10 * SEC);
+        assert_eq!(b.tokens(5 * SEC), 0);
+        assert_eq!(b.tokens(10 * SEC), 0);
+        assert_eq!(b.tokens(11 * SEC), 1);
+    }
+
+    #[test]
+    fn limit_change_does_not_reset_to_full() {
+        let mut b = TokenBucket::new_full(rate(60, 60), 20, 0);
+        for _ in 0..20 {
+            b.try_acquire(1, 0).unwrap();
+        }
+        // 10 s at 1/s -> 10 tokens, then switch to 2/s burst 15.
+        b.set_limits(rate(2, 1), 15, 10 * SEC);
+        assert_eq!(b.tokens(10 * SEC), 10);
+        assert_eq!(b.tokens(12 * SEC), 14);
+        assert_eq!(b.tokens(100 * SEC), 15);
+        // Lowering burst clamps.
+        b.set_limits(rate(2, 1), 3, 100 * SEC);
+        assert_eq!(b.tokens(100 * SEC), 3);
+    }
+
+    #[test]
+    fn extremes_do_not_overflow() {
+        let r = rate(crate::rules::MAX_RATE_TOKENS, 1);
+        let mut b = TokenBucket::new_empty(r, crate::rules::MAX_BURST, 0);
+        assert_eq!(b.tokens(u64::MAX), crate::rules::MAX_BURST);
+        let slow = rate(1, 86_400);
+        // u64::MAX ns is 213 503 days: at 1/d that many tokens.
+        let mut b = TokenBucket::new_empty(slow, crate::rules::MAX_BURST, 0);
+        assert_eq!(b.tokens(u64::MAX), 213_503);
+        let mut b = TokenBucket::new_empty(slow, 100_000, 0);
+        assert_eq!(b.tokens(u64::MAX), 100_000);
+        assert!(b.try_acquire(100_000, u64::MAX).is_ok());
+        assert_eq!(
+            b.try_acquire(100_000, u64::MAX),
+            Err(Denied::Wait {
+                retry_after_ms: 100_000 * 86_400_000
+            })
+        );
+    }
+
+    // --- Property tests against a tiny reference model -------------------
+
+    /// Reference: real-valued (rational) bucket stepped every millisecond.
+    #[derive(Clone, Debug)]
+    enum Op {
+        Advance(u64),
+        Acquire(u64),
+        Refund(u64),
+        SetLimits(u64, u64, u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..3_000).prop_map(Op::Advance),
+            4 => (1u64..30).prop_map(Op::Acquire),
+            1 => (1u64..5).prop_map(Op::Refund),
+            1 => (1u64..50, prop_oneof![Just(1u64), Just(60), Just(3600)], 1u64..40)
+                .prop_map(|(n, p, b)| Op::SetLimits(n, p, b)),
+        ]
+    }
+
+    /// Model in exact rationals: tokens = num / (period_ms), stepped every 1 ms.
+    struct Model {
+        n: u64,
+        period_ms: u64,
+        burst: u64,
+        // tokens * period_ms (so 1 ms of refill adds n)
+        scaled: u128,
+    }
+
+    impl Model {
+        fn tick(&mut self) {
+            let cap = u128::from(self.burst) * u128::from(self.period_ms);
+            self.scaled = (self.scaled + u128::from(self.n)).min(cap);
+        }
+        fn tokens(&self) -> u64 {
+            (self.scaled / u128::from(self.period_ms)) as u64
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Lazy refill equals stepping every tick; 0 <= tokens <= B; the
+        /// tokens admitted in any window never exceed B + R*T.
+        #[test]
+        fn lazy_equals_ticked_and_bounds_hold(
+            n in 1u64..50,
+            period in prop_oneof![Just(1u64), Just(60), Just(3600)],
+            burst in 1u64..40,
+            ops in proptest::collection::vec(op(), 1..120),
+        ) {
+            let ms = 1_000_000u64;
+            let mut r = rate(n, period);
+            let mut b = TokenBucket::new_full(r, burst, 0);
+            let mut m = Model { n, period_ms: period * 1000, burst, scaled: u128::from(burst) * u128::from(period * 1000) };
+            let mut now_ms = 0u64;
+            // (time_ms, tokens) of each admission, plus limit history.
+            let mut admitted: Vec<(u64, u64)> = Vec::new();
+            let mut changes: Vec<(u64, Rate, u64)> = vec![(0, r, burst)];
+            for o in ops {
+                match o {
+                    Op::Advance(d) => {
+                        for _ in 0..d { m.tick(); }
+                        now_ms += d;
+                    }
+                    Op::Acquire(c) => {
+                        let res = b.try_acquire(c, now_ms * ms);
+                        if c > m.burst {
+                            prop_assert_eq!(res, Err(Denied::Invalid));
+                        } else if m.tokens() >= c {
+                            prop_assert!(res.is_ok());
+                            m.scaled -= u128::from(c) * u128::from(m.period_ms);
+                            admitted.push((now_ms, c));
+                        } else {
+                            let waits = matches!(res, Err(Denied::Wait { retry_after_ms }) if retry_after_ms >= 1);
+                            prop_assert!(waits, "expected a wait >= 1 ms, got {:?}", res);
+                        }
+                    }
+                    Op::Refund(k) => {
+                        b.refund(k, now_ms * ms);
+                        let cap = u128::from(m.burst) * u128::from(m.period_ms);
+                        m.scaled = (m.scaled + u128::from(k) * u128::from(m.period_ms)).min(cap);
+                        // A refund un-admits tokens for the window check.
+                        let mut left = k;
+                        while left > 0 {
+                            let Some(last) = admitted.last_mut() else { break };
+                            let t = last.1.min(left);
+                            last.1 -= t;
+                            left -= t;
+                            if last.1 == 0 { admitted.pop(); }
+                        }
+                    }
+                    Op::SetLimits(n2, p2, b2) => {
+                        let r2 = rate(n2, p2);
+                        b.set_limits(r2, b2, now_ms * ms);
+                        // Model: rescale scaled units to the new period, round down, clamp.
+                        m.scaled = m.scaled * u128::from(p2 * 1000) / u128::from(m.period_ms);
+                        m.n = n2; m.period_ms = p2 * 1000; m.burst = b2;
+                        m.scaled = m.scaled.min(u128::from(b2) * u128::from(m.period_ms));
+                        r = r2;
+                        changes.push((now_ms, r2, b2));
+                    }
+                }
+                let t = b.tokens(now_ms * ms);
+                prop_assert_eq!(t, m.tokens(), "lazy != ticked at {} ms", now_ms);
+                prop_assert!(t <= b.burst());
+            }
+            let _ = r;
+            // Window bound: for every pair of admission instants [t0, t1],
+            // admitted <= max B over the window + sum of R * T per segment.
+            for i in 0..admitted.len() {
+                let mut sum = 0u64;
+                for j in i..admitted.len() {
+                    sum += admitted[j].1;
+                    let (t0, t1) = (admitted[i].0, admitted[j].0);
+                    let mut bound_num = 0f64;
+                    let mut max_b = 0u64;
+                    for (k, &(tc, rc, bc)) in changes.iter().enumerate() {
+                        let end = changes.get(k + 1).map(|c| c.0).unwrap_or(u64::MAX);
+                        let (s, e) = (tc.max(t0), end.min(t1));
+                        if tc <= t1 && end >= t0 { max_b = max_b.max(bc); }
+                        if e > s {
+                            bound_num += (e - s) as f64 / 1000.0 * rc.tokens as f64 / rc.period_s as f64;
+                        }
+                    }
+                    prop_assert!(sum as f64 <= max_b as f64 + bound_num + 1e-9,
+                        "admitted {} in [{}, {}] ms > bound {} + {}", sum, t0, t1, max_b, bound_num);
+                }
+            }
+        }
+    }
+}

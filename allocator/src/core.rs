@@ -1,0 +1,562 @@
+//! The allocator core, sans-IO: holders and their duplicate suppression,
+//! the rule set, and one [`KeyLedger`] per key. A driver feeds it
+//! `(now, LeaseBatch)` and sends back the returned `LeaseReply`.
+//!
+//! Messages (SPEC §2 "Messages"): every batch carries (agent id,
+//! incarnation, sequence number). A batch seen before is answered from the
+//! reply cache and applies nothing; a batch older than the cache window, or
+//! from an older incarnation, is answered `STALE` and applies nothing.
+//! Releases apply at most once because the ledger removes the lease they
+//! name and ignores unknown ids.
+
+use std::collections::{BTreeMap, HashMap};
+
+use quotalease_proto::lease::{
+    Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RuleSet as PbRuleSet,
+};
+use quotalease_proto::PROTOCOL_VERSION;
+
+use crate::ledger::{HolderId, KeyLedger, Lease, Renewal, PHANTOM};
+use crate::rules::{Pattern, Rule, RuleSet, MAX_ID_BYTES};
+
+/// Drift allowance per tier: 1000 ppm (SPEC §2 "Clocks").
+pub const RHO_PPM: u64 = 1_000;
+
+/// Allocator configuration.
+#[derive(Clone, Debug)]
+pub struct CoreConfig {
+    /// Longest lease this allocator grants (`TTL_max`). A restarted
+    /// allocator waits this long (plus drift margin) before granting.
+    pub ttl_max_ns: u64,
+    /// Clock granularity and stall allowance added to the restart wait.
+    pub epsilon_ns: u64,
+    /// Replies remembered per holder for duplicate suppression.
+    pub reply_cache: usize,
+    /// A holder that asked for a key within this window counts for the
+    /// key's fair share.
+    pub active_window_ns: u64,
+    /// Holders silent this long are forgotten (only once they hold nothing).
+    pub holder_idle_ns: u64,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        Self {
+            ttl_max_ns: 2_000_000_000,
+            epsilon_ns: 10_000_000,
+            reply_cache: 64,
+            active_window_ns: 1_000_000_000,
+            holder_idle_ns: 3_600_000_000_000,
+        }
+    }
+}
+
+impl CoreConfig {
+    /// How long after start an allocator must treat every key as fully
+    /// leased out: `TTL_max * (1 + 2 rho) + epsilon`.
+    pub fn restart_wait_ns(&self) -> u64 {
+        let drift = self.ttl_max_ns / 1_000_000 * (2 * RHO_PPM)
+            + (self.ttl_max_ns % 1_000_000) * (2 * RHO_PPM) / 1_000_000;
+        self.ttl_max_ns + drift + 1 + self.epsilon_ns
+    }
+}
+
+/// Identity of one bucket: rule id plus the tenant and route parts the rule
+/// keys on ("" for a dimension the rule does not match on).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KeyId {
+    /// Rule id.
+    pub rule: String,
+    /// Tenant part.
+    pub tenant: String,
+    /// Route part.
+    pub route: String,
+}
+
+#[derive(Debug)]
+struct Holder {
+    id: HolderId,
+    incarnation: u64,
+    replies: BTreeMap<u64, LeaseReply>,
+    /// Every seq at or below this that is not cached is stale.
+    floor: u64,
+    rules_version: u64,
+    last_seen_ns: u64,
+}
+
+/// Counters exported as metrics.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Lease batches handled (duplicates included).
+    pub messages: u64,
+    /// Items in those batches.
+    pub items: u64,
+    /// Batches answered from the reply cache.
+    pub duplicates: u64,
+    /// Batches answered `STALE`.
+    pub stale: u64,
+    /// Leases granted (with new tokens).
+    pub grants: u64,
+    /// New tokens leased out.
+    pub tokens_granted: u64,
+    /// Tokens carried from renewed leases.
+    pub tokens_carried: u64,
+    /// Releases applied.
+    pub releases: u64,
+    /// Tokens returned by releases.
+    pub tokens_released: u64,
+    /// Per rule: grants the shadow bucket says would break I1.
+    pub shadow_violations: BTreeMap<String, u64>,
+    /// Items refused because of a rule's `max_keys`.
+    pub key_limit_refusals: u64,
+    /// Keys dropped because they were full and idle.
+    pub keys_dropped: u64,
+}
+
+/// A read-only view of one key's ledger (for `GET /v1/keys`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyView {
+    /// Tokens available.
+    pub available: u64,
+    /// Tokens outstanding in unexpired leases.
+    pub outstanding: u64,
+    /// Burst.
+    pub burst: u64,
+    /// Leases: (holder name, lease).
+    pub holders: Vec<(String, Lease)>,
+}
+
+/// The allocator's state machine.
+#[derive(Debug)]
+pub struct AllocatorCore {
+    cfg: CoreConfig,
+    epoch: u64,
+    ready_at_ns: u64,
+    rules: RuleSet,
+    /// Versions published during this process, oldest first (for lag).
+    versions: Vec<u64>,
+    keys: HashMap<KeyId, KeyLedger>,
+    keys_per_rule: HashMap<String, u64>,
+    holders: HashMap<String, Holder>,
+    holder_names: HashMap<HolderId, String>,
+    next_lease_id: u64,
+    next_holder: HolderId,
+    stats: Stats,
+}
+
+impl AllocatorCore {
+    /// A core starting at `now_ns`. `epoch` must grow across restarts (the
+    /// driver uses wall-clock milliseconds at start); lease ids start at
+    /// `lease_id_base`, which must exceed every id a predecessor issued
+    /// (the driver uses wall-clock nanoseconds at start).
+    pub fn new(
+        cfg: CoreConfig,
+        rules: RuleSet,
+        epoch: u64,
+        lease_id_base: u64,
+        now_ns: u64,
+    ) -> Self {
+        let ready_at_ns = now_ns.saturating_add(cfg.restart_wait_ns());
+        Self {
+            versions: vec![rules.version],
+            cfg,
+            epoch,
+            ready_at_ns,
+            rules,
+            keys: HashMap::new(),
+            keys_per_rule: HashMap::new(),
+            holders: HashMap::new(),
+            holder_names: HashMap::new(),
+            next_lease_id: lease_id_base.max(1),
+            next_holder: 0,
+            stats: Stats::default(),
+        }
+    }
+
+    /// The epoch stamped on every reply.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Instant from which this allocator hands out tokens.
+    pub fn ready_at_ns(&self) -> u64 {
+        self.ready_at_ns
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> &RuleSet {
+        &self.rules
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Number of keys with a ledger.
+    pub fn key_count(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Replace the rules at `now_ns`. Rate and burst changes apply to
+    /// existing ledgers without resetting them; ledgers of removed rules
+    /// stay until their leases expire and they are full.
+    pub fn set_rules(&mut self, rules: RuleSet, now_ns: u64) {
+        for (key, ledger) in self.keys.iter_mut() {
+            if let Some(rule) = rules.get(&key.rule) {
+                ledger.set_limits(rule.rate, rule.burst, now_ns);
+            }
+        }
+        self.versions.push(rules.version);
+        self.rules = rules;
+    }
+
+    /// How many published versions each holder is behind.
+    pub fn rule_lag(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .holders
+            .iter()
+            .map(|(name, h)| {
+                let lag = self
+                    .versions
+                    .iter()
+                    .filter(|v| **v > h.rules_version)
+                    .count() as u64;
+                (name.clone(), lag)
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Handle one batch at `now_ns`.
+    pub fn handle(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
+        self.stats.messages += 1;
+        self.stats.items += batch.items.len() as u64;
+        let Some(header) = batch.header.as_ref() else {
+            return self.refuse(batch, 0, GrantStatus::BadItem, "header: missing");
+        };
+        let seq = header.seq;
+        if header.agent_id.is_empty() || header.agent_id.len() > MAX_ID_BYTES {
+            return self.refuse(
+                batch,
+                seq,
+                GrantStatus::BadItem,
+                "header.agent_id: must be 1..=256 bytes",
+            );
+        }
+        if header.protocol_version.abs_diff(PROTOCOL_VERSION) > 1 {
+            return self.refuse(
+                batch,
+                seq,
+                GrantStatus::Unsupported,
+                "header.protocol_version: unsupported",
+            );
+        }
+        // Holder, incarnation and duplicate suppression.
+        let holder = match self.holders.get_mut(&header.agent_id) {
+            Some(h) => h,
+            None => {
+                let id = self.next_holder;
+                self.next_holder = self.next_holder.wrapping_add(1);
+                self.holder_names.insert(id, header.agent_id.clone());
+                self.holders
+                    .entry(header.agent_id.clone())
+                    .or_insert(Holder {
+                        id,
+                        incarnation: header.incarnation,
+                        replies: BTreeMap::new(),
+                        floor: 0,
+                        rules_version: 0,
+                        last_seen_ns: now_ns,
+                    })
+            }
+        };
+        if header.incarnation < holder.incarnation {
+            self.stats.stale += 1;
+            return self.refuse(
+                batch,
+                seq,
+                GrantStatus::Stale,
+                "header.incarnation: older than the holder's current one",
+            );
+        }
+        if header.incarnation > holder.incarnation {
+            holder.incarnation = header.incarnation;
+            holder.replies.clear();
+            holder.floor = 0;
+        }
+        holder.last_seen_ns = holder.last_seen_ns.max(now_ns);
+        holder.rules_version = holder.rules_version.max(header.rules_version);
+        if let Some(cached) = holder.replies.get(&seq) {
+            self.stats.duplicates += 1;
+            return cached.clone();
+        }
+        if seq <= holder.floor {
+            self.stats.stale += 1;
+            return self.refuse(
+                batch,
+                seq,
+                GrantStatus::Stale,
+                "header.seq: older than the duplicate window",
+            );
+        }
+        let holder_id = holder.id;
+        let ttl_ns = if batch.ttl_ms == 0 {
+            self.cfg.ttl_max_ns
+        } else {
+            batch
+                .ttl_ms
+                .saturating_mul(1_000_000)
+                .min(self.cfg.ttl_max_ns)
+        };
+        let grants = batch
+            .items
+            .iter()
+            .map(|item| self.handle_item(now_ns, holder_id, item, ttl_ns))
+            .collect();
+        let reply = LeaseReply {
+            seq,
+            epoch: self.epoch,
+            protocol_version: PROTOCOL_VERSION,
+            grants,
+            rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
+        };
+        let cap = self.cfg.reply_cache.max(1);
+        let holder = self
+            .holders
+            .get_mut(&header.agent_id)
+            .expect("holder inserted above");
+        holder.replies.insert(seq, reply.clone());
+        while holder.replies.len() > cap {
+            let (old, _) = holder.replies.pop_first().expect("len > cap >= 1");
+            holder.floor = holder.floor.max(old);
+        }
+        reply
+    }
+
+    fn refuse(&self, batch: &LeaseBatch, seq: u64, status: GrantStatus, why: &str) -> LeaseReply {
+        LeaseReply {
+            seq,
+            epoch: self.epoch,
+            protocol_version: PROTOCOL_VERSION,
+            grants: batch
+                .items
+                .iter()
+                .map(|_| Grant {
+                    status: status as i32,
+                    detail: why.to_string(),
+                    ..Grant::default()
+                })
+                .collect(),
+            rules: None,
+        }
+    }
+
+    fn handle_item(
+        &mut self,
+        now_ns: u64,
+        holder: HolderId,
+        item: &LeaseItem,
+        ttl_ns: u64,
+    ) -> Grant {
+        let version = self.rules.version;
+        let bad = |detail: String| Grant {
+            status: GrantStatus::BadItem as i32,
+            rule_version: version,
+            detail,
+            ..Grant::default()
+        };
+        let Some(rule) = self.rules.get(&item.rule_id) else {
+            // A release for a rule that is gone still frees its lease.
+            if item.kind == ItemKind::Release as i32 {
+                return self.release(now_ns, holder, item);
+            }
+            return Grant {
+                status: GrantStatus::UnknownRule as i32,
+                rule_version: version,
+                detail: format!("rule_id: unknown rule {:?}", item.rule_id),
+                ..Grant::default()
+            };
+        };
+        if let Err(why) = key_part_ok(&rule.tenant, &item.tenant) {
+            return bad(format!("tenant: {why}"));
+        }
+        if let Err(why) = key_part_ok(&rule.route, &item.route) {
+            return bad(format!("route: {why}"));
+        }
+        let kind = ItemKind::try_from(item.kind);
+        match kind {
+            Ok(ItemKind::Release) => self.release(now_ns, holder, item),
+            Ok(ItemKind::Renew) => self.renew(now_ns, holder, item, ttl_ns),
+            Err(_) => bad(format!("kind: unknown value {}", item.kind)),
+        }
+    }
+
+    fn key_of(item: &LeaseItem) -> KeyId {
+        KeyId {
+            rule: item.rule_id.clone(),
+            tenant: item.tenant.clone(),
+            route: item.route.clone(),
+        }
+    }
+
+    fn release(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem) -> Grant {
+        let key = Self::key_of(item);
+        if let Some(ledger) = self.keys.get_mut(&key) {
+            if let Some(rest) = ledger.release(now_ns, holder, item.lease_id, item.spent) {
+                self.stats.releases += 1;
+                self.stats.tokens_released += rest;
+            }
+        }
+        Grant {
+            status: GrantStatus::Released as i32,
+            rule_version: self.rules.version,
+            ..Grant::default()
+        }
+    }
+
+    fn renew(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem, ttl_ns: u64) -> Grant {
+        let rule: &Rule = self
+            .rules
+            .get(&item.rule_id)
+            .expect("renew is only called for a known rule");
+        let (rate, burst, max_keys) = (rule.rate, rule.burst, rule.max_keys);
+        let version = self.rules.version;
+        let key = Self::key_of(item);
+        if !self.keys.contains_key(&key) {
+            let count = self.keys_per_rule.get(&item.rule_id).copied().unwrap_or(0);
+            if max_keys.is_some_and(|m| count >= m) {
+                self.stats.key_limit_refusals += 1;
+                return Grant {
+                    status: GrantStatus::KeyLimit as i32,
+                    rule_version: version,
+                    detail: format!("rule {}: max_keys {} reached", item.rule_id, count),
+                    ..Grant::default()
+                };
+            }
+            *self.keys_per_rule.entry(item.rule_id.clone()).or_insert(0) += 1;
+            self.keys.insert(
+                key.clone(),
+                KeyLedger::new(rate, burst, now_ns, self.ready_at_ns),
+            );
+        }
+        let ledger = self.keys.get_mut(&key).expect("inserted above");
+        let new_id = self.next_lease_id;
+        self.next_lease_id += 1;
+        let g = ledger.renew(
+            now_ns,
+            Renewal {
+                holder,
+                lease_id: item.lease_id,
+                spent: item.spent,
+                want: item.want.min(burst),
+                ttl_ns,
+                new_id,
+            },
+            self.cfg.active_window_ns,
+        );
+        if g.shadow_violation {
+            *self
+                .stats
+                .shadow_violations
+                .entry(item.rule_id.clone())
+                .or_insert(0) += 1;
+            tracing::error!(rule = %item.rule_id, fresh = g.fresh, "shadow bucket: this grant would break I1");
+        }
+        if g.fresh > 0 {
+            self.stats.grants += 1;
+            self.stats.tokens_granted += g.fresh;
+        }
+        self.stats.tokens_carried += g.carried;
+        Grant {
+            status: GrantStatus::Granted as i32,
+            lease_id: g.lease_id,
+            tokens: g.tokens,
+            carried: g.carried,
+            ttl_ms: ttl_ns / 1_000_000,
+            rule_version: version,
+            retry_after_ms: g.retry_after_ms,
+            parent_unreachable: false,
+            detail: String::new(),
+        }
+    }
+
+    /// The ledger of one key at `now_ns`; `None` means a full bucket that
+    /// nobody holds.
+    pub fn key_view(&mut self, now_ns: u64, key: &KeyId) -> Option<KeyView> {
+        let ledger = self.keys.get_mut(key)?;
+        ledger.advance(now_ns);
+        let holders = ledger
+            .leases()
+            .iter()
+            .map(|l| {
+                let name = if l.holder == PHANTOM {
+                    "(predecessor)".to_string()
+                } else {
+                    self.holder_names
+                        .get(&l.holder)
+                        .cloned()
+                        .unwrap_or_else(|| format!("holder-{}", l.holder))
+                };
+                (name, l.clone())
+            })
+            .collect();
+        Some(KeyView {
+            available: ledger.available(),
+            outstanding: ledger.outstanding(),
+            burst: ledger.burst(),
+            holders,
+        })
+    }
+
+    /// Housekeeping at `now_ns`: drop keys that are full with nothing
+    /// outstanding (a missing key means a full bucket), and holders silent
+    /// for `holder_idle_ns`.
+    pub fn sweep(&mut self, now_ns: u64) {
+        let mut dropped = Vec::new();
+        for (key, ledger) in self.keys.iter_mut() {
+            if ledger.is_full_and_idle(now_ns) {
+                dropped.push(key.clone());
+            }
+        }
+        for key in dropped {
+            self.keys.remove(&key);
+            self.stats.keys_dropped += 1;
+            if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
+                *c = c.saturating_sub(1);
+            }
+        }
+        let idle = self.cfg.holder_idle_ns;
+        let names = &mut self.holder_names;
+        self.holders.retain(|_, h| {
+            let keep = h.last_seen_ns.saturating_add(idle) > now_ns;
+            if !keep {
+                names.remove(&h.id);
+            }
+            keep
+        });
+    }
+
+    /// The rule set as sent on the wire.
+    pub fn rules_proto(&self) -> PbRuleSet {
+        self.rules.to_proto()
+    }
+}
+
+fn key_part_ok(pattern: &Pattern, value: &str) -> Result<(), String> {
+    if value.len() > MAX_ID_BYTES {
+        return Err(format!("{} bytes, at most {MAX_ID_BYTES}", value.len()));
+    }
+    match pattern {
+        Pattern::Any if value.is_empty() => Ok(()),
+        Pattern::Any => Err("must be empty: the rule does not key on it".into()),
+        Pattern::PerValue if value.is_empty() => Err("must not be empty".into()),
+        Pattern::PerValue => Ok(()),
+        Pattern::Exact(s) if s == value => Ok(()),
+        Pattern::Exact(s) => Err(format!("must be {s:?} for this rule")),
+    }
+}
+
+#[cfg(test)]
+mod tests;

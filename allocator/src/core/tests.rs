@@ -1,0 +1,294 @@
+//! Allocator core tests: messages, duplicates, restarts, rules.
+
+use super::*;
+use quotalease_proto::lease::{ItemKind, LeaseItem, RequestHeader};
+
+const MS: u64 = 1_000_000;
+const SEC: u64 = 1_000 * MS;
+/// A time long after the allocator became ready: every new key is full.
+const T: u64 = 1_000 * SEC;
+
+const RULES: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }
+    rate: 60/m
+    burst: 20
+    fail_policy: lease_only
+  - id: capped
+    match: { tenant: "*" }
+    rate: 10/s
+    burst: 10
+    max_keys: 2
+"#;
+
+fn core_at(now: u64, ready_immediately: bool) -> AllocatorCore {
+    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
+    let cfg = CoreConfig::default();
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, now);
+    if ready_immediately {
+        c.ready_at_ns = 0;
+    }
+    c
+}
+
+fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
+    LeaseBatch {
+        header: Some(RequestHeader {
+            agent_id: agent.into(),
+            incarnation: inc,
+            seq,
+            protocol_version: PROTOCOL_VERSION,
+            rules_version: 7,
+        }),
+        items,
+        ttl_ms: 1000,
+    }
+}
+
+fn renew(rule: &str, tenant: &str, route: &str, lease_id: u64, spent: u64, want: u64) -> LeaseItem {
+    LeaseItem {
+        rule_id: rule.into(),
+        tenant: tenant.into(),
+        route: route.into(),
+        kind: ItemKind::Renew as i32,
+        lease_id,
+        spent,
+        want,
+    }
+}
+
+#[test]
+fn duplicate_gets_the_cached_reply_and_never_grants_twice() {
+    let mut c = core_at(T, true);
+    let b = batch(
+        "a1",
+        1,
+        1,
+        vec![renew("orders", "acme", "/api/orders", 0, 0, 5)],
+    );
+    let r1 = c.handle(T, &b);
+    assert_eq!(r1.grants[0].tokens, 5);
+    let r2 = c.handle(T, &b);
+    assert_eq!(r1, r2);
+    assert_eq!(c.stats().duplicates, 1);
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "acme".into(),
+        route: "/api/orders".into(),
+    };
+    let v = c.key_view(T, &key).unwrap();
+    assert_eq!(v.outstanding, 5);
+    assert_eq!(v.available, 15);
+    assert_eq!(v.holders.len(), 1);
+}
+
+#[test]
+fn old_sequence_numbers_and_incarnations_are_stale() {
+    let mut c = core_at(T, true);
+    for seq in 1..=100 {
+        c.handle(
+            T,
+            &batch(
+                "a1",
+                1,
+                seq,
+                vec![renew("orders", "t", "/api/orders", 0, 0, 0)],
+            ),
+        );
+    }
+    // seq 1 fell out of the 64-entry window: refused, nothing applied.
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 5)],
+        ),
+    );
+    assert_eq!(r.grants[0].status, GrantStatus::Stale as i32);
+    assert_eq!(r.grants[0].tokens, 0);
+    // A new incarnation starts a fresh window; the old one is stale.
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            2,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 5)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 5);
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            1,
+            500,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 5)],
+        ),
+    );
+    assert_eq!(r.grants[0].status, GrantStatus::Stale as i32);
+}
+
+#[test]
+fn release_applies_once_and_only_to_known_leases() {
+    let mut c = core_at(T, true);
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 10)],
+        ),
+    );
+    let id = r.grants[0].lease_id;
+    let mut rel = renew("orders", "t", "/api/orders", id, 4, 0);
+    rel.kind = ItemKind::Release as i32;
+    c.handle(T, &batch("a1", 1, 2, vec![rel.clone()]));
+    c.handle(T, &batch("a1", 1, 3, vec![rel.clone()]));
+    // Another agent cannot release someone else's lease id.
+    c.handle(T, &batch("a2", 1, 1, vec![rel]));
+    assert_eq!(c.stats().releases, 1);
+    assert_eq!(c.stats().tokens_released, 6);
+}
+
+#[test]
+fn a_started_allocator_grants_nothing_until_ttl_max_has_passed() {
+    let mut c = core_at(SEC, false);
+    let wait = CoreConfig::default().restart_wait_ns();
+    assert!(wait > 2 * SEC);
+    let r = c.handle(
+        SEC,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 5)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 0);
+    assert!(r.grants[0].retry_after_ms > 0);
+    // Right after ready the bucket has only refilled since then (1/s).
+    let at = SEC + wait + 2 * SEC;
+    let r = c.handle(
+        at,
+        &batch(
+            "a1",
+            1,
+            2,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 20)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 2);
+}
+
+#[test]
+fn bad_items_name_the_field_and_unknown_rules_are_reported() {
+    let mut c = core_at(T, true);
+    let r = c.handle(
+        SEC,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![
+                renew("nope", "t", "/api/orders", 0, 0, 1),
+                renew("orders", "t", "/api/other", 0, 0, 1),
+                renew("orders", "", "/api/orders", 0, 0, 1),
+                renew("orders", &"x".repeat(300), "/api/orders", 0, 0, 1),
+            ],
+        ),
+    );
+    assert_eq!(r.grants[0].status, GrantStatus::UnknownRule as i32);
+    assert!(
+        r.grants[1].detail.starts_with("route:"),
+        "{}",
+        r.grants[1].detail
+    );
+    assert!(
+        r.grants[2].detail.starts_with("tenant:"),
+        "{}",
+        r.grants[2].detail
+    );
+    assert!(
+        r.grants[3].detail.contains("at most 256"),
+        "{}",
+        r.grants[3].detail
+    );
+    let mut no_header = batch(
+        "a1",
+        1,
+        2,
+        vec![renew("orders", "t", "/api/orders", 0, 0, 1)],
+    );
+    no_header.header = None;
+    let r = c.handle(T, &no_header);
+    assert!(r.grants[0].detail.starts_with("header"));
+}
+
+#[test]
+fn max_keys_caps_distinct_keys_and_full_idle_keys_are_dropped() {
+    let mut c = core_at(T, true);
+    for (i, t) in ["a", "b", "c"].iter().enumerate() {
+        let r = c.handle(
+            T,
+            &batch("a1", 1, i as u64 + 1, vec![renew("capped", t, "", 0, 0, 1)]),
+        );
+        let want = if i < 2 {
+            GrantStatus::Granted
+        } else {
+            GrantStatus::KeyLimit
+        };
+        assert_eq!(r.grants[0].status, want as i32);
+    }
+    assert_eq!(c.key_count(), 2);
+    // Leases expire after 1 s, buckets refill at 10/s: after 3 s both are full.
+    c.sweep(T + 4 * SEC);
+    assert_eq!(c.key_count(), 0);
+    let r = c.handle(
+        T + 4 * SEC,
+        &batch("a1", 1, 10, vec![renew("capped", "c", "", 0, 0, 1)]),
+    );
+    assert_eq!(r.grants[0].status, GrantStatus::Granted as i32);
+}
+
+#[test]
+fn stale_rules_version_gets_the_rules_and_lag_is_reported() {
+    let mut c = core_at(T, true);
+    let mut b = batch("a1", 1, 1, vec![]);
+    b.header.as_mut().unwrap().rules_version = 3;
+    let r = c.handle(T, &b);
+    assert_eq!(r.rules.as_ref().map(|r| r.version), Some(7));
+    assert_eq!(c.rule_lag(), vec![("a1".to_string(), 1)]);
+    let r = c.handle(T, &batch("a1", 1, 2, vec![]));
+    assert!(r.rules.is_none());
+    assert_eq!(c.rule_lag(), vec![("a1".to_string(), 0)]);
+}
+
+#[test]
+fn rule_change_applies_without_reset() {
+    let mut c = core_at(T, true);
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 20)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 20);
+    let text = RULES.replace("burst: 20", "burst: 30");
+    c.set_rules(RuleSet::parse(&text, "t.yaml", 8).unwrap(), T);
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "t".into(),
+        route: "/api/orders".into(),
+    };
+    // Not reset to full: still 0 available, 20 outstanding.
+    let v = c.key_view(T, &key).unwrap();
+    assert_eq!((v.available, v.outstanding, v.burst), (0, 20, 30));
+}

@@ -1,0 +1,371 @@
+//! The per-key lease ledger (SPEC §2 "The ledger"), sans-IO: time is an
+//! argument.
+//!
+//! For one key the ledger keeps `available` (a refilling [`Level`]) and the
+//! unexpired leases. `outstanding` is the sum over those leases of
+//! `granted - spent`, where `spent` is the largest count the holder has
+//! reported. The invariant kept at every instant is I2:
+//!
+//! ```text
+//! available + outstanding <= B
+//! ```
+//!
+//! Refill raises `available` at rate `R`, capped at `B - outstanding`, and is
+//! integrated event by event: [`KeyLedger::advance`] applies every lease
+//! expiry at its own instant before refilling further, so time during which
+//! the bucket was full never turns into tokens later. An expired lease's
+//! unspent tokens count as spent: they leave `outstanding` without entering
+//! `available`. A release returns the unspent rest to `available`.
+//!
+//! Each holder has at most one lease per key. A renewal names the lease it
+//! renews and how much of it was spent; the unspent rest is *carried* into
+//! the new lease (with the new expiry) and new tokens are added from
+//! `available`. A renewal naming an unknown lease (already rolled, released,
+//! expired, or granted by a predecessor) carries nothing and lowers nothing:
+//! the lease it actually names, if any still exists, keeps its tokens
+//! outstanding until its own expiry.
+
+use crate::bucket::{Level, TokenBucket};
+use crate::rules::Rate;
+
+/// Index of a holder (an agent or a child allocator) in the allocator.
+pub type HolderId = u32;
+
+/// The holder id of the phantom lease an allocator starts with.
+pub const PHANTOM: HolderId = u32::MAX;
+
+/// One unexpired lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Unique lease id.
+    pub id: u64,
+    /// Who holds it.
+    pub holder: HolderId,
+    /// Tokens in the lease (carried + new).
+    pub granted: u64,
+    /// Largest spent count reported by the holder (<= granted).
+    pub spent: u64,
+    /// Allocator-clock instant at which it expires.
+    pub expires_ns: u64,
+}
+
+impl Lease {
+    fn unspent(&self) -> u64 {
+        self.granted - self.spent
+    }
+}
+
+/// A renewal request for one key from one holder.
+#[derive(Clone, Copy, Debug)]
+pub struct Renewal {
+    /// Holder asking.
+    pub holder: HolderId,
+    /// Lease being renewed, 0 for none.
+    pub lease_id: u64,
+    /// Tokens of `lease_id` spent as of the request.
+    pub spent: u64,
+    /// New tokens wanted on top of the carried rest.
+    pub want: u64,
+    /// Lease lifetime to grant.
+    pub ttl_ns: u64,
+    /// Id to give the new lease.
+    pub new_id: u64,
+}
+
+/// What a renewal produced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Granted {
+    /// New lease id, 0 if the holder now holds nothing.
+    pub lease_id: u64,
+    /// Tokens of the new lease (carried + new).
+    pub tokens: u64,
+    /// Of which carried from the renewed lease.
+    pub carried: u64,
+    /// New tokens taken from `available`.
+    pub fresh: u64,
+    /// Come back for more no earlier than this, 0 = any time.
+    pub retry_after_ms: u64,
+    /// The lease's expiry on the allocator clock.
+    pub expires_ns: u64,
+    /// The independent shadow bucket says this grant would break I1.
+    pub shadow_violation: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Demand {
+    holder: HolderId,
+    want: u64,
+    last_ns: u64,
+}
+
+/// Ledger of one key.
+#[derive(Clone, Debug)]
+pub struct KeyLedger {
+    rate: Rate,
+    burst: u64,
+    available: Level,
+    leases: Vec<Lease>,
+    outstanding: u64,
+    demand: Vec<Demand>,
+    /// Independent alarm: a plain token bucket charged with every fresh
+    /// grant and credited with every release. If the ledger is right, a grant
+    /// always fits in it (available <= shadow at every instant).
+    shadow: TokenBucket,
+    last_used_ns: u64,
+}
+
+impl KeyLedger {
+    /// A ledger created at `now_ns` by an allocator that may hand out tokens
+    /// only from `ready_at_ns` on (SPEC §2 "Restarts"): before then the key
+    /// is fully leased out to a phantom holder; after it, the bucket holds
+    /// what it would have refilled from empty since `ready_at_ns`.
+    pub fn new(rate: Rate, burst: u64, now_ns: u64, ready_at_ns: u64) -> Self {
+        let start = now_ns.min(ready_at_ns);
+        let mut l = Self {
+            rate,
+            burst,
+            available: Level::new(0, rate, start),
+            leases: Vec::new(),
+            outstanding: 0,
+            demand: Vec::new(),
+            shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
+            last_used_ns: now_ns,
+        };
+        if now_ns < ready_at_ns {
+            l.leases.push(Lease {
+                id: 0,
+                holder: PHANTOM,
+                granted: burst,
+                spent: 0,
+                expires_ns: ready_at_ns,
+            });
+            l.outstanding = burst;
+        } else {
+            l.available = Level::new(0, rate, ready_at_ns);
+        }
+        l.advance(now_ns);
+        l
+    }
+
+    /// Rate of the key.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// Burst of the key.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// Whole tokens available (as of the last advance).
+    pub fn available(&self) -> u64 {
+        self.available.tokens(self.rate)
+    }
+
+    /// Tokens outstanding in unexpired leases (as of the last advance).
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding
+    }
+
+    /// Unexpired leases (as of the last advance).
+    pub fn leases(&self) -> &[Lease] {
+        &self.leases
+    }
+
+    /// Last instant a holder asked for this key.
+    pub fn last_used_ns(&self) -> u64 {
+        self.last_used_ns
+    }
+
+    /// Integrate refill and expiries up to `now_ns`, each expiry at its own
+    /// instant. Time running backwards changes nothing.
+    pub fn advance(&mut self, now_ns: u64) {
+        loop {
+            let next = self
+                .leases
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.expires_ns <= now_ns)
+                .min_by_key(|(_, l)| l.expires_ns)
+                .map(|(i, l)| (i, l.expires_ns));
+            let Some((i, at)) = next else { break };
+            self.refill_to(at);
+            let lease = self.leases.swap_remove(i);
+            self.outstanding -= lease.unspent();
+        }
+        self.refill_to(now_ns);
+        self.shadow.tokens(now_ns);
+        debug_assert!(self.i2_holds(), "I2 broken after advance");
+    }
+
+    fn refill_to(&mut self, at_ns: u64) {
+        let cap = self.burst.saturating_sub(self.outstanding);
+        self.available.refill(self.rate, cap, at_ns);
+    }
+
+    /// I2: `available + outstanding <= B` (allowing for a burst lowered
+    /// below what is outstanding, in which case available must be 0).
+    pub fn i2_holds(&self) -> bool {
+        let avail = self.available.tokens(self.rate);
+        avail + self.outstanding <= self.burst || avail == 0
+    }
+
+    /// Renew (or open) the holder's lease at `now_ns`.
+    pub fn renew(&mut self, now_ns: u64, req: Renewal, active_window_ns: u64) -> Granted {
+        self.advance(now_ns);
+        self.last_used_ns = self.last_used_ns.max(now_ns);
+        // 1. The spent report and the carried rest.
+        let mut carried = 0;
+        if req.lease_id != 0 {
+            if let Some(i) = self
+                .leases
+                .iter()
+                .position(|l| l.id == req.lease_id && l.holder == req.holder)
+            {
+                let lease = self.leases.swap_remove(i);
+                let spent = lease.spent.max(req.spent).min(lease.granted);
+                self.outstanding -= lease.unspent();
+                carried = lease.granted - spent;
+            }
+        }
+        // 2. Max-min fair share of what is available.
+        self.note_demand(req.holder, req.want, now_ns, active_window_ns);
+        let avail = self.available.tokens(self.rate);
+        let share = self.fair_level(avail);
+        let fresh = req.want.min(share).min(avail);
+        let took = self.available.take(self.rate, fresh);
+        debug_assert!(took, "fresh <= available by construction");
+        // What the holder still misses is its demand for the next fair share.
+        self.note_demand(req.holder, req.want - fresh, now_ns, active_window_ns);
+        // 3. The shadow bucket, charged independently.
+        let mut shadow_violation = false;
+        if fresh > 0 {
+            match self.shadow.try_acquire(fresh.min(self.burst), now_ns) {
+                Ok(_) => {}
+                Err(_) => shadow_violation = true,
+            }
+        }
+        // 4. The new lease.
+        let tokens = carried + fresh;
+        let expires_ns = now_ns.saturating_add(req.ttl_ns);
+        let lease_id = if tokens > 0 {
+            self.leases.push(Lease {
+                id: req.new_id,
+                holder: req.holder,
+                granted: tokens,
+                spent: 0,
+                expires_ns,
+            });
+            self.outstanding += tokens;
+            req.new_id
+        } else {
+            0
+        };
+        // 5. When to come back if the bucket could not give what was asked.
+        let retry_after_ms = if fresh < req.want {
+            let holders = self.demand.len().max(1) as u64;
+            let useful = (self.burst / (2 * holders)).clamp(1, req.want - fresh);
+            let target = (useful * holders).min(self.burst);
+            self.available.wait_ms(self.rate, target).max(1)
+        } else {
+            0
+        };
+        debug_assert!(self.i2_holds(), "I2 broken after renew");
+        Granted {
+            lease_id,
+            tokens,
+            carried,
+            fresh,
+            retry_after_ms,
+            expires_ns,
+            shadow_violation,
+        }
+    }
+
+    /// Release the holder's lease `lease_id` with its final spent count.
+    /// Applies at most once and only to a known lease; returns the tokens
+    /// returned to `available`, or `None` for an unknown lease.
+    pub fn release(
+        &mut self,
+        now_ns: u64,
+        holder: HolderId,
+        lease_id: u64,
+        spent: u64,
+    ) -> Option<u64> {
+        self.advance(now_ns);
+        let i = self
+            .leases
+            .iter()
+            .position(|l| l.id == lease_id && l.holder == holder && lease_id != 0)?;
+        let lease = self.leases.swap_remove(i);
+        let spent = lease.spent.max(spent).min(lease.granted);
+        self.outstanding -= lease.unspent();
+        let rest = lease.granted - spent;
+        let cap = self.burst.saturating_sub(self.outstanding);
+        self.available.give(self.rate, rest, cap);
+        self.shadow.refund(rest, now_ns);
+        self.demand.retain(|d| d.holder != holder);
+        debug_assert!(self.i2_holds(), "I2 broken after release");
+        Some(rest)
+    }
+
+    /// Change rate and burst at `now_ns` without resetting the bucket:
+    /// refill under the old rate up to now, then clamp to the new burst.
+    /// Lowering `B` below what is outstanding stops grants until the ledger
+    /// is back under it.
+    pub fn set_limits(&mut self, rate: Rate, burst: u64, now_ns: u64) {
+        if rate == self.rate && burst == self.burst {
+            return;
+        }
+        self.advance(now_ns);
+        self.available.rescale(self.rate, rate);
+        self.rate = rate;
+        self.burst = burst;
+        self.available
+            .clamp(rate, burst.saturating_sub(self.outstanding));
+        self.shadow.set_limits(rate, burst, now_ns);
+    }
+
+    /// True when the key may be forgotten: nothing outstanding and the
+    /// bucket full, so that a missing key means a full bucket.
+    pub fn is_full_and_idle(&mut self, now_ns: u64) -> bool {
+        self.advance(now_ns);
+        self.leases.is_empty() && self.available.tokens(self.rate) >= self.burst
+    }
+
+    fn note_demand(&mut self, holder: HolderId, want: u64, now_ns: u64, window_ns: u64) {
+        self.demand
+            .retain(|d| d.holder == holder || d.last_ns.saturating_add(window_ns) >= now_ns);
+        match self.demand.iter_mut().find(|d| d.holder == holder) {
+            Some(d) => {
+                d.want = want;
+                d.last_ns = now_ns;
+            }
+            None => self.demand.push(Demand {
+                holder,
+                want,
+                last_ns: now_ns,
+            }),
+        }
+    }
+
+    /// Water-filling level: the largest share `L` such that giving every
+    /// active holder `min(want, L)` fits in `avail`.
+    fn fair_level(&self, avail: u64) -> u64 {
+        let mut wants: Vec<u64> = self.demand.iter().map(|d| d.want).collect();
+        wants.sort_unstable();
+        let mut left = avail;
+        let n = wants.len() as u64;
+        for (i, w) in wants.iter().enumerate() {
+            let share = left / (n - i as u64);
+            if *w > share {
+                return share.max(u64::from(left > 0 && share == 0));
+            }
+            left -= w;
+        }
+        u64::MAX
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,271 @@
+//! Ledger tests: examples, then property tests of I2 and I1 under random
+//! grant / spend-report / expire / release / stale-report / restart sequences.
+
+use super::*;
+use proptest::prelude::*;
+
+const MS: u64 = 1_000_000;
+const SEC: u64 = 1_000 * MS;
+/// Base time long after the allocator became ready (at 0): new keys are full.
+const T0: u64 = 1_000 * SEC;
+
+fn rate(tokens: u64, period_s: u64) -> Rate {
+    Rate { tokens, period_s }
+}
+
+fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) -> Renewal {
+    Renewal {
+        holder,
+        lease_id,
+        spent,
+        want,
+        ttl_ns: 2 * SEC,
+        new_id,
+    }
+}
+
+#[test]
+fn fresh_key_is_full_and_grants_fair_shares() {
+    let mut l = KeyLedger::new(rate(10, 1), 100, 10 * SEC, 0);
+    assert_eq!(l.available(), 100);
+    let g = l.renew(10 * SEC, renewal(1, 0, 0, 30, 1), SEC);
+    assert_eq!((g.tokens, g.fresh, g.carried), (30, 30, 0));
+    assert_eq!(l.available() + l.outstanding(), 100);
+    // Two holders asking 1000 each share the remaining 70.
+    let g2 = l.renew(10 * SEC, renewal(2, 0, 0, 1000, 2), SEC);
+    // Holder 1 wants 30 (already satisfied), holder 2 gets the rest of the level.
+    assert_eq!(g2.fresh, 70);
+    assert!(g2.retry_after_ms >= 1);
+}
+
+#[test]
+fn spent_reports_free_room_for_refill_and_never_count_twice() {
+    let mut l = KeyLedger::new(rate(10, 1), 20, T0, 0);
+    let g = l.renew(T0, renewal(1, 0, 0, 20, 1), SEC);
+    assert_eq!(g.tokens, 20);
+    assert_eq!(l.available(), 0);
+    // 1 s later nothing refilled: all 20 are outstanding.
+    l.advance(T0 + SEC);
+    assert_eq!(l.available(), 0);
+    // Report 15 spent: the unspent 5 are carried, 15 leave outstanding.
+    let g = l.renew(T0 + SEC, renewal(1, 1, 15, 0, 2), SEC);
+    assert_eq!((g.carried, g.fresh), (5, 0));
+    assert_eq!(l.outstanding(), 5);
+    // A stale duplicate of the same report names the rolled lease: no effect.
+    let g3 = l.renew(T0 + SEC, renewal(1, 1, 15, 0, 3), SEC);
+    assert_eq!(g3.carried, 0);
+    assert_eq!(l.outstanding(), 5);
+    l.advance(T0 + 2 * SEC);
+    assert_eq!(l.available(), 10);
+}
+
+#[test]
+fn expiry_applies_at_its_instant_and_unspent_counts_as_spent() {
+    let mut l = KeyLedger::new(rate(10, 1), 20, T0, 0);
+    l.renew(T0, renewal(1, 0, 0, 20, 1), SEC); // expires at 2 s
+                                               // Advance straight to 3 s: the lease expired at 2 s, so only 1 s of refill.
+    l.advance(T0 + 3 * SEC);
+    assert_eq!(l.outstanding(), 0);
+    assert_eq!(l.available(), 10);
+}
+
+#[test]
+fn release_returns_the_rest_once() {
+    let mut l = KeyLedger::new(rate(1, 60), 10, T0, 0);
+    l.renew(T0, renewal(1, 0, 0, 10, 7), SEC);
+    assert_eq!(l.release(T0, 1, 7, 4), Some(6));
+    assert_eq!(l.available(), 6);
+    assert_eq!(l.release(T0, 1, 7, 4), None);
+    assert_eq!(l.release(T0, 2, 99, 0), None);
+    assert_eq!(l.available(), 6);
+}
+
+#[test]
+fn restart_treats_the_key_as_fully_leased_until_ready() {
+    // Allocator started at 0 with TTL_max ~ 2 s: ready at 2 s.
+    let mut l = KeyLedger::new(rate(10, 1), 20, SEC, 2 * SEC);
+    assert_eq!(l.available(), 0);
+    assert_eq!(l.outstanding(), 20);
+    let g = l.renew(SEC, renewal(1, 0, 0, 5, 1), SEC);
+    assert_eq!(g.tokens, 0);
+    assert!(g.retry_after_ms > 0);
+    l.advance(3 * SEC);
+    assert_eq!(l.outstanding(), 0);
+    assert_eq!(l.available(), 10);
+    // A key first seen well after ready is full.
+    let l2 = KeyLedger::new(rate(10, 1), 20, 10 * SEC, 2 * SEC);
+    assert_eq!(l2.available(), 20);
+    // ... but one seen just after ready has only refilled since ready.
+    let l3 = KeyLedger::new(rate(10, 1), 20, 2 * SEC + 500 * MS, 2 * SEC);
+    assert_eq!(l3.available(), 5);
+}
+
+#[test]
+fn lowering_burst_below_outstanding_stops_grants() {
+    let mut l = KeyLedger::new(rate(10, 1), 100, T0, 0);
+    l.renew(T0, renewal(1, 0, 0, 80, 1), SEC);
+    l.set_limits(rate(10, 1), 50, T0);
+    assert_eq!(l.available(), 0);
+    let g = l.renew(T0, renewal(2, 0, 0, 10, 2), SEC);
+    assert_eq!(g.fresh, 0);
+    assert!(l.i2_holds());
+}
+
+#[test]
+fn rate_change_does_not_reset_to_full() {
+    let mut l = KeyLedger::new(rate(60, 60), 20, T0, 0);
+    l.renew(T0, renewal(1, 0, 0, 20, 1), SEC);
+    l.release(T0, 1, 1, 20);
+    assert_eq!(l.available(), 0);
+    l.set_limits(rate(2, 1), 20, T0 + 5 * SEC); // 5 tokens at 1/s
+    assert_eq!(l.available(), 5);
+    l.advance(T0 + 6 * SEC);
+    assert_eq!(l.available(), 7);
+}
+
+// --- Property tests -------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Advance(u64),
+    /// holder, want, report spent accurately?
+    Renew(u32, u64, bool),
+    /// holder spends n from its lease if it can
+    Spend(u32, u64),
+    Release(u32),
+    /// holder sends a stale report naming its previous lease id
+    Stale(u32, u64),
+    /// the allocator restarts (loses the ledger)
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (1u64..400).prop_map(Op::Advance),
+        4 => (0u32..3, 0u64..40, any::<bool>()).prop_map(|(h, w, a)| Op::Renew(h, w, a)),
+        6 => (0u32..3, 1u64..10).prop_map(|(h, n)| Op::Spend(h, n)),
+        1 => (0u32..3).prop_map(Op::Release),
+        1 => (0u32..3, 0u64..50).prop_map(|(h, s)| Op::Stale(h, s)),
+        1 => Just(Op::Restart),
+    ]
+}
+
+/// What a holder believes it holds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Held {
+    id: u64,
+    previous_id: u64,
+    granted: u64,
+    spent: u64,
+    /// The holder's own deadline (here: the allocator's expiry, zero latency).
+    until_ns: u64,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn i1_and_i2_hold_under_random_histories(
+        n in 1u64..40,
+        period in prop_oneof![Just(1u64), Just(60)],
+        burst in 1u64..50,
+        ops in proptest::collection::vec(op(), 1..150),
+    ) {
+        let r = rate(n, period);
+        let ttl_ns = 500 * MS;
+        let mut now = 0u64;
+        let mut l = KeyLedger::new(r, burst, now, 0);
+        let mut held = [Held::default(); 3];
+        let mut next_id = 1u64;
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for o in ops {
+            match o {
+                Op::Advance(d) => { now += d * MS; l.advance(now); }
+                Op::Renew(h, want, accurate) => {
+                    let me = &mut held[h as usize];
+                    let valid = me.id != 0 && now < me.until_ns;
+                    // An inaccurate holder under-reports (a stale count): safe, never over.
+                    let spent = if accurate { me.spent } else { me.spent / 2 };
+                    let g = l.renew(now, Renewal { holder: h, lease_id: if valid { me.id } else { 0 }, spent, want, ttl_ns, new_id: next_id }, SEC);
+                    next_id += 1;
+                    prop_assert!(!g.shadow_violation, "shadow bucket fired");
+                    // The holder installs: tokens = carried + fresh - spent since report.
+                    let rest_now = if valid { me.granted - me.spent } else { 0 };
+                    let rest_reported = if valid { me.granted - spent } else { 0 };
+                    let spent_since = rest_reported.saturating_sub(rest_now);
+                    prop_assert!(g.carried <= rest_reported);
+                    me.previous_id = me.id;
+                    if g.lease_id != 0 {
+                        // carry is exactly the reported rest when the lease was known
+                        let usable = g.tokens - spent_since.min(g.carried);
+                        *me = Held { id: g.lease_id, previous_id: me.previous_id, granted: g.tokens, spent: g.tokens - usable, until_ns: g.expires_ns };
+                    } else {
+                        *me = Held { previous_id: me.previous_id, ..Held::default() };
+                    }
+                }
+                Op::Spend(h, k) => {
+                    let me = &mut held[h as usize];
+                    if me.id != 0 && now < me.until_ns && me.granted - me.spent >= k {
+                        me.spent += k;
+                        admitted.push((now, k));
+                    }
+                }
+                Op::Release(h) => {
+                    let me = &mut held[h as usize];
+                    if me.id != 0 && now < me.until_ns {
+                        l.release(now, h, me.id, me.spent);
+                    }
+                    *me = Held { previous_id: me.id, ..Held::default() };
+                }
+                Op::Stale(h, s) => {
+                    let prev = held[h as usize].previous_id;
+                    if prev != 0 {
+                        let g = l.renew(now, Renewal { holder: h, lease_id: prev, spent: s, want: 0, ttl_ns, new_id: next_id }, SEC);
+                        next_id += 1;
+                        // A stale report names a rolled lease: it carries nothing.
+                        prop_assert_eq!(g.carried, 0);
+                    }
+                }
+                Op::Restart => {
+                    // A new allocator knows nothing; holders keep their leases
+                    // until their own deadlines. Ready after TTL_max.
+                    l = KeyLedger::new(r, burst, now, now + ttl_ns);
+                }
+            }
+            prop_assert!(l.i2_holds(), "I2 broken at {} ms: available {} outstanding {} burst {}", now / MS, l.available(), l.outstanding(), burst);
+            prop_assert!(l.available() <= burst);
+        }
+        // I1 over every window [t_i, t_j] between admissions.
+        let rate_per_ns = n as f64 / (period as f64 * 1e9);
+        for i in 0..admitted.len() {
+            let mut sum = 0u64;
+            for j in i..admitted.len() {
+                sum += admitted[j].1;
+                let t = (admitted[j].0 - admitted[i].0) as f64;
+                prop_assert!(sum as f64 <= burst as f64 + rate_per_ns * t + 1e-9,
+                    "I1: {} admitted in {} ms, bound {}", sum, t / 1e6, burst as f64 + rate_per_ns * t);
+            }
+        }
+    }
+
+    /// Lazy advance equals advancing every millisecond, with leases expiring
+    /// in between.
+    #[test]
+    fn lazy_advance_equals_ticked(
+        n in 1u64..40,
+        burst in 1u64..50,
+        wants in proptest::collection::vec((0u64..30, 1u64..1500), 1..6),
+        horizon_ms in 1u64..4000,
+    ) {
+        let r = rate(n, 1);
+        let mut lazy = KeyLedger::new(r, burst, 0, 0);
+        for (i, (w, ttl_ms)) in wants.iter().enumerate() {
+            lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1 }, SEC);
+        }
+        let mut ticked = lazy.clone();
+        for t in 1..=horizon_ms { ticked.advance(t * MS); }
+        lazy.advance(horizon_ms * MS);
+        prop_assert_eq!(lazy.available(), ticked.available());
+        prop_assert_eq!(lazy.outstanding(), ticked.outstanding());
+    }
+}

@@ -1,0 +1,2261 @@
+//! Rule files (SPEC §4): parsing, validation listing every error, matching.
+//!
+//! This module owns the rule model shared by the allocator and the agents:
+//!
+//! - [`RuleSet::parse`] / [`RuleSet::load`] read the YAML rule file. Each rule
+//!   entry is checked on its own (from a `serde_yaml::Value`, field by field),
+//!   so one bad rule never hides the errors of another: the caller gets every
+//!   error of the file, each naming the rule (by id, or by index when the id is
+//!   unusable) and the field.
+//! - [`RuleSet::matching`] selects the rules that apply to a request, with
+//!   domains and `overrides` applied.
+//! - [`RuleSet::to_proto`] / [`RuleSet::from_proto`] convert to and from the
+//!   lease protocol's `RuleSet` message; the decoded side is validated again.
+//!
+//! Validation beyond the per-field checks: ids are unique, `overrides` name
+//! existing rules other than the rule itself, and overrides never form a cycle
+//! (with a cycle, a request matching all its rules would be limited by none).
+//!
+//! Nothing here panics on any input.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::Read;
+use std::path::Path;
+
+use quotalease_proto::lease::{FailPolicy as PbFailPolicy, Rule as PbRule, RuleSet as PbRuleSet};
+use serde_yaml::{Mapping, Value};
+
+/// Largest accepted `burst` (bucket capacity); `burst` is `1..=MAX_BURST`.
+pub const MAX_BURST: u64 = 1_000_000_000;
+/// Largest accepted `N` in a rate `N/unit`; `N` is `1..=MAX_RATE_TOKENS`.
+pub const MAX_RATE_TOKENS: u64 = 1_000_000_000;
+/// Longest accepted rule id, match pattern or domain, in bytes (SPEC §8).
+pub const MAX_ID_BYTES: usize = 256;
+
+/// File name used in errors of [`RuleSet::from_proto`].
+const PROTO_FILE: &str = "<allocator>";
+/// [`RuleSet::load`] refuses files larger than this.
+const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+/// The periods a rate may have, in seconds, with their canonical unit letter.
+const PERIODS: [(u64, &str); 4] = [(1, "s"), (60, "m"), (3_600, "h"), (86_400, "d")];
+/// Fields a rule entry may have.
+const RULE_FIELDS: [&str; 9] = [
+    "id",
+    "match",
+    "rate",
+    "burst",
+    "fail_policy",
+    "overrides",
+    "shadow",
+    "domain",
+    "max_keys",
+];
+
+// ---------------------------------------------------------------------------
+// Rate
+
+/// A refill rate: `tokens` per `period_s` seconds.
+///
+/// Rates parsed or validated by this module have `tokens` in
+/// `1..=MAX_RATE_TOKENS` and `period_s` one of 1, 60, 3600 or 86400.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    /// Tokens added per period (`N` in `N/unit`).
+    pub tokens: u64,
+    /// Length of the period in seconds: 1, 60, 3600 or 86400.
+    pub period_s: u64,
+}
+
+impl Rate {
+    /// Parses `N/unit`: `N` a whole number in `1..=MAX_RATE_TOKENS`, `unit`
+    /// one of `s`, `m`, `h`, `d` (also `sec`, `second(s)`, `min`,
+    /// `minute(s)`, `hour(s)`, `day(s)`). Spaces around the parts are
+    /// ignored. On error, returns the reason.
+    pub fn parse(s: &str) -> Result<Rate, String> {
+        let Some((n, unit)) = s.trim().split_once('/') else {
+            return Err(format!(
+                "{s:?} is not a rate: expected N/unit with unit s, m, h or d, e.g. 60/m"
+            ));
+        };
+        let (n, unit) = (n.trim(), unit.trim());
+        if n.is_empty() {
+            return Err(format!("{s:?}: the number of tokens before '/' is missing"));
+        }
+        if !n.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!(
+                "{s:?}: the number of tokens must be a whole number from 1 to {MAX_RATE_TOKENS}, got {n:?}"
+            ));
+        }
+        // Only digits: parsing fails only on overflow.
+        let tokens = match n.parse::<u64>() {
+            Ok(t) if t > MAX_RATE_TOKENS => None,
+            Ok(t) => Some(t),
+            Err(_) => None,
+        };
+        let Some(tokens) = tokens else {
+            return Err(format!(
+                "{s:?}: the number of tokens is too large (at most {MAX_RATE_TOKENS})"
+            ));
+        };
+        if tokens == 0 {
+            return Err(format!("{s:?}: the number of tokens must be at least 1"));
+        }
+        let period_s = match unit {
+            "s" | "sec" | "second" | "seconds" => 1,
+            "m" | "min" | "minute" | "minutes" => 60,
+            "h" | "hour" | "hours" => 3_600,
+            "d" | "day" | "days" => 86_400,
+            "" => {
+                return Err(format!(
+                    "{s:?}: the unit after '/' is missing (s, m, h or d)"
+                ))
+            }
+            other => return Err(format!("{s:?}: unknown unit {other:?} (use s, m, h or d)")),
+        };
+        Ok(Rate { tokens, period_s })
+    }
+
+    /// The period in nanoseconds (saturating, so a hand-built rate with an
+    /// absurd period cannot overflow).
+    pub fn period_ns(&self) -> u64 {
+        self.period_s.saturating_mul(1_000_000_000)
+    }
+
+    /// Checks the invariants of a rate that did not come from [`Rate::parse`]
+    /// (for example from a protobuf message).
+    fn validate(self) -> Result<Rate, String> {
+        if self.tokens == 0 || self.tokens > MAX_RATE_TOKENS {
+            return Err(format!(
+                "tokens per period must be from 1 to {MAX_RATE_TOKENS}, got {}",
+                self.tokens
+            ));
+        }
+        if !PERIODS.iter().any(|&(p, _)| p == self.period_s) {
+            return Err(format!(
+                "period must be 1, 60, 3600 or 86400 seconds, got {}",
+                self.period_s
+            ));
+        }
+        Ok(self)
+    }
+}
+
+impl fmt::Display for Rate {
+    /// `60/m` style with the canonical unit letter; a period that is not one
+    /// of the four units is shown in seconds (`7/90s`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match PERIODS.iter().find(|&&(p, _)| p == self.period_s) {
+            Some((_, unit)) => write!(f, "{}/{}", self.tokens, unit),
+            None => write!(f, "{}/{}s", self.tokens, self.period_s),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// FailPolicy
+
+/// What an agent does for a rule while it cannot reach its allocator
+/// (SPEC §6). YAML spelling: `open`, `closed`, `lease_only`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FailPolicy {
+    /// Spend leased tokens, then admit through a local emergency bucket.
+    #[default]
+    Open,
+    /// Spend leased tokens, then answer "unavailable".
+    Closed,
+    /// Spend leased tokens, then deny.
+    LeaseOnly,
+}
+
+impl FailPolicy {
+    /// The YAML spelling: `open`, `closed` or `lease_only`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FailPolicy::Open => "open",
+            FailPolicy::Closed => "closed",
+            FailPolicy::LeaseOnly => "lease_only",
+        }
+    }
+
+    fn from_yaml_str(s: &str) -> Result<FailPolicy, String> {
+        match s {
+            "open" => Ok(FailPolicy::Open),
+            "closed" => Ok(FailPolicy::Closed),
+            "lease_only" => Ok(FailPolicy::LeaseOnly),
+            other => Err(format!("must be open, closed or lease_only, got {other:?}")),
+        }
+    }
+
+    fn to_proto(self) -> PbFailPolicy {
+        match self {
+            FailPolicy::Open => PbFailPolicy::Open,
+            FailPolicy::Closed => PbFailPolicy::Closed,
+            FailPolicy::LeaseOnly => PbFailPolicy::LeaseOnly,
+        }
+    }
+
+    fn from_proto(v: i32) -> Result<FailPolicy, String> {
+        match PbFailPolicy::try_from(v) {
+            Ok(PbFailPolicy::Open) => Ok(FailPolicy::Open),
+            Ok(PbFailPolicy::Closed) => Ok(FailPolicy::Closed),
+            Ok(PbFailPolicy::LeaseOnly) => Ok(FailPolicy::LeaseOnly),
+            Err(_) => Err(format!("unknown fail policy value {v}")),
+        }
+    }
+}
+
+impl fmt::Display for FailPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Pattern
+
+/// How a rule matches one request field (tenant or route).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// Field absent from `match`: every value matches and all share one bucket.
+    Any,
+    /// `"*"`: every value matches, one bucket per distinct value.
+    PerValue,
+    /// Any other string: only this exact value matches.
+    Exact(String),
+}
+
+impl Pattern {
+    /// Whether a request value `v` matches. `Any` and `PerValue` match every
+    /// value (the empty string too; request fields are validated elsewhere).
+    pub fn matches(&self, v: &str) -> bool {
+        match self {
+            Pattern::Any | Pattern::PerValue => true,
+            Pattern::Exact(s) => s == v,
+        }
+    }
+
+    /// The part of the bucket key this field contributes for value `v`:
+    /// `Any` -> `""`, `PerValue` -> `v`, `Exact(s)` -> `s`.
+    pub fn key_part<'a>(&'a self, v: &'a str) -> &'a str {
+        match self {
+            Pattern::Any => "",
+            Pattern::PerValue => v,
+            Pattern::Exact(s) => s,
+        }
+    }
+
+    /// The protobuf spelling: `""`, `"*"` or the literal.
+    fn to_proto(&self) -> String {
+        match self {
+            Pattern::Any => String::new(),
+            Pattern::PerValue => "*".to_string(),
+            Pattern::Exact(s) => s.clone(),
+        }
+    }
+
+    /// Parses a pattern given in a rule (YAML or a non-empty protobuf field).
+    fn from_text(s: &str) -> Result<Pattern, String> {
+        if s.is_empty() {
+            return Err("must not be empty (leave the field out to match every value)".into());
+        }
+        if s.len() > MAX_ID_BYTES {
+            return Err(format!(
+                "is {} bytes long, at most {MAX_ID_BYTES} allowed",
+                s.len()
+            ));
+        }
+        Ok(if s == "*" {
+            Pattern::PerValue
+        } else {
+            Pattern::Exact(s.to_string())
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Rule
+
+/// One validated rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique id: 1..=256 bytes of `[A-Za-z0-9_.:-]`.
+    pub id: String,
+    /// How the tenant id is matched.
+    pub tenant: Pattern,
+    /// How the route id is matched.
+    pub route: Pattern,
+    /// Refill rate of each bucket.
+    pub rate: Rate,
+    /// Bucket capacity, `1..=MAX_BURST`.
+    pub burst: u64,
+    /// Behaviour while the allocator is unreachable.
+    pub fail_policy: FailPolicy,
+    /// Ids of rules this rule replaces for the requests it matches.
+    pub overrides: Vec<String>,
+    /// Decide and report, never deny.
+    pub shadow: bool,
+    /// Rule namespace (Envoy `domain`); `None` serves every domain.
+    pub domain: Option<String>,
+    /// Cap on the number of distinct keys (buckets) of this rule.
+    pub max_keys: Option<u64>,
+}
+
+impl Rule {
+    /// Whether the rule applies to a request, ignoring overrides.
+    fn applies(&self, domain: Option<&str>, tenant: &str, route: &str) -> bool {
+        let domain_ok = match &self.domain {
+            None => true,
+            Some(d) => domain == Some(d.as_str()),
+        };
+        domain_ok && self.tenant.matches(tenant) && self.route.matches(route)
+    }
+
+    fn to_proto(&self) -> PbRule {
+        PbRule {
+            id: self.id.clone(),
+            tenant: self.tenant.to_proto(),
+            route: self.route.to_proto(),
+            rate_tokens: self.rate.tokens,
+            rate_period_s: self.rate.period_s,
+            burst: self.burst,
+            fail_policy: self.fail_policy.to_proto() as i32,
+            overrides: self.overrides.clone(),
+            shadow: self.shadow,
+            domain: self.domain.clone().unwrap_or_default(),
+            max_keys: self.max_keys.unwrap_or(0),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+
+/// One problem found in a rule file.
+///
+/// `rule_id` is the id of the rule at fault when it has a usable, unique id.
+/// Otherwise `rule_id` is `None` and `field` is a path from the file's root:
+/// `rules[3].rate` for a rule known only by its index, `rules[3]` for the
+/// entry as a whole, `rules` for the top-level list, `yaml` for a syntax
+/// error, `file` for an unreadable file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleError {
+    /// The file (path, or `<allocator>` for a rule set received by protobuf).
+    pub file: String,
+    /// The id of the rule at fault, when it has a usable one.
+    pub rule_id: Option<String>,
+    /// The field at fault, e.g. `burst` or `match.tenant` (see the type docs).
+    pub field: String,
+    /// What is wrong, for a human.
+    pub reason: String,
+}
+
+impl fmt::Display for RuleError {
+    /// `FILE: rule ID: field FIELD: REASON`, `FILE: rules[3]: field FIELD: REASON`,
+    /// `FILE: yaml: REASON` (with line and column), `FILE: FIELD: REASON`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.rule_id {
+            Some(id) if self.field.is_empty() => {
+                write!(f, "{}: rule {}: {}", self.file, id, self.reason)
+            }
+            Some(id) => write!(
+                f,
+                "{}: rule {}: field {}: {}",
+                self.file, id, self.field, self.reason
+            ),
+            None => match split_indexed_field(&self.field) {
+                Some((entry, field)) => write!(
+                    f,
+                    "{}: {}: field {}: {}",
+                    self.file, entry, field, self.reason
+                ),
+                None => write!(f, "{}: {}: {}", self.file, self.field, self.reason),
+            },
+        }
+    }
+}
+
+impl std::error::Error for RuleError {}
+
+/// Splits `rules[3].rate` into `("rules[3]", "rate")`.
+fn split_indexed_field(field: &str) -> Option<(&str, &str)> {
+    if !field.starts_with("rules[") {
+        return None;
+    }
+    let close = field.find("].")?;
+    Some((&field[..=close], &field[close + 2..]))
+}
+
+/// Where a rule sits in the file and how errors name it.
+struct RuleLoc {
+    index: usize,
+    /// The id errors are reported under: `Some` only for a valid id at its
+    /// first occurrence; otherwise errors name the rule by index.
+    id: Option<String>,
+}
+
+/// Collects errors for one file.
+struct Errors<'f> {
+    file: &'f str,
+    list: Vec<RuleError>,
+}
+
+impl<'f> Errors<'f> {
+    fn new(file: &'f str) -> Self {
+        Errors {
+            file,
+            list: Vec::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// An error not tied to one rule; `field` is a path from the root.
+    fn root(&mut self, field: &str, reason: impl Into<String>) {
+        self.list.push(RuleError {
+            file: self.file.to_string(),
+            rule_id: None,
+            field: field.to_string(),
+            reason: reason.into(),
+        });
+    }
+
+    /// An error in a rule's `field` (empty: the whole entry).
+    fn rule(&mut self, at: &RuleLoc, field: &str, reason: impl Into<String>) {
+        let (rule_id, field) = match &at.id {
+            Some(id) => (Some(id.clone()), field.to_string()),
+            None if field.is_empty() => (None, format!("rules[{}]", at.index)),
+            None => (None, format!("rules[{}].{field}", at.index)),
+        };
+        self.list.push(RuleError {
+            file: self.file.to_string(),
+            rule_id,
+            field,
+            reason: reason.into(),
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Field checks shared by the YAML and protobuf paths
+
+fn check_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(format!(
+            "is {} bytes long, at most {MAX_ID_BYTES} allowed",
+            id.len()
+        ));
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')))
+    {
+        return Err(format!(
+            "{id:?} contains {c:?}: only letters, digits, '_', '.', ':' and '-' are allowed"
+        ));
+    }
+    Ok(())
+}
+
+fn check_burst(n: u64) -> Result<u64, String> {
+    if (1..=MAX_BURST).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("must be from 1 to {MAX_BURST}, got {n}"))
+    }
+}
+
+fn check_domain(d: &str) -> Result<String, String> {
+    if d.is_empty() {
+        return Err("must not be empty (leave the field out to serve every domain)".into());
+    }
+    if d.len() > MAX_ID_BYTES {
+        return Err(format!(
+            "is {} bytes long, at most {MAX_ID_BYTES} allowed",
+            d.len()
+        ));
+    }
+    Ok(d.to_string())
+}
+
+fn check_max_keys(n: u64) -> Result<u64, String> {
+    if n == 0 {
+        Err("must be at least 1 (leave the field out for no cap)".into())
+    } else {
+        Ok(n)
+    }
+}
+
+const MATCHES_EVERYTHING: &str =
+    "matches every request: give tenant and/or route (\"*\" means one bucket per distinct value)";
+
+/// Checks the `overrides` entries that are strings.
+fn check_overrides(
+    at: &RuleLoc,
+    own_id: Option<&str>,
+    list: &[String],
+    ids: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) {
+    for (i, o) in list.iter().enumerate() {
+        if Some(o.as_str()) == own_id {
+            errs.rule(at, "overrides", "a rule cannot override itself");
+        } else if !ids.contains_key(o.as_str()) {
+            errs.rule(at, "overrides", format!("no rule has id {o:?}"));
+        } else if list[..i].contains(o) {
+            errs.rule(at, "overrides", format!("{o:?} is listed twice"));
+        }
+    }
+}
+
+/// Decides how each rule is named in errors. `ids[i]` is rule `i`'s id when
+/// it is a valid id. Returns the locations and the map from id to the index
+/// of its first use. Later uses of an id are named by index.
+fn locate<'a>(ids: &[Option<&'a str>]) -> (Vec<RuleLoc>, HashMap<&'a str, usize>) {
+    let mut first: HashMap<&'a str, usize> = HashMap::new();
+    let mut locs = Vec::with_capacity(ids.len());
+    for (index, id) in ids.iter().enumerate() {
+        let id = match id {
+            Some(id) if !first.contains_key(id) => {
+                first.insert(id, index);
+                Some(id.to_string())
+            }
+            _ => None,
+        };
+        locs.push(RuleLoc { index, id });
+    }
+    (locs, first)
+}
+
+/// The id check done by both paths, with the duplicate report.
+fn check_id_at(
+    at: &RuleLoc,
+    id: &str,
+    first: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) -> bool {
+    if let Err(e) = check_id(id) {
+        errs.rule(at, "id", e);
+        return false;
+    }
+    match first.get(id) {
+        Some(&f) if f != at.index => {
+            errs.rule(
+                at,
+                "id",
+                format!("duplicate id {id:?}: rules[{f}] already uses it"),
+            );
+            false
+        }
+        _ => true,
+    }
+}
+
+/// What one rule entry produced: the rule when it has no error, and what the
+/// cross-rule checks need even when it has errors.
+struct Draft {
+    rule: Option<Rule>,
+    overrides: Vec<String>,
+}
+
+/// Reports override cycles among rules with usable ids.
+fn check_cycles(
+    locs: &[RuleLoc],
+    drafts: &[Draft],
+    first: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) {
+    // Edges i -> j for "rule i overrides rule j", between first occurrences.
+    let edges: Vec<Vec<usize>> = drafts
+        .iter()
+        .zip(locs)
+        .map(|(d, at)| {
+            if at.id.is_none() {
+                return Vec::new();
+            }
+            let mut out: Vec<usize> = d
+                .overrides
+                .iter()
+                .filter_map(|o| first.get(o.as_str()).copied())
+                .filter(|&j| j != at.index && locs[j].id.is_some())
+                .collect();
+            out.dedup();
+            out
+        })
+        .collect();
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        OnPath,
+        Done,
+    }
+    let mut mark = vec![Mark::New; edges.len()];
+    for start in 0..edges.len() {
+        if mark[start] != Mark::New {
+            continue;
+        }
+        // Iterative DFS: (node, next edge to follow).
+        let mut path: Vec<(usize, usize)> = vec![(start, 0)];
+        mark[start] = Mark::OnPath;
+        while let Some(top) = path.last_mut() {
+            let (node, next) = *top;
+            if let Some(&to) = edges[node].get(next) {
+                top.1 += 1;
+                match mark[to] {
+                    Mark::New => {
+                        mark[to] = Mark::OnPath;
+                        path.push((to, 0));
+                    }
+                    Mark::OnPath => {
+                        let from = path.iter().position(|&(n, _)| n == to).unwrap_or(0);
+                        let mut names: Vec<&str> = path[from..]
+                            .iter()
+                            .map(|&(n, _)| locs[n].id.as_deref().unwrap_or("?"))
+                            .collect();
+                        names.push(locs[to].id.as_deref().unwrap_or("?"));
+                        errs.rule(
+                            &locs[node],
+                            "overrides",
+                            format!(
+                                "override cycle {}: a rule cannot override itself, even indirectly",
+                                names.join(" -> ")
+                            ),
+                        );
+                    }
+                    Mark::Done => {}
+                }
+            } else {
+                mark[node] = Mark::Done;
+                path.pop();
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// YAML helpers
+
+/// "a number", "a list", ... for error messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing (null)",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+/// A mapping key as text for error messages.
+fn key_name(k: &Value) -> String {
+    match k {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        Value::Bool(b) => b.to_string(),
+        Value::Null => "null".to_string(),
+        other => format!("<{} key>", kind(other)),
+    }
+}
+
+fn yaml_str(v: &Value) -> Result<&str, String> {
+    match v {
+        Value::String(s) => Ok(s),
+        Value::Number(_) | Value::Bool(_) => Err(format!(
+            "must be a string, got {} (quote it to use it as text)",
+            kind(v)
+        )),
+        other => Err(format!("must be a string, got {}", kind(other))),
+    }
+}
+
+fn yaml_uint(v: &Value) -> Result<u64, String> {
+    match v {
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                Ok(u)
+            } else if let Some(i) = n.as_i64() {
+                Err(format!("must not be negative, got {i}"))
+            } else {
+                Err(format!("must be a whole number, got {n}"))
+            }
+        }
+        Value::String(s) if s.trim().parse::<u64>().is_ok() => Err(format!(
+            "must be a number, got the string {s:?} (remove the quotes)"
+        )),
+        other => Err(format!("must be a whole number, got {}", kind(other))),
+    }
+}
+
+/// A serde_yaml error with its location.
+fn yaml_reason(e: &serde_yaml::Error) -> String {
+    let msg = e.to_string();
+    match e.location() {
+        Some(loc) if !msg.contains(" at line ") => {
+            format!("{msg} at line {} column {}", loc.line(), loc.column())
+        }
+        _ => msg,
+    }
+}
+
+/// Checks one YAML rule entry field by field.
+fn rule_from_yaml(
+    entry: &Value,
+    at: &RuleLoc,
+    first: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) -> Draft {
+    let before = errs.len();
+    let mut draft = Draft {
+        rule: None,
+        overrides: Vec::new(),
+    };
+    let Value::Mapping(map) = entry else {
+        errs.rule(
+            at,
+            "",
+            format!(
+                "must be a mapping with id, match, rate and burst, got {}",
+                kind(entry)
+            ),
+        );
+        return draft;
+    };
+    for k in map.keys() {
+        if !k.as_str().is_some_and(|k| RULE_FIELDS.contains(&k)) {
+            errs.rule(
+                at,
+                &key_name(k),
+                format!("unknown field (known: {})", RULE_FIELDS.join(", ")),
+            );
+        }
+    }
+
+    // id
+    let mut id = String::new();
+    match map.get("id") {
+        None => errs.rule(at, "id", "required"),
+        Some(v) => match yaml_str(v) {
+            Ok(s) => {
+                id = s.to_string();
+                check_id_at(at, s, first, errs);
+            }
+            Err(e) => errs.rule(at, "id", e),
+        },
+    }
+
+    // match
+    let (tenant, route) = match_from_yaml(map.get("match"), at, errs);
+
+    // rate
+    let mut rate = Rate {
+        tokens: 1,
+        period_s: 1,
+    };
+    match map.get("rate") {
+        None => errs.rule(at, "rate", "required (N/s, N/m, N/h or N/d, e.g. 60/m)"),
+        Some(Value::String(s)) => match Rate::parse(s) {
+            Ok(r) => rate = r,
+            Err(e) => errs.rule(at, "rate", e),
+        },
+        Some(other) => errs.rule(
+            at,
+            "rate",
+            format!("must be text like 60/m, got {}", kind(other)),
+        ),
+    }
+
+    // burst
+    let mut burst = 1;
+    match map.get("burst") {
+        None => errs.rule(at, "burst", format!("required (1 to {MAX_BURST})")),
+        Some(v) => match yaml_uint(v).and_then(check_burst) {
+            Ok(b) => burst = b,
+            Err(e) => errs.rule(at, "burst", e),
+        },
+    }
+
+    // fail_policy
+    let mut fail_policy = FailPolicy::default();
+    if let Some(v) = map.get("fail_policy") {
+        match yaml_str(v).and_then(FailPolicy::from_yaml_str) {
+            Ok(p) => fail_policy = p,
+            Err(e) => errs.rule(at, "fail_policy", e),
+        }
+    }
+
+    // overrides
+    if let Some(v) = map.get("overrides") {
+        match v {
+            Value::Sequence(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    match yaml_str(item) {
+                        Ok(s) => draft.overrides.push(s.to_string()),
+                        Err(e) => errs.rule(at, "overrides", format!("entry {i}: {e}")),
+                    }
+                }
+                let own = (!id.is_empty()).then_some(id.as_str());
+                check_overrides(at, own, &draft.overrides, first, errs);
+            }
+            Value::String(s) => errs.rule(
+                at,
+                "overrides",
+                format!("must be a list of rule ids, e.g. [{s}]"),
+            ),
+            other => errs.rule(
+                at,
+                "overrides",
+                format!("must be a list of rule ids, got {}", kind(other)),
+            ),
+        }
+    }
+
+    // shadow
+    let mut shadow = false;
+    if let Some(v) = map.get("shadow") {
+        match v {
+            Value::Bool(b) => shadow = *b,
+            other => errs.rule(
+                at,
+                "shadow",
+                format!("must be true or false, got {}", kind(other)),
+            ),
+        }
+    }
+
+    // domain
+    let mut domain = None;
+    if let Some(v) = map.get("domain") {
+        match yaml_str(v).and_then(check_domain) {
+            Ok(d) => domain = Some(d),
+            Err(e) => errs.rule(at, "domain", e),
+        }
+    }
+
+    // max_keys
+    let mut max_keys = None;
+    if let Some(v) = map.get("max_keys") {
+        match yaml_uint(v).and_then(check_max_keys) {
+            Ok(n) => max_keys = Some(n),
+            Err(e) => errs.rule(at, "max_keys", e),
+        }
+    }
+
+    if errs.len() == before {
+        draft.rule = Some(Rule {
+            id,
+            tenant,
+            route,
+            rate,
+            burst,
+            fail_policy,
+            overrides: draft.overrides.clone(),
+            shadow,
+            domain,
+            max_keys,
+        });
+    }
+    draft
+}
+
+/// Checks a rule's `match` mapping; returns (tenant, route).
+fn match_from_yaml(v: Option<&Value>, at: &RuleLoc, errs: &mut Errors<'_>) -> (Pattern, Pattern) {
+    let any = (Pattern::Any, Pattern::Any);
+    let map: &Mapping = match v {
+        None => {
+            errs.rule(at, "match", "required: give tenant and/or route");
+            return any;
+        }
+        Some(Value::Mapping(m)) => m,
+        Some(other) => {
+            errs.rule(
+                at,
+                "match",
+                format!(
+                    "must be a mapping like {{ tenant: \"*\", route: /api/orders }}, got {}",
+                    kind(other)
+                ),
+            );
+            return any;
+        }
+    };
+    for k in map.keys() {
+        if !matches!(k.as_str(), Some("tenant" | "route")) {
+            errs.rule(
+                at,
+                &format!("match.{}", key_name(k)),
+                "unknown field (known: tenant, route)",
+            );
+        }
+    }
+    let mut one = |name: &str| -> Pattern {
+        match map.get(name) {
+            None => Pattern::Any,
+            Some(v) => match yaml_str(v).and_then(Pattern::from_text) {
+                Ok(p) => p,
+                Err(e) => {
+                    errs.rule(at, &format!("match.{name}"), e);
+                    // Not `Any`: the field was given, so "matches everything"
+                    // would be a misleading second error.
+                    Pattern::PerValue
+                }
+            },
+        }
+    };
+    let tenant = one("tenant");
+    let route = one("route");
+    if tenant == Pattern::Any && route == Pattern::Any {
+        errs.rule(at, "match", MATCHES_EVERYTHING);
+    }
+    (tenant, route)
+}
+
+/// Checks one protobuf rule.
+fn rule_from_proto(
+    pb: &PbRule,
+    at: &RuleLoc,
+    first: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) -> Draft {
+    let before = errs.len();
+    check_id_at(at, &pb.id, first, errs);
+    let mut pattern = |field: &str, s: &str| -> Pattern {
+        if s.is_empty() {
+            return Pattern::Any;
+        }
+        Pattern::from_text(s).unwrap_or_else(|e| {
+            errs.rule(at, field, e);
+            Pattern::PerValue
+        })
+    };
+    let tenant = pattern("match.tenant", &pb.tenant);
+    let route = pattern("match.route", &pb.route);
+    if tenant == Pattern::Any && route == Pattern::Any {
+        errs.rule(at, "match", MATCHES_EVERYTHING);
+    }
+    let rate = Rate {
+        tokens: pb.rate_tokens,
+        period_s: pb.rate_period_s,
+    }
+    .validate()
+    .unwrap_or_else(|e| {
+        errs.rule(at, "rate", e);
+        Rate {
+            tokens: 1,
+            period_s: 1,
+        }
+    });
+    let burst = check_burst(pb.burst).unwrap_or_else(|e| {
+        errs.rule(at, "burst", e);
+        1
+    });
+    let fail_policy = FailPolicy::from_proto(pb.fail_policy).unwrap_or_else(|e| {
+        errs.rule(at, "fail_policy", e);
+        FailPolicy::default()
+    });
+    let own = (!pb.id.is_empty()).then_some(pb.id.as_str());
+    check_overrides(at, own, &pb.overrides, first, errs);
+    let domain = if pb.domain.is_empty() {
+        None
+    } else {
+        match check_domain(&pb.domain) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                errs.rule(at, "domain", e);
+                None
+            }
+        }
+    };
+    let max_keys = (pb.max_keys != 0).then_some(pb.max_keys);
+
+    let rule = (errs.len() == before).then(|| Rule {
+        id: pb.id.clone(),
+        tenant,
+        route,
+        rate,
+        burst,
+        fail_policy,
+        overrides: pb.overrides.clone(),
+        shadow: pb.shadow,
+        domain,
+        max_keys,
+    });
+    Draft {
+        rule,
+        overrides: pb.overrides.clone(),
+    }
+}
+
+/// Cross-rule checks, then the rule set if no error was found anywhere.
+fn finish(
+    version: u64,
+    locs: &[RuleLoc],
+    drafts: Vec<Draft>,
+    first: &HashMap<&str, usize>,
+    mut errs: Errors<'_>,
+) -> Result<RuleSet, Vec<RuleError>> {
+    check_cycles(locs, &drafts, first, &mut errs);
+    if !errs.list.is_empty() {
+        return Err(errs.list);
+    }
+    let rules: Option<Vec<Rule>> = drafts.into_iter().map(|d| d.rule).collect();
+    match rules {
+        Some(rules) => Ok(RuleSet { version, rules }),
+        // Unreachable: a draft without a rule always recorded an error.
+        None => {
+            errs.root(
+                "rules",
+                "internal error: a rule failed validation without a reason",
+            );
+            Err(errs.list)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// RuleSet
+
+/// A validated set of rules with the version it was published under.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuleSet {
+    /// Publish version (monotonically increasing).
+    pub version: u64,
+    /// The rules, in file order.
+    pub rules: Vec<Rule>,
+}
+
+impl RuleSet {
+    /// Parse and validate YAML text. Returns every error found, not just the first.
+    ///
+    /// `file` names the source in errors; `version` is stored as is. The text
+    /// must be a mapping with a `rules` list (`rules:` with no entries is a
+    /// valid empty set; an empty file is an error). YAML merge keys (`<<`)
+    /// are applied.
+    pub fn parse(text: &str, file: &str, version: u64) -> Result<RuleSet, Vec<RuleError>> {
+        let mut errs = Errors::new(file);
+        let mut root: Value = match serde_yaml::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                errs.root("yaml", yaml_reason(&e));
+                return Err(errs.list);
+            }
+        };
+        if let Err(e) = root.apply_merge() {
+            errs.root("yaml", yaml_reason(&e));
+            return Err(errs.list);
+        }
+
+        let entries: &[Value] = match &root {
+            Value::Mapping(map) => {
+                for k in map.keys() {
+                    if k.as_str() != Some("rules") {
+                        errs.root(
+                            &key_name(k),
+                            "unknown top-level field (expected only `rules`)",
+                        );
+                    }
+                }
+                match map.get("rules") {
+                    None => {
+                        errs.root(
+                            "rules",
+                            "required: the file must have a top-level `rules:` list",
+                        );
+                        &[]
+                    }
+                    Some(Value::Null) => &[],
+                    Some(Value::Sequence(s)) => s,
+                    Some(other) => {
+                        errs.root(
+                            "rules",
+                            format!("must be a list of rules, got {}", kind(other)),
+                        );
+                        &[]
+                    }
+                }
+            }
+            Value::Null => {
+                errs.root(
+                    "rules",
+                    "the file is empty: expected a top-level `rules:` list",
+                );
+                &[]
+            }
+            other => {
+                errs.root(
+                    "rules",
+                    format!(
+                        "the file must be a mapping with a top-level `rules:` list, got {}",
+                        kind(other)
+                    ),
+                );
+                &[]
+            }
+        };
+
+        let ids: Vec<Option<&str>> = entries
+            .iter()
+            .map(|e| {
+                e.get("id")
+                    .and_then(Value::as_str)
+                    .filter(|id| check_id(id).is_ok())
+            })
+            .collect();
+        let (locs, first) = locate(&ids);
+        let drafts: Vec<Draft> = entries
+            .iter()
+            .zip(&locs)
+            .map(|(entry, at)| rule_from_yaml(entry, at, &first, &mut errs))
+            .collect();
+        finish(version, &locs, drafts, &first, errs)
+    }
+
+    /// Reads and parses a rule file. An unreadable file (missing, not UTF-8,
+    /// larger than 16 MiB) gives one error with field `file`.
+    pub fn load(path: &Path, version: u64) -> Result<RuleSet, Vec<RuleError>> {
+        let file = path.display().to_string();
+        let fail = |reason: String| {
+            Err(vec![RuleError {
+                file: file.clone(),
+                rule_id: None,
+                field: "file".to_string(),
+                reason,
+            }])
+        };
+        let mut text = String::new();
+        let read = std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_FILE_BYTES + 1).read_to_string(&mut text));
+        match read {
+            Err(e) => fail(format!("cannot read: {e}")),
+            Ok(n) if n as u64 > MAX_FILE_BYTES => {
+                fail(format!("larger than {MAX_FILE_BYTES} bytes"))
+            }
+            Ok(_) => RuleSet::parse(&text, &file, version),
+        }
+    }
+
+    /// The rule with this id.
+    pub fn get(&self, id: &str) -> Option<&Rule> {
+        self.rules.iter().find(|r| r.id == id)
+    }
+
+    /// Rules applying to a request, in file order, with overrides applied: a matching rule
+    /// that lists `overrides: [x]` removes rule x from the result for this request.
+    /// `domain`: None or Some(d); a rule with domain Some(x) applies only when domain == Some(x);
+    /// a rule without a domain applies to every domain.
+    ///
+    /// Overrides are transitive: a matching rule removes its targets even if
+    /// it is itself overridden. Validated sets have no override cycles, so
+    /// whenever some rule matches, the result is not empty.
+    pub fn matching<'a>(
+        &'a self,
+        domain: Option<&str>,
+        tenant: &str,
+        route: &str,
+    ) -> Vec<&'a Rule> {
+        let mut matched: Vec<&Rule> = self
+            .rules
+            .iter()
+            .filter(|r| r.applies(domain, tenant, route))
+            .collect();
+        if matched.iter().any(|r| !r.overrides.is_empty()) {
+            let overriders: Vec<&Rule> = matched
+                .iter()
+                .copied()
+                .filter(|r| !r.overrides.is_empty())
+                .collect();
+            matched.retain(|r| !overriders.iter().any(|o| o.overrides.contains(&r.id)));
+        }
+        matched
+    }
+
+    /// The protobuf form sent to agents.
+    pub fn to_proto(&self) -> PbRuleSet {
+        PbRuleSet {
+            version: self.version,
+            rules: self.rules.iter().map(Rule::to_proto).collect(),
+        }
+    }
+
+    /// Decodes and validates a protobuf rule set (errors name the file
+    /// `<allocator>`). In the message, an empty tenant/route means "not
+    /// matched on", an empty domain means none, `max_keys` 0 means no cap.
+    pub fn from_proto(pb: &PbRuleSet) -> Result<RuleSet, Vec<RuleError>> {
+        let mut errs = Errors::new(PROTO_FILE);
+        let ids: Vec<Option<&str>> = pb
+            .rules
+            .iter()
+            .map(|r| Some(r.id.as_str()).filter(|id| check_id(id).is_ok()))
+            .collect();
+        let (locs, first) = locate(&ids);
+        let drafts: Vec<Draft> = pb
+            .rules
+            .iter()
+            .zip(&locs)
+            .map(|(r, at)| rule_from_proto(r, at, &first, &mut errs))
+            .collect();
+        finish(pb.version, &locs, drafts, &first, errs)
+    }
+
+    /// Human summary for `rules validate`: one line per rule with id, match,
+    /// rate, burst, fail policy and flags (shadow, domain, max_keys,
+    /// overrides); `(no rules)` for an empty set.
+    pub fn summary(&self) -> String {
+        if self.rules.is_empty() {
+            return "(no rules)\n".to_string();
+        }
+        let matches: Vec<String> = self.rules.iter().map(match_text).collect();
+        let id_w = self.rules.iter().map(|r| r.id.len()).max().unwrap_or(0);
+        let m_w = matches.iter().map(|m| m.chars().count()).max().unwrap_or(0);
+        let mut out = String::new();
+        for (r, m) in self.rules.iter().zip(&matches) {
+            let mut line = format!(
+                "{:<id_w$}  {:<m_w$}  rate={} burst={} fail_policy={}",
+                r.id, m, r.rate, r.burst, r.fail_policy
+            );
+            if r.shadow {
+                line.push_str(" shadow");
+            }
+            if let Some(d) = &r.domain {
+                line.push_str(&format!(" domain={}", shown(d)));
+            }
+            if let Some(n) = r.max_keys {
+                line.push_str(&format!(" max_keys={n}"));
+            }
+            if !r.overrides.is_empty() {
+                line.push_str(&format!(" overrides={}", r.overrides.join(",")));
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// `tenant=* route=/api/orders` (fields matched on only).
+fn match_text(r: &Rule) -> String {
+    let mut parts = Vec::new();
+    for (name, p) in [("tenant", &r.tenant), ("route", &r.route)] {
+        match p {
+            Pattern::Any => {}
+            Pattern::PerValue => parts.push(format!("{name}=*")),
+            Pattern::Exact(s) => parts.push(format!("{name}={}", shown(s))),
+        }
+    }
+    parts.join(" ")
+}
+
+/// A value as shown in the summary: quoted when it could break the line or
+/// be misread.
+fn shown(s: &str) -> String {
+    if s.is_empty()
+        || s == "*"
+        || s.chars()
+            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '=' | ','))
+    {
+        format!("{s:?}")
+    } else {
+        s.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SPEC_EXAMPLE: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }   # "*": one bucket per distinct value
+    rate: 60/m          # N/s, N/m, N/h, N/d; N >= 1 (slowest: 1/d)
+    burst: 20
+    fail_policy: open   # open | closed | lease_only   (default: open)
+  - id: login
+    match: { tenant: "*", route: /api/login }
+    rate: 5/m
+    burst: 5
+    fail_policy: closed
+  - id: tenant-total
+    match: { tenant: "*" }                       # all routes of a tenant share it
+    rate: 1000/s
+    burst: 2000
+  - id: acme-orders
+    match: { tenant: acme, route: /api/orders }
+    rate: 600/m
+    burst: 200
+    overrides: [orders]  # acme uses this instead of `orders`
+    shadow: true         # decide and report, never deny
+"#;
+
+    fn spec() -> RuleSet {
+        RuleSet::parse(SPEC_EXAMPLE, "rules.yaml", 7).expect("the SPEC example is valid")
+    }
+
+    fn errors(text: &str) -> Vec<RuleError> {
+        match RuleSet::parse(text, "f.yaml", 1) {
+            Ok(rs) => panic!("expected errors, parsed {rs:?}"),
+            Err(e) => e,
+        }
+    }
+
+    /// A rule whose other fields are valid, with `extra` lines appended.
+    fn one_rule(extra: &str) -> String {
+        format!("rules:\n  - id: r\n    match: {{ tenant: \"*\" }}\n    rate: 1/s\n    burst: 1\n{extra}")
+    }
+
+    /// The only error of `text`, which must be on rule `rule` and `field`.
+    fn single_error(text: &str, rule: Option<&str>, field: &str) -> RuleError {
+        let errs = errors(text);
+        assert_eq!(errs.len(), 1, "expected one error, got {errs:#?}");
+        let e = errs.into_iter().next().unwrap();
+        assert_eq!(e.rule_id.as_deref(), rule, "{e}");
+        assert_eq!(e.field, field, "{e}");
+        assert_eq!(e.file, "f.yaml");
+        e
+    }
+
+    fn rule(id: &str, tenant: Pattern, route: Pattern) -> Rule {
+        Rule {
+            id: id.to_string(),
+            tenant,
+            route,
+            rate: Rate {
+                tokens: 10,
+                period_s: 1,
+            },
+            burst: 10,
+            fail_policy: FailPolicy::Open,
+            overrides: vec![],
+            shadow: false,
+            domain: None,
+            max_keys: None,
+        }
+    }
+
+    fn ids(rules: Vec<&Rule>) -> Vec<&str> {
+        rules.into_iter().map(|r| r.id.as_str()).collect()
+    }
+
+    // --- the SPEC example and well-formed files
+
+    #[test]
+    fn spec_example_parses() {
+        let rs = spec();
+        assert_eq!(rs.version, 7);
+        let exact = |s: &str| Pattern::Exact(s.to_string());
+        let expected = vec![
+            Rule {
+                id: "orders".into(),
+                tenant: Pattern::PerValue,
+                route: exact("/api/orders"),
+                rate: Rate {
+                    tokens: 60,
+                    period_s: 60,
+                },
+                burst: 20,
+                fail_policy: FailPolicy::Open,
+                overrides: vec![],
+                shadow: false,
+                domain: None,
+                max_keys: None,
+            },
+            Rule {
+                id: "login".into(),
+                tenant: Pattern::PerValue,
+                route: exact("/api/login"),
+                rate: Rate {
+                    tokens: 5,
+                    period_s: 60,
+                },
+                burst: 5,
+                fail_policy: FailPolicy::Closed,
+                overrides: vec![],
+                shadow: false,
+                domain: None,
+                max_keys: None,
+            },
+            Rule {
+                id: "tenant-total".into(),
+                tenant: Pattern::PerValue,
+                route: Pattern::Any,
+                rate: Rate {
+                    tokens: 1000,
+                    period_s: 1,
+                },
+                burst: 2000,
+                fail_policy: FailPolicy::Open,
+                overrides: vec![],
+                shadow: false,
+                domain: None,
+                max_keys: None,
+            },
+            Rule {
+                id: "acme-orders".into(),
+                tenant: exact("acme"),
+                route: exact("/api/orders"),
+                rate: Rate {
+                    tokens: 600,
+                    period_s: 60,
+                },
+                burst: 200,
+                fail_policy: FailPolicy::Open,
+                overrides: vec!["orders".into()],
+                shadow: true,
+                domain: None,
+                max_keys: None,
+            },
+        ];
+        assert_eq!(rs.rules, expected);
+        assert_eq!(rs.get("login").map(|r| r.burst), Some(5));
+        assert!(rs.get("nope").is_none());
+    }
+
+    #[test]
+    fn optional_fields_parse() {
+        let rs = RuleSet::parse(
+            &one_rule(
+                "    fail_policy: lease_only\n    shadow: false\n    domain: edge\n    max_keys: 100000\n",
+            ),
+            "f.yaml",
+            1,
+        )
+        .unwrap();
+        let r = &rs.rules[0];
+        assert_eq!(r.fail_policy, FailPolicy::LeaseOnly);
+        assert!(!r.shadow);
+        assert_eq!(r.domain.as_deref(), Some("edge"));
+        assert_eq!(r.max_keys, Some(100_000));
+        assert_eq!(r.tenant, Pattern::PerValue);
+        assert_eq!(r.route, Pattern::Any);
+    }
+
+    #[test]
+    fn block_style_match_and_route_only() {
+        let text = "rules:\n  - id: a\n    match:\n      route: /x\n    rate: 2/h\n    burst: 3\n";
+        let rs = RuleSet::parse(text, "f.yaml", 1).unwrap();
+        assert_eq!(rs.rules[0].tenant, Pattern::Any);
+        assert_eq!(rs.rules[0].route, Pattern::Exact("/x".into()));
+        assert_eq!(
+            rs.rules[0].rate,
+            Rate {
+                tokens: 2,
+                period_s: 3600
+            }
+        );
+    }
+
+    #[test]
+    fn empty_rule_lists_are_valid() {
+        for text in ["rules: []", "rules:", "rules:\n# nothing yet\n"] {
+            let rs = RuleSet::parse(text, "f.yaml", 3).unwrap();
+            assert_eq!(
+                rs,
+                RuleSet {
+                    version: 3,
+                    rules: vec![]
+                },
+                "{text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn merge_keys_are_applied() {
+        let text = r#"
+rules:
+  - id: a
+    match: { tenant: "*" }
+    <<: &common { rate: 10/s, burst: 20 }
+  - id: b
+    match: { route: /b }
+    <<: *common
+"#;
+        let rs = RuleSet::parse(text, "f.yaml", 1).unwrap();
+        assert_eq!(
+            rs.rules[1].rate,
+            Rate {
+                tokens: 10,
+                period_s: 1
+            }
+        );
+        assert_eq!(rs.rules[1].burst, 20);
+    }
+
+    #[test]
+    fn limits_are_inclusive() {
+        let id = "a".repeat(MAX_ID_BYTES);
+        let pat = "p".repeat(MAX_ID_BYTES);
+        let text = format!(
+            "rules:\n  - id: {id}\n    match: {{ tenant: {pat}, route: {pat} }}\n    rate: {MAX_RATE_TOKENS}/s\n    burst: {MAX_BURST}\n    domain: {pat}\n    max_keys: 1\n"
+        );
+        let rs = RuleSet::parse(&text, "f.yaml", 1).unwrap();
+        assert_eq!(rs.rules[0].burst, MAX_BURST);
+        assert_eq!(rs.rules[0].rate.tokens, MAX_RATE_TOKENS);
+    }
+
+    // --- file-level errors
+
+    #[test]
+    fn syntax_error_is_one_error_with_location() {
+        let errs = errors("rules:\n  - id: a\n    match: { tenant: \"*\"\n    rate: 1/s\n");
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].field, "yaml");
+        assert!(errs[0].reason.contains("line"), "{}", errs[0].reason);
+        assert!(
+            errs[0].to_string().starts_with("f.yaml: yaml: "),
+            "{}",
+            errs[0]
+        );
+
+        let errs = errors("rules:\n  - id: a\n    id: b\n");
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "yaml");
+        assert!(errs[0].reason.contains("duplicate"), "{}", errs[0].reason);
+        assert!(errs[0].reason.contains("line"), "{}", errs[0].reason);
+
+        let errs = errors("rules: []\n---\nrules: []\n");
+        assert_eq!(errs[0].field, "yaml");
+    }
+
+    #[test]
+    fn bad_top_level_shapes() {
+        let e = single_error("", None, "rules");
+        assert!(e.reason.contains("empty"), "{e}");
+        single_error("# only a comment\n", None, "rules");
+        single_error("- id: a\n", None, "rules");
+        single_error("rules: 3\n", None, "rules");
+        let errs = errors("rules: []\nversion: 3\n");
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "version");
+        assert!(errs[0].reason.contains("unknown"));
+        assert_eq!(
+            errs[0].to_string(),
+            "f.yaml: version: unknown top-level field (expected only `rules`)"
+        );
+    }
+
+    #[test]
+    fn typo_in_rules_key_reports_both() {
+        let errs = errors("rule: []\n");
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["rule", "rules"]);
+    }
+
+    // --- per-field errors
+
+    #[test]
+    fn id_errors() {
+        let body = "    match: { tenant: \"*\" }\n    rate: 1/s\n    burst: 1\n";
+        let e = single_error(
+            &format!("rules:\n  - {}", body.trim_start()),
+            None,
+            "rules[0].id",
+        );
+        assert_eq!(e.reason, "required");
+        assert_eq!(e.to_string(), "f.yaml: rules[0]: field id: required");
+
+        for bad in ["\"\"", "\"a b\"", "x/y", "é", "7", "true", "[a]"] {
+            let text = format!("rules:\n  - id: {bad}\n{body}");
+            single_error(&text, None, "rules[0].id");
+        }
+        let long = "a".repeat(MAX_ID_BYTES + 1);
+        let e = single_error(
+            &format!("rules:\n  - id: {long}\n{body}"),
+            None,
+            "rules[0].id",
+        );
+        assert!(e.reason.contains("257"), "{e}");
+        let e = single_error(&format!("rules:\n  - id: 7\n{body}"), None, "rules[0].id");
+        assert!(e.reason.contains("quote"), "{e}");
+
+        // Every allowed character.
+        let ok = format!("rules:\n  - id: Az09_.:-\n{body}");
+        assert!(RuleSet::parse(&ok, "f.yaml", 1).is_ok());
+    }
+
+    #[test]
+    fn duplicate_id_names_the_later_rule_by_index() {
+        let text = "rules:
+  - id: a
+    match: { tenant: \"*\" }
+    rate: 1/s
+    burst: 1
+  - id: a
+    match: { route: /x }
+    rate: 1/s
+    burst: 0
+";
+        let errs = errors(text);
+        assert_eq!(errs.len(), 2, "{errs:#?}");
+        assert_eq!(errs[0].rule_id, None);
+        assert_eq!(errs[0].field, "rules[1].id");
+        assert!(errs[0].reason.contains("rules[0]"), "{}", errs[0]);
+        assert_eq!(errs[1].field, "rules[1].burst");
+    }
+
+    #[test]
+    fn match_errors() {
+        let base = "rules:\n  - id: r\n    rate: 1/s\n    burst: 1\n";
+        let e = single_error(base, Some("r"), "match");
+        assert!(e.reason.contains("required"));
+        let e = single_error(&format!("{base}    match: {{}}\n"), Some("r"), "match");
+        assert!(e.reason.contains("matches every request"), "{e}");
+        single_error(&format!("{base}    match: /api\n"), Some("r"), "match");
+        single_error(
+            &format!("{base}    match: {{ tenant: \"\" }}\n"),
+            Some("r"),
+            "match.tenant",
+        );
+        single_error(
+            &format!("{base}    match: {{ tenant: 42 }}\n"),
+            Some("r"),
+            "match.tenant",
+        );
+        single_error(
+            &format!("{base}    match: {{ tenant: }}\n"),
+            Some("r"),
+            "match.tenant",
+        );
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        single_error(
+            &format!("{base}    match: {{ route: {long} }}\n"),
+            Some("r"),
+            "match.route",
+        );
+        let errs = errors(&format!("{base}    match: {{ tenant: a, path: /x }}\n"));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].field, "match.path");
+        // An unknown key alone still leaves a rule matching everything.
+        let errs = errors(&format!("{base}    match: {{ tenat: a }}\n"));
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["match.tenat", "match"]);
+    }
+
+    #[test]
+    fn rate_errors() {
+        let base = "rules:\n  - id: r\n    match: { tenant: \"*\" }\n    burst: 1\n";
+        let e = single_error(base, Some("r"), "rate");
+        assert!(e.reason.contains("required"));
+        for bad in [
+            "0/s",
+            "5/x",
+            "abc",
+            "-1/s",
+            "1.5/s",
+            "99999999999/s",
+            "60",
+            "\"60\"",
+            "/s",
+            "5/",
+            "[1]",
+        ] {
+            single_error(&format!("{base}    rate: {bad}\n"), Some("r"), "rate");
+        }
+        let e = single_error(&format!("{base}    rate: 60\n"), Some("r"), "rate");
+        assert!(e.reason.contains("60/m"), "{e}");
+    }
+
+    #[test]
+    fn burst_errors() {
+        let base = "rules:\n  - id: r\n    match: { tenant: \"*\" }\n    rate: 1/s\n";
+        let e = single_error(base, Some("r"), "burst");
+        assert!(e.reason.contains("required"));
+        for bad in [
+            "0",
+            "-3",
+            "1.5",
+            "1000000001",
+            "1e30",
+            "\"20\"",
+            "abc",
+            "",
+            "[1]",
+        ] {
+            single_error(&format!("{base}    burst: {bad}\n"), Some("r"), "burst");
+        }
+        // serde_yaml itself rejects integers beyond 64 bits: one located error.
+        let e = single_error(
+            &format!("{base}    burst: 99999999999999999999999\n"),
+            None,
+            "yaml",
+        );
+        assert!(e.reason.contains("line 5"), "{e}");
+        let e = single_error(&format!("{base}    burst: \"20\"\n"), Some("r"), "burst");
+        assert!(e.reason.contains("quotes"), "{e}");
+        let e = single_error(&format!("{base}    burst: 0\n"), Some("r"), "burst");
+        assert_eq!(
+            e.to_string(),
+            "f.yaml: rule r: field burst: must be from 1 to 1000000000, got 0"
+        );
+    }
+
+    #[test]
+    fn optional_field_errors() {
+        let cases = [
+            ("    fail_policy: fail_open\n", "fail_policy"),
+            ("    fail_policy: Open\n", "fail_policy"),
+            ("    fail_policy:\n", "fail_policy"),
+            ("    shadow: yes\n", "shadow"),
+            ("    shadow: 1\n", "shadow"),
+            ("    domain: \"\"\n", "domain"),
+            ("    domain: 3\n", "domain"),
+            ("    max_keys: 0\n", "max_keys"),
+            ("    max_keys: -1\n", "max_keys"),
+            ("    max_keys: lots\n", "max_keys"),
+            ("    overrides: r2\n", "overrides"),
+            ("    overrides: [r]\n", "overrides"),
+            ("    overrides: [missing]\n", "overrides"),
+            ("    overrides: [3]\n", "overrides"),
+            ("    overrides: {a: b}\n", "overrides"),
+            ("    burts: 3\n", "burts"),
+        ];
+        for (extra, field) in cases {
+            single_error(&one_rule(extra), Some("r"), field);
+        }
+        let e = single_error(&one_rule("    overrides: [r]\n"), Some("r"), "overrides");
+        assert!(e.reason.contains("itself"), "{e}");
+        let e = single_error(
+            &one_rule("    overrides: [missing]\n"),
+            Some("r"),
+            "overrides",
+        );
+        assert!(e.reason.contains("\"missing\""), "{e}");
+        let e = single_error(&one_rule("    burts: 3\n"), Some("r"), "burts");
+        assert!(e.reason.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn entry_that_is_not_a_mapping() {
+        let e = single_error("rules:\n  - orders\n", None, "rules[0]");
+        assert_eq!(e.to_string(), format!("f.yaml: rules[0]: {}", e.reason));
+    }
+
+    #[test]
+    fn override_errors() {
+        let text = "rules:
+  - id: a
+    match: { tenant: \"*\" }
+    rate: 1/s
+    burst: 1
+    overrides: [b, b]
+  - id: b
+    match: { route: /x }
+    rate: 1/s
+    burst: 1
+";
+        let e = single_error(text, Some("a"), "overrides");
+        assert!(e.reason.contains("twice"), "{e}");
+
+        // A target that exists but has its own errors is still "existing".
+        let text = "rules:
+  - id: a
+    match: { tenant: \"*\" }
+    rate: 1/s
+    burst: 1
+    overrides: [b]
+  - id: b
+    match: { route: /x }
+    rate: 1/x
+    burst: 1
+";
+        single_error(text, Some("b"), "rate");
+    }
+
+    #[test]
+    fn override_cycles_are_rejected() {
+        let text = "rules:
+  - id: a
+    match: { tenant: \"*\" }
+    rate: 1/s
+    burst: 1
+    overrides: [b]
+  - id: b
+    match: { route: /x }
+    rate: 1/s
+    burst: 1
+    overrides: [c]
+  - id: c
+    match: { route: /y }
+    rate: 1/s
+    burst: 1
+    overrides: [a]
+";
+        let e = single_error(text, Some("c"), "overrides");
+        assert!(e.reason.contains("a -> b -> c -> a"), "{e}");
+
+        let two = "rules:
+  - id: a
+    match: { tenant: \"*\" }
+    rate: 1/s
+    burst: 1
+    overrides: [b]
+  - id: b
+    match: { route: /x }
+    rate: 1/s
+    burst: 1
+    overrides: [a]
+";
+        let e = single_error(two, Some("b"), "overrides");
+        assert!(e.reason.contains("a -> b -> a"), "{e}");
+    }
+
+    #[test]
+    fn several_bad_rules_give_several_errors() {
+        let text = r#"
+rules:
+  - id: good
+    match: { tenant: "*" }
+    rate: 1/s
+    burst: 1
+  - id: bad-rate
+    match: { tenant: "*" }
+    rate: 0/s
+    burst: 1
+  - match: { tenant: "*" }
+    rate: 1/s
+    burst: 1
+  - id: everything-wrong
+    match: {}
+    rate: fast
+    burst: 0
+    fail_policy: maybe
+    overrides: [nobody]
+    shadow: "no"
+    domain: ""
+    max_keys: 0
+    colour: red
+  - id: "has space"
+    match: { route: /x }
+    rate: 1/s
+    burst: 1
+    shadow: maybe
+"#;
+        let errs = errors(text);
+        let got: Vec<(Option<&str>, &str)> = errs
+            .iter()
+            .map(|e| (e.rule_id.as_deref(), e.field.as_str()))
+            .collect();
+        let w = Some("everything-wrong");
+        assert_eq!(
+            got,
+            vec![
+                (Some("bad-rate"), "rate"),
+                (None, "rules[2].id"),
+                (w, "colour"),
+                (w, "match"),
+                (w, "rate"),
+                (w, "burst"),
+                (w, "fail_policy"),
+                (w, "overrides"),
+                (w, "shadow"),
+                (w, "domain"),
+                (w, "max_keys"),
+                (None, "rules[4].id"),
+                (None, "rules[4].shadow"),
+            ],
+            "{errs:#?}"
+        );
+        // Every error prints on one line naming file, rule and field.
+        for e in &errs {
+            let s = e.to_string();
+            assert!(s.starts_with("f.yaml: "), "{s}");
+            assert!(!s.contains('\n'), "{s}");
+        }
+        assert_eq!(errs[1].to_string(), "f.yaml: rules[2]: field id: required");
+    }
+
+    // --- matching
+
+    #[test]
+    fn matching_spec_example() {
+        let rs = spec();
+        // acme's orders: acme-orders replaces orders; tenant-total still applies.
+        assert_eq!(
+            ids(rs.matching(None, "acme", "/api/orders")),
+            ["tenant-total", "acme-orders"]
+        );
+        // Another tenant: orders applies, acme-orders does not match.
+        assert_eq!(
+            ids(rs.matching(None, "globex", "/api/orders")),
+            ["orders", "tenant-total"]
+        );
+        // The override only acts where the overriding rule matches.
+        assert_eq!(
+            ids(rs.matching(None, "acme", "/api/login")),
+            ["login", "tenant-total"]
+        );
+        assert_eq!(ids(rs.matching(None, "acme", "/other")), ["tenant-total"]);
+        // Rules without a domain serve every domain.
+        assert_eq!(
+            ids(rs.matching(Some("edge"), "x", "/api/login")),
+            ["login", "tenant-total"]
+        );
+        assert!(RuleSet::default().matching(None, "a", "b").is_empty());
+    }
+
+    #[test]
+    fn matching_domains() {
+        let mut edge = rule("edge-only", Pattern::PerValue, Pattern::Any);
+        edge.domain = Some("edge".into());
+        let all = rule("all", Pattern::Any, Pattern::Exact("/r".into()));
+        let rs = RuleSet {
+            version: 1,
+            rules: vec![edge, all],
+        };
+        assert_eq!(
+            ids(rs.matching(Some("edge"), "t", "/r")),
+            ["edge-only", "all"]
+        );
+        assert_eq!(ids(rs.matching(Some("other"), "t", "/r")), ["all"]);
+        assert_eq!(ids(rs.matching(None, "t", "/r")), ["all"]);
+        assert!(rs.matching(Some("other"), "t", "/s").is_empty());
+        assert_eq!(ids(rs.matching(Some("edge"), "t", "/s")), ["edge-only"]);
+    }
+
+    #[test]
+    fn matching_overrides_are_transitive_and_domain_aware() {
+        let base = rule("base", Pattern::PerValue, Pattern::Any);
+        let mut mid = rule("mid", Pattern::Exact("acme".into()), Pattern::Any);
+        mid.overrides = vec!["base".into()];
+        let mut top = rule(
+            "top",
+            Pattern::Exact("acme".into()),
+            Pattern::Exact("/vip".into()),
+        );
+        top.overrides = vec!["mid".into()];
+        top.domain = Some("edge".into());
+        let rs = RuleSet {
+            version: 1,
+            rules: vec![base, mid, top],
+        };
+        assert_eq!(ids(rs.matching(Some("edge"), "acme", "/vip")), ["top"]);
+        assert_eq!(ids(rs.matching(None, "acme", "/vip")), ["mid"]);
+        assert_eq!(ids(rs.matching(Some("edge"), "acme", "/x")), ["mid"]);
+        assert_eq!(ids(rs.matching(Some("edge"), "other", "/vip")), ["base"]);
+    }
+
+    #[test]
+    fn pattern_matches_and_key_part() {
+        let exact = Pattern::Exact("acme".into());
+        assert!(Pattern::Any.matches("x") && Pattern::Any.matches(""));
+        assert!(Pattern::PerValue.matches("x"));
+        assert!(exact.matches("acme") && !exact.matches("acm") && !exact.matches("ACME"));
+        assert_eq!(Pattern::Any.key_part("x"), "");
+        assert_eq!(Pattern::PerValue.key_part("x"), "x");
+        assert_eq!(exact.key_part("acme"), "acme");
+    }
+
+    // --- Rate
+
+    #[test]
+    fn rate_parse_good() {
+        let cases = [
+            ("1/d", 1, 86_400),
+            ("5/m", 5, 60),
+            ("60/m", 60, 60),
+            ("1000/s", 1000, 1),
+            ("2/h", 2, 3_600),
+            ("5/min", 5, 60),
+            ("3/sec", 3, 1),
+            ("4/hour", 4, 3_600),
+            ("7/day", 7, 86_400),
+            (" 10 / s ", 10, 1),
+            ("1000000000/s", MAX_RATE_TOKENS, 1),
+        ];
+        for (s, tokens, period_s) in cases {
+            assert_eq!(Rate::parse(s), Ok(Rate { tokens, period_s }), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn rate_parse_bad() {
+        for s in [
+            "0/s",
+            "5/x",
+            "abc",
+            "-1/s",
+            "1.5/s",
+            "99999999999/s",
+            "1000000001/s",
+            "99999999999999999999999999/s",
+            "+5/s",
+            "5",
+            "/s",
+            "5/",
+            "",
+            "5/S",
+            "5/m/s",
+            "1e3/s",
+            "5 0/s",
+            "５/s",
+        ] {
+            let r = Rate::parse(s);
+            assert!(r.is_err(), "{s:?} parsed as {r:?}");
+        }
+        assert!(Rate::parse("5/x").unwrap_err().contains("unit"));
+        assert!(Rate::parse("0/s").unwrap_err().contains("at least 1"));
+        assert!(Rate::parse("99999999999/s")
+            .unwrap_err()
+            .contains("too large"));
+    }
+
+    #[test]
+    fn rate_display_and_period() {
+        for s in ["1/d", "5/m", "60/m", "1000/s", "2/h"] {
+            let r = Rate::parse(s).unwrap();
+            assert_eq!(r.to_string(), s);
+            assert_eq!(Rate::parse(&r.to_string()), Ok(r));
+        }
+        assert_eq!(Rate::parse("5/min").unwrap().to_string(), "5/m");
+        assert_eq!(
+            Rate {
+                tokens: 1,
+                period_s: 86_400
+            }
+            .period_ns(),
+            86_400_000_000_000
+        );
+        assert_eq!(
+            Rate {
+                tokens: 1,
+                period_s: 1
+            }
+            .period_ns(),
+            1_000_000_000
+        );
+        assert_eq!(
+            Rate {
+                tokens: 1,
+                period_s: u64::MAX
+            }
+            .period_ns(),
+            u64::MAX
+        );
+        assert_eq!(
+            Rate {
+                tokens: 7,
+                period_s: 90
+            }
+            .to_string(),
+            "7/90s"
+        );
+    }
+
+    // --- proto
+
+    #[test]
+    fn proto_round_trip() {
+        let mut rs = spec();
+        rs.rules[1].domain = Some("edge".into());
+        rs.rules[2].max_keys = Some(5);
+        rs.rules[2].fail_policy = FailPolicy::LeaseOnly;
+        let pb = rs.to_proto();
+        assert_eq!(pb.version, 7);
+        assert_eq!(pb.rules[0].tenant, "*");
+        assert_eq!(pb.rules[2].route, "");
+        assert_eq!(pb.rules[0].domain, "");
+        assert_eq!(pb.rules[0].max_keys, 0);
+        assert_eq!(pb.rules[1].fail_policy, PbFailPolicy::Closed as i32);
+        assert_eq!(RuleSet::from_proto(&pb), Ok(rs));
+        assert_eq!(
+            RuleSet::from_proto(&PbRuleSet::default()),
+            Ok(RuleSet::default())
+        );
+    }
+
+    #[test]
+    fn from_proto_validates() {
+        let good = spec().to_proto();
+        let mut pb = good.clone();
+        pb.rules[0].rate_period_s = 7;
+        pb.rules[1].fail_policy = 9;
+        pb.rules[2].tenant = String::new();
+        pb.rules[3].overrides = vec!["ghost".into()];
+        pb.rules[3].burst = 0;
+        let errs = RuleSet::from_proto(&pb).unwrap_err();
+        let got: Vec<(&str, Option<&str>, &str)> = errs
+            .iter()
+            .map(|e| (e.file.as_str(), e.rule_id.as_deref(), e.field.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("<allocator>", Some("orders"), "rate"),
+                ("<allocator>", Some("login"), "fail_policy"),
+                ("<allocator>", Some("tenant-total"), "match"),
+                ("<allocator>", Some("acme-orders"), "burst"),
+                ("<allocator>", Some("acme-orders"), "overrides"),
+            ]
+        );
+
+        let mut pb = good.clone();
+        pb.rules[1].id = "orders".into();
+        pb.rules[2].id = String::new();
+        pb.rules[3].rate_tokens = MAX_RATE_TOKENS + 1;
+        let errs = RuleSet::from_proto(&pb).unwrap_err();
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["rules[1].id", "rules[2].id", "rate"]);
+    }
+
+    // --- summary, load, Display
+
+    #[test]
+    fn summary_has_one_line_per_rule() {
+        let s = spec().summary();
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines.len(), 4, "{s}");
+        assert!(lines[0].starts_with("orders "), "{s}");
+        assert!(lines[0].contains("tenant=* route=/api/orders"), "{s}");
+        assert!(
+            lines[0].contains("rate=60/m burst=20 fail_policy=open"),
+            "{s}"
+        );
+        assert!(lines[1].contains("fail_policy=closed"), "{s}");
+        assert!(
+            lines[3].contains("shadow") && lines[3].contains("overrides=orders"),
+            "{s}"
+        );
+        assert!(lines[3].contains("tenant=acme"), "{s}");
+        assert_eq!(RuleSet::default().summary(), "(no rules)\n");
+
+        let mut r = rule("odd", Pattern::Exact("a b\nc".into()), Pattern::Any);
+        r.domain = Some("edge".into());
+        r.max_keys = Some(9);
+        let s = RuleSet {
+            version: 1,
+            rules: vec![r],
+        }
+        .summary();
+        assert_eq!(s.lines().count(), 1, "{s}");
+        assert!(
+            s.contains("tenant=\"a b\\nc\"") && s.contains("domain=edge max_keys=9"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn load_reads_files_and_reports_io_errors() {
+        let dir =
+            std::env::temp_dir().join(format!("quotalease-rules-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rules.yaml");
+        std::fs::write(&path, SPEC_EXAMPLE).unwrap();
+        let rs = RuleSet::load(&path, 4).unwrap();
+        assert_eq!(rs.version, 4);
+        assert_eq!(rs.rules.len(), 4);
+
+        std::fs::write(&path, "rules:\n  - id: x\n").unwrap();
+        let errs = RuleSet::load(&path, 4).unwrap_err();
+        assert!(errs.iter().all(|e| e.file == path.display().to_string()));
+
+        std::fs::write(&path, [0xff, 0xfe, b'\n']).unwrap();
+        let errs = RuleSet::load(&path, 4).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "file");
+
+        std::fs::remove_file(&path).unwrap();
+        let errs = RuleSet::load(&path, 4).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "file");
+        assert!(
+            errs[0].to_string().contains(": file: cannot read: "),
+            "{}",
+            errs[0]
+        );
+        let _ = std::fs::remove_dir(&dir);
+    }
+
+    #[test]
+    fn display_formats() {
+        let e = |rule_id: Option<&str>, field: &str| RuleError {
+            file: "f".into(),
+            rule_id: rule_id.map(String::from),
+            field: field.into(),
+            reason: "why".into(),
+        };
+        assert_eq!(
+            e(Some("a"), "burst").to_string(),
+            "f: rule a: field burst: why"
+        );
+        assert_eq!(
+            e(None, "rules[3].match.tenant").to_string(),
+            "f: rules[3]: field match.tenant: why"
+        );
+        assert_eq!(e(None, "rules[3]").to_string(), "f: rules[3]: why");
+        assert_eq!(e(None, "yaml").to_string(), "f: yaml: why");
+        assert_eq!(e(Some("a"), "").to_string(), "f: rule a: why");
+    }
+
+    // --- properties
+
+    /// Lines built from rule-file fragments, to reach deeper than random text.
+    fn fragment() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("rules:".to_string()),
+            Just("  - id: a".to_string()),
+            Just("  - id: b".to_string()),
+            Just("    match: { tenant: \"*\" }".to_string()),
+            Just("    match: {}".to_string()),
+            Just("    rate: 1/s".to_string()),
+            Just("    burst: 5".to_string()),
+            Just("    overrides: [a, b]".to_string()),
+            Just("    <<: *x".to_string()),
+            Just("  - &x { rate: 1/m }".to_string()),
+            "[ -~]{0,30}",
+            "    [a-z_]{1,12}: [ -~]{0,20}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn parse_never_panics_on_random_text(text in "\\PC{0,300}") {
+            let _ = RuleSet::parse(&text, "f", 1);
+        }
+
+        #[test]
+        fn parse_never_panics_on_rule_like_text(lines in prop::collection::vec(fragment(), 0..20)) {
+            let text = lines.join("\n");
+            match RuleSet::parse(&text, "f", 1) {
+                // Anything accepted survives the protobuf round trip.
+                Ok(rs) => prop_assert_eq!(RuleSet::from_proto(&rs.to_proto()), Ok(rs)),
+                Err(errs) => prop_assert!(!errs.is_empty()),
+            }
+        }
+
+        #[test]
+        fn rate_parse_never_panics(s in "\\PC{0,20}") {
+            if let Ok(r) = Rate::parse(&s) {
+                prop_assert!((1..=MAX_RATE_TOKENS).contains(&r.tokens));
+                prop_assert_eq!(Rate::parse(&r.to_string()), Ok(r));
+            }
+        }
+
+        #[test]
+        fn from_proto_never_panics(
+            id in "[a-z*]{0,3}", tenant in "[a*]{0,2}", route in "[a*]{0,2}",
+            tokens in 0u64..3, period in prop::sample::select(vec![0u64, 1, 60, 61]),
+            burst in 0u64..3, fp in -1i32..4, over in prop::collection::vec("[a-z]{0,2}", 0..3),
+        ) {
+            let pb = PbRuleSet {
+                version: 1,
+                rules: vec![PbRule {
+                    id, tenant, route, rate_tokens: tokens, rate_period_s: period, burst,
+                    fail_policy: fp, overrides: over, ..Default::default()
+                }],
+            };
+            if let Ok(rs) = RuleSet::from_proto(&pb) {
+                prop_assert_eq!(rs.to_proto(), pb);
+            }
+        }
+    }
+}

@@ -1,1 +1,166 @@
-fn main() {}
+//! `quotalease`: one binary, several subcommands (SPEC §3).
+
+mod demo;
+mod run;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// A distributed rate limiter built on token leases.
+#[derive(Parser, Debug)]
+#[command(name = "quotalease", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run an allocator, six agents and a synthetic load in one process.
+    Demo(DemoArgs),
+    /// Run the global allocator.
+    Allocator(AllocatorArgs),
+    /// Run the agent sidecar.
+    Agent(AgentArgs),
+    /// Work with rule files.
+    Rules {
+        #[command(subcommand)]
+        command: RulesCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum RulesCommand {
+    /// Validate a rules file: exit 0 with a summary, or 1 with every error.
+    Validate {
+        /// The YAML rules file.
+        file: PathBuf,
+    },
+}
+
+/// Parse "250ms", "2s", "1m", "1h".
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .unwrap_or((s, "s"));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a whole number with a unit, like 250ms or 2s"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
+    };
+    if d.is_zero() {
+        return Err(format!("{s:?}: must be greater than zero"));
+    }
+    Ok(d)
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// How long the synthetic load runs.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    duration: Duration,
+}
+
+#[derive(Args, Debug)]
+pub struct AllocatorArgs {
+    /// gRPC address for agents (port 0 picks a free port; the chosen
+    /// addresses are printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// YAML rules file, re-read on change.
+    #[arg(long)]
+    rules: PathBuf,
+    /// HTTP address for /metrics, /healthz, /readyz and /v1/keys.
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    http: SocketAddr,
+    /// Longest lease granted (TTL_max). A (re)started allocator grants
+    /// nothing for this long (plus drift margin).
+    #[arg(long = "ttl-max", default_value = "2s", value_parser = parse_duration)]
+    ttl_max: Duration,
+}
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// Allocator URL(s), comma separated (http://HOST:PORT).
+    #[arg(long, value_delimiter = ',', required = true)]
+    allocator: Vec<String>,
+    /// gRPC address for quotalease.v1.RateLimiter/Check.
+    #[arg(long, default_value = "127.0.0.1:7080")]
+    grpc: SocketAddr,
+    /// HTTP address for /metrics, /healthz, /readyz.
+    #[arg(long, default_value = "127.0.0.1:7081")]
+    http: SocketAddr,
+    /// Rules to use until the allocator is reached (optional).
+    #[arg(long)]
+    rules: Option<PathBuf>,
+    /// Agent id sent to the allocator (default: agent-HOSTPID).
+    #[arg(long = "agent-id")]
+    agent_id: Option<String>,
+    /// Lease lifetime requested.
+    #[arg(long = "lease-ttl", default_value = "2s", value_parser = parse_duration)]
+    lease_ttl: Duration,
+    /// Background renewal tick.
+    #[arg(long = "renew-interval", default_value = "50ms", value_parser = parse_duration)]
+    renew_interval: Duration,
+    /// Renew when the lease covers less than this much of the key's recent consumption.
+    #[arg(long = "low-water", default_value = "100ms", value_parser = parse_duration)]
+    low_water: Duration,
+    /// How long a request waits for a missing lease; bound of one allocator call.
+    #[arg(long = "fetch-timeout", default_value = "250ms", value_parser = parse_duration)]
+    fetch_timeout: Duration,
+    /// Release and forget keys idle this long.
+    #[arg(long = "idle-release", default_value = "10s", value_parser = parse_duration)]
+    idle_release: Duration,
+    /// Test only: append every admission to this file.
+    #[arg(long = "admission-log", hide = true)]
+    admission_log: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo prints its own progress; keep its log to warnings unless asked.
+    let default_level = if matches!(cli.command, Command::Demo(_)) {
+        "warn"
+    } else {
+        "info"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Rules {
+            command: RulesCommand::Validate { file },
+        } => run::validate(&file),
+        Command::Demo(args) => runtime().and_then(|rt| rt.block_on(demo::run(args.duration))),
+        Command::Allocator(args) => runtime().and_then(|rt| rt.block_on(run::allocator(args))),
+        Command::Agent(args) => runtime().and_then(|rt| rt.block_on(run::agent(args))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("quotalease: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}

@@ -115,6 +115,14 @@ impl LeaseWord {
         }
     }
 
+    /// Tokens of a valid lease at `now_ns` (None when there is none). Reads only.
+    pub fn peek(&self, now_ns: u64) -> Option<u64> {
+        if now_ns >= self.deadline_ns.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(unpack(self.word.load(Ordering::Acquire)).1)
+    }
+
     /// Give `cost` back to `generation`; dropped if the lease was replaced
     /// or retired meanwhile. Returns whether it was applied.
     pub fn refund(&self, generation: u64, cost: u64) -> bool {

@@ -35,8 +35,12 @@ pub struct CoreConfig {
     /// A holder that asked for a key within this window counts for the
     /// key's fair share.
     pub active_window_ns: u64,
-    /// Holders silent this long are forgotten (only once they hold nothing).
+    /// Holders silent this long are forgotten (their leases expired long before).
     pub holder_idle_ns: u64,
+    /// Skip the start-up wait: only for a process that knows no predecessor
+    /// ever granted a lease for its keys (the in-process demo). Never set
+    /// for a real deployment: a restart would break I1.
+    pub no_predecessor: bool,
 }
 
 impl Default for CoreConfig {
@@ -47,6 +51,7 @@ impl Default for CoreConfig {
             reply_cache: 64,
             active_window_ns: 1_000_000_000,
             holder_idle_ns: 3_600_000_000_000,
+            no_predecessor: false,
         }
     }
 }
@@ -156,7 +161,11 @@ impl AllocatorCore {
         lease_id_base: u64,
         now_ns: u64,
     ) -> Self {
-        let ready_at_ns = now_ns.saturating_add(cfg.restart_wait_ns());
+        let ready_at_ns = if cfg.no_predecessor {
+            0
+        } else {
+            now_ns.saturating_add(cfg.restart_wait_ns())
+        };
         Self {
             versions: vec![rules.version],
             cfg,

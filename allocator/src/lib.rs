@@ -2,7 +2,7 @@
 //! short-lived leases of tokens (SPEC §1, §2).
 //!
 //! Sans-IO cores ([`bucket`], [`ledger`], [`core`]) take time and messages as
-//! arguments; [`server`] and [`http`] are thin tokio/tonic/axum drivers.
+//! arguments; [`server`] is the thin tokio/tonic/axum driver.
 #![warn(missing_docs)]
 
 pub mod bucket;
@@ -10,3 +10,4 @@ pub mod clock;
 pub mod core;
 pub mod ledger;
 pub mod rules;
+pub mod server;

@@ -1,0 +1,1112 @@
+//! The agent: answers checks from leased tokens and keeps leases topped up
+//! in the background.
+//!
+//! The request path ([`Agent::check`]) matches rules, looks up each key's
+//! [`Slot`] and takes tokens with one CAS per rule. Only when a lease is
+//! missing or short does it leave the fast path: it marks the key as
+//! waiting, wakes the renewal loop and waits (bounded by `fetch_timeout`)
+//! for the grant. The renewal loop ([`Agent::start`]) plans renewals
+//! with [`crate::renewal::plan`], batches every key due into one message,
+//! and installs grants.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use dashmap::DashMap;
+use parking_lot::Mutex;
+use quotalease_allocator::clock::BootClock;
+use quotalease_allocator::core::RHO_PPM;
+use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
+use quotalease_proto::lease::{
+    Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+};
+use quotalease_proto::v1::{CheckResponse, Reason};
+use quotalease_proto::PROTOCOL_VERSION;
+use tokio::sync::Notify;
+
+use crate::idempotency::ReplayCache;
+use crate::lease_table::{LeaseWord, Take};
+use crate::metrics::AgentMetrics;
+use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
+use crate::transport::Transport;
+
+/// Agent settings. Defaults are documented in docs/operations.md.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Identity sent to the allocator (unique per agent).
+    pub agent_id: String,
+    /// Lease lifetime requested (the allocator grants at most its TTL_max).
+    pub lease_ttl: Duration,
+    /// Renewal planning.
+    pub plan: PlanConfig,
+    /// How long a request waits for a missing lease, and the bound of one
+    /// allocator call.
+    pub fetch_timeout: Duration,
+    /// Stall allowance subtracted from every lease deadline (`epsilon`).
+    pub epsilon: Duration,
+    /// Largest number of keys held; beyond it new keys are refused (the
+    /// request answers with the rule's fail policy) until idle keys go.
+    pub max_keys: usize,
+    /// Request ids remembered for idempotent replays.
+    pub replay_capacity: usize,
+    /// Heartbeat to the allocator when nothing else is sent (rules refresh).
+    pub heartbeat: Duration,
+    /// Test-only: append every admission (time, key, cost) to this file.
+    pub admission_log: Option<PathBuf>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            agent_id: format!("agent-{}", std::process::id()),
+            lease_ttl: Duration::from_secs(2),
+            plan: PlanConfig::default(),
+            fetch_timeout: Duration::from_millis(250),
+            epsilon: Duration::from_millis(50),
+            max_keys: 1_000_000,
+            replay_capacity: 100_000,
+            heartbeat: Duration::from_secs(1),
+            admission_log: None,
+        }
+    }
+}
+
+/// Why a check got no decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckError {
+    /// A field is invalid; the answer is `INVALID` (gRPC) or 400 (HTTP).
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Fail-closed with no lease, or no rules known yet: answer
+    /// `UNAVAILABLE` / 503.
+    Unavailable(String),
+}
+
+/// One check.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckInput<'a> {
+    /// Tenant id.
+    pub tenant: &'a str,
+    /// Route id.
+    pub route: &'a str,
+    /// Cost; 0 means 1.
+    pub cost: u32,
+    /// Gateway request id for idempotent retries ("" = none).
+    pub request_id: &'a str,
+    /// Rule namespace (Envoy domain), if any.
+    pub domain: Option<&'a str>,
+}
+
+// ---------------------------------------------------------------------------
+// Keys and slots
+
+/// Most rules one request can match.
+pub const MAX_MATCHED: usize = 32;
+const KEY_BYTES: usize = 3 * (2 + MAX_ID_BYTES);
+
+/// A key's bytes built on the stack: length-prefixed rule id, tenant part
+/// and route part. Lookups borrow it; nothing is allocated.
+pub struct KeyBuf {
+    buf: [u8; KEY_BYTES],
+    len: usize,
+}
+
+impl KeyBuf {
+    /// Encode (rule, tenant part, route part); each at most 256 bytes.
+    #[inline]
+    pub fn new(rule: &str, tenant: &str, route: &str) -> Self {
+        let mut k = KeyBuf {
+            buf: [0; KEY_BYTES],
+            len: 0,
+        };
+        for part in [rule, tenant, route] {
+            let b = &part.as_bytes()[..part.len().min(MAX_ID_BYTES)];
+            k.buf[k.len..k.len + 2].copy_from_slice(&(b.len() as u16).to_le_bytes());
+            k.buf[k.len + 2..k.len + 2 + b.len()].copy_from_slice(b);
+            k.len += 2 + b.len();
+        }
+        k
+    }
+
+    /// The encoded bytes.
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// Renewal-side state of a key (never touched by the request fast path).
+#[derive(Debug, Default)]
+struct SlotState {
+    lease_id: u64,
+    /// Tokens of the lease as the allocator records them.
+    granted: u64,
+    generation: u64,
+    /// Tokens in the word at the last tick (for consumption accounting).
+    baseline: u64,
+    usage: Usage,
+    in_flight: Option<InFlight>,
+    /// Set when the allocator refused the key (unknown rule, key limit...).
+    refused: Option<(GrantStatus, String)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    seq: u64,
+    generation: u64,
+    tokens_at_send: u64,
+    kind: ItemKind,
+}
+
+/// One key held by the agent.
+#[derive(Debug)]
+pub struct Slot {
+    /// The lease word (hot path).
+    pub word: LeaseWord,
+    rule_id: String,
+    tenant: String,
+    route: String,
+    dry_until_ns: AtomicU64,
+    waiting_cost: AtomicU64,
+    /// Tokens asked for but denied since the last tick (demand the lease
+    /// could not serve; counted off the fast path).
+    denied: AtomicU64,
+    parked: Notify,
+    st: Mutex<SlotState>,
+}
+
+impl Slot {
+    fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
+        Self {
+            word: LeaseWord::new(),
+            rule_id: rule_id.to_string(),
+            tenant: tenant.to_string(),
+            route: route.to_string(),
+            dry_until_ns: AtomicU64::new(0),
+            waiting_cost: AtomicU64::new(0),
+            denied: AtomicU64::new(0),
+            parked: Notify::new(),
+            st: Mutex::new(SlotState::default()),
+        }
+    }
+}
+
+/// Indices of the rules a request matched, overrides applied.
+struct Matched {
+    idx: [u32; MAX_MATCHED],
+    n: usize,
+}
+
+fn match_rules(
+    rules: &RuleSet,
+    domain: Option<&str>,
+    tenant: &str,
+    route: &str,
+) -> Result<Matched, CheckError> {
+    let mut m = Matched {
+        idx: [0; MAX_MATCHED],
+        n: 0,
+    };
+    let mut any_override = false;
+    for (i, r) in rules.rules.iter().enumerate() {
+        let domain_ok = match (&r.domain, domain) {
+            (None, _) => true,
+            (Some(d), Some(q)) => d == q,
+            (Some(_), None) => false,
+        };
+        if domain_ok && r.tenant.matches(tenant) && r.route.matches(route) {
+            if m.n == MAX_MATCHED {
+                return Err(CheckError::Invalid {
+                    field: "tenant_id",
+                    reason: format!("matches more than {MAX_MATCHED} rules"),
+                });
+            }
+            m.idx[m.n] = i as u32;
+            m.n += 1;
+            any_override |= !r.overrides.is_empty();
+        }
+    }
+    if any_override {
+        let all = m.idx;
+        let n = m.n;
+        let mut kept = 0;
+        for j in 0..n {
+            let id = &rules.rules[all[j] as usize].id;
+            let overridden = all[..n]
+                .iter()
+                .any(|&o| rules.rules[o as usize].overrides.iter().any(|x| x == id));
+            if !overridden {
+                m.idx[kept] = all[j];
+                kept += 1;
+            }
+        }
+        m.n = kept;
+    }
+    Ok(m)
+}
+
+fn validate(input: &CheckInput<'_>) -> Result<u64, CheckError> {
+    let check_id = |field: &'static str, v: &str, required: bool| {
+        if required && v.is_empty() {
+            return Err(CheckError::Invalid {
+                field,
+                reason: "must not be empty".into(),
+            });
+        }
+        if v.len() > MAX_ID_BYTES {
+            return Err(CheckError::Invalid {
+                field,
+                reason: format!("{} bytes, at most {MAX_ID_BYTES}", v.len()),
+            });
+        }
+        Ok(())
+    };
+    check_id("tenant_id", input.tenant, true)?;
+    check_id("route_id", input.route, false)?;
+    check_id("request_id", input.request_id, false)?;
+    if let Some(d) = input.domain {
+        check_id("domain", d, false)?;
+    }
+    Ok(u64::from(input.cost.max(1)))
+}
+
+// ---------------------------------------------------------------------------
+// The agent
+
+struct Inner {
+    cfg: AgentConfig,
+    incarnation: u64,
+    transport: Arc<dyn Transport>,
+    rules: ArcSwapOption<RuleSet>,
+    table: DashMap<Box<[u8]>, Arc<Slot>>,
+    connected: AtomicBool,
+    /// The last allocator call failed (as opposed to: none made yet).
+    down: AtomicBool,
+    seq: AtomicU64,
+    wake: Notify,
+    stop: AtomicBool,
+    stopped: Notify,
+    late_releases: Mutex<Vec<LeaseItem>>,
+    replays: ReplayCache<Result<CheckResponse, CheckError>>,
+    metrics: AgentMetrics,
+    admission_log: Option<Mutex<BufWriter<File>>>,
+    open_warned: AtomicBool,
+}
+
+/// A running agent. Cheap to clone.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("agent_id", &self.inner.cfg.agent_id)
+            .field("keys", &self.inner.table.len())
+            .finish()
+    }
+}
+
+fn now() -> u64 {
+    BootClock::now()
+}
+
+impl Agent {
+    /// Start an agent and its renewal loop on the current tokio runtime.
+    /// `bootstrap` rules (e.g. from `--rules`) are used until the
+    /// allocator sends its own.
+    pub fn start(
+        cfg: AgentConfig,
+        transport: Arc<dyn Transport>,
+        bootstrap: Option<RuleSet>,
+    ) -> std::io::Result<Agent> {
+        let admission_log = match &cfg.admission_log {
+            Some(p) => Some(Mutex::new(BufWriter::new(File::create(p)?))),
+            None => None,
+        };
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        let inner = Arc::new(Inner {
+            replays: ReplayCache::new(cfg.replay_capacity, 60_000_000_000),
+            cfg,
+            incarnation,
+            transport,
+            rules: ArcSwapOption::new(bootstrap.map(Arc::new)),
+            table: DashMap::new(),
+            connected: AtomicBool::new(false),
+            down: AtomicBool::new(false),
+            seq: AtomicU64::new(0),
+            wake: Notify::new(),
+            stop: AtomicBool::new(false),
+            stopped: Notify::new(),
+            late_releases: Mutex::new(Vec::new()),
+            metrics: AgentMetrics::default(),
+            admission_log,
+            open_warned: AtomicBool::new(false),
+        });
+        let agent = Agent { inner };
+        let bg = agent.clone();
+        tokio::spawn(async move { bg.renewal_loop().await });
+        Ok(agent)
+    }
+
+    /// Whether the last allocator call succeeded and rules are known.
+    pub fn is_ready(&self) -> bool {
+        self.inner.connected.load(Ordering::Acquire) && self.inner.rules.load().is_some()
+    }
+
+    /// The rule set in force, if any.
+    pub fn rules(&self) -> Option<Arc<RuleSet>> {
+        self.inner.rules.load_full()
+    }
+
+    /// Counters.
+    pub fn metrics(&self) -> &AgentMetrics {
+        &self.inner.metrics
+    }
+
+    /// Number of keys held.
+    pub fn key_count(&self) -> usize {
+        self.inner.table.len()
+    }
+
+    /// Answer one check.
+    pub async fn check(&self, input: CheckInput<'_>) -> Result<CheckResponse, CheckError> {
+        let cost = match validate(&input) {
+            Ok(c) => c,
+            Err(e) => {
+                self.inner.metrics.invalid.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        if !input.request_id.is_empty() {
+            let t = now();
+            if let Some(first) = self.inner.replays.get(
+                input.request_id,
+                input.tenant,
+                input.route,
+                input.cost.max(1),
+                t,
+            ) {
+                self.inner.metrics.replays.fetch_add(1, Ordering::Relaxed);
+                return first;
+            }
+            let answer = self.decide(&input, cost).await;
+            return self.inner.replays.put(
+                input.request_id,
+                input.tenant,
+                input.route,
+                input.cost.max(1),
+                t,
+                answer,
+            );
+        }
+        self.decide(&input, cost).await
+    }
+
+    async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
+        let inner = &*self.inner;
+        inner.metrics.checks.fetch_add(1, Ordering::Relaxed);
+        let Some(rules) = inner.rules.load_full() else {
+            inner.metrics.unavailable.fetch_add(1, Ordering::Relaxed);
+            return Err(CheckError::Unavailable(
+                "no rules yet: the allocator has not been reached".into(),
+            ));
+        };
+        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+        if m.n == 0 {
+            inner.metrics.no_rule.fetch_add(1, Ordering::Relaxed);
+            return Ok(CheckResponse {
+                allowed: true,
+                reason: Reason::NoRule as i32,
+                applied_rule_version: rules.version,
+                ..CheckResponse::default()
+            });
+        }
+        for &i in &m.idx[..m.n] {
+            let r = &rules.rules[i as usize];
+            if !r.shadow && cost > r.burst {
+                inner.metrics.invalid.fetch_add(1, Ordering::Relaxed);
+                return Err(CheckError::Invalid {
+                    field: "cost",
+                    reason: format!("{cost} is above the burst {} of rule {}", r.burst, r.id),
+                });
+            }
+        }
+        let mut attempt = 0;
+        loop {
+            let t = now();
+            match self.try_charge(&rules, &m, input, cost, t) {
+                Ok((remaining, rule_idx)) => {
+                    let reason = self.charge_shadow(&rules, &m, input, cost, t);
+                    inner.metrics.allowed.fetch_add(1, Ordering::Relaxed);
+                    return Ok(CheckResponse {
+                        allowed: true,
+                        remaining,
+                        retry_after_ms: 0,
+                        rule_id: rules.rules[rule_idx].id.clone(),
+                        applied_rule_version: rules.version,
+                        reason: reason as i32,
+                    });
+                }
+                Err(rule_idx) => {
+                    let rule = &rules.rules[rule_idx];
+                    let slot = self.slot_for(rule, input.tenant, input.route);
+                    let Some(slot) = slot else {
+                        return self.fail_policy(rule, &rules, "the agent holds max_keys keys");
+                    };
+                    if let Some((status, why)) = slot.st.lock().refused.clone() {
+                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
+                        return Ok(self.over_limit(rule, &rules, 1_000));
+                    }
+                    let dry_until = slot.dry_until_ns.load(Ordering::Acquire);
+                    if dry_until > t {
+                        slot.denied.fetch_add(cost, Ordering::Relaxed);
+                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        let ms = (dry_until - t).div_ceil(1_000_000).max(1);
+                        return Ok(self.over_limit(rule, &rules, ms));
+                    }
+                    let down = inner.down.load(Ordering::Acquire);
+                    if down || (!inner.connected.load(Ordering::Acquire) && attempt > 0) {
+                        return self.fail_policy(rule, &rules, "allocator unreachable");
+                    }
+                    if attempt >= 2 {
+                        slot.denied.fetch_add(cost, Ordering::Relaxed);
+                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
+                        return Ok(self.over_limit(rule, &rules, ms.max(1)));
+                    }
+                    attempt += 1;
+                    // Wait for the renewal loop to bring tokens: every rule
+                    // of this request that cannot pay asks in the same batch.
+                    let parked = slot.parked.notified();
+                    tokio::pin!(parked);
+                    parked.as_mut().enable();
+                    slot.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                    for &ri in &m.idx[..m.n] {
+                        let other = &rules.rules[ri as usize];
+                        if other.shadow || ri as usize == rule_idx {
+                            continue;
+                        }
+                        if let Some(s) = self.slot_for(other, input.tenant, input.route) {
+                            if s.word.peek(t).is_none_or(|held| held < cost) {
+                                s.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                            }
+                        }
+                    }
+                    inner.wake.notify_one();
+                    inner.metrics.waits.fetch_add(1, Ordering::Relaxed);
+                    let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
+                }
+            }
+        }
+    }
+
+    /// The synchronous fast path, exposed for benchmarks: charge every
+    /// non-shadow matched rule or none. `Ok((min remaining, rule index))` or
+    /// `Err(index of the first rule that could not pay)`.
+    fn try_charge(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) -> Result<(u64, usize), usize> {
+        let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
+        let mut min_remaining = u64::MAX;
+        let mut min_rule = m.idx[0] as usize;
+        for j in 0..m.n {
+            let ri = m.idx[j] as usize;
+            let r = &rules.rules[ri];
+            if r.shadow {
+                continue;
+            }
+            let key = KeyBuf::new(
+                &r.id,
+                r.tenant.key_part(input.tenant),
+                r.route.key_part(input.route),
+            );
+            let take = match self.inner.table.get(key.as_bytes()) {
+                Some(slot) => slot.word.try_take(cost, t),
+                None => Take::NoLease,
+            };
+            match take {
+                Take::Taken {
+                    generation,
+                    remaining,
+                } => {
+                    taken[j] = generation;
+                    if remaining < min_remaining {
+                        min_remaining = remaining;
+                        min_rule = ri;
+                    }
+                }
+                Take::Short { .. } | Take::NoLease => {
+                    // All or none: give back what this request took.
+                    for k in 0..j {
+                        let rk = &rules.rules[m.idx[k] as usize];
+                        if rk.shadow {
+                            continue;
+                        }
+                        let key = KeyBuf::new(
+                            &rk.id,
+                            rk.tenant.key_part(input.tenant),
+                            rk.route.key_part(input.route),
+                        );
+                        if let Some(slot) = self.inner.table.get(key.as_bytes()) {
+                            slot.word.refund(taken[k], cost);
+                        }
+                    }
+                    return Err(ri);
+                }
+            }
+        }
+        if let Some(log) = &self.inner.admission_log {
+            let mut w = log.lock();
+            for &ri in &m.idx[..m.n] {
+                let r = &rules.rules[ri as usize];
+                if !r.shadow {
+                    let _ = writeln!(
+                        w,
+                        "{t}\t{}\t{}\t{}\t{cost}",
+                        r.id,
+                        r.tenant.key_part(input.tenant),
+                        r.route.key_part(input.route)
+                    );
+                }
+            }
+        }
+        Ok((
+            if min_remaining == u64::MAX {
+                0
+            } else {
+                min_remaining
+            },
+            min_rule,
+        ))
+    }
+
+    /// Shadow rules decide and report, never deny, never refund.
+    fn charge_shadow(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) -> Reason {
+        let mut reason = Reason::Ok;
+        for &ri in &m.idx[..m.n] {
+            let r = &rules.rules[ri as usize];
+            if !r.shadow {
+                continue;
+            }
+            let key = KeyBuf::new(
+                &r.id,
+                r.tenant.key_part(input.tenant),
+                r.route.key_part(input.route),
+            );
+            let take = self
+                .inner
+                .table
+                .get(key.as_bytes())
+                .map(|s| s.word.try_take(cost, t));
+            match take {
+                Some(Take::Taken { .. }) => {}
+                other => {
+                    if let Some(slot) = self.slot_for(r, input.tenant, input.route) {
+                        let dry = slot.dry_until_ns.load(Ordering::Acquire) > t;
+                        if dry && matches!(other, Some(Take::Short { .. })) {
+                            reason = Reason::ShadowOverLimit;
+                            self.inner
+                                .metrics
+                                .shadow_over_limit
+                                .fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            slot.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                            self.inner.wake.notify_one();
+                        }
+                    }
+                }
+            }
+        }
+        reason
+    }
+
+    fn over_limit(&self, rule: &Rule, rules: &RuleSet, retry_after_ms: u64) -> CheckResponse {
+        CheckResponse {
+            allowed: false,
+            remaining: 0,
+            retry_after_ms,
+            rule_id: rule.id.clone(),
+            applied_rule_version: rules.version,
+            reason: Reason::OverLimit as i32,
+        }
+    }
+
+    fn fail_policy(
+        &self,
+        rule: &Rule,
+        rules: &RuleSet,
+        why: &str,
+    ) -> Result<CheckResponse, CheckError> {
+        let m = &self.inner.metrics;
+        match rule.fail_policy {
+            FailPolicy::Closed => {
+                m.unavailable.fetch_add(1, Ordering::Relaxed);
+                m.failure_mode_denied.fetch_add(1, Ordering::Relaxed);
+                Err(CheckError::Unavailable(format!(
+                    "rule {}: {why}; fail_policy closed",
+                    rule.id
+                )))
+            }
+            FailPolicy::Open | FailPolicy::LeaseOnly => {
+                if rule.fail_policy == FailPolicy::Open
+                    && !self.inner.open_warned.swap(true, Ordering::Relaxed)
+                {
+                    tracing::warn!(rule = %rule.id, "fail_policy open acts as lease_only: the emergency bucket is not built yet");
+                }
+                m.failure_mode_denied.fetch_add(1, Ordering::Relaxed);
+                Ok(CheckResponse {
+                    allowed: false,
+                    remaining: 0,
+                    retry_after_ms: self.inner.cfg.fetch_timeout.as_millis() as u64,
+                    rule_id: rule.id.clone(),
+                    applied_rule_version: rules.version,
+                    reason: Reason::FailureModeDenied as i32,
+                })
+            }
+        }
+    }
+
+    /// The slot of a rule's key, created if missing (None when the table is full).
+    fn slot_for(&self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
+        let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
+        let key = KeyBuf::new(&rule.id, tp, rp);
+        if let Some(s) = self.inner.table.get(key.as_bytes()) {
+            return Some(s.clone());
+        }
+        if self.inner.table.len() >= self.inner.cfg.max_keys {
+            return None;
+        }
+        let slot = self
+            .inner
+            .table
+            .entry(key.as_bytes().into())
+            .or_insert_with(|| Arc::new(Slot::new(&rule.id, tp, rp)))
+            .clone();
+        Some(slot)
+    }
+
+    // -----------------------------------------------------------------------
+    // Renewal loop
+
+    async fn renewal_loop(self) {
+        let inner = &*self.inner;
+        let mut tick = tokio::time::interval(inner.cfg.plan.renew_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sent = 0u64;
+        while !inner.stop.load(Ordering::Acquire) {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = inner.wake.notified() => {}
+                _ = inner.stopped.notified() => break,
+            }
+            let t = now();
+            let (items, slots) = self.plan_all(t);
+            let heartbeat_due = t.saturating_sub(last_sent)
+                >= inner.cfg.heartbeat.as_nanos() as u64
+                || inner.rules.load().is_none()
+                || !inner.connected.load(Ordering::Acquire);
+            if items.is_empty() && !heartbeat_due {
+                continue;
+            }
+            last_sent = t;
+            let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+            for s in &slots {
+                if let Some(f) = s.st.lock().in_flight.as_mut() {
+                    f.seq = seq;
+                }
+            }
+            let me = self.clone();
+            let heartbeat_only = items.is_empty();
+            let send = async move { me.send(seq, t, items, slots).await };
+            if heartbeat_only {
+                // Heartbeats need not overlap: wait for them (bounded).
+                send.await;
+            } else {
+                tokio::spawn(send);
+            }
+        }
+    }
+
+    /// Plan every key at `t`: the items of the next batch and their slots.
+    fn plan_all(&self, t: u64) -> (Vec<LeaseItem>, Vec<Arc<Slot>>) {
+        let inner = &*self.inner;
+        let rules = inner.rules.load_full();
+        let mut items = std::mem::take(&mut *inner.late_releases.lock());
+        let mut slots: Vec<Arc<Slot>> = Vec::new();
+        let mut forget: Vec<Box<[u8]>> = Vec::new();
+        for entry in inner.table.iter() {
+            let slot = entry.value();
+            let mut st = slot.st.lock();
+            let (gen, tokens) = slot.word.load();
+            if gen == st.generation {
+                let consumed = st.baseline.saturating_sub(tokens);
+                st.usage.since_tick += consumed;
+            }
+            // Demand, not just admissions, sizes the next lease.
+            st.usage.since_tick += slot.denied.swap(0, Ordering::Relaxed);
+            st.baseline = tokens;
+            st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
+            let waiting = slot.waiting_cost.load(Ordering::Acquire);
+            if waiting > 0 {
+                st.usage.last_active_ns = t;
+            }
+            let rule = rules.as_ref().and_then(|r| r.get(&slot.rule_id));
+            let deadline = slot.word.deadline_ns();
+            let decision = match rule {
+                None => Plan::Release,
+                Some(rule) => plan(
+                    &inner.cfg.plan,
+                    &st.usage,
+                    KeyNow {
+                        held: if t < deadline { tokens } else { 0 },
+                        valid: t < deadline && st.lease_id != 0,
+                        deadline_ns: deadline,
+                        burst: rule.burst,
+                        waiting_cost: waiting,
+                        dry_until_ns: slot.dry_until_ns.load(Ordering::Acquire),
+                        in_flight: st.in_flight.is_some(),
+                    },
+                    t,
+                ),
+            };
+            match decision {
+                Plan::Wait => {}
+                Plan::Renew { want } => {
+                    let spent = if gen == st.generation {
+                        st.granted.saturating_sub(tokens)
+                    } else {
+                        0
+                    };
+                    items.push(LeaseItem {
+                        rule_id: slot.rule_id.clone(),
+                        tenant: slot.tenant.clone(),
+                        route: slot.route.clone(),
+                        kind: ItemKind::Renew as i32,
+                        lease_id: st.lease_id,
+                        spent,
+                        want,
+                    });
+                    st.in_flight = Some(InFlight {
+                        seq: 0,
+                        generation: gen,
+                        tokens_at_send: tokens,
+                        kind: ItemKind::Renew,
+                    });
+                    slots.push(slot.clone());
+                }
+                Plan::Release => {
+                    if st.in_flight.is_some() {
+                        continue;
+                    }
+                    let left = slot.word.retire();
+                    if st.lease_id != 0 {
+                        let spent = st.granted.saturating_sub(left);
+                        items.push(LeaseItem {
+                            rule_id: slot.rule_id.clone(),
+                            tenant: slot.tenant.clone(),
+                            route: slot.route.clone(),
+                            kind: ItemKind::Release as i32,
+                            lease_id: st.lease_id,
+                            spent,
+                            want: 0,
+                        });
+                        inner
+                            .metrics
+                            .tokens_released
+                            .fetch_add(left, Ordering::Relaxed);
+                    }
+                    st.lease_id = 0;
+                    forget.push(entry.key().clone());
+                }
+            }
+        }
+        for k in forget {
+            inner.table.remove(&k);
+        }
+        (items, slots)
+    }
+
+    async fn send(&self, seq: u64, sent_ns: u64, items: Vec<LeaseItem>, slots: Vec<Arc<Slot>>) {
+        let inner = &*self.inner;
+        let batch = LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: inner.cfg.agent_id.clone(),
+                incarnation: inner.incarnation,
+                seq,
+                protocol_version: PROTOCOL_VERSION,
+                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
+            }),
+            ttl_ms: inner.cfg.lease_ttl.as_millis() as u64,
+            items,
+        };
+        let started = std::time::Instant::now();
+        let mut result = Err(String::new());
+        // Retries reuse the sequence number: the allocator answers a
+        // duplicate from its cache and never grants twice.
+        for _ in 0..2 {
+            inner.metrics.messages.fetch_add(1, Ordering::Relaxed);
+            inner
+                .metrics
+                .record_message_rules(batch.items.iter().map(|i| i.rule_id.as_str()));
+            let call = inner.transport.lease(batch.clone());
+            result = match tokio::time::timeout(inner.cfg.fetch_timeout, call).await {
+                Ok(r) => r,
+                Err(_) => Err("allocator call timed out".into()),
+            };
+            if result.is_ok() || inner.stop.load(Ordering::Acquire) {
+                break;
+            }
+        }
+        match result {
+            Ok(reply) => {
+                inner.metrics.record_renewal(started.elapsed());
+                inner.down.store(false, Ordering::Release);
+                if !inner.connected.swap(true, Ordering::AcqRel) {
+                    tracing::info!("allocator reachable");
+                }
+                self.apply_reply(reply, &batch.items, slots, sent_ns);
+            }
+            Err(why) => {
+                inner.metrics.rpc_errors.fetch_add(1, Ordering::Relaxed);
+                inner.down.store(true, Ordering::Release);
+                if inner.connected.swap(false, Ordering::AcqRel) {
+                    tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
+                }
+                // Releases that did not get through return to the queue.
+                let mut late = inner.late_releases.lock();
+                for it in batch
+                    .items
+                    .iter()
+                    .filter(|i| i.kind == ItemKind::Release as i32)
+                {
+                    late.push(it.clone());
+                }
+                drop(late);
+                for s in slots {
+                    let mut st = s.st.lock();
+                    if st.in_flight.is_some_and(|f| f.seq == seq) {
+                        st.in_flight = None;
+                    }
+                    drop(st);
+                    s.waiting_cost.store(0, Ordering::Release);
+                    s.parked.notify_waiters();
+                }
+            }
+        }
+    }
+
+    fn apply_reply(
+        &self,
+        reply: LeaseReply,
+        items: &[LeaseItem],
+        slots: Vec<Arc<Slot>>,
+        sent_ns: u64,
+    ) {
+        let inner = &*self.inner;
+        if let Some(pb) = &reply.rules {
+            let current = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
+            if pb.version > current {
+                match RuleSet::from_proto(pb) {
+                    Ok(rs) => {
+                        tracing::info!(
+                            version = rs.version,
+                            rules = rs.rules.len(),
+                            "adopted rules from the allocator"
+                        );
+                        inner.rules.store(Some(Arc::new(rs)));
+                    }
+                    Err(errs) => {
+                        tracing::error!(errors = errs.len(), first = %errs[0], "allocator sent invalid rules; keeping the last good ones")
+                    }
+                }
+            }
+        }
+        let version = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
+        let t = now();
+        let renews = items
+            .iter()
+            .zip(reply.grants.iter())
+            .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
+            .map(|(_, g)| g);
+        for (grant, slot) in renews.zip(slots) {
+            self.install(&slot, grant, reply.seq, sent_ns, version, t);
+            slot.waiting_cost.store(0, Ordering::Release);
+            slot.parked.notify_waiters();
+        }
+    }
+
+    fn install(&self, slot: &Slot, g: &Grant, seq: u64, sent_ns: u64, version: u64, t: u64) {
+        let inner = &*self.inner;
+        let mut st = slot.st.lock();
+        let late_release = |lease_id: u64, spent: u64| {
+            if lease_id != 0 {
+                inner.late_releases.lock().push(LeaseItem {
+                    rule_id: slot.rule_id.clone(),
+                    tenant: slot.tenant.clone(),
+                    route: slot.route.clone(),
+                    kind: ItemKind::Release as i32,
+                    lease_id,
+                    spent,
+                    want: 0,
+                });
+            }
+        };
+        let Some(f) = st
+            .in_flight
+            .filter(|f| f.seq == seq && f.kind == ItemKind::Renew)
+        else {
+            // A grant for a request we gave up on: give it back. Its carried
+            // part may still be in use under the old lease, so count it spent.
+            late_release(g.lease_id, g.carried);
+            return;
+        };
+        st.in_flight = None;
+        let status = GrantStatus::try_from(g.status).unwrap_or(GrantStatus::BadItem);
+        match status {
+            GrantStatus::Granted => {}
+            GrantStatus::Stale | GrantStatus::Unsupported => return,
+            other => {
+                st.refused = Some((other, g.detail.clone()));
+                slot.dry_until_ns
+                    .store(t + 1_000_000_000, Ordering::Release);
+                return;
+            }
+        }
+        st.refused = None;
+        if g.rule_version > version {
+            // Never spend a grant stamped with a rule version we do not enforce.
+            late_release(g.lease_id, g.carried);
+            return;
+        }
+        let dry = if g.retry_after_ms > 0 {
+            t.saturating_add(g.retry_after_ms * 1_000_000)
+        } else {
+            0
+        };
+        slot.dry_until_ns.store(dry, Ordering::Release);
+        if g.lease_id == 0 {
+            // Nothing leased (nothing carried): keep whatever the old lease
+            // still holds under its own deadline.
+            return;
+        }
+        // deadline = first send + TTL * (1 - 2 rho) - epsilon
+        let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
+        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM) + inner.cfg.epsilon.as_nanos() as u64;
+        let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
+        if t >= deadline {
+            late_release(g.lease_id, g.carried);
+            return;
+        }
+        let same_lease = g.carried > 0 && st.generation == f.generation;
+        let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
+            if same_lease {
+                // Carried = what the lease held when we reported; what was
+                // spent since then comes out of the new lease.
+                let spent_since = f.tokens_at_send.saturating_sub(cur);
+                g.tokens.saturating_sub(spent_since)
+            } else {
+                g.tokens
+            }
+        });
+        if st.generation == f.generation {
+            st.usage.since_tick += st.baseline.saturating_sub(old_seen);
+        }
+        st.lease_id = g.lease_id;
+        st.granted = g.tokens;
+        st.generation = new_gen;
+        st.baseline = new_tokens;
+        inner
+            .metrics
+            .tokens_leased
+            .fetch_add(g.tokens - g.carried, Ordering::Relaxed);
+    }
+
+    /// Stop the renewal loop, retire every lease and release the unused
+    /// tokens to the allocator (bounded by `fetch_timeout`).
+    pub async fn shutdown(&self) {
+        let inner = &*self.inner;
+        inner.stop.store(true, Ordering::Release);
+        inner.stopped.notify_waiters();
+        let mut items = std::mem::take(&mut *inner.late_releases.lock());
+        let mut released = 0;
+        for entry in inner.table.iter() {
+            let slot = entry.value();
+            let st = slot.st.lock();
+            let left = slot.word.retire();
+            if st.lease_id != 0 {
+                released += left;
+                items.push(LeaseItem {
+                    rule_id: slot.rule_id.clone(),
+                    tenant: slot.tenant.clone(),
+                    route: slot.route.clone(),
+                    kind: ItemKind::Release as i32,
+                    lease_id: st.lease_id,
+                    spent: st.granted.saturating_sub(left),
+                    want: 0,
+                });
+            }
+        }
+        if let Some(log) = &inner.admission_log {
+            let _ = log.lock().flush();
+        }
+        if items.is_empty() {
+            return;
+        }
+        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let n = items.len();
+        let batch = LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: inner.cfg.agent_id.clone(),
+                incarnation: inner.incarnation,
+                seq,
+                protocol_version: PROTOCOL_VERSION,
+                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
+            }),
+            ttl_ms: 0,
+            items,
+        };
+        match tokio::time::timeout(inner.cfg.fetch_timeout, inner.transport.lease(batch)).await {
+            Ok(Ok(_)) => {
+                tracing::info!(leases = n, tokens = released, "released leases on shutdown")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%e, "could not release leases on shutdown; they expire on their own")
+            }
+            Err(_) => tracing::warn!("release on shutdown timed out; leases expire on their own"),
+        }
+    }
+
+    /// Flush the test-only admission log.
+    pub fn flush_admission_log(&self) {
+        if let Some(log) = &self.inner.admission_log {
+            let _ = log.lock().flush();
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Agent counters and their Prometheus text form. Labels are rule ids and
+//! results, never tenant or route values.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+/// Counters of one agent.
+#[derive(Debug, Default)]
+pub struct AgentMetrics {
+    /// Decisions made (replays excluded).
+    pub checks: AtomicU64,
+    /// Admitted.
+    pub allowed: AtomicU64,
+    /// Denied over the limit.
+    pub over_limit: AtomicU64,
+    /// No rule matched.
+    pub no_rule: AtomicU64,
+    /// Invalid input.
+    pub invalid: AtomicU64,
+    /// Answered unavailable (fail-closed, no rules yet).
+    pub unavailable: AtomicU64,
+    /// Denied by a fail policy.
+    pub failure_mode_denied: AtomicU64,
+    /// Admitted by a fail policy (emergency bucket; not built yet).
+    pub failure_mode_allowed: AtomicU64,
+    /// Shadow rules that would have denied.
+    pub shadow_over_limit: AtomicU64,
+    /// Idempotent replays answered from memory.
+    pub replays: AtomicU64,
+    /// Checks that waited for a lease.
+    pub waits: AtomicU64,
+    /// Allocator messages sent (retries included).
+    pub messages: AtomicU64,
+    /// Failed allocator calls.
+    pub rpc_errors: AtomicU64,
+    /// New tokens received in leases.
+    pub tokens_leased: AtomicU64,
+    /// Unused tokens given back.
+    pub tokens_released: AtomicU64,
+    renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+    /// Per rule: allocator messages that carried at least one of its keys.
+    messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl AgentMetrics {
+    /// Record one allocator round trip.
+    pub fn record_renewal(&self, d: Duration) {
+        let mut h = self.renewal_us.lock();
+        let h = h.get_or_insert_with(|| {
+            hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2)
+                .expect("static histogram bounds are valid")
+        });
+        let _ = h.record((d.as_micros() as u64).clamp(1, 60_000_000));
+    }
+
+    /// Count one message for each rule it carried keys of.
+    pub fn record_message_rules<'a>(&self, rules: impl Iterator<Item = &'a str>) {
+        let mut seen: Vec<&str> = rules.collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let mut m = self.messages_by_rule.lock();
+        for r in seen {
+            match m.get_mut(r) {
+                Some(v) => *v += 1,
+                None => {
+                    m.insert(r.to_string(), 1);
+                }
+            }
+        }
+    }
+
+    /// Allocator messages that carried keys of `rule`.
+    pub fn messages_for_rule(&self, rule: &str) -> u64 {
+        self.messages_by_rule.lock().get(rule).copied().unwrap_or(0)
+    }
+
+    /// Renewal round-trip percentile in microseconds.
+    pub fn renewal_percentile_us(&self, q: f64) -> u64 {
+        self.renewal_us
+            .lock()
+            .as_ref()
+            .map(|h| h.value_at_quantile(q))
+            .unwrap_or(0)
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self, keys_held: usize, rule_version: u64, ready: bool) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut s = String::new();
+        let _ = writeln!(s, "# TYPE quotalease_agent_checks_total counter");
+        for (result, v) in [
+            ("allowed", g(&self.allowed)),
+            ("over_limit", g(&self.over_limit)),
+            ("no_rule", g(&self.no_rule)),
+            ("invalid", g(&self.invalid)),
+            ("unavailable", g(&self.unavailable)),
+            ("failure_mode_denied", g(&self.failure_mode_denied)),
+        ] {
+            let _ = writeln!(
+                s,
+                "quotalease_agent_checks_total{{result=\"{result}\"}} {v}"
+            );
+        }
+        for (name, help, v) in [
+            (
+                "failure_mode_allowed_total",
+                "admitted by a fail policy",
+                g(&self.failure_mode_allowed),
+            ),
+            (
+                "failure_mode_denied_total",
+                "denied by a fail policy",
+                g(&self.failure_mode_denied),
+            ),
+            (
+                "shadow_over_limit_total",
+                "shadow rules that would have denied",
+                g(&self.shadow_over_limit),
+            ),
+            (
+                "replays_total",
+                "idempotent replays answered from memory",
+                g(&self.replays),
+            ),
+            (
+                "lease_waits_total",
+                "checks that waited for a lease",
+                g(&self.waits),
+            ),
+            (
+                "allocator_messages_total",
+                "allocator messages sent",
+                g(&self.messages),
+            ),
+            (
+                "allocator_errors_total",
+                "failed allocator calls",
+                g(&self.rpc_errors),
+            ),
+            (
+                "tokens_leased_total",
+                "new tokens received",
+                g(&self.tokens_leased),
+            ),
+            (
+                "tokens_released_total",
+                "unused tokens given back",
+                g(&self.tokens_released),
+            ),
+        ] {
+            let _ = writeln!(s, "# HELP quotalease_agent_{name} {help}\n# TYPE quotalease_agent_{name} counter\nquotalease_agent_{name} {v}");
+        }
+        let _ = writeln!(
+            s,
+            "# TYPE quotalease_agent_allocator_messages_by_rule_total counter"
+        );
+        for (rule, v) in self.messages_by_rule.lock().iter() {
+            let _ = writeln!(
+                s,
+                "quotalease_agent_allocator_messages_by_rule_total{{rule=\"{}\"}} {v}",
+                rule.escape_default()
+            );
+        }
+        let _ = writeln!(
+            s,
+            "# TYPE quotalease_agent_keys_held gauge\nquotalease_agent_keys_held {keys_held}"
+        );
+        let _ = writeln!(s, "# TYPE quotalease_agent_rule_version gauge\nquotalease_agent_rule_version {rule_version}");
+        let _ = writeln!(
+            s,
+            "# TYPE quotalease_agent_ready gauge\nquotalease_agent_ready {}",
+            u8::from(ready)
+        );
+        let _ = writeln!(s, "# TYPE quotalease_agent_renewal_latency_us summary");
+        for q in [0.5, 0.99, 0.999] {
+            let _ = writeln!(
+                s,
+                "quotalease_agent_renewal_latency_us{{quantile=\"{q}\"}} {}",
+                self.renewal_percentile_us(q)
+            );
+        }
+        s
+    }
+}

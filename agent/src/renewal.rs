@@ -1,0 +1,247 @@
+//! Renewal planning, sans-IO: when a key's lease should be renewed, how many
+//! tokens to ask for, and when an idle key should give its tokens back.
+//!
+//! Per key the planner keeps an EWMA of consumption (tokens/s), updated on
+//! the background tick from the lease word — never on the request path.
+//!
+//! * **Low-water mark.** Renew when the lease holds less than
+//!   `rate * low_water` tokens (what the key would spend during one
+//!   renewal round trip plus margin), or when a request is waiting.
+//! * **Size.** Ask for enough to cover `rate * horizon` where
+//!   `horizon = 2 * low_water + renew_interval`, minus what is still held;
+//!   at least the largest pending cost, at most the burst. A key with no
+//!   history (cold) asks for `max(cost, burst / 16)`: a small lease.
+//! * **Refresh.** An active key whose lease nears its deadline renews (to
+//!   report spent tokens and carry the rest) before it lapses.
+//! * **Idle.** A key that consumed nothing for `idle_release` releases its
+//!   lease and is dropped from the table.
+
+use std::time::Duration;
+
+/// Planner settings (agent flags).
+#[derive(Clone, Copy, Debug)]
+pub struct PlanConfig {
+    /// Background tick.
+    pub renew_interval: Duration,
+    /// Renew when the lease covers less than this much consumption.
+    pub low_water: Duration,
+    /// Release and forget keys idle this long.
+    pub idle_release: Duration,
+    /// EWMA time constant.
+    pub ewma_tau: Duration,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        Self {
+            renew_interval: Duration::from_millis(50),
+            low_water: Duration::from_millis(100),
+            idle_release: Duration::from_secs(10),
+            ewma_tau: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Consumption history of one key.
+#[derive(Clone, Debug, Default)]
+pub struct Usage {
+    /// Tokens/s, exponentially weighted.
+    pub rate: f64,
+    /// Tokens consumed since the last tick (fed by the driver).
+    pub since_tick: u64,
+    /// Instant of the last tick.
+    pub last_tick_ns: u64,
+    /// Last instant anything was consumed or requested.
+    pub last_active_ns: u64,
+}
+
+impl Usage {
+    /// Fold `consumed` tokens observed over `(last_tick, now]` into the EWMA.
+    pub fn tick(&mut self, consumed: u64, now_ns: u64, tau: Duration) {
+        let consumed = consumed + std::mem::take(&mut self.since_tick);
+        if self.last_tick_ns == 0 {
+            self.last_tick_ns = now_ns;
+            if consumed > 0 {
+                self.last_active_ns = now_ns;
+            }
+            return;
+        }
+        let dt = now_ns.saturating_sub(self.last_tick_ns);
+        if dt == 0 {
+            self.since_tick += consumed;
+            return;
+        }
+        let dt_s = dt as f64 / 1e9;
+        let inst = consumed as f64 / dt_s;
+        let alpha = 1.0 - (-dt_s / tau.as_secs_f64()).exp();
+        self.rate += alpha * (inst - self.rate);
+        self.last_tick_ns = now_ns;
+        if consumed > 0 {
+            self.last_active_ns = now_ns;
+        }
+    }
+}
+
+/// What to do for a key on this tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// Nothing.
+    Wait,
+    /// Renew (or open) the lease asking for `want` more tokens.
+    Renew {
+        /// New tokens wanted on top of what is held.
+        want: u64,
+    },
+    /// Give the lease back and forget the key.
+    Release,
+}
+
+/// Inputs of one planning decision.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyNow {
+    /// Tokens left in the lease (0 when none).
+    pub held: u64,
+    /// Whether a valid lease is held.
+    pub valid: bool,
+    /// Agent-clock deadline of the lease.
+    pub deadline_ns: u64,
+    /// Burst of the key's rule.
+    pub burst: u64,
+    /// A request is waiting for tokens, with this largest cost (0 = none).
+    pub waiting_cost: u64,
+    /// The allocator said not to come back before this.
+    pub dry_until_ns: u64,
+    /// A request for this key is in flight.
+    pub in_flight: bool,
+}
+
+/// Decide for one key at `now_ns`.
+pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
+    if k.in_flight {
+        return Plan::Wait;
+    }
+    let idle_ns = cfg.idle_release.as_nanos() as u64;
+    let idle = usage.last_active_ns.saturating_add(idle_ns) < now_ns;
+    if idle && k.waiting_cost == 0 {
+        return Plan::Release;
+    }
+    if now_ns < k.dry_until_ns {
+        return Plan::Wait;
+    }
+    let low_water = (usage.rate * cfg.low_water.as_secs_f64()).ceil() as u64;
+    let horizon = 2.0 * cfg.low_water.as_secs_f64() + cfg.renew_interval.as_secs_f64();
+    let target = (usage.rate * horizon).ceil() as u64;
+    let cold = (k.burst / 16).max(1);
+    let want = target
+        .saturating_sub(k.held)
+        .max(k.waiting_cost)
+        .max(if k.held == 0 {
+            cold.max(k.waiting_cost)
+        } else {
+            0
+        })
+        .clamp(1, k.burst.max(1));
+    let recently_active = usage
+        .last_active_ns
+        .saturating_add(2 * cfg.renew_interval.as_nanos() as u64)
+        >= now_ns;
+    if k.waiting_cost > 0 {
+        return Plan::Renew { want };
+    }
+    if !k.valid {
+        return if recently_active {
+            Plan::Renew { want }
+        } else {
+            Plan::Wait
+        };
+    }
+    if usage.rate > 0.0 && k.held <= low_water {
+        return Plan::Renew { want };
+    }
+    // Refresh an active lease before it lapses: report spent, carry the rest.
+    let lead = (4 * cfg.renew_interval.as_nanos() as u64).max(cfg.low_water.as_nanos() as u64);
+    if recently_active && k.deadline_ns.saturating_sub(now_ns) < lead {
+        return Plan::Renew {
+            want: target.saturating_sub(k.held).min(k.burst),
+        };
+    }
+    Plan::Wait
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn key(held: u64) -> KeyNow {
+        KeyNow {
+            held,
+            valid: held > 0,
+            deadline_ns: 10_000 * MS,
+            burst: 100,
+            waiting_cost: 0,
+            dry_until_ns: 0,
+            in_flight: false,
+        }
+    }
+
+    #[test]
+    fn ewma_follows_consumption() {
+        let mut u = Usage::default();
+        let tau = Duration::from_secs(1);
+        u.tick(0, 1_000 * MS, tau);
+        for i in 1..=100 {
+            u.tick(50, (1_000 + 50 * i) * MS, tau);
+        }
+        assert!((u.rate - 1000.0).abs() < 10.0, "rate {}", u.rate);
+    }
+
+    #[test]
+    fn cold_key_with_a_waiter_asks_for_a_small_lease() {
+        let cfg = PlanConfig::default();
+        let mut k = key(0);
+        k.waiting_cost = 1;
+        assert_eq!(
+            plan(&cfg, &Usage::default(), k, MS),
+            Plan::Renew { want: 6 }
+        );
+    }
+
+    #[test]
+    fn hot_key_renews_at_low_water_and_asks_for_its_horizon() {
+        let cfg = PlanConfig::default();
+        let u = Usage {
+            rate: 500.0,
+            last_active_ns: 1_000 * MS,
+            last_tick_ns: 1_000 * MS,
+            since_tick: 0,
+        };
+        // 500/s * 100 ms = 50 tokens of low water.
+        assert_eq!(plan(&cfg, &u, key(80), 1_000 * MS), Plan::Wait);
+        // horizon 250 ms -> 125 wanted, minus 40 held, clamped to the burst.
+        assert_eq!(
+            plan(&cfg, &u, key(40), 1_000 * MS),
+            Plan::Renew { want: 85 }
+        );
+    }
+
+    #[test]
+    fn dry_keys_wait_and_idle_keys_release() {
+        let cfg = PlanConfig::default();
+        let u = Usage {
+            rate: 10.0,
+            last_active_ns: 1_000 * MS,
+            last_tick_ns: 1_000 * MS,
+            since_tick: 0,
+        };
+        let mut k = key(0);
+        k.waiting_cost = 1;
+        k.dry_until_ns = 2_000 * MS;
+        assert_eq!(plan(&cfg, &u, k, 1_500 * MS), Plan::Wait);
+        assert_eq!(plan(&cfg, &u, key(5), 20_000 * MS), Plan::Release);
+        let mut busy = key(5);
+        busy.in_flight = true;
+        assert_eq!(plan(&cfg, &u, busy, 1_000 * MS), Plan::Wait);
+    }
+}

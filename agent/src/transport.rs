@@ -1,0 +1,75 @@
+//! How the agent reaches its allocator. Production uses gRPC over tonic;
+//! the simulator (and unit tests of a single module) plug in their own.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use quotalease_proto::lease::allocator_client::AllocatorClient;
+use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::MAX_MESSAGE_BYTES;
+use tonic::transport::{Channel, Endpoint};
+
+/// A boxed future returned by [`Transport::lease`].
+pub type LeaseFuture<'a> = Pin<Box<dyn Future<Output = Result<LeaseReply, String>> + Send + 'a>>;
+
+/// Sends one lease batch and waits for its reply.
+pub trait Transport: Send + Sync + 'static {
+    /// Send `batch`; `Err` carries a one-line reason (unreachable, timeout,
+    /// refused...). The caller retries with the same sequence number.
+    fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_>;
+}
+
+/// gRPC to one or more allocator URLs; on an error the next URL is tried
+/// on the following call.
+#[derive(Debug)]
+pub struct GrpcTransport {
+    clients: Vec<(String, AllocatorClient<Channel>)>,
+    current: AtomicUsize,
+}
+
+impl GrpcTransport {
+    /// Lazily connecting clients (the agent starts even if no allocator
+    /// answers). `timeout` bounds each call.
+    pub fn new(urls: &[String], timeout: Duration) -> Result<Self, String> {
+        if urls.is_empty() {
+            return Err("--allocator: at least one URL is needed".into());
+        }
+        let mut clients = Vec::new();
+        for url in urls {
+            let ep = Endpoint::from_shared(url.clone())
+                .map_err(|e| format!("--allocator: {url:?} is not a valid URL: {e}"))?
+                .connect_timeout(timeout)
+                .timeout(timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_while_idle(true);
+            let client = AllocatorClient::new(ep.connect_lazy())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            clients.push((url.clone(), client));
+        }
+        Ok(Self {
+            clients,
+            current: AtomicUsize::new(0),
+        })
+    }
+}
+
+impl Transport for GrpcTransport {
+    fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
+        Box::pin(async move {
+            let i = self.current.load(Ordering::Relaxed) % self.clients.len();
+            let (url, client) = &self.clients[i];
+            let mut client = client.clone();
+            match client.lease(batch).await {
+                Ok(resp) => Ok(resp.into_inner()),
+                Err(status) => {
+                    self.current.store(i + 1, Ordering::Relaxed);
+                    Err(format!("{url}: {}: {}", status.code(), status.message()))
+                }
+            }
+        })
+    }
+}

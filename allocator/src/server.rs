@@ -1,0 +1,285 @@
+//! The allocator's tokio drivers: the gRPC `Allocator/Lease` service over an
+//! [`AllocatorCore`] behind one mutex, the rules-file watcher, the
+//! housekeeping sweep, and the HTTP admin face (`/metrics`, `/healthz`,
+//! `/readyz`, `GET /v1/keys`).
+
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response as HttpResponse};
+use axum::routing::get;
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use quotalease_proto::lease::allocator_server::{Allocator, AllocatorServer};
+use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::MAX_MESSAGE_BYTES;
+use tonic::{Request, Response, Status};
+
+use crate::clock::BootClock;
+use crate::core::{AllocatorCore, CoreConfig, KeyId};
+use crate::rules::RuleSet;
+
+/// Wall-clock milliseconds since the Unix epoch (only for versions and
+/// epochs, never for refill arithmetic).
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Shared state of a running allocator.
+#[derive(Debug)]
+pub struct Shared {
+    core: Mutex<AllocatorCore>,
+    /// Path of the rules file, if rules come from a file.
+    rules_path: Option<PathBuf>,
+    /// Last reload error (reported on /metrics and /readyz stays ready:
+    /// the last good rules keep serving).
+    last_reload_error: Mutex<Option<String>>,
+    reload_failures: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// A fresh allocator core started now.
+    pub fn new(cfg: CoreConfig, rules: RuleSet, rules_path: Option<PathBuf>) -> Arc<Self> {
+        let core = AllocatorCore::new(cfg, rules, unix_ms(), unix_ns(), BootClock::now());
+        Arc::new(Self {
+            core: Mutex::new(core),
+            rules_path,
+            last_reload_error: Mutex::new(None),
+            reload_failures: Default::default(),
+        })
+    }
+
+    /// Handle one batch now.
+    pub fn handle(&self, batch: &LeaseBatch) -> LeaseReply {
+        let mut core = self.core.lock();
+        core.handle(BootClock::now(), batch)
+    }
+
+    /// Run `f` on the core.
+    pub fn with_core<T>(&self, f: impl FnOnce(&mut AllocatorCore) -> T) -> T {
+        f(&mut self.core.lock())
+    }
+
+    /// Re-read the rules file if it changed; keep the last good rules on error.
+    pub fn reload(&self) {
+        let Some(path) = &self.rules_path else { return };
+        let version = {
+            let core = self.core.lock();
+            unix_ms().max(core.rules().version + 1)
+        };
+        match RuleSet::load(path, version) {
+            Ok(rules) => {
+                let mut core = self.core.lock();
+                if rules.rules == core.rules().rules {
+                    return;
+                }
+                tracing::info!(version, rules = rules.rules.len(), "rules reloaded");
+                core.set_rules(rules, BootClock::now());
+                *self.last_reload_error.lock() = None;
+            }
+            Err(errs) => {
+                let msg = errs
+                    .iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                let mut last = self.last_reload_error.lock();
+                if last.as_deref() != Some(msg.as_str()) {
+                    tracing::error!(errors = errs.len(), %msg, "rules file rejected; the last good rules keep serving");
+                    self.reload_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    *last = Some(msg);
+                }
+            }
+        }
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone, Debug)]
+pub struct LeaseService {
+    shared: Arc<Shared>,
+}
+
+impl LeaseService {
+    /// Wrap shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// As a tonic server with message size limits.
+    pub fn into_server(self) -> AllocatorServer<Self> {
+        AllocatorServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+}
+
+#[tonic::async_trait]
+impl Allocator for LeaseService {
+    async fn lease(&self, request: Request<LeaseBatch>) -> Result<Response<LeaseReply>, Status> {
+        let batch = request.into_inner();
+        Ok(Response::new(self.shared.handle(&batch)))
+    }
+}
+
+/// Background work: reload rules on change, sweep idle keys.
+pub async fn housekeeping(shared: Arc<Shared>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    let mut last_mtime = None;
+    loop {
+        tick.tick().await;
+        if let Some(path) = &shared.rules_path {
+            let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+            if mtime != last_mtime {
+                last_mtime = mtime;
+                shared.reload();
+            }
+        }
+        shared.with_core(|c| c.sweep(BootClock::now()));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// HTTP
+
+#[derive(serde::Deserialize)]
+struct KeyQuery {
+    rule: Option<String>,
+    tenant: Option<String>,
+    route: Option<String>,
+}
+
+async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> HttpResponse {
+    let Some(rule) = q.rule else {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(serde_json::json!({"error": "missing query parameter", "field": "rule"})),
+        )
+            .into_response();
+    };
+    let key = KeyId {
+        rule,
+        tenant: q.tenant.unwrap_or_default(),
+        route: q.route.unwrap_or_default(),
+    };
+    let now = BootClock::now();
+    shared.with_core(|core| {
+        let Some(rule) = core.rules().get(&key.rule).cloned() else {
+            return (
+                StatusCode::NOT_FOUND,
+                Json(serde_json::json!({"error": "unknown rule", "field": "rule"})),
+            )
+                .into_response();
+        };
+        let key = KeyId {
+            tenant: rule.tenant.key_part(&key.tenant).to_string(),
+            route: rule.route.key_part(&key.route).to_string(),
+            rule: key.rule,
+        };
+        let body = match core.key_view(now, &key) {
+            Some(v) => serde_json::json!({
+                "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                "known": true,
+                "available": v.available, "outstanding": v.outstanding, "burst": v.burst,
+                "rate": rule.rate.to_string(),
+                "holders": v.holders.iter().map(|(name, l)| serde_json::json!({
+                    "holder": name, "lease_id": l.id, "granted": l.granted, "spent": l.spent,
+                    "expires_in_ms": l.expires_ns.saturating_sub(now) / 1_000_000,
+                })).collect::<Vec<_>>(),
+            }),
+            None => serde_json::json!({
+                "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                "known": false,
+                "available": rule.burst, "outstanding": 0, "burst": rule.burst,
+                "rate": rule.rate.to_string(), "holders": [],
+            }),
+        };
+        (StatusCode::OK, Json(body)).into_response()
+    })
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> String {
+    let reload_failures = shared
+        .reload_failures
+        .load(std::sync::atomic::Ordering::Relaxed);
+    shared.with_core(|core| {
+        let st = core.stats();
+        let mut s = String::new();
+        for (name, v) in [
+            ("lease_messages_total", st.messages),
+            ("lease_items_total", st.items),
+            ("duplicate_messages_total", st.duplicates),
+            ("stale_messages_total", st.stale),
+            ("grants_total", st.grants),
+            ("tokens_granted_total", st.tokens_granted),
+            ("tokens_carried_total", st.tokens_carried),
+            ("releases_total", st.releases),
+            ("tokens_released_total", st.tokens_released),
+            ("key_limit_refusals_total", st.key_limit_refusals),
+            ("keys_dropped_total", st.keys_dropped),
+            ("rules_reload_failures_total", reload_failures),
+        ] {
+            let _ = writeln!(s, "# TYPE quotalease_allocator_{name} counter\nquotalease_allocator_{name} {v}");
+        }
+        let _ = writeln!(s, "# TYPE quotalease_allocator_keys gauge\nquotalease_allocator_keys {}", core.key_count());
+        let _ = writeln!(s, "# TYPE quotalease_allocator_rule_version gauge\nquotalease_allocator_rule_version {}", core.rules().version);
+        let _ = writeln!(s, "# TYPE quotalease_allocator_epoch gauge\nquotalease_allocator_epoch {}", core.epoch());
+        let _ = writeln!(s, "# HELP quotalease_allocator_shadow_violations_total grants the independent shadow bucket says would break I1 (must stay 0)\n# TYPE quotalease_allocator_shadow_violations_total counter");
+        let mut per_rule: HashMap<&str, u64> = core.rules().rules.iter().map(|r| (r.id.as_str(), 0)).collect();
+        for (rule, v) in &st.shadow_violations {
+            per_rule.insert(rule.as_str(), *v);
+        }
+        let mut rows: Vec<_> = per_rule.into_iter().collect();
+        rows.sort();
+        for (rule, v) in rows {
+            let _ = writeln!(s, "quotalease_allocator_shadow_violations_total{{rule=\"{rule}\"}} {v}");
+        }
+        let _ = writeln!(s, "# HELP quotalease_allocator_agent_rule_version_lag published rule versions each agent is behind\n# TYPE quotalease_allocator_agent_rule_version_lag gauge");
+        for (agent, lag) in core.rule_lag() {
+            let _ = writeln!(s, "quotalease_allocator_agent_rule_version_lag{{agent=\"{}\"}} {lag}", agent.escape_default());
+        }
+        s
+    })
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
+    let now = BootClock::now();
+    let ready_at = shared.with_core(|c| c.ready_at_ns());
+    if now >= ready_at {
+        (StatusCode::OK, "ready\n".into())
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: waiting {} ms for leases of a predecessor to expire\n",
+                (ready_at - now) / 1_000_000
+            ),
+        )
+    }
+}
+
+/// The allocator's HTTP admin router.
+pub fn admin_router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/v1/keys", get(keys))
+        .with_state(shared)
+}

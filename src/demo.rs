@@ -1,0 +1,341 @@
+//! `quotalease demo`: one allocator and six agents in one process, talking
+//! real gRPC over loopback, under a synthetic gateway load — one hot tenant
+//! at three times its rate and many cold ones. Ends with a table per rule,
+//! with I1 checked by an independent sliding-window counter of admissions
+//! (not the allocator's books).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use parking_lot::Mutex;
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput};
+use quotalease_agent::transport::GrpcTransport;
+use quotalease_allocator::clock::BootClock;
+use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::rules::RuleSet;
+use quotalease_allocator::server::{LeaseService, Shared};
+use quotalease_proto::v1::Reason;
+use quotalease_sim::checker::worst_window;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+const DEMO_RULES: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }
+    rate: 200/s
+    burst: 100
+    fail_policy: lease_only
+  - id: search
+    match: { tenant: "*", route: /api/search }
+    rate: 10/s
+    burst: 20
+    fail_policy: lease_only
+  - id: login
+    match: { tenant: "*", route: /api/login }
+    rate: 5/m
+    burst: 5
+    fail_policy: closed
+  - id: tenant-total
+    match: { tenant: "*" }
+    rate: 1000/s
+    burst: 500
+    fail_policy: lease_only
+"#;
+
+const AGENTS: usize = 6;
+const HOT_TENANT: &str = "acme";
+const COLD_TENANTS: usize = 300;
+
+/// Admissions per key: (rule, tenant part, route part) -> [(t_ns, cost)].
+type Log = Mutex<BTreeMap<(String, String, String), Vec<(u64, u64)>>>;
+
+#[derive(Default)]
+struct Counts {
+    checks: BTreeMap<String, u64>,
+    admitted: BTreeMap<String, u64>,
+    denied: BTreeMap<String, u64>,
+    unavailable: u64,
+}
+
+pub async fn run(duration: Duration) -> anyhow::Result<()> {
+    let rules = RuleSet::parse(DEMO_RULES, "<demo>", 1).map_err(|e| anyhow::anyhow!("{}", e[0]))?;
+    // Short TTL_max so the start-up wait (SPEC §2 "Restarts") is brief.
+    // This process is the first and only allocator of these keys, so it
+    // may skip the start-up wait that a restarted allocator must honour.
+    let cfg = CoreConfig {
+        ttl_max_ns: 1_000_000_000,
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(cfg, rules.clone(), None);
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the demo allocator")?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(LeaseService::new(shared.clone()).into_server())
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    println!(
+        "quotalease demo: allocator on {addr}, {AGENTS} agents, {}s of load",
+        duration.as_secs()
+    );
+    println!("rules: orders 200/s burst 100 per tenant (hot tenant {HOT_TENANT} asks 600/s), search 10/s burst 20 per tenant ({COLD_TENANTS} cold tenants, ~1/s each),");
+    println!("       login 5/m burst 5 per tenant ({HOT_TENANT} tries 1 every 2 s), tenant-total 1000/s burst 500 per tenant");
+    let url = format!("http://{addr}");
+    let mut agents = Vec::new();
+    for i in 0..AGENTS {
+        let t = GrpcTransport::new(std::slice::from_ref(&url), Duration::from_millis(250))
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let cfg = AgentConfig {
+            agent_id: format!("demo-agent-{i}"),
+            lease_ttl: Duration::from_secs(1),
+            ..AgentConfig::default()
+        };
+        agents.push(Agent::start(cfg, Arc::new(t), None)?);
+    }
+    // Wait for rules and for the allocator's start-up wait to pass.
+    let ready_at = shared.with_core(|c| c.ready_at_ns());
+    while BootClock::now() < ready_at || agents.iter().any(|a| !a.is_ready()) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let log: Arc<Log> = Arc::new(Mutex::new(BTreeMap::new()));
+    let counts = Arc::new(Mutex::new(Counts::default()));
+    let start = Instant::now();
+    let start_ns = BootClock::now();
+    let mut tasks = Vec::new();
+    for (i, agent) in agents.iter().enumerate() {
+        let agent = agent.clone();
+        let log = log.clone();
+        let counts = counts.clone();
+        tasks.push(tokio::spawn(async move {
+            load(i, agent, duration, log, counts).await;
+        }));
+    }
+    // Live progress.
+    let mut last = 0;
+    while start.elapsed() < duration {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (adm, den) = {
+            let c = counts.lock();
+            (
+                c.admitted.values().sum::<u64>(),
+                c.denied.values().sum::<u64>(),
+            )
+        };
+        let msgs: u64 = agents
+            .iter()
+            .map(|a| {
+                a.metrics()
+                    .messages
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum();
+        let secs = start.elapsed().as_secs();
+        if secs != last {
+            last = secs;
+            println!(
+                "  t={secs:>3}s  admitted {adm:>7}  denied {den:>7}  allocator messages {msgs:>6}"
+            );
+        }
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let end_ns = BootClock::now();
+    let t_s = (end_ns - start_ns) as f64 / 1e9;
+    let checks: u64 = agents
+        .iter()
+        .map(|a| {
+            a.metrics()
+                .checks
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    let msgs: u64 = agents
+        .iter()
+        .map(|a| {
+            a.metrics()
+                .messages
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    let msgs_by_rule: BTreeMap<String, u64> = rules
+        .rules
+        .iter()
+        .map(|r| {
+            (
+                r.id.clone(),
+                agents
+                    .iter()
+                    .map(|a| a.metrics().messages_for_rule(&r.id))
+                    .sum(),
+            )
+        })
+        .collect();
+    for a in &agents {
+        a.shutdown().await;
+    }
+    let violations: u64 = shared.with_core(|c| c.stats().shadow_violations.values().sum());
+
+    // The table: per rule, the busiest key's bound and utilization, and
+    // I1 over every window of every key.
+    println!();
+    println!(
+        "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9} {:>7} {:>7} {:>5}",
+        "rule",
+        "checks",
+        "admitted",
+        "denied",
+        "keys",
+        "busiest key",
+        "its adm",
+        "B+R*T",
+        "util %",
+        "chk/msg",
+        "I1"
+    );
+    let log = log.lock();
+    let counts = counts.lock();
+    let mut all_held = true;
+    for rule in &rules.rules {
+        let mut held = true;
+        let mut busiest: Option<(u64, String)> = None;
+        let mut keys = 0;
+        for ((rid, tenant, route), adm) in log.iter() {
+            if rid != &rule.id {
+                continue;
+            }
+            keys += 1;
+            let mut a = adm.clone();
+            let w = worst_window(&mut a, rule.rate, rule.burst);
+            held &= w.held();
+            let total: u64 = adm.iter().map(|x| x.1).sum();
+            if busiest.as_ref().is_none_or(|b| total > b.0) {
+                busiest = Some((total, format!("{tenant}{route}")));
+            }
+        }
+        all_held &= held;
+        let rate_per_s = rule.rate.tokens as f64 / rule.rate.period_s as f64;
+        let bound = rule.burst as f64 + rate_per_s * t_s;
+        let (b_adm, b_name) = busiest.unwrap_or((0, "-".into()));
+        let util = 100.0 * b_adm as f64 / bound.max(1e-9);
+        let rule_checks = counts.checks.get(&rule.id).copied().unwrap_or(0);
+        let rule_msgs = msgs_by_rule.get(&rule.id).copied().unwrap_or(0);
+        println!(
+            "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9.0} {:>7.1} {:>7.1} {:>5}",
+            rule.id,
+            rule_checks,
+            counts.admitted.get(&rule.id).copied().unwrap_or(0),
+            counts.denied.get(&rule.id).copied().unwrap_or(0),
+            keys,
+            truncate(&b_name, 13),
+            b_adm,
+            bound,
+            util.min(999.9),
+            rule_checks as f64 / rule_msgs.max(1) as f64,
+            if held { "held" } else { "BROKEN" }
+        );
+    }
+    println!();
+    println!("T = {t_s:.1}s. For the busiest key of each rule: its admitted tokens, the bound B + R*T, and util % = admitted / (B + R*T).");
+    println!("chk/msg = checks matching the rule / allocator messages carrying any of its keys (a batch counts once); all rules: {checks} checks / {msgs} messages.");
+    if counts.unavailable > 0 {
+        println!("{} checks were answered unavailable.", counts.unavailable);
+    }
+    println!("I1 is checked over every window of every key from the admissions recorded here, independently of the allocator; shadow-bucket alarms: {violations}");
+    if !all_held || violations > 0 {
+        anyhow::bail!("the bound B + R*T was broken");
+    }
+    Ok(())
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n - 1).collect::<String>())
+    }
+}
+
+/// Open-loop load for one agent: the hot tenant at 3x its rate split over
+/// the agents, cold tenants at ~1/s each, and occasional logins.
+async fn load(
+    i: usize,
+    agent: Agent,
+    duration: Duration,
+    log: Arc<Log>,
+    counts: Arc<Mutex<Counts>>,
+) {
+    let hot_per_agent = 600.0 / AGENTS as f64; // 3x the orders rate of 200/s
+    let cold_per_agent = COLD_TENANTS as f64 / AGENTS as f64; // ~1/s per cold tenant
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    let (mut hot_due, mut cold_due, mut login_due) = (0.0f64, 0.0f64, 0.0f64);
+    let mut n = 0u64;
+    let rules = agent.rules().expect("agent is ready");
+    while start.elapsed() < duration {
+        tick.tick().await;
+        let dt = 0.005;
+        hot_due += hot_per_agent * dt;
+        cold_due += cold_per_agent * dt;
+        login_due += 0.5 * dt;
+        let mut batch: Vec<(String, &str)> = Vec::new();
+        while hot_due >= 1.0 {
+            hot_due -= 1.0;
+            batch.push((HOT_TENANT.to_string(), "/api/orders"));
+        }
+        while cold_due >= 1.0 {
+            cold_due -= 1.0;
+            n += 1;
+            let t = (n as usize * 7 + i * 13) % COLD_TENANTS;
+            batch.push((format!("tenant-{t:03}"), "/api/search"));
+        }
+        while login_due >= 1.0 {
+            login_due -= 1.0;
+            batch.push((HOT_TENANT.to_string(), "/api/login"));
+        }
+        for (tenant, route) in batch {
+            let input = CheckInput {
+                tenant: &tenant,
+                route,
+                cost: 1,
+                request_id: "",
+                domain: None,
+            };
+            let res = agent.check(input).await;
+            let t = BootClock::now();
+            let matched = rules.matching(None, &tenant, route);
+            let mut c = counts.lock();
+            for rule in &matched {
+                *c.checks.entry(rule.id.clone()).or_insert(0) += 1;
+            }
+            match res {
+                Ok(r) if r.allowed && r.reason != Reason::NoRule as i32 => {
+                    let mut l = log.lock();
+                    for rule in matched.iter().filter(|r| !r.shadow) {
+                        *c.admitted.entry(rule.id.clone()).or_insert(0) += 1;
+                        l.entry((
+                            rule.id.clone(),
+                            rule.tenant.key_part(&tenant).to_string(),
+                            rule.route.key_part(route).to_string(),
+                        ))
+                        .or_default()
+                        .push((t, 1));
+                    }
+                }
+                Ok(_) => {
+                    for rule in &matched {
+                        *c.denied.entry(rule.id.clone()).or_insert(0) += 1;
+                    }
+                }
+                Err(_) => c.unavailable += 1,
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The long-running commands: `allocator`, `agent`, and `rules validate`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use quotalease_agent::agent::{Agent, AgentConfig};
+use quotalease_agent::renewal::PlanConfig;
+use quotalease_agent::service::{self, CheckService};
+use quotalease_agent::transport::GrpcTransport;
+use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::rules::RuleSet;
+use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::{AgentArgs, AllocatorArgs};
+
+/// Load a rules file or fail with every error on its own line.
+pub fn load_rules(path: &Path, version: u64) -> anyhow::Result<RuleSet> {
+    RuleSet::load(path, version).map_err(|errs| {
+        let lines: Vec<String> = errs.iter().map(|e| format!("  {e}")).collect();
+        anyhow!(
+            "{} error(s) in rules file {}:\n{}",
+            errs.len(),
+            path.display(),
+            lines.join("\n")
+        )
+    })
+}
+
+/// `quotalease rules validate FILE`.
+pub fn validate(path: &Path) -> anyhow::Result<()> {
+    let rules = load_rules(path, 0)?;
+    println!("{}: {} rule(s), valid", path.display(), rules.rules.len());
+    println!("{}", rules.summary());
+    Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn terminated() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(%e, "cannot install the SIGTERM handler");
+            std::future::pending::<()>().await;
+            unreachable!()
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn bind(flag: &str, addr: std::net::SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{flag} {addr}: cannot listen"))
+}
+
+/// `quotalease allocator`.
+pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
+    let version = alloc_server::unix_ms();
+    let rules = load_rules(&args.rules, version)?;
+    for r in &rules.rules {
+        if r.fail_policy == quotalease_allocator::rules::FailPolicy::Open {
+            tracing::warn!(rule = %r.id, "fail_policy open acts as lease_only until the emergency bucket exists");
+        }
+    }
+    let cfg = CoreConfig {
+        ttl_max_ns: args.ttl_max.as_nanos() as u64,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(cfg, rules, Some(args.rules.clone()));
+    let grpc = bind("--listen", args.listen).await?;
+    let http = bind("--http", args.http).await?;
+    println!(
+        "quotalease allocator grpc={} http={}",
+        grpc.local_addr()?,
+        http.local_addr()?
+    );
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, ttl_max = ?args.ttl_max, "allocator started; no grants until TTL_max has passed");
+    let hk = tokio::spawn(alloc_server::housekeeping(
+        shared.clone(),
+        Duration::from_millis(500),
+    ));
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let mut rx2 = rx.clone();
+    let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
+        .with_graceful_shutdown(async move {
+            let _ = rx2.wait_for(|s| *s).await;
+        });
+    let admin = tokio::spawn(async move { admin.await });
+    let mut rx3 = rx.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(LeaseService::new(shared).into_server())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+            let _ = rx3.wait_for(|s| *s).await;
+        });
+    let server = tokio::spawn(server);
+    terminated().await;
+    tracing::info!("stopping");
+    let _ = tx.send(true);
+    hk.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
+    Ok(())
+}
+
+/// `quotalease agent`.
+pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
+    let bootstrap = match &args.rules {
+        Some(p) => Some(load_rules(p, 0)?),
+        None => None,
+    };
+    let transport =
+        GrpcTransport::new(&args.allocator, args.fetch_timeout).map_err(|e| anyhow!(e))?;
+    let cfg = AgentConfig {
+        agent_id: args
+            .agent_id
+            .clone()
+            .unwrap_or_else(|| format!("agent-{}", std::process::id())),
+        lease_ttl: args.lease_ttl,
+        plan: PlanConfig {
+            renew_interval: args.renew_interval,
+            low_water: args.low_water,
+            idle_release: args.idle_release,
+            ..PlanConfig::default()
+        },
+        fetch_timeout: args.fetch_timeout,
+        admission_log: args.admission_log.clone(),
+        ..AgentConfig::default()
+    };
+    let grpc = bind("--grpc", args.grpc).await?;
+    let http = bind("--http", args.http).await?;
+    let agent = Agent::start(cfg, Arc::new(transport), bootstrap).context("starting the agent")?;
+    println!(
+        "quotalease agent grpc={} http={}",
+        grpc.local_addr()?,
+        http.local_addr()?
+    );
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, allocator = ?args.allocator, "agent started");
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let mut rx2 = rx.clone();
+    let admin = tokio::spawn(service::serve_admin(agent.clone(), http, async move {
+        let _ = rx2.wait_for(|s| *s).await;
+    }));
+    let mut rx3 = rx.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(CheckService::new(agent.clone()).into_server())
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+                let _ = rx3.wait_for(|s| *s).await;
+            }),
+    );
+    terminated().await;
+    tracing::info!("stopping: releasing unused lease tokens");
+    let _ = tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    agent.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), admin).await;
+    Ok(())
+}

@@ -88,6 +88,12 @@ pub struct AllocatorArgs {
     /// nothing for this long (plus drift margin).
     #[arg(long = "ttl-max", default_value = "2s", value_parser = parse_duration)]
     ttl_max: Duration,
+    /// Directory for the allocator's start record. When it holds no record,
+    /// no allocator ever served these keys, so buckets start full; when it
+    /// does (a restart), every key is treated as fully leased out until
+    /// TTL_max has passed. Without it every start is treated as a restart.
+    #[arg(long = "state-dir")]
+    state_dir: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

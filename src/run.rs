@@ -60,6 +60,21 @@ async fn bind(flag: &str, addr: std::net::SocketAddr) -> anyhow::Result<TcpListe
         .with_context(|| format!("{flag} {addr}: cannot listen"))
 }
 
+/// Record this start in `dir`; true if no start was recorded before (no
+/// predecessor can have leases outstanding).
+fn first_start(dir: &Path) -> anyhow::Result<bool> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--state-dir {}: cannot create", dir.display()))?;
+    let marker = dir.join("allocator-started");
+    let first = !marker.exists();
+    let tmp = dir.join("allocator-started.tmp");
+    std::fs::write(&tmp, format!("{}\n", alloc_server::unix_ms()))
+        .and_then(|_| std::fs::rename(&tmp, &marker))
+        .and_then(|_| std::fs::File::open(dir)?.sync_all())
+        .with_context(|| format!("--state-dir {}: cannot record the start", dir.display()))?;
+    Ok(first)
+}
+
 /// `quotalease allocator`.
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let version = alloc_server::unix_ms();
@@ -69,8 +84,16 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             tracing::warn!(rule = %r.id, "fail_policy open acts as lease_only until the emergency bucket exists");
         }
     }
+    let no_predecessor = match &args.state_dir {
+        Some(dir) => first_start(dir)?,
+        None => false,
+    };
+    if no_predecessor {
+        tracing::info!("first start for this state directory: buckets start full");
+    }
     let cfg = CoreConfig {
         ttl_max_ns: args.ttl_max.as_nanos() as u64,
+        no_predecessor,
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, Some(args.rules.clone()));

@@ -176,6 +176,7 @@ pub struct Slot {
     tenant: String,
     route: String,
     dry_until_ns: AtomicU64,
+    /// Sum of the costs of requests waiting for this key's next grant.
     waiting_cost: AtomicU64,
     /// Tokens asked for but denied since the last tick (demand the lease
     /// could not serve; counted off the fast path).
@@ -495,7 +496,7 @@ impl Agent {
                     let parked = slot.parked.notified();
                     tokio::pin!(parked);
                     parked.as_mut().enable();
-                    slot.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                    slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
                     for &ri in &m.idx[..m.n] {
                         let other = &rules.rules[ri as usize];
                         if other.shadow || ri as usize == rule_idx {
@@ -503,7 +504,7 @@ impl Agent {
                         }
                         if let Some(s) = self.slot_for(other, input.tenant, input.route) {
                             if s.word.peek(t).is_none_or(|held| held < cost) {
-                                s.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                                s.waiting_cost.fetch_add(cost, Ordering::AcqRel);
                             }
                         }
                     }
@@ -637,7 +638,7 @@ impl Agent {
                                 .shadow_over_limit
                                 .fetch_add(1, Ordering::Relaxed);
                         } else {
-                            slot.waiting_cost.fetch_max(cost, Ordering::AcqRel);
+                            slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
                             self.inner.wake.notify_one();
                         }
                     }

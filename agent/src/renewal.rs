@@ -9,8 +9,9 @@
 //!   renewal round trip plus margin), or when a request is waiting.
 //! * **Size.** Ask for enough to cover `rate * horizon` where
 //!   `horizon = 2 * low_water + renew_interval`, minus what is still held;
-//!   at least the largest pending cost, at most the burst. A key with no
-//!   history (cold) asks for `max(cost, burst / 16)`: a small lease.
+//!   at least what waiting requests need, at most the burst. A key with no
+//!   history (cold) asks for exactly what its waiting requests cost: the
+//!   smallest lease, so no tokens strand in an agent that will not use them.
 //! * **Refresh.** An active key whose lease nears its deadline renews (to
 //!   report spent tokens and carry the rest) before it lapses.
 //! * **Idle.** A key that consumed nothing for `idle_release` releases its
@@ -107,7 +108,7 @@ pub struct KeyNow {
     pub deadline_ns: u64,
     /// Burst of the key's rule.
     pub burst: u64,
-    /// A request is waiting for tokens, with this largest cost (0 = none).
+    /// Tokens that waiting requests need (sum of their costs; 0 = none).
     pub waiting_cost: u64,
     /// The allocator said not to come back before this.
     pub dry_until_ns: u64,

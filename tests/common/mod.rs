@@ -1,0 +1,231 @@
+//! Test harness: real `quotalease` child processes on 127.0.0.1, real gRPC.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use quotalease_proto::v1::rate_limiter_client::RateLimiterClient;
+use tonic::transport::Channel;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_quotalease");
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub name: String,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[String]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn quotalease");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the start line");
+        let field = |k: &str| -> SocketAddr {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")))
+                .unwrap_or_else(|| panic!("{name}: no {k}= in start line {line:?}"))
+                .parse()
+                .expect("socket address")
+        };
+        let (grpc, http) = (field("grpc"), field("http"));
+        Proc {
+            child,
+            grpc,
+            http,
+            name: name.to_string(),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// SIGTERM and wait for a clean exit (agents flush their admission logs).
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not stop on SIGTERM",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL now.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port (bound then released).
+pub fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr")
+}
+
+pub fn write_rules(dir: &Path, yaml: &str) -> PathBuf {
+    let p = dir.join("rules.yaml");
+    std::fs::write(&p, yaml).expect("write rules");
+    p
+}
+
+pub fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "quotalease-test-{name}-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("tempdir");
+    d
+}
+
+/// Start an allocator. `listen` may be a fixed address (to restart on the
+/// same port) or None for any free port.
+pub fn allocator(
+    rules: &Path,
+    state_dir: &Path,
+    listen: Option<SocketAddr>,
+    ttl_max: &str,
+) -> Proc {
+    let listen = listen
+        .map(|a| a.to_string())
+        .unwrap_or("127.0.0.1:0".into());
+    Proc::spawn(
+        "allocator",
+        &[
+            "allocator".into(),
+            "--listen".into(),
+            listen,
+            "--http".into(),
+            "127.0.0.1:0".into(),
+            "--rules".into(),
+            rules.display().to_string(),
+            "--state-dir".into(),
+            state_dir.display().to_string(),
+            "--ttl-max".into(),
+            ttl_max.into(),
+        ],
+    )
+}
+
+/// Start an agent with a test-only admission log.
+pub fn agent(id: &str, allocator_url: &str, log: Option<&Path>, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "agent".into(),
+        "--allocator".into(),
+        allocator_url.into(),
+        "--grpc".into(),
+        "127.0.0.1:0".into(),
+        "--http".into(),
+        "127.0.0.1:0".into(),
+        "--agent-id".into(),
+        id.into(),
+    ];
+    if let Some(l) = log {
+        args.push("--admission-log".into());
+        args.push(l.display().to_string());
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn(id, &args)
+}
+
+/// Minimal HTTP/1.1 GET (test helper): (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).expect("read http");
+    let status = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (status, body)
+}
+
+/// Wait until GET `path` answers 200.
+pub fn wait_ok(addr: SocketAddr, path: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+            let _ = write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+            );
+            let mut buf = String::new();
+            let _ = s.read_to_string(&mut buf);
+            if buf.starts_with("HTTP/1.1 200") {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr}{path} not ready within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub async fn client(p: &Proc) -> RateLimiterClient<Channel> {
+    RateLimiterClient::connect(p.url())
+        .await
+        .expect("connect agent")
+}
+
+/// Read admission logs: per key (rule, tenant, route) the (t_ns, cost) list.
+pub fn read_admissions(
+    logs: &[PathBuf],
+) -> std::collections::BTreeMap<(String, String, String), Vec<(u64, u64)>> {
+    let mut out: std::collections::BTreeMap<_, Vec<(u64, u64)>> = Default::default();
+    for l in logs {
+        let text = std::fs::read_to_string(l).unwrap_or_default();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split('\t').collect();
+            assert_eq!(f.len(), 5, "admission log line {line:?}");
+            out.entry((f[1].to_string(), f[2].to_string(), f[3].to_string()))
+                .or_default()
+                .push((f[0].parse().expect("t"), f[4].parse().expect("cost")));
+        }
+    }
+    out
+}

@@ -1,0 +1,126 @@
+//! End to end: one hot key, R = 500/s, B = 100, three agents as child
+//! processes, 24 concurrent clients asking 3x R for 10 s. I1 is checked
+//! exactly over every window from the agents' admission logs (one machine,
+//! one CLOCK_BOOTTIME); utilization must be at least 90% of B + R*T.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quotalease_allocator::rules::Rate;
+use quotalease_proto::v1::CheckRequest;
+use quotalease_sim::checker::worst_window;
+
+const RULES: &str = r#"
+rules:
+  - id: hot
+    match: { tenant: "*", route: /api/hot }
+    rate: 500/s
+    burst: 100
+    fail_policy: lease_only
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_keeps_the_bound_with_high_utilization() {
+    let dir = tempdir("hot");
+    let rules = write_rules(&dir, RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let logs: Vec<_> = (0..3).map(|i| dir.join(format!("adm-{i}.log"))).collect();
+    let agents: Vec<Proc> = (0..3)
+        .map(|i| agent(&format!("hot-{i}"), &alloc.url(), Some(&logs[i]), &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+
+    let run = Duration::from_secs(10);
+    let clients_per_agent = 8;
+    let per_client_rate = 1500.0 / (3 * clients_per_agent) as f64; // 3x R in total
+    let allowed = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for a in &agents {
+        for _ in 0..clients_per_agent {
+            let mut c = client(a).await;
+            let (allowed, sent, errors) = (allowed.clone(), sent.clone(), errors.clone());
+            tasks.push(tokio::spawn(async move {
+                let period = Duration::from_secs_f64(1.0 / per_client_rate);
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                while start.elapsed() < run {
+                    tick.tick().await;
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    let req = CheckRequest {
+                        tenant_id: "acme".into(),
+                        route_id: "/api/hot".into(),
+                        cost: 1,
+                        ..Default::default()
+                    };
+                    match c.check(req).await {
+                        Ok(r) if r.get_ref().allowed => {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(_) => {}
+                        Err(_) => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let (_, metrics) = http_get(alloc.http, "/metrics");
+    for a in agents {
+        assert!(a.terminate().success());
+    }
+
+    let adm = read_admissions(&logs);
+    let key = (
+        "hot".to_string(),
+        "acme".to_string(),
+        "/api/hot".to_string(),
+    );
+    let mut hot = adm.get(&key).cloned().unwrap_or_default();
+    let admitted: u64 = hot.iter().map(|a| a.1).sum();
+    assert_eq!(
+        admitted,
+        allowed.load(Ordering::Relaxed),
+        "admission logs and client answers disagree"
+    );
+    assert_eq!(errors.load(Ordering::Relaxed), 0, "gRPC errors");
+    let rate = Rate {
+        tokens: 500,
+        period_s: 1,
+    };
+    let w = worst_window(&mut hot, rate, 100);
+    assert!(
+        w.held(),
+        "I1 broken: {} admitted in [{}, {}] ns, excess {}",
+        w.admitted,
+        w.from_ns,
+        w.to_ns,
+        w.excess
+    );
+    let t_s = (hot.last().unwrap().0 - hot.first().unwrap().0) as f64 / 1e9;
+    let bound = 100.0 + 500.0 * t_s;
+    let util = admitted as f64 / bound;
+    eprintln!(
+        "hot key: sent {} admitted {admitted} over {t_s:.2}s, bound {bound:.0}, utilization {:.1}%",
+        sent.load(Ordering::Relaxed),
+        util * 100.0
+    );
+    assert!(util >= 0.90, "utilization {:.1}% < 90%", util * 100.0);
+    assert!(
+        metrics.contains("quotalease_allocator_shadow_violations_total{rule=\"hot\"} 0"),
+        "shadow bucket alarm: {metrics}"
+    );
+}

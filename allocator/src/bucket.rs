@@ -321,19 +321,20 @@ mod tests {
         ]
     }
 
-    /// Model in exact rationals: tokens = num / (period_ms), stepped every 1 ms.
+    /// Model in exact rationals: `scaled / period_ms` tokens where
+    /// `period_ms` counts nanoseconds (one token = the period in ns), stepped
+    /// every 1 ms (adds n * 1e6).
     struct Model {
         n: u64,
         period_ms: u64,
         burst: u64,
-        // tokens * period_ms (so 1 ms of refill adds n)
         scaled: u128,
     }
 
     impl Model {
         fn tick(&mut self) {
             let cap = u128::from(self.burst) * u128::from(self.period_ms);
-            self.scaled = (self.scaled + u128::from(self.n)).min(cap);
+            self.scaled = (self.scaled + u128::from(self.n) * 1_000_000).min(cap);
         }
         fn tokens(&self) -> u64 {
             (self.scaled / u128::from(self.period_ms)) as u64
@@ -355,7 +356,8 @@ mod tests {
             let ms = 1_000_000u64;
             let mut r = rate(n, period);
             let mut b = TokenBucket::new_full(r, burst, 0);
-            let mut m = Model { n, period_ms: period * 1000, burst, scaled: u128::from(burst) * u128::from(period * 1000) };
+            let unit = 1_000_000_000u64; // ns per second
+            let mut m = Model { n, period_ms: period * unit, burst, scaled: u128::from(burst) * u128::from(period * unit) };
             let mut now_ms = 0u64;
             // (time_ms, tokens) of each admission, plus limit history.
             let mut admitted: Vec<(u64, u64)> = Vec::new();
@@ -397,8 +399,8 @@ mod tests {
                         let r2 = rate(n2, p2);
                         b.set_limits(r2, b2, now_ms * ms);
                         // Model: rescale scaled units to the new period, round down, clamp.
-                        m.scaled = m.scaled * u128::from(p2 * 1000) / u128::from(m.period_ms);
-                        m.n = n2; m.period_ms = p2 * 1000; m.burst = b2;
+                        m.scaled = m.scaled * u128::from(p2 * unit) / u128::from(m.period_ms);
+                        m.n = n2; m.period_ms = p2 * unit; m.burst = b2;
                         m.scaled = m.scaled.min(u128::from(b2) * u128::from(m.period_ms));
                         r = r2;
                         changes.push((now_ms, r2, b2));

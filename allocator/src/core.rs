@@ -136,7 +136,8 @@ pub struct KeyView {
 pub struct AllocatorCore {
     cfg: CoreConfig,
     epoch: u64,
-    ready_at_ns: u64,
+    /// None: no predecessor, buckets start full.
+    ready_at_ns: Option<u64>,
     rules: RuleSet,
     /// Versions published during this process, oldest first (for lag).
     versions: Vec<u64>,
@@ -162,9 +163,9 @@ impl AllocatorCore {
         now_ns: u64,
     ) -> Self {
         let ready_at_ns = if cfg.no_predecessor {
-            0
+            None
         } else {
-            now_ns.saturating_add(cfg.restart_wait_ns())
+            Some(now_ns.saturating_add(cfg.restart_wait_ns()))
         };
         Self {
             versions: vec![rules.version],
@@ -189,7 +190,7 @@ impl AllocatorCore {
 
     /// Instant from which this allocator hands out tokens.
     pub fn ready_at_ns(&self) -> u64 {
-        self.ready_at_ns
+        self.ready_at_ns.unwrap_or(0)
     }
 
     /// The rules in force.

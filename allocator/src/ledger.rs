@@ -31,6 +31,9 @@ use crate::rules::Rate;
 /// Index of a holder (an agent or a child allocator) in the allocator.
 pub type HolderId = u32;
 
+/// Longest extra wait the renewal economy adds to a retry hint.
+pub const ECONOMY_WAIT_MS: u64 = 250;
+
 /// The holder id of the phantom lease an allocator starts with.
 pub const PHANTOM: HolderId = u32::MAX;
 
@@ -118,8 +121,21 @@ impl KeyLedger {
     /// A ledger created at `now_ns` by an allocator that may hand out tokens
     /// only from `ready_at_ns` on (SPEC §2 "Restarts"): before then the key
     /// is fully leased out to a phantom holder; after it, the bucket holds
-    /// what it would have refilled from empty since `ready_at_ns`.
-    pub fn new(rate: Rate, burst: u64, now_ns: u64, ready_at_ns: u64) -> Self {
+    /// what it would have refilled from empty since `ready_at_ns`. `None`
+    /// means no predecessor ever granted this key: the bucket starts full.
+    pub fn new(rate: Rate, burst: u64, now_ns: u64, ready_at_ns: Option<u64>) -> Self {
+        let Some(ready_at_ns) = ready_at_ns else {
+            return Self {
+                rate,
+                burst,
+                available: Level::new(burst, rate, now_ns),
+                leases: Vec::new(),
+                outstanding: 0,
+                demand: Vec::new(),
+                shadow: TokenBucket::new_full(rate, burst, now_ns),
+                last_used_ns: now_ns,
+            };
+        };
         let start = now_ns.min(ready_at_ns);
         let mut l = Self {
             rate,
@@ -261,12 +277,21 @@ impl KeyLedger {
         } else {
             0
         };
-        // 5. When to come back if the bucket could not give what was asked.
+        // 5. When to come back if the bucket could not give what was asked:
+        // when one more token exists (the exact `ceil(missing / rate)`), or,
+        // for the renewal economy, when every active holder can get a useful
+        // share (B / 2 in all), whichever is later, but never more than
+        // ECONOMY_WAIT_MS beyond the first.
         let retry_after_ms = if fresh < req.want {
             let holders = self.demand.len().max(1) as u64;
             let useful = (self.burst / (2 * holders)).clamp(1, req.want - fresh);
             let target = (useful * holders).min(self.burst);
-            self.available.wait_ms(self.rate, target).max(1)
+            let one = self.available.wait_ms(self.rate, avail - fresh + 1).max(1);
+            let economy = self
+                .available
+                .wait_ms(self.rate, target)
+                .min(ECONOMY_WAIT_MS);
+            one.max(economy)
         } else {
             0
         };

@@ -27,7 +27,7 @@ fn core_at(now: u64, ready_immediately: bool) -> AllocatorCore {
     let cfg = CoreConfig::default();
     let mut c = AllocatorCore::new(cfg, rules, 1, 1000, now);
     if ready_immediately {
-        c.ready_at_ns = 0;
+        c.ready_at_ns = None;
     }
     c
 }

@@ -26,7 +26,7 @@ fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) 
 
 #[test]
 fn fresh_key_is_full_and_grants_fair_shares() {
-    let mut l = KeyLedger::new(rate(10, 1), 100, 10 * SEC, 0);
+    let mut l = KeyLedger::new(rate(10, 1), 100, 10 * SEC, Some(0));
     assert_eq!(l.available(), 100);
     let g = l.renew(10 * SEC, renewal(1, 0, 0, 30, 1), SEC);
     assert_eq!((g.tokens, g.fresh, g.carried), (30, 30, 0));
@@ -40,7 +40,7 @@ fn fresh_key_is_full_and_grants_fair_shares() {
 
 #[test]
 fn spent_reports_free_room_for_refill_and_never_count_twice() {
-    let mut l = KeyLedger::new(rate(10, 1), 20, T0, 0);
+    let mut l = KeyLedger::new(rate(10, 1), 20, T0, Some(0));
     let g = l.renew(T0, renewal(1, 0, 0, 20, 1), SEC);
     assert_eq!(g.tokens, 20);
     assert_eq!(l.available(), 0);
@@ -61,7 +61,7 @@ fn spent_reports_free_room_for_refill_and_never_count_twice() {
 
 #[test]
 fn expiry_applies_at_its_instant_and_unspent_counts_as_spent() {
-    let mut l = KeyLedger::new(rate(10, 1), 20, T0, 0);
+    let mut l = KeyLedger::new(rate(10, 1), 20, T0, Some(0));
     l.renew(T0, renewal(1, 0, 0, 20, 1), SEC); // expires at 2 s
                                                // Advance straight to 3 s: the lease expired at 2 s, so only 1 s of refill.
     l.advance(T0 + 3 * SEC);
@@ -71,7 +71,7 @@ fn expiry_applies_at_its_instant_and_unspent_counts_as_spent() {
 
 #[test]
 fn release_returns_the_rest_once() {
-    let mut l = KeyLedger::new(rate(1, 60), 10, T0, 0);
+    let mut l = KeyLedger::new(rate(1, 60), 10, T0, Some(0));
     l.renew(T0, renewal(1, 0, 0, 10, 7), SEC);
     assert_eq!(l.release(T0, 1, 7, 4), Some(6));
     assert_eq!(l.available(), 6);
@@ -83,7 +83,7 @@ fn release_returns_the_rest_once() {
 #[test]
 fn restart_treats_the_key_as_fully_leased_until_ready() {
     // Allocator started at 0 with TTL_max ~ 2 s: ready at 2 s.
-    let mut l = KeyLedger::new(rate(10, 1), 20, SEC, 2 * SEC);
+    let mut l = KeyLedger::new(rate(10, 1), 20, SEC, Some(2 * SEC));
     assert_eq!(l.available(), 0);
     assert_eq!(l.outstanding(), 20);
     let g = l.renew(SEC, renewal(1, 0, 0, 5, 1), SEC);
@@ -93,16 +93,16 @@ fn restart_treats_the_key_as_fully_leased_until_ready() {
     assert_eq!(l.outstanding(), 0);
     assert_eq!(l.available(), 10);
     // A key first seen well after ready is full.
-    let l2 = KeyLedger::new(rate(10, 1), 20, 10 * SEC, 2 * SEC);
+    let l2 = KeyLedger::new(rate(10, 1), 20, 10 * SEC, Some(2 * SEC));
     assert_eq!(l2.available(), 20);
     // ... but one seen just after ready has only refilled since ready.
-    let l3 = KeyLedger::new(rate(10, 1), 20, 2 * SEC + 500 * MS, 2 * SEC);
+    let l3 = KeyLedger::new(rate(10, 1), 20, 2 * SEC + 500 * MS, Some(2 * SEC));
     assert_eq!(l3.available(), 5);
 }
 
 #[test]
 fn lowering_burst_below_outstanding_stops_grants() {
-    let mut l = KeyLedger::new(rate(10, 1), 100, T0, 0);
+    let mut l = KeyLedger::new(rate(10, 1), 100, T0, Some(0));
     l.renew(T0, renewal(1, 0, 0, 80, 1), SEC);
     l.set_limits(rate(10, 1), 50, T0);
     assert_eq!(l.available(), 0);
@@ -113,7 +113,7 @@ fn lowering_burst_below_outstanding_stops_grants() {
 
 #[test]
 fn rate_change_does_not_reset_to_full() {
-    let mut l = KeyLedger::new(rate(60, 60), 20, T0, 0);
+    let mut l = KeyLedger::new(rate(60, 60), 20, T0, Some(0));
     l.renew(T0, renewal(1, 0, 0, 20, 1), SEC);
     l.release(T0, 1, 1, 20);
     assert_eq!(l.available(), 0);
@@ -174,7 +174,7 @@ proptest! {
         let r = rate(n, period);
         let ttl_ns = 500 * MS;
         let mut now = 0u64;
-        let mut l = KeyLedger::new(r, burst, now, 0);
+        let mut l = KeyLedger::new(r, burst, now, None);
         let mut held = [Held::default(); 3];
         let mut next_id = 1u64;
         let mut admitted: Vec<(u64, u64)> = Vec::new();
@@ -229,7 +229,7 @@ proptest! {
                 Op::Restart => {
                     // A new allocator knows nothing; holders keep their leases
                     // until their own deadlines. Ready after TTL_max.
-                    l = KeyLedger::new(r, burst, now, now + ttl_ns);
+                    l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
                 }
             }
             prop_assert!(l.i2_holds(), "I2 broken at {} ms: available {} outstanding {} burst {}", now / MS, l.available(), l.outstanding(), burst);
@@ -258,7 +258,7 @@ proptest! {
         horizon_ms in 1u64..4000,
     ) {
         let r = rate(n, 1);
-        let mut lazy = KeyLedger::new(r, burst, 0, 0);
+        let mut lazy = KeyLedger::new(r, burst, 0, None);
         for (i, (w, ttl_ms)) in wants.iter().enumerate() {
             lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1 }, SEC);
         }

@@ -1,0 +1,360 @@
+//! End to end, the classic cases and bad input, against real allocator and
+//! agent processes on 127.0.0.1.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use quotalease_proto::v1::{CheckRequest, Reason};
+
+const RULES: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }
+    rate: 60/m
+    burst: 20
+    fail_policy: lease_only
+  - id: login
+    match: { tenant: "*", route: /api/login }
+    rate: 5/m
+    burst: 5
+    fail_policy: closed
+  - id: daily
+    match: { tenant: "*", route: /api/daily }
+    rate: 1/d
+    burst: 10
+    fail_policy: lease_only
+"#;
+
+fn req(tenant: &str, route: &str, cost: u32, request_id: &str) -> CheckRequest {
+    CheckRequest {
+        tenant_id: tenant.into(),
+        route_id: route.into(),
+        cost,
+        rule_version: 0,
+        request_id: request_id.into(),
+    }
+}
+
+struct Cluster {
+    _alloc: Proc,
+    agents: Vec<Proc>,
+}
+
+fn cluster(name: &str, agents: usize) -> Cluster {
+    let dir = tempdir(name);
+    let rules = write_rules(&dir, RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let agents: Vec<Proc> = (0..agents)
+        .map(|i| agent(&format!("{name}-{i}"), &alloc.url(), None, &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+    Cluster {
+        _alloc: alloc,
+        agents,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_sixty_per_minute_burst_twenty_per_tenant() {
+    let c = cluster("orders", 1);
+    let mut cl = client(&c.agents[0]).await;
+    let start = Instant::now();
+    let mut allowed = 0;
+    for _ in 0..30 {
+        let r = cl
+            .check(req("t1", "/api/orders", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        if r.allowed {
+            allowed += 1;
+            assert_eq!(r.rule_id, "orders");
+        } else {
+            assert_eq!(r.reason, Reason::OverLimit as i32);
+            assert!(
+                r.retry_after_ms >= 1 && r.retry_after_ms <= 1_000,
+                "retry {}",
+                r.retry_after_ms
+            );
+        }
+    }
+    // 20 of burst plus at most one per second that passed.
+    let extra = start.elapsed().as_secs();
+    assert!(
+        allowed >= 20 && allowed <= 20 + extra,
+        "allowed {allowed} in {:?}",
+        start.elapsed()
+    );
+    // Another tenant has its own bucket.
+    let r = cl
+        .check(req("t2", "/api/orders", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn login_five_per_minute_then_denied_with_a_finite_retry() {
+    let c = cluster("login", 1);
+    let mut cl = client(&c.agents[0]).await;
+    let mut allowed = 0;
+    let mut retry = Vec::new();
+    for _ in 0..10 {
+        let r = cl
+            .check(req("alice", "/api/login", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        if r.allowed {
+            allowed += 1;
+        } else {
+            assert_eq!(r.reason, Reason::OverLimit as i32);
+            retry.push(r.retry_after_ms);
+        }
+    }
+    assert_eq!(allowed, 5);
+    // One token comes back every 12 s.
+    assert!(
+        retry.iter().all(|&ms| (1..=12_000).contains(&ms)),
+        "{retry:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_concurrent_against_burst_ten_at_one_per_day_pass_exactly_ten() {
+    let c = cluster("daily", 3);
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let mut cl = client(&c.agents[i % 3]).await;
+        tasks.push(tokio::spawn(async move {
+            cl.check(req("acme", "/api/daily", 1, ""))
+                .await
+                .unwrap()
+                .into_inner()
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r.allowed {
+            allowed += 1;
+        } else {
+            assert_eq!(r.reason, Reason::OverLimit as i32);
+            assert!(
+                r.retry_after_ms > 0 && r.retry_after_ms <= 86_400_000,
+                "{}",
+                r.retry_after_ms
+            );
+        }
+    }
+    assert_eq!(allowed, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_above_burst_is_invalid_and_oversized_ids_are_invalid() {
+    let c = cluster("invalid", 1);
+    let mut cl = client(&c.agents[0]).await;
+    let r = cl
+        .check(req("t", "/api/login", 6, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason, Reason::Invalid as i32);
+    assert!(!r.allowed);
+    assert_eq!(r.retry_after_ms, 0, "never an infinite retry time");
+    let long = "x".repeat(257);
+    let r = cl
+        .check(req(&long, "/api/login", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason, Reason::Invalid as i32);
+    let r = cl.check(req("t", &long, 1, "")).await.unwrap().into_inner();
+    assert_eq!(r.reason, Reason::Invalid as i32);
+    let r = cl
+        .check(req("", "/api/login", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.reason, Reason::Invalid as i32);
+    // Cost 0 means 1.
+    let r = cl
+        .check(req("t", "/api/login", 0, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.allowed);
+    // No rule matches: allowed, NO_RULE.
+    let r = cl
+        .check(req("t", "/elsewhere", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.allowed);
+    assert_eq!(r.reason, Reason::NoRule as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_request_id_charges_nothing() {
+    let c = cluster("idem", 1);
+    let mut cl = client(&c.agents[0]).await;
+    let first = cl
+        .check(req("bob", "/api/login", 1, "req-1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(first.allowed);
+    for _ in 0..10 {
+        let again = cl
+            .check(req("bob", "/api/login", 1, "req-1"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(again, first);
+    }
+    // Only one token of five was charged: four more distinct requests pass.
+    let mut allowed = 0;
+    for i in 0..6 {
+        let r = cl
+            .check(req("bob", "/api/login", 1, &format!("req-x{i}")))
+            .await
+            .unwrap()
+            .into_inner();
+        allowed += u32::from(r.allowed);
+    }
+    assert_eq!(allowed, 4);
+    let (_, m) = http_get(c.agents[0].http, "/metrics");
+    assert!(m.contains("quotalease_agent_replays_total 10"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_without_allocator_starts_not_ready_and_applies_fail_policies() {
+    let dir = tempdir("noalloc");
+    let rules = write_rules(&dir, RULES);
+    let dead = free_addr();
+    let a = agent(
+        "lonely",
+        &format!("http://{dead}"),
+        None,
+        &["--rules", rules.to_str().unwrap()],
+    );
+    let (status, _) = http_get(a.http, "/readyz");
+    assert_eq!(status, 503);
+    let (status, _) = http_get(a.http, "/healthz");
+    assert_eq!(status, 200);
+    let mut cl = client(&a).await;
+    // lease_only: a clean denial.
+    let r = cl
+        .check(req("t", "/api/orders", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.allowed);
+    assert_eq!(r.reason, Reason::FailureModeDenied as i32);
+    // closed: UNAVAILABLE.
+    let e = cl.check(req("t", "/api/login", 1, "")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let (_, m) = http_get(a.http, "/metrics");
+    assert!(
+        m.contains("quotalease_agent_failure_mode_denied_total 2"),
+        "{m}"
+    );
+    // Without bootstrap rules: UNAVAILABLE until the allocator is reached.
+    let b = agent("lonelier", &format!("http://{dead}"), None, &[]);
+    let mut cl = client(&b).await;
+    let e = cl.check(req("t", "/api/orders", 1, "")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+}
+
+#[test]
+fn invalid_rules_file_exits_1_listing_every_error() {
+    let dir = tempdir("badrules");
+    let rules = write_rules(
+        &dir,
+        "rules:\n  - id: a\n    match: { tenant: \"*\" }\n    rate: 0/s\n    burst: 5\n  - id: b\n    match: { route: /x }\n    rate: 5/m\n    burst: -1\n",
+    );
+    for args in [
+        vec!["rules", "validate", rules.to_str().unwrap()],
+        vec![
+            "allocator",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--rules",
+            rules.to_str().unwrap(),
+        ],
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("rule a") && err.contains("rate"), "{err}");
+        assert!(err.contains("rule b") && err.contains("burst"), "{err}");
+    }
+    let good = write_rules(&dir, RULES);
+    let out = std::process::Command::new(BIN)
+        .args(["rules", "validate", good.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("3 rule(s), valid"));
+}
+
+#[test]
+fn bad_flags_give_one_line_errors() {
+    let out = std::process::Command::new(BIN)
+        .args([
+            "agent",
+            "--allocator",
+            "http://127.0.0.1:1",
+            "--lease-ttl",
+            "soon",
+        ])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--lease-ttl"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocator_serves_a_keys_ledger() {
+    let dir = tempdir("keys");
+    let rules = write_rules(&dir, RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let a = agent("keys-0", &alloc.url(), None, &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let mut cl = client(&a).await;
+    for _ in 0..3 {
+        assert!(
+            cl.check(req("zed", "/api/orders", 1, ""))
+                .await
+                .unwrap()
+                .into_inner()
+                .allowed
+        );
+    }
+    let (status, body) = http_get(
+        alloc.http,
+        "/v1/keys?rule=orders&tenant=zed&route=/api/orders",
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["burst"], 20);
+    let avail = v["available"].as_u64().unwrap();
+    let out = v["outstanding"].as_u64().unwrap();
+    assert!(avail + out <= 20, "I2: {body}");
+    assert!(avail <= 17, "{body}");
+    assert_eq!(v["holders"][0]["holder"], "keys-0", "{body}");
+    let (status, _) = http_get(alloc.http, "/v1/keys?tenant=zed");
+    assert_eq!(status, 400);
+}

@@ -1,0 +1,172 @@
+//! End to end: the allocator is killed with SIGKILL mid-run and restarted.
+//! Agents keep answering from their leases (no errors for `lease_only`),
+//! the bound holds across the kill and the restart for every key, and
+//! service resumes once the restarted allocator's start-up wait is over.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quotalease_allocator::rules::Rate;
+use quotalease_proto::v1::{CheckRequest, Reason};
+use quotalease_sim::checker::worst_window;
+
+const RULES: &str = r#"
+rules:
+  - id: crash
+    match: { tenant: "*", route: /api/x }
+    rate: 200/s
+    burst: 50
+    fail_policy: lease_only
+"#;
+
+/// Per phase: (allowed, failure-mode denied, other denied, errors).
+#[derive(Default)]
+struct Phase {
+    allowed: AtomicU64,
+    failure_denied: AtomicU64,
+    denied: AtomicU64,
+    errors: AtomicU64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocator_sigkill_keeps_the_bound_and_service_resumes() {
+    let dir = tempdir("crash");
+    let rules = write_rules(&dir, RULES);
+    let state = dir.join("state");
+    let addr = free_addr();
+    let alloc = allocator(&rules, &state, Some(addr), "1s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let logs: Vec<_> = (0..3).map(|i| dir.join(format!("adm-{i}.log"))).collect();
+    let agents: Vec<Proc> = (0..3)
+        .map(|i| agent(&format!("crash-{i}"), &alloc.url(), Some(&logs[i]), &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+
+    // Two keys: "hot" asks 2x R (always dry: stresses the bound), "calm"
+    // asks R/2 (holds spare tokens in its leases when the allocator dies).
+    let phases: Arc<Vec<(Phase, Phase)>> = Arc::new((0..3).map(|_| Default::default()).collect());
+    let phase = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for a in &agents {
+        for (tenant, per_client) in [("hot", 400.0 / 12.0), ("calm", 100.0 / 12.0)] {
+            for _ in 0..4 {
+                let mut c = client(a).await;
+                let (phases, phase, stop) = (phases.clone(), phase.clone(), stop.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_client));
+                    while !stop.load(Ordering::Relaxed) {
+                        tick.tick().await;
+                        let p = &phases[phase.load(Ordering::Relaxed) as usize];
+                        let p = if tenant == "hot" { &p.0 } else { &p.1 };
+                        let req = CheckRequest {
+                            tenant_id: tenant.into(),
+                            route_id: "/api/x".into(),
+                            cost: 1,
+                            ..Default::default()
+                        };
+                        match c.check(req).await {
+                            Ok(r) => {
+                                let r = r.into_inner();
+                                if r.allowed {
+                                    p.allowed.fetch_add(1, Ordering::Relaxed);
+                                } else if r.reason == Reason::FailureModeDenied as i32 {
+                                    p.failure_denied.fetch_add(1, Ordering::Relaxed);
+                                } else {
+                                    p.denied.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                            Err(_) => {
+                                p.errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }));
+            }
+        }
+    }
+    // Phase 0: normal operation.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Phase 1: the allocator dies mid-run.
+    phase.store(1, Ordering::Relaxed);
+    alloc.kill9();
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Phase 2: restarted on the same address with the same state directory.
+    let alloc = allocator(&rules, &state, Some(addr), "1s");
+    phase.store(2, Ordering::Relaxed);
+    let restarted = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let (_, metrics) = http_get(alloc.http, "/metrics");
+    for a in agents {
+        assert!(a.terminate().success());
+    }
+
+    let g = |p: &Phase| {
+        (
+            p.allowed.load(Ordering::Relaxed),
+            p.failure_denied.load(Ordering::Relaxed),
+            p.denied.load(Ordering::Relaxed),
+            p.errors.load(Ordering::Relaxed),
+        )
+    };
+    for (i, (hot, calm)) in phases.iter().enumerate() {
+        eprintln!(
+            "phase {i}: hot {:?} calm {:?} (allowed, failure-denied, denied, errors)",
+            g(hot),
+            g(calm)
+        );
+    }
+    eprintln!(
+        "killed for {:?}, restarted {:?} before the end",
+        restarted - killed,
+        restarted.elapsed()
+    );
+    // Agents kept answering: lease_only never errors.
+    for (hot, calm) in phases.iter() {
+        assert_eq!(g(hot).3 + g(calm).3, 0, "gRPC errors");
+    }
+    // While the allocator was gone, the calm key was still served from leases.
+    assert!(
+        g(&phases[1].1).0 > 0,
+        "no admissions from leases after the kill"
+    );
+    // ... and once they expired, the fail policy answered.
+    assert!(
+        g(&phases[1].0).1 + g(&phases[1].1).1 > 0,
+        "fail policy never applied"
+    );
+    // Service resumed after the restart.
+    assert!(
+        g(&phases[2].0).0 > 0 && g(&phases[2].1).0 > 0,
+        "service did not resume"
+    );
+
+    // I1 across the kill and the restart, for every key, from the admission logs.
+    let rate = Rate {
+        tokens: 200,
+        period_s: 1,
+    };
+    let adm = read_admissions(&logs);
+    assert_eq!(adm.len(), 2, "{:?}", adm.keys().collect::<Vec<_>>());
+    for (key, list) in adm {
+        let mut list = list;
+        let w = worst_window(&mut list, rate, 50);
+        eprintln!("{key:?}: {} admitted, worst window {:?}", list.len(), w);
+        assert!(w.held(), "I1 broken for {key:?}: {w:?}");
+    }
+    assert!(
+        metrics.contains("quotalease_allocator_shadow_violations_total{rule=\"crash\"} 0"),
+        "{metrics}"
+    );
+}

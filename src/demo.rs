@@ -128,14 +128,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
                 c.denied.values().sum::<u64>(),
             )
         };
-        let msgs: u64 = agents
-            .iter()
-            .map(|a| {
-                a.metrics()
-                    .messages
-                    .load(std::sync::atomic::Ordering::Relaxed)
-            })
-            .sum();
+        let msgs: u64 = agents.iter().map(|a| a.metrics().messages.get()).sum();
         let secs = start.elapsed().as_secs();
         if secs != last {
             last = secs;
@@ -149,22 +142,8 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     }
     let end_ns = BootClock::now();
     let t_s = (end_ns - start_ns) as f64 / 1e9;
-    let checks: u64 = agents
-        .iter()
-        .map(|a| {
-            a.metrics()
-                .checks
-                .load(std::sync::atomic::Ordering::Relaxed)
-        })
-        .sum();
-    let msgs: u64 = agents
-        .iter()
-        .map(|a| {
-            a.metrics()
-                .messages
-                .load(std::sync::atomic::Ordering::Relaxed)
-        })
-        .sum();
+    let checks: u64 = agents.iter().map(|a| a.metrics().checks.get()).sum();
+    let msgs: u64 = agents.iter().map(|a| a.metrics().messages.get()).sum();
     let msgs_by_rule: BTreeMap<String, u64> = rules
         .rules
         .iter()

@@ -91,6 +91,37 @@ pub enum CheckError {
     Unavailable(String),
 }
 
+/// An admission decided on the fast path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FastAdmit {
+    /// Tokens left in the most constrained lease charged.
+    pub remaining: u64,
+    /// Index (in the rule set) of that rule; None when no rule matched.
+    pub rule_index: Option<usize>,
+    /// Rule set version applied.
+    pub rule_version: u64,
+    /// OK, NO_RULE or SHADOW_OVER_LIMIT.
+    pub reason: Reason,
+}
+
+impl FastAdmit {
+    /// As a `quotalease.v1` response.
+    pub fn to_response(&self, rules: &RuleSet) -> CheckResponse {
+        CheckResponse {
+            allowed: true,
+            remaining: self.remaining,
+            retry_after_ms: 0,
+            rule_id: self
+                .rule_index
+                .and_then(|i| rules.rules.get(i))
+                .map(|r| r.id.clone())
+                .unwrap_or_default(),
+            applied_rule_version: self.rule_version,
+            reason: self.reason as i32,
+        }
+    }
+}
+
 /// One check.
 #[derive(Clone, Copy, Debug)]
 pub struct CheckInput<'a> {
@@ -388,7 +419,7 @@ impl Agent {
         let cost = match validate(&input) {
             Ok(c) => c,
             Err(e) => {
-                self.inner.metrics.invalid.fetch_add(1, Ordering::Relaxed);
+                self.inner.metrics.invalid.add(1);
                 return Err(e);
             }
         };
@@ -401,7 +432,7 @@ impl Agent {
                 input.cost.max(1),
                 t,
             ) {
-                self.inner.metrics.replays.fetch_add(1, Ordering::Relaxed);
+                self.inner.metrics.replays.add(1);
                 return first;
             }
             let answer = self.decide(&input, cost).await;
@@ -417,29 +448,70 @@ impl Agent {
         self.decide(&input, cost).await
     }
 
-    async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
+    /// The in-process fast path, for gateways that link the agent: `Some`
+    /// when every matched rule was charged from a held lease (or no rule
+    /// matched); `None` when the slow path is needed (no lease, short lease,
+    /// invalid input, no rules) — then nothing was charged. No lock, no
+    /// allocation, no await: one CAS per matched rule.
+    #[inline]
+    pub fn check_fast(&self, input: &CheckInput<'_>) -> Option<FastAdmit> {
+        let cost = validate(input).ok()?;
+        let guard = self.inner.rules.load();
+        let rules = guard.as_ref()?;
+        self.fast_with(rules, input, cost)
+    }
+
+    #[inline]
+    fn fast_with(&self, rules: &RuleSet, input: &CheckInput<'_>, cost: u64) -> Option<FastAdmit> {
         let inner = &*self.inner;
-        inner.metrics.checks.fetch_add(1, Ordering::Relaxed);
-        let Some(rules) = inner.rules.load_full() else {
-            inner.metrics.unavailable.fetch_add(1, Ordering::Relaxed);
-            return Err(CheckError::Unavailable(
-                "no rules yet: the allocator has not been reached".into(),
-            ));
-        };
-        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+        let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
         if m.n == 0 {
-            inner.metrics.no_rule.fetch_add(1, Ordering::Relaxed);
-            return Ok(CheckResponse {
-                allowed: true,
-                reason: Reason::NoRule as i32,
-                applied_rule_version: rules.version,
-                ..CheckResponse::default()
+            inner.metrics.checks.add(1);
+            inner.metrics.no_rule.add(1);
+            return Some(FastAdmit {
+                remaining: 0,
+                rule_index: None,
+                rule_version: rules.version,
+                reason: Reason::NoRule,
             });
         }
         for &i in &m.idx[..m.n] {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
-                inner.metrics.invalid.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        }
+        let t = now();
+        let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
+        let reason = self.charge_shadow(rules, &m, input, cost, t);
+        inner.metrics.checks.add(1);
+        inner.metrics.allowed.add(1);
+        Some(FastAdmit {
+            remaining,
+            rule_index: Some(rule_idx),
+            rule_version: rules.version,
+            reason,
+        })
+    }
+
+    async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
+        let inner = &*self.inner;
+        let Some(rules) = inner.rules.load_full() else {
+            inner.metrics.checks.add(1);
+            inner.metrics.unavailable.add(1);
+            return Err(CheckError::Unavailable(
+                "no rules yet: the allocator has not been reached".into(),
+            ));
+        };
+        if let Some(a) = self.fast_with(&rules, input, cost) {
+            return Ok(a.to_response(&rules));
+        }
+        inner.metrics.checks.add(1);
+        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+        for &i in &m.idx[..m.n] {
+            let r = &rules.rules[i as usize];
+            if !r.shadow && cost > r.burst {
+                inner.metrics.invalid.add(1);
                 return Err(CheckError::Invalid {
                     field: "cost",
                     reason: format!("{cost} is above the burst {} of rule {}", r.burst, r.id),
@@ -452,15 +524,14 @@ impl Agent {
             match self.try_charge(&rules, &m, input, cost, t) {
                 Ok((remaining, rule_idx)) => {
                     let reason = self.charge_shadow(&rules, &m, input, cost, t);
-                    inner.metrics.allowed.fetch_add(1, Ordering::Relaxed);
-                    return Ok(CheckResponse {
-                        allowed: true,
+                    inner.metrics.allowed.add(1);
+                    return Ok(FastAdmit {
                         remaining,
-                        retry_after_ms: 0,
-                        rule_id: rules.rules[rule_idx].id.clone(),
-                        applied_rule_version: rules.version,
-                        reason: reason as i32,
-                    });
+                        rule_index: Some(rule_idx),
+                        rule_version: rules.version,
+                        reason,
+                    }
+                    .to_response(&rules));
                 }
                 Err(rule_idx) => {
                     let rule = &rules.rules[rule_idx];
@@ -469,14 +540,14 @@ impl Agent {
                         return self.fail_policy(rule, &rules, "the agent holds max_keys keys");
                     };
                     if let Some((status, why)) = slot.st.lock().refused.clone() {
-                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        inner.metrics.over_limit.add(1);
                         tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
                         return Ok(self.over_limit(rule, &rules, 1_000));
                     }
                     let dry_until = slot.dry_until_ns.load(Ordering::Acquire);
                     if dry_until > t {
                         slot.denied.fetch_add(cost, Ordering::Relaxed);
-                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        inner.metrics.over_limit.add(1);
                         let ms = (dry_until - t).div_ceil(1_000_000).max(1);
                         return Ok(self.over_limit(rule, &rules, ms));
                     }
@@ -486,7 +557,7 @@ impl Agent {
                     }
                     if attempt >= 2 {
                         slot.denied.fetch_add(cost, Ordering::Relaxed);
-                        inner.metrics.over_limit.fetch_add(1, Ordering::Relaxed);
+                        inner.metrics.over_limit.add(1);
                         let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
                         return Ok(self.over_limit(rule, &rules, ms.max(1)));
                     }
@@ -509,7 +580,7 @@ impl Agent {
                         }
                     }
                     inner.wake.notify_one();
-                    inner.metrics.waits.fetch_add(1, Ordering::Relaxed);
+                    inner.metrics.waits.add(1);
                     let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
                 }
             }
@@ -633,10 +704,7 @@ impl Agent {
                         let dry = slot.dry_until_ns.load(Ordering::Acquire) > t;
                         if dry && matches!(other, Some(Take::Short { .. })) {
                             reason = Reason::ShadowOverLimit;
-                            self.inner
-                                .metrics
-                                .shadow_over_limit
-                                .fetch_add(1, Ordering::Relaxed);
+                            self.inner.metrics.shadow_over_limit.add(1);
                         } else {
                             slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
                             self.inner.wake.notify_one();
@@ -668,8 +736,8 @@ impl Agent {
         let m = &self.inner.metrics;
         match rule.fail_policy {
             FailPolicy::Closed => {
-                m.unavailable.fetch_add(1, Ordering::Relaxed);
-                m.failure_mode_denied.fetch_add(1, Ordering::Relaxed);
+                m.unavailable.add(1);
+                m.failure_mode_denied.add(1);
                 Err(CheckError::Unavailable(format!(
                     "rule {}: {why}; fail_policy closed",
                     rule.id
@@ -681,7 +749,7 @@ impl Agent {
                 {
                     tracing::warn!(rule = %rule.id, "fail_policy open acts as lease_only: the emergency bucket is not built yet");
                 }
-                m.failure_mode_denied.fetch_add(1, Ordering::Relaxed);
+                m.failure_mode_denied.add(1);
                 Ok(CheckResponse {
                     allowed: false,
                     remaining: 0,
@@ -838,10 +906,7 @@ impl Agent {
                             spent,
                             want: 0,
                         });
-                        inner
-                            .metrics
-                            .tokens_released
-                            .fetch_add(left, Ordering::Relaxed);
+                        inner.metrics.tokens_released.add(left);
                     }
                     st.lease_id = 0;
                     forget.push(entry.key().clone());
@@ -872,7 +937,7 @@ impl Agent {
         // Retries reuse the sequence number: the allocator answers a
         // duplicate from its cache and never grants twice.
         for _ in 0..2 {
-            inner.metrics.messages.fetch_add(1, Ordering::Relaxed);
+            inner.metrics.messages.add(1);
             inner
                 .metrics
                 .record_message_rules(batch.items.iter().map(|i| i.rule_id.as_str()));
@@ -895,7 +960,7 @@ impl Agent {
                 self.apply_reply(reply, &batch.items, slots, sent_ns);
             }
             Err(why) => {
-                inner.metrics.rpc_errors.fetch_add(1, Ordering::Relaxed);
+                inner.metrics.rpc_errors.add(1);
                 inner.down.store(true, Ordering::Release);
                 if inner.connected.swap(false, Ordering::AcqRel) {
                     tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
@@ -1043,10 +1108,7 @@ impl Agent {
         st.granted = g.tokens;
         st.generation = new_gen;
         st.baseline = new_tokens;
-        inner
-            .metrics
-            .tokens_leased
-            .fetch_add(g.tokens - g.carried, Ordering::Relaxed);
+        inner.metrics.tokens_leased.add(g.tokens - g.carried);
     }
 
     /// Stop the renewal loop, retire every lease and release the unused

@@ -7,39 +7,76 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+const STRIPES: usize = 16;
+
+#[repr(align(128))]
+#[derive(Debug, Default)]
+struct Padded(AtomicU64);
+
+/// A counter striped over cache lines so that threads counting on the
+/// request path do not contend on one line.
+#[derive(Debug, Default)]
+pub struct Counter {
+    stripes: [Padded; STRIPES],
+}
+
+thread_local! {
+    static STRIPE: usize = {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        (NEXT.fetch_add(1, Ordering::Relaxed) as usize) % STRIPES
+    };
+}
+
+impl Counter {
+    /// Add `n`.
+    #[inline]
+    pub fn add(&self, n: u64) {
+        let i = STRIPE.with(|s| *s);
+        self.stripes[i].0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The total.
+    pub fn get(&self) -> u64 {
+        self.stripes
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
 /// Counters of one agent.
 #[derive(Debug, Default)]
 pub struct AgentMetrics {
     /// Decisions made (replays excluded).
-    pub checks: AtomicU64,
+    pub checks: Counter,
     /// Admitted.
-    pub allowed: AtomicU64,
+    pub allowed: Counter,
     /// Denied over the limit.
-    pub over_limit: AtomicU64,
+    pub over_limit: Counter,
     /// No rule matched.
-    pub no_rule: AtomicU64,
+    pub no_rule: Counter,
     /// Invalid input.
-    pub invalid: AtomicU64,
+    pub invalid: Counter,
     /// Answered unavailable (fail-closed, no rules yet).
-    pub unavailable: AtomicU64,
+    pub unavailable: Counter,
     /// Denied by a fail policy.
-    pub failure_mode_denied: AtomicU64,
+    pub failure_mode_denied: Counter,
     /// Admitted by a fail policy (emergency bucket; not built yet).
-    pub failure_mode_allowed: AtomicU64,
+    pub failure_mode_allowed: Counter,
     /// Shadow rules that would have denied.
-    pub shadow_over_limit: AtomicU64,
+    pub shadow_over_limit: Counter,
     /// Idempotent replays answered from memory.
-    pub replays: AtomicU64,
+    pub replays: Counter,
     /// Checks that waited for a lease.
-    pub waits: AtomicU64,
+    pub waits: Counter,
     /// Allocator messages sent (retries included).
-    pub messages: AtomicU64,
+    pub messages: Counter,
     /// Failed allocator calls.
-    pub rpc_errors: AtomicU64,
+    pub rpc_errors: Counter,
     /// New tokens received in leases.
-    pub tokens_leased: AtomicU64,
+    pub tokens_leased: Counter,
     /// Unused tokens given back.
-    pub tokens_released: AtomicU64,
+    pub tokens_released: Counter,
     renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
     /// Per rule: allocator messages that carried at least one of its keys.
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
@@ -88,7 +125,7 @@ impl AgentMetrics {
 
     /// Prometheus text exposition.
     pub fn render(&self, keys_held: usize, rule_version: u64, ready: bool) -> String {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let g = |a: &Counter| a.get();
         let mut s = String::new();
         let _ = writeln!(s, "# TYPE quotalease_agent_checks_total counter");
         for (result, v) in [

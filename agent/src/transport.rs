@@ -73,3 +73,25 @@ impl Transport for GrpcTransport {
         })
     }
 }
+
+/// Calls an allocator running in the same process directly (benchmarks,
+/// the library use of both halves in one binary). The allocator is the real
+/// one; only the network is skipped.
+#[derive(Debug, Clone)]
+pub struct InProcess {
+    shared: std::sync::Arc<quotalease_allocator::server::Shared>,
+}
+
+impl InProcess {
+    /// Talk to `shared`.
+    pub fn new(shared: std::sync::Arc<quotalease_allocator::server::Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+impl Transport for InProcess {
+    fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
+        let reply = self.shared.handle(&batch);
+        Box::pin(async move { Ok(reply) })
+    }
+}

@@ -21,9 +21,9 @@
 //! only into the generation they were taken from; a refund into a replaced
 //! or retired lease is dropped.
 
-#[cfg(loom)]
+#[cfg(quotalease_loom)]
 use loom::sync::atomic::AtomicU64;
-#[cfg(not(loom))]
+#[cfg(not(quotalease_loom))]
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
 
@@ -187,7 +187,7 @@ impl LeaseWord {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(quotalease_loom)))]
 mod tests {
     use super::*;
 
@@ -245,9 +245,9 @@ mod tests {
     }
 }
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, quotalease_loom))]
 mod loom_tests {
-    //! `RUSTFLAGS="--cfg loom" cargo test -p quotalease-agent --release loom`
+    //! `RUSTFLAGS="--cfg quotalease_loom" cargo test -p quotalease-agent --release loom`
     use super::*;
     use loom::sync::Arc;
     use loom::thread;

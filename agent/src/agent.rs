@@ -629,8 +629,8 @@ impl Agent {
                 }
                 Take::Short { .. } | Take::NoLease => {
                     // All or none: give back what this request took.
-                    for k in 0..j {
-                        let rk = &rules.rules[m.idx[k] as usize];
+                    for (&rk_idx, &generation) in m.idx[..j].iter().zip(&taken[..j]) {
+                        let rk = &rules.rules[rk_idx as usize];
                         if rk.shadow {
                             continue;
                         }
@@ -640,7 +640,7 @@ impl Agent {
                             rk.route.key_part(input.route),
                         );
                         if let Some(slot) = self.inner.table.get(key.as_bytes()) {
-                            slot.word.refund(taken[k], cost);
+                            slot.word.refund(generation, cost);
                         }
                     }
                     return Err(ri);

@@ -4,7 +4,7 @@
 //! `capacity / SHARDS` entries and evicts its oldest first.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -56,9 +56,7 @@ impl<V: Clone> ReplayCache<V> {
     }
 
     fn shard(&self, id: &str) -> &Mutex<Shard<V>> {
-        let mut h = self.hasher.build_hasher();
-        id.hash(&mut h);
-        &self.shards[(h.finish() as usize) % SHARDS]
+        &self.shards[(self.hasher.hash_one(id) as usize) % SHARDS]
     }
 
     /// The first answer for this request, if it is a replay.

@@ -1090,15 +1090,17 @@ impl Agent {
             late_release(g.lease_id, g.carried);
             return;
         }
-        let same_lease = g.carried > 0 && st.generation == f.generation;
+        let same_lease = st.generation == f.generation;
         let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
             if same_lease {
                 // Carried = what the lease held when we reported; what was
                 // spent since then comes out of the new lease.
                 let spent_since = f.tokens_at_send.saturating_sub(cur);
-                g.tokens.saturating_sub(spent_since)
+                g.tokens.saturating_sub(spent_since.min(g.carried))
             } else {
-                g.tokens
+                // The word changed under us (retired): count the carried
+                // part as spent, keep only the fresh tokens.
+                g.tokens - g.carried
             }
         });
         if st.generation == f.generation {

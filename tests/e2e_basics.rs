@@ -357,4 +357,73 @@ async fn allocator_serves_a_keys_ledger() {
     assert_eq!(v["holders"][0]["holder"], "keys-0", "{body}");
     let (status, _) = http_get(alloc.http, "/v1/keys?tenant=zed");
     assert_eq!(status, 400);
+    // SIGTERM: the agent releases its unused tokens on the way out.
+    assert!(a.terminate().success());
+    let (_, body) = http_get(
+        alloc.http,
+        "/v1/keys?rule=orders&tenant=zed&route=/api/orders",
+    );
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["outstanding"], 0, "{body}");
+    let (_, m) = http_get(alloc.http, "/metrics");
+    assert!(!m.contains("quotalease_allocator_releases_total 0"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_reload_on_change_and_bad_files_keep_the_last_good_rules() {
+    let dir = tempdir("reload");
+    let rules = write_rules(&dir, RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let a = agent("reload-0", &alloc.url(), None, &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let mut cl = client(&a).await;
+    let v1 = cl
+        .check(req("t", "/api/orders", 1, ""))
+        .await
+        .unwrap()
+        .into_inner()
+        .applied_rule_version;
+    assert!(v1 > 0);
+    // A new route appears: reloaded by the allocator, adopted by the agent.
+    let more = format!("{RULES}  - id: search\n    match: {{ tenant: \"*\", route: /api/search }}\n    rate: 1/s\n    burst: 1\n");
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::write(&rules, &more).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let v2 = loop {
+        let r = cl
+            .check(req("t", "/api/search", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        if r.reason != Reason::NoRule as i32 {
+            assert_eq!(r.rule_id, "search");
+            break r.applied_rule_version;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent never saw the new rule"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(v2 > v1);
+    // An invalid file is rejected whole; the last good rules keep serving.
+    std::fs::write(&rules, "rules:\n  - id: broken\n    rate: nope\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_, m) = http_get(alloc.http, "/metrics");
+    assert!(
+        m.contains("quotalease_allocator_rules_reload_failures_total 1"),
+        "{m}"
+    );
+    let r = cl
+        .check(req("t2", "/api/search", 1, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.rule_id, "search");
+    assert_eq!(r.applied_rule_version, v2);
+    assert!(
+        m.contains("quotalease_allocator_agent_rule_version_lag{agent=\"reload-0\"} 0"),
+        "{m}"
+    );
 }

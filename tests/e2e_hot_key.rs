@@ -79,6 +79,19 @@ async fn hot_key_keeps_the_bound_with_high_utilization() {
         t.await.expect("client task");
     }
     let (_, metrics) = http_get(alloc.http, "/metrics");
+    // Renewal economy (SPEC §2): checks per allocator message for this key
+    // >= min(100, B / (2 * agents using it)).
+    let mut messages = 0u64;
+    for a in &agents {
+        let (_, m) = http_get(a.http, "/metrics");
+        let line = m
+            .lines()
+            .find(|l| {
+                l.starts_with("quotalease_agent_allocator_messages_by_rule_total{rule=\"hot\"}")
+            })
+            .unwrap_or_else(|| panic!("no per-rule message count: {m}"));
+        messages += line.rsplit(' ').next().unwrap().parse::<u64>().unwrap();
+    }
     for a in agents {
         assert!(a.terminate().success());
     }
@@ -119,6 +132,14 @@ async fn hot_key_keeps_the_bound_with_high_utilization() {
         util * 100.0
     );
     assert!(util >= 0.90, "utilization {:.1}% < 90%", util * 100.0);
+    let checks = sent.load(Ordering::Relaxed) as f64;
+    let economy = checks / messages.max(1) as f64;
+    let target = (100.0f64).min(100.0 / (2.0 * 3.0));
+    eprintln!("renewal economy: {checks} checks / {messages} messages = {economy:.1} (target >= {target:.1})");
+    assert!(
+        economy >= target,
+        "checks per message {economy:.1} < {target:.1}"
+    );
     assert!(
         metrics.contains("quotalease_allocator_shadow_violations_total{rule=\"hot\"} 0"),
         "shadow bucket alarm: {metrics}"

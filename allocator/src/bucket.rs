@@ -434,4 +434,161 @@ mod tests {
             }
         }
     }
+
+    /// The same property as a `proptest-state-machine` test: a reference
+    /// bucket stepped every millisecond in exact rationals, the real bucket
+    /// stepped lazily, compared after every transition.
+    mod state_machine {
+        use super::*;
+        use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+
+        const NS_PER_S: u128 = 1_000_000_000;
+
+        #[derive(Clone, Debug)]
+        pub struct RefBucket {
+            n: u64,
+            period_s: u64,
+            burst: u64,
+            full: bool,
+            /// tokens * period in ns
+            scaled: u128,
+            now_ms: u64,
+            admitted: Vec<(u64, u64)>,
+            last_ok: Option<bool>,
+        }
+
+        impl RefBucket {
+            fn unit(&self) -> u128 {
+                u128::from(self.period_s) * NS_PER_S
+            }
+            fn tokens(&self) -> u64 {
+                (self.scaled / self.unit()) as u64
+            }
+        }
+
+        #[derive(Clone, Debug)]
+        pub enum Step {
+            Advance(u64),
+            Acquire(u64),
+        }
+
+        impl ReferenceStateMachine for RefBucket {
+            type State = RefBucket;
+            type Transition = Step;
+
+            fn init_state() -> BoxedStrategy<RefBucket> {
+                (
+                    1u64..50,
+                    prop_oneof![Just(1u64), Just(60), Just(86_400)],
+                    1u64..40,
+                    any::<bool>(),
+                )
+                    .prop_map(|(n, period_s, burst, full)| {
+                        let mut r = RefBucket {
+                            n,
+                            period_s,
+                            burst,
+                            full,
+                            scaled: 0,
+                            now_ms: 0,
+                            admitted: vec![],
+                            last_ok: None,
+                        };
+                        if full {
+                            r.scaled = u128::from(burst) * r.unit();
+                        }
+                        r
+                    })
+                    .boxed()
+            }
+
+            fn transitions(_: &RefBucket) -> BoxedStrategy<Step> {
+                prop_oneof![
+                    (0u64..3_000).prop_map(Step::Advance),
+                    (1u64..45).prop_map(Step::Acquire)
+                ]
+                .boxed()
+            }
+
+            fn apply(mut s: RefBucket, t: &Step) -> RefBucket {
+                match *t {
+                    Step::Advance(d) => {
+                        let cap = u128::from(s.burst) * s.unit();
+                        for _ in 0..d {
+                            s.scaled = (s.scaled + u128::from(s.n) * 1_000_000).min(cap);
+                        }
+                        s.now_ms += d;
+                        s.last_ok = None;
+                    }
+                    Step::Acquire(c) => {
+                        let ok = c <= s.burst && s.tokens() >= c;
+                        if ok {
+                            s.scaled -= u128::from(c) * s.unit();
+                            s.admitted.push((s.now_ms, c));
+                        }
+                        s.last_ok = Some(ok);
+                    }
+                }
+                s
+            }
+        }
+
+        struct BucketTest;
+
+        impl StateMachineTest for BucketTest {
+            type SystemUnderTest = TokenBucket;
+            type Reference = RefBucket;
+
+            fn init_test(r: &RefBucket) -> TokenBucket {
+                let rate = Rate {
+                    tokens: r.n,
+                    period_s: r.period_s,
+                };
+                if r.full {
+                    TokenBucket::new_full(rate, r.burst, 0)
+                } else {
+                    TokenBucket::new_empty(rate, r.burst, 0)
+                }
+            }
+
+            fn apply(mut b: TokenBucket, r: &RefBucket, t: Step) -> TokenBucket {
+                if let Step::Acquire(c) = t {
+                    let res = b.try_acquire(c, r.now_ms * 1_000_000);
+                    assert_eq!(res.is_ok(), r.last_ok == Some(true), "acquire {c}: {res:?}");
+                    if c > r.burst {
+                        assert_eq!(res, Err(Denied::Invalid));
+                    }
+                }
+                b
+            }
+
+            fn check_invariants(b: &TokenBucket, r: &RefBucket) {
+                let mut b = b.clone();
+                let t = b.tokens(r.now_ms * 1_000_000);
+                assert_eq!(t, r.tokens(), "lazy != ticked at {} ms", r.now_ms);
+                assert!(t <= r.burst);
+                // Admitted in any window [t_i, t_j] <= B + R*T.
+                for i in 0..r.admitted.len() {
+                    let mut sum = 0u128;
+                    for j in i..r.admitted.len() {
+                        sum += u128::from(r.admitted[j].1);
+                        let dt_ns = u128::from(r.admitted[j].0 - r.admitted[i].0) * 1_000_000;
+                        assert!(
+                            sum * r.unit()
+                                <= u128::from(r.burst) * r.unit() + u128::from(r.n) * dt_ns,
+                            "I1 broken between {} and {} ms",
+                            r.admitted[i].0,
+                            r.admitted[j].0
+                        );
+                    }
+                }
+            }
+        }
+
+        prop_state_machine! {
+            #![proptest_config(ProptestConfig::with_cases(200))]
+            #[test]
+            fn bucket_state_machine(sequential 1..60 => BucketTest);
+        }
+    }
 }

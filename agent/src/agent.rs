@@ -168,6 +168,16 @@ impl KeyBuf {
         k
     }
 
+    /// The key of `rule` for a request on (tenant, route).
+    #[inline]
+    pub fn of(rule: &Rule, tenant: &str, route: &str) -> Self {
+        Self::new(
+            &rule.id,
+            rule.tenant.key_part(tenant),
+            rule.route.key_part(route),
+        )
+    }
+
     /// The encoded bytes.
     #[inline]
     pub fn as_bytes(&self) -> &[u8] {
@@ -228,6 +238,21 @@ impl Slot {
             denied: AtomicU64::new(0),
             parked: Notify::new(),
             st: Mutex::new(SlotState::default()),
+        }
+    }
+}
+
+impl Slot {
+    /// A RELEASE item for this key.
+    fn release_item(&self, lease_id: u64, spent: u64) -> LeaseItem {
+        LeaseItem {
+            rule_id: self.rule_id.clone(),
+            tenant: self.tenant.clone(),
+            route: self.route.clone(),
+            kind: ItemKind::Release as i32,
+            lease_id,
+            spent,
+            want: 0,
         }
     }
 }
@@ -607,11 +632,7 @@ impl Agent {
             if r.shadow {
                 continue;
             }
-            let key = KeyBuf::new(
-                &r.id,
-                r.tenant.key_part(input.tenant),
-                r.route.key_part(input.route),
-            );
+            let key = KeyBuf::of(r, input.tenant, input.route);
             let take = match self.inner.table.get(key.as_bytes()) {
                 Some(slot) => slot.word.try_take(cost, t),
                 None => Take::NoLease,
@@ -634,11 +655,7 @@ impl Agent {
                         if rk.shadow {
                             continue;
                         }
-                        let key = KeyBuf::new(
-                            &rk.id,
-                            rk.tenant.key_part(input.tenant),
-                            rk.route.key_part(input.route),
-                        );
+                        let key = KeyBuf::of(rk, input.tenant, input.route);
                         if let Some(slot) = self.inner.table.get(key.as_bytes()) {
                             slot.word.refund(generation, cost);
                         }
@@ -687,11 +704,7 @@ impl Agent {
             if !r.shadow {
                 continue;
             }
-            let key = KeyBuf::new(
-                &r.id,
-                r.tenant.key_part(input.tenant),
-                r.route.key_part(input.route),
-            );
+            let key = KeyBuf::of(r, input.tenant, input.route);
             let take = self
                 .inner
                 .table
@@ -897,15 +910,7 @@ impl Agent {
                     let left = slot.word.retire();
                     if st.lease_id != 0 {
                         let spent = st.granted.saturating_sub(left);
-                        items.push(LeaseItem {
-                            rule_id: slot.rule_id.clone(),
-                            tenant: slot.tenant.clone(),
-                            route: slot.route.clone(),
-                            kind: ItemKind::Release as i32,
-                            lease_id: st.lease_id,
-                            spent,
-                            want: 0,
-                        });
+                        items.push(slot.release_item(st.lease_id, spent));
                         inner.metrics.tokens_released.add(left);
                     }
                     st.lease_id = 0;
@@ -1033,15 +1038,10 @@ impl Agent {
         let mut st = slot.st.lock();
         let late_release = |lease_id: u64, spent: u64| {
             if lease_id != 0 {
-                inner.late_releases.lock().push(LeaseItem {
-                    rule_id: slot.rule_id.clone(),
-                    tenant: slot.tenant.clone(),
-                    route: slot.route.clone(),
-                    kind: ItemKind::Release as i32,
-                    lease_id,
-                    spent,
-                    want: 0,
-                });
+                inner
+                    .late_releases
+                    .lock()
+                    .push(slot.release_item(lease_id, spent));
             }
         };
         let Some(f) = st
@@ -1127,15 +1127,7 @@ impl Agent {
             let left = slot.word.retire();
             if st.lease_id != 0 {
                 released += left;
-                items.push(LeaseItem {
-                    rule_id: slot.rule_id.clone(),
-                    tenant: slot.tenant.clone(),
-                    route: slot.route.clone(),
-                    kind: ItemKind::Release as i32,
-                    lease_id: st.lease_id,
-                    spent: st.granted.saturating_sub(left),
-                    want: 0,
-                });
+                items.push(slot.release_item(st.lease_id, st.granted.saturating_sub(left)));
             }
         }
         if let Some(log) = &inner.admission_log {

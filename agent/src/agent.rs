@@ -1167,3 +1167,6 @@ impl Agent {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -208,11 +208,16 @@ struct InFlight {
     kind: ItemKind,
 }
 
+/// Source of slot ids: a slot removed from the table and created again for
+/// the same key is a different slot, so a late refund cannot land in it.
+static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(1);
+
 /// One key held by the agent.
 #[derive(Debug)]
 pub struct Slot {
     /// The lease word (hot path).
     pub word: LeaseWord,
+    id: u64,
     rule_id: String,
     tenant: String,
     route: String,
@@ -230,6 +235,7 @@ impl Slot {
     fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
         Self {
             word: LeaseWord::new(),
+            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
             rule_id: rule_id.to_string(),
             tenant: tenant.to_string(),
             route: route.to_string(),
@@ -623,7 +629,8 @@ impl Agent {
         cost: u64,
         t: u64,
     ) -> Result<(u64, usize), usize> {
-        let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
+        // (slot id, generation) of each charge, for an all-or-none refund.
+        let mut taken: [(u64, u64); MAX_MATCHED] = [(0, 0); MAX_MATCHED];
         let mut min_remaining = u64::MAX;
         let mut min_rule = m.idx[0] as usize;
         for j in 0..m.n {
@@ -633,16 +640,16 @@ impl Agent {
                 continue;
             }
             let key = KeyBuf::of(r, input.tenant, input.route);
-            let take = match self.inner.table.get(key.as_bytes()) {
-                Some(slot) => slot.word.try_take(cost, t),
-                None => Take::NoLease,
+            let (slot_id, take) = match self.inner.table.get(key.as_bytes()) {
+                Some(slot) => (slot.id, slot.word.try_take(cost, t)),
+                None => (0, Take::NoLease),
             };
             match take {
                 Take::Taken {
                     generation,
                     remaining,
                 } => {
-                    taken[j] = generation;
+                    taken[j] = (slot_id, generation);
                     if remaining < min_remaining {
                         min_remaining = remaining;
                         min_rule = ri;
@@ -650,14 +657,16 @@ impl Agent {
                 }
                 Take::Short { .. } | Take::NoLease => {
                     // All or none: give back what this request took.
-                    for (&rk_idx, &generation) in m.idx[..j].iter().zip(&taken[..j]) {
+                    for (&rk_idx, &(slot_id, generation)) in m.idx[..j].iter().zip(&taken[..j]) {
                         let rk = &rules.rules[rk_idx as usize];
                         if rk.shadow {
                             continue;
                         }
                         let key = KeyBuf::of(rk, input.tenant, input.route);
                         if let Some(slot) = self.inner.table.get(key.as_bytes()) {
-                            slot.word.refund(generation, cost);
+                            if slot.id == slot_id {
+                                slot.word.refund(generation, cost);
+                            }
                         }
                     }
                     return Err(ri);
@@ -881,11 +890,18 @@ impl Agent {
             match decision {
                 Plan::Wait => {}
                 Plan::Renew { want } => {
+                    // Cut a new generation at the report: a refund of a
+                    // charge taken before it must not come back after the
+                    // allocator counted that charge as spent.
+                    let (at_cut, new_gen) = slot.word.cut();
                     let spent = if gen == st.generation {
-                        st.granted.saturating_sub(tokens)
+                        st.usage.since_tick += tokens.saturating_sub(at_cut);
+                        st.granted.saturating_sub(at_cut)
                     } else {
                         0
                     };
+                    st.generation = new_gen;
+                    st.baseline = at_cut;
                     items.push(LeaseItem {
                         rule_id: slot.rule_id.clone(),
                         tenant: slot.tenant.clone(),
@@ -897,8 +913,8 @@ impl Agent {
                     });
                     st.in_flight = Some(InFlight {
                         seq: 0,
-                        generation: gen,
-                        tokens_at_send: tokens,
+                        generation: new_gen,
+                        tokens_at_send: at_cut,
                         kind: ItemKind::Renew,
                     });
                     slots.push(slot.clone());
@@ -907,7 +923,8 @@ impl Agent {
                     if st.in_flight.is_some() {
                         continue;
                     }
-                    let left = slot.word.retire();
+                    let (left, new_gen) = slot.word.retire();
+                    st.generation = new_gen;
                     if st.lease_id != 0 {
                         let spent = st.granted.saturating_sub(left);
                         items.push(slot.release_item(st.lease_id, spent));
@@ -962,7 +979,26 @@ impl Agent {
                 if !inner.connected.swap(true, Ordering::AcqRel) {
                     tracing::info!("allocator reachable");
                 }
-                self.apply_reply(reply, &batch.items, slots, sent_ns);
+                if reply.grants.len() != batch.items.len() || reply.seq != seq {
+                    tracing::error!(
+                        items = batch.items.len(),
+                        grants = reply.grants.len(),
+                        seq,
+                        reply_seq = reply.seq,
+                        "allocator reply does not match the request; ignoring what does not"
+                    );
+                }
+                self.apply_reply(reply, &batch.items, &slots, sent_ns);
+                // Any key the reply did not answer is free to ask again.
+                for s in &slots {
+                    let mut st = s.st.lock();
+                    if st.in_flight.is_some_and(|f| f.seq == seq) {
+                        st.in_flight = None;
+                    }
+                    drop(st);
+                    s.waiting_cost.store(0, Ordering::Release);
+                    s.parked.notify_waiters();
+                }
             }
             Err(why) => {
                 inner.metrics.rpc_errors.add(1);
@@ -997,7 +1033,7 @@ impl Agent {
         &self,
         reply: LeaseReply,
         items: &[LeaseItem],
-        slots: Vec<Arc<Slot>>,
+        slots: &[Arc<Slot>],
         sent_ns: u64,
     ) {
         let inner = &*self.inner;
@@ -1027,16 +1063,14 @@ impl Agent {
             .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
             .map(|(_, g)| g);
         for (grant, slot) in renews.zip(slots) {
-            self.install(&slot, grant, reply.seq, sent_ns, version, t);
-            slot.waiting_cost.store(0, Ordering::Release);
-            slot.parked.notify_waiters();
+            self.install(slot, grant, reply.seq, sent_ns, version, t);
         }
     }
 
     fn install(&self, slot: &Slot, g: &Grant, seq: u64, sent_ns: u64, version: u64, t: u64) {
         let inner = &*self.inner;
         let mut st = slot.st.lock();
-        let late_release = |lease_id: u64, spent: u64| {
+        let release = |lease_id: u64, spent: u64| {
             if lease_id != 0 {
                 inner
                     .late_releases
@@ -1048,12 +1082,23 @@ impl Agent {
             .in_flight
             .filter(|f| f.seq == seq && f.kind == ItemKind::Renew)
         else {
-            // A grant for a request we gave up on: give it back. Its carried
-            // part may still be in use under the old lease, so count it spent.
-            late_release(g.lease_id, g.carried);
+            // A grant for a request we gave up on. Fresh tokens go back; a
+            // grant that carried our old lease is left to expire, because
+            // the old lease may still be spending that part.
+            if g.carried == 0 {
+                release(g.lease_id, 0);
+            }
             return;
         };
         st.in_flight = None;
+        if g.carried > g.tokens {
+            tracing::error!(rule = %slot.rule_id, tokens = g.tokens, carried = g.carried, "malformed grant ignored");
+            return;
+        }
+        if inner.stop.load(Ordering::Acquire) {
+            // Shutting down: the lease word is retired; the grant expires.
+            return;
+        }
         let status = GrantStatus::try_from(g.status).unwrap_or(GrantStatus::BadItem);
         match status {
             GrantStatus::Granted => {}
@@ -1066,20 +1111,39 @@ impl Agent {
             }
         }
         st.refused = None;
+        // A grant we cannot use: give it back. If it carried the old lease,
+        // retire that lease first, so that what we report as spent is final.
+        let give_back = |st: &mut SlotState| {
+            if g.carried == 0 {
+                release(g.lease_id, 0);
+            } else if st.generation == f.generation {
+                let (left, new_gen) = slot.word.retire();
+                let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
+                release(g.lease_id, spent_since);
+                st.generation = new_gen;
+                st.baseline = 0;
+                st.lease_id = 0;
+                st.granted = 0;
+            } else {
+                // The generation the carry came from is already dead.
+                release(g.lease_id, g.carried);
+            }
+        };
         if g.rule_version > version {
             // Never spend a grant stamped with a rule version we do not enforce.
-            late_release(g.lease_id, g.carried);
+            give_back(&mut st);
             return;
         }
         let dry = if g.retry_after_ms > 0 {
-            t.saturating_add(g.retry_after_ms * 1_000_000)
+            t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
         } else {
             0
         };
         slot.dry_until_ns.store(dry, Ordering::Release);
         if g.lease_id == 0 {
-            // Nothing leased (nothing carried): keep whatever the old lease
-            // still holds under its own deadline.
+            // Nothing leased and nothing carried: the lease we named is
+            // unknown to the allocator (rolled by a lost reply, expired, or
+            // a predecessor's); it stays usable under its own deadline.
             return;
         }
         // deadline = first send + TTL * (1 - 2 rho) - epsilon
@@ -1087,23 +1151,23 @@ impl Agent {
         let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM) + inner.cfg.epsilon.as_nanos() as u64;
         let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
         if t >= deadline {
-            late_release(g.lease_id, g.carried);
+            give_back(&mut st);
             return;
         }
         let same_lease = st.generation == f.generation;
         let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
             if same_lease {
-                // Carried = what the lease held when we reported; what was
-                // spent since then comes out of the new lease.
+                // Carried = what the lease held at the cut; what was spent
+                // since then comes out of the new lease.
                 let spent_since = f.tokens_at_send.saturating_sub(cur);
                 g.tokens.saturating_sub(spent_since.min(g.carried))
             } else {
-                // The word changed under us (retired): count the carried
-                // part as spent, keep only the fresh tokens.
+                // The generation the carry came from is dead: keep only the
+                // fresh tokens.
                 g.tokens - g.carried
             }
         });
-        if st.generation == f.generation {
+        if same_lease {
             st.usage.since_tick += st.baseline.saturating_sub(old_seen);
         }
         st.lease_id = g.lease_id;
@@ -1123,8 +1187,9 @@ impl Agent {
         let mut released = 0;
         for entry in inner.table.iter() {
             let slot = entry.value();
-            let st = slot.st.lock();
-            let left = slot.word.retire();
+            let mut st = slot.st.lock();
+            let (left, new_gen) = slot.word.retire();
+            st.generation = new_gen;
             if st.lease_id != 0 {
                 released += left;
                 items.push(slot.release_item(st.lease_id, st.granted.saturating_sub(left)));

@@ -178,12 +178,23 @@ impl LeaseWord {
         }
     }
 
-    /// Retire the lease: no tokens, expired. Returns the tokens it held
-    /// when retired (nothing can be taken from it afterwards).
-    pub fn retire(&self) -> u64 {
+    /// Retire the lease: no tokens, expired. Returns (the tokens it held
+    /// when retired, the new generation); nothing can be taken from it, or
+    /// refunded into it, afterwards.
+    pub fn retire(&self) -> (u64, u64) {
         self.deadline_ns.store(0, Ordering::Release);
-        let (old, _, _) = self.install(0, |_| 0);
-        old
+        let (old, generation, _) = self.install(0, |_| 0);
+        (old, generation)
+    }
+
+    /// Start a new generation holding the same tokens under the same
+    /// deadline: charges taken before this point can no longer be refunded.
+    /// Used when the tokens spent so far are reported to the allocator.
+    /// Returns (tokens at the cut, new generation).
+    pub fn cut(&self) -> (u64, u64) {
+        let deadline = self.deadline_ns.load(Ordering::Acquire);
+        let (seen, generation, _) = self.install(deadline, |cur| cur);
+        (seen, generation)
     }
 }
 
@@ -214,7 +225,18 @@ mod tests {
         assert_eq!(w.load(), (g2, 15));
         // Expiry is checked on every decision.
         assert_eq!(w.try_take(1, 200), Take::NoLease);
-        assert_eq!(w.retire(), 15);
+        // A cut keeps tokens and deadline but drops refunds of older charges.
+        let Take::Taken {
+            generation: g2b, ..
+        } = w.try_take(1, 150)
+        else {
+            panic!("lease valid at 150")
+        };
+        let (seen, g3) = w.cut();
+        assert_eq!((seen, w.deadline_ns()), (14, 200));
+        assert!(!w.refund(g2b, 1));
+        assert_eq!(w.load(), (g3, 14));
+        assert_eq!(w.retire().0, 14);
         assert_eq!(w.try_take(1, 10), Take::NoLease);
     }
 

@@ -142,7 +142,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     }
     let end_ns = BootClock::now();
     let t_s = (end_ns - start_ns) as f64 / 1e9;
-    let checks: u64 = agents.iter().map(|a| a.metrics().checks.get()).sum();
+    let checks: u64 = agents.iter().map(|a| a.metrics().checks()).sum();
     let msgs: u64 = agents.iter().map(|a| a.metrics().messages.get()).sum();
     let msgs_by_rule: BTreeMap<String, u64> = rules
         .rules

@@ -17,7 +17,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
-use dashmap::DashMap;
 use parking_lot::Mutex;
 use quotalease_allocator::clock::BootClock;
 use quotalease_allocator::core::RHO_PPM;
@@ -141,36 +140,46 @@ pub struct CheckInput<'a> {
 // Keys and slots
 
 /// Most rules one request can match.
-pub const MAX_MATCHED: usize = 32;
-const KEY_BYTES: usize = 3 * (2 + MAX_ID_BYTES);
-
-/// A key's bytes built on the stack: length-prefixed rule id, tenant part
-/// and route part. Lookups borrow it; nothing is allocated.
-pub struct KeyBuf {
-    buf: [u8; KEY_BYTES],
-    len: usize,
+pub const MAX_MATCHED: usize = 16;
+/// A key held in the lease table: rule id plus the tenant and route parts
+/// the rule keys on ("" for a dimension it does not match on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotKey {
+    rule: Box<str>,
+    tenant: Box<str>,
+    route: Box<str>,
 }
 
-impl KeyBuf {
-    /// Encode (rule, tenant part, route part); each at most 256 bytes.
+impl std::hash::Hash for SlotKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        KeyRef::new(&self.rule, &self.tenant, &self.route).hash(h)
+    }
+}
+
+/// A borrowed key for lookups: hashes and compares like [`SlotKey`]
+/// without building anything. (`str` hashing ends each part with 0xff,
+/// which UTF-8 never contains, so the parts cannot run into each other.)
+#[derive(Clone, Copy, Debug, Hash)]
+pub struct KeyRef<'a> {
+    rule: &'a str,
+    tenant: &'a str,
+    route: &'a str,
+}
+
+impl<'a> KeyRef<'a> {
+    /// A key from its parts.
     #[inline]
-    pub fn new(rule: &str, tenant: &str, route: &str) -> Self {
-        let mut k = KeyBuf {
-            buf: [0; KEY_BYTES],
-            len: 0,
-        };
-        for part in [rule, tenant, route] {
-            let b = &part.as_bytes()[..part.len().min(MAX_ID_BYTES)];
-            k.buf[k.len..k.len + 2].copy_from_slice(&(b.len() as u16).to_le_bytes());
-            k.buf[k.len + 2..k.len + 2 + b.len()].copy_from_slice(b);
-            k.len += 2 + b.len();
+    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
+        Self {
+            rule,
+            tenant,
+            route,
         }
-        k
     }
 
     /// The key of `rule` for a request on (tenant, route).
     #[inline]
-    pub fn of(rule: &Rule, tenant: &str, route: &str) -> Self {
+    pub fn of(rule: &'a Rule, tenant: &'a str, route: &'a str) -> Self {
         Self::new(
             &rule.id,
             rule.tenant.key_part(tenant),
@@ -178,10 +187,19 @@ impl KeyBuf {
         )
     }
 
-    /// The encoded bytes.
+    fn to_owned_key(self) -> SlotKey {
+        SlotKey {
+            rule: self.rule.into(),
+            tenant: self.tenant.into(),
+            route: self.route.into(),
+        }
+    }
+}
+
+impl papaya::Equivalent<SlotKey> for KeyRef<'_> {
     #[inline]
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.buf[..self.len]
+    fn equivalent(&self, k: &SlotKey) -> bool {
+        self.tenant == &*k.tenant && self.route == &*k.route && self.rule == &*k.rule
     }
 }
 
@@ -263,10 +281,17 @@ impl Slot {
     }
 }
 
+/// The lease table: key bytes to slot. A lock-free map (reads pin an epoch
+/// guard, which writes only thread-local state), so concurrent checks on
+/// one hot key share no written cache line except the lease word itself.
+/// The hasher is seeded per process.
+type Table = papaya::HashMap<SlotKey, Arc<Slot>, foldhash::fast::RandomState>;
+
 /// Indices of the rules a request matched, overrides applied.
 struct Matched {
     idx: [u32; MAX_MATCHED],
     n: usize,
+    any_shadow: bool,
 }
 
 fn match_rules(
@@ -278,6 +303,7 @@ fn match_rules(
     let mut m = Matched {
         idx: [0; MAX_MATCHED],
         n: 0,
+        any_shadow: false,
     };
     let mut any_override = false;
     for (i, r) in rules.rules.iter().enumerate() {
@@ -296,6 +322,7 @@ fn match_rules(
             m.idx[m.n] = i as u32;
             m.n += 1;
             any_override |= !r.overrides.is_empty();
+            m.any_shadow |= r.shadow;
         }
     }
     if any_override {
@@ -350,7 +377,7 @@ struct Inner {
     incarnation: u64,
     transport: Arc<dyn Transport>,
     rules: ArcSwapOption<RuleSet>,
-    table: DashMap<Box<[u8]>, Arc<Slot>>,
+    table: Table,
     connected: AtomicBool,
     /// The last allocator call failed (as opposed to: none made yet).
     down: AtomicBool,
@@ -407,7 +434,7 @@ impl Agent {
             incarnation,
             transport,
             rules: ArcSwapOption::new(bootstrap.map(Arc::new)),
-            table: DashMap::new(),
+            table: Table::with_hasher(foldhash::fast::RandomState::default()),
             connected: AtomicBool::new(false),
             down: AtomicBool::new(false),
             seq: AtomicU64::new(0),
@@ -497,7 +524,6 @@ impl Agent {
         let inner = &*self.inner;
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
         if m.n == 0 {
-            inner.metrics.checks.add(1);
             inner.metrics.no_rule.add(1);
             return Some(FastAdmit {
                 remaining: 0,
@@ -515,7 +541,6 @@ impl Agent {
         let t = now();
         let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
         let reason = self.charge_shadow(rules, &m, input, cost, t);
-        inner.metrics.checks.add(1);
         inner.metrics.allowed.add(1);
         Some(FastAdmit {
             remaining,
@@ -528,7 +553,6 @@ impl Agent {
     async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
         let inner = &*self.inner;
         let Some(rules) = inner.rules.load_full() else {
-            inner.metrics.checks.add(1);
             inner.metrics.unavailable.add(1);
             return Err(CheckError::Unavailable(
                 "no rules yet: the allocator has not been reached".into(),
@@ -537,7 +561,6 @@ impl Agent {
         if let Some(a) = self.fast_with(&rules, input, cost) {
             return Ok(a.to_response(&rules));
         }
-        inner.metrics.checks.add(1);
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
         for &i in &m.idx[..m.n] {
             let r = &rules.rules[i as usize];
@@ -629,6 +652,7 @@ impl Agent {
         cost: u64,
         t: u64,
     ) -> Result<(u64, usize), usize> {
+        let table = self.inner.table.pin();
         // (slot id, generation) of each charge, for an all-or-none refund.
         let mut taken: [(u64, u64); MAX_MATCHED] = [(0, 0); MAX_MATCHED];
         let mut min_remaining = u64::MAX;
@@ -639,8 +663,8 @@ impl Agent {
             if r.shadow {
                 continue;
             }
-            let key = KeyBuf::of(r, input.tenant, input.route);
-            let (slot_id, take) = match self.inner.table.get(key.as_bytes()) {
+            let key = KeyRef::of(r, input.tenant, input.route);
+            let (slot_id, take) = match table.get(&key) {
                 Some(slot) => (slot.id, slot.word.try_take(cost, t)),
                 None => (0, Take::NoLease),
             };
@@ -662,8 +686,8 @@ impl Agent {
                         if rk.shadow {
                             continue;
                         }
-                        let key = KeyBuf::of(rk, input.tenant, input.route);
-                        if let Some(slot) = self.inner.table.get(key.as_bytes()) {
+                        let key = KeyRef::of(rk, input.tenant, input.route);
+                        if let Some(slot) = table.get(&key) {
                             if slot.id == slot_id {
                                 slot.word.refund(generation, cost);
                             }
@@ -708,16 +732,20 @@ impl Agent {
         t: u64,
     ) -> Reason {
         let mut reason = Reason::Ok;
+        if !m.any_shadow {
+            return reason;
+        }
         for &ri in &m.idx[..m.n] {
             let r = &rules.rules[ri as usize];
             if !r.shadow {
                 continue;
             }
-            let key = KeyBuf::of(r, input.tenant, input.route);
+            let key = KeyRef::of(r, input.tenant, input.route);
             let take = self
                 .inner
                 .table
-                .get(key.as_bytes())
+                .pin()
+                .get(&key)
                 .map(|s| s.word.try_take(cost, t));
             match take {
                 Some(Take::Taken { .. }) => {}
@@ -759,7 +787,7 @@ impl Agent {
         match rule.fail_policy {
             FailPolicy::Closed => {
                 m.unavailable.add(1);
-                m.failure_mode_denied.add(1);
+                m.closed_unavailable.add(1);
                 Err(CheckError::Unavailable(format!(
                     "rule {}: {why}; fail_policy closed",
                     rule.id
@@ -787,18 +815,16 @@ impl Agent {
     /// The slot of a rule's key, created if missing (None when the table is full).
     fn slot_for(&self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
         let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
-        let key = KeyBuf::new(&rule.id, tp, rp);
-        if let Some(s) = self.inner.table.get(key.as_bytes()) {
+        let key = KeyRef::new(&rule.id, tp, rp);
+        let table = self.inner.table.pin();
+        if let Some(s) = table.get(&key) {
             return Some(s.clone());
         }
-        if self.inner.table.len() >= self.inner.cfg.max_keys {
+        if table.len() >= self.inner.cfg.max_keys {
             return None;
         }
-        let slot = self
-            .inner
-            .table
-            .entry(key.as_bytes().into())
-            .or_insert_with(|| Arc::new(Slot::new(&rule.id, tp, rp)))
+        let slot = table
+            .get_or_insert_with(key.to_owned_key(), || Arc::new(Slot::new(&rule.id, tp, rp)))
             .clone();
         Some(slot)
     }
@@ -851,9 +877,9 @@ impl Agent {
         let rules = inner.rules.load_full();
         let mut items = std::mem::take(&mut *inner.late_releases.lock());
         let mut slots: Vec<Arc<Slot>> = Vec::new();
-        let mut forget: Vec<Box<[u8]>> = Vec::new();
-        for entry in inner.table.iter() {
-            let slot = entry.value();
+        let mut forget: Vec<SlotKey> = Vec::new();
+        let table = inner.table.pin();
+        for (key, slot) in table.iter() {
             let mut st = slot.st.lock();
             let (gen, tokens) = slot.word.load();
             if gen == st.generation {
@@ -931,12 +957,12 @@ impl Agent {
                         inner.metrics.tokens_released.add(left);
                     }
                     st.lease_id = 0;
-                    forget.push(entry.key().clone());
+                    forget.push(key.clone());
                 }
             }
         }
         for k in forget {
-            inner.table.remove(&k);
+            table.remove(&k);
         }
         (items, slots)
     }
@@ -1185,8 +1211,7 @@ impl Agent {
         inner.stopped.notify_waiters();
         let mut items = std::mem::take(&mut *inner.late_releases.lock());
         let mut released = 0;
-        for entry in inner.table.iter() {
-            let slot = entry.value();
+        for (_, slot) in inner.table.pin().iter() {
             let mut st = slot.st.lock();
             let (left, new_gen) = slot.word.retire();
             st.generation = new_gen;

@@ -21,18 +21,28 @@ pub struct Counter {
 }
 
 thread_local! {
-    static STRIPE: usize = {
+    static STRIPE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+#[inline]
+fn stripe() -> usize {
+    STRIPE.with(|s| {
+        let i = s.get();
+        if i != usize::MAX {
+            return i;
+        }
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        (NEXT.fetch_add(1, Ordering::Relaxed) as usize) % STRIPES
-    };
+        let i = (NEXT.fetch_add(1, Ordering::Relaxed) as usize) % STRIPES;
+        s.set(i);
+        i
+    })
 }
 
 impl Counter {
     /// Add `n`.
     #[inline]
     pub fn add(&self, n: u64) {
-        let i = STRIPE.with(|s| *s);
-        self.stripes[i].0.fetch_add(n, Ordering::Relaxed);
+        self.stripes[stripe()].0.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The total.
@@ -47,8 +57,6 @@ impl Counter {
 /// Counters of one agent.
 #[derive(Debug, Default)]
 pub struct AgentMetrics {
-    /// Decisions made (replays excluded).
-    pub checks: Counter,
     /// Admitted.
     pub allowed: Counter,
     /// Denied over the limit.
@@ -59,8 +67,11 @@ pub struct AgentMetrics {
     pub invalid: Counter,
     /// Answered unavailable (fail-closed, no rules yet).
     pub unavailable: Counter,
-    /// Denied by a fail policy.
+    /// Denied by a `lease_only` (or, for now, `open`) fail policy.
     pub failure_mode_denied: Counter,
+    /// Of the `unavailable` answers, those of fail-closed rules (they are
+    /// failure-mode denials too).
+    pub closed_unavailable: Counter,
     /// Admitted by a fail policy (emergency bucket; not built yet).
     pub failure_mode_allowed: Counter,
     /// Shadow rules that would have denied.
@@ -83,6 +94,16 @@ pub struct AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// Decisions made (replays excluded): the sum of every result.
+    pub fn checks(&self) -> u64 {
+        self.allowed.get()
+            + self.over_limit.get()
+            + self.no_rule.get()
+            + self.invalid.get()
+            + self.unavailable.get()
+            + self.failure_mode_denied.get()
+    }
+
     /// Record one allocator round trip.
     pub fn record_renewal(&self, d: Duration) {
         let mut h = self.renewal_us.lock();
@@ -149,8 +170,8 @@ impl AgentMetrics {
             ),
             (
                 "failure_mode_denied_total",
-                "denied by a fail policy",
-                g(&self.failure_mode_denied),
+                "denied by a fail policy (lease_only and open denials, closed unavailable answers)",
+                g(&self.failure_mode_denied) + g(&self.closed_unavailable),
             ),
             (
                 "shadow_over_limit_total",

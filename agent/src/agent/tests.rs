@@ -151,13 +151,15 @@ async fn fast_path_needs_a_lease_and_charges_nothing_without_one() {
 }
 
 #[test]
-fn key_bytes_are_unambiguous() {
-    let a = KeyBuf::new("r", "ab", "c");
-    let b = KeyBuf::new("r", "a", "bc");
-    assert_ne!(a.as_bytes(), b.as_bytes());
-    let long = "x".repeat(MAX_ID_BYTES);
-    let k = KeyBuf::new(&long, &long, &long);
-    assert_eq!(k.as_bytes().len(), 3 * (2 + MAX_ID_BYTES));
+fn keys_are_unambiguous() {
+    use std::hash::BuildHasher;
+    let h = foldhash::fast::FixedState::with_seed(7);
+    let a = KeyRef::new("r", "ab", "c");
+    let b = KeyRef::new("r", "a", "bc");
+    assert_ne!(h.hash_one(a), h.hash_one(b));
+    assert!(!papaya::Equivalent::equivalent(&a, &b.to_owned_key()));
+    assert!(papaya::Equivalent::equivalent(&a, &a.to_owned_key()));
+    assert_eq!(h.hash_one(a), h.hash_one(a.to_owned_key()));
 }
 
 #[test]

@@ -1,7 +1,14 @@
 //! Compiles our .proto files with protox (pure Rust), so a fresh machine
 //! needs no protoc.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/quotalease.proto", "proto/lease.proto"];
+    let files = [
+        "proto/quotalease.proto",
+        "proto/lease.proto",
+        "proto/envoy/service/ratelimit/v3/rls.proto",
+        "proto/envoy/extensions/common/ratelimit/v3/ratelimit.proto",
+        "proto/envoy/type/v3/ratelimit_unit.proto",
+        "proto/envoy/config/core/v3/base.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -101,7 +101,8 @@ pub struct AgentArgs {
     /// Allocator URL(s), comma separated (http://HOST:PORT).
     #[arg(long, value_delimiter = ',', required = true)]
     allocator: Vec<String>,
-    /// gRPC address for quotalease.v1.RateLimiter/Check.
+    /// gRPC address for quotalease.v1.RateLimiter/Check and Envoy's
+    /// envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit.
     #[arg(long, default_value = "127.0.0.1:7080")]
     grpc: SocketAddr,
     /// HTTP address for /metrics, /healthz, /readyz.
@@ -128,6 +129,12 @@ pub struct AgentArgs {
     /// Release and forget keys idle this long.
     #[arg(long = "idle-release", default_value = "10s", value_parser = parse_duration)]
     idle_release: Duration,
+    /// Envoy RLS: the descriptor entry key that names the tenant.
+    #[arg(long = "envoy-tenant-key", default_value = "tenant")]
+    envoy_tenant_key: String,
+    /// Envoy RLS: the descriptor entry key that names the route.
+    #[arg(long = "envoy-route-key", default_value = "route")]
+    envoy_route_key: String,
     /// Test only: append every admission to this file.
     #[arg(long = "admission-log", hide = true)]
     admission_log: Option<PathBuf>,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use quotalease_agent::agent::{Agent, AgentConfig};
+use quotalease_agent::envoy::EnvoyService;
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::service::{self, CheckService};
 use quotalease_agent::transport::GrpcTransport;
@@ -174,6 +175,10 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(CheckService::new(agent.clone()).into_server())
+            .add_service(
+                EnvoyService::new(agent.clone(), &args.envoy_tenant_key, &args.envoy_route_key)
+                    .into_server(),
+            )
             .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
                 let _ = rx3.wait_for(|s| *s).await;
             }),

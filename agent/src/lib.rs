@@ -6,6 +6,8 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod envoy;
+pub mod headers;
 pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;

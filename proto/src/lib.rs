@@ -12,6 +12,51 @@ pub mod lease {
     tonic::include_proto!("quotalease.lease.v1");
 }
 
+/// Envoy's rate limit service API v3, from our own wire-compatible copy of
+/// its messages.
+pub mod envoy {
+    /// `envoy.service.ratelimit.v3`
+    pub mod service {
+        /// `envoy.service.ratelimit`
+        pub mod ratelimit {
+            /// `envoy.service.ratelimit.v3`
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.ratelimit.v3");
+            }
+        }
+    }
+    /// `envoy.extensions.common.ratelimit.v3`
+    pub mod extensions {
+        /// `envoy.extensions.common`
+        pub mod common {
+            /// `envoy.extensions.common.ratelimit`
+            pub mod ratelimit {
+                /// `envoy.extensions.common.ratelimit.v3`
+                pub mod v3 {
+                    tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                }
+            }
+        }
+    }
+    /// `envoy.config.core.v3`
+    pub mod config {
+        /// `envoy.config.core`
+        pub mod core {
+            /// `envoy.config.core.v3`
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.core.v3");
+            }
+        }
+    }
+    /// `envoy.type.v3`
+    pub mod r#type {
+        /// `envoy.type.v3`
+        pub mod v3 {
+            include!(concat!(env!("OUT_DIR"), "/envoy.r#type.v3.rs"));
+        }
+    }
+}
+
 /// Protocol version spoken by this build. Adjacent versions interoperate:
 /// an allocator accepts `PROTOCOL_VERSION - 1 ..= PROTOCOL_VERSION + 1`.
 pub const PROTOCOL_VERSION: u32 = 1;

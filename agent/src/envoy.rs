@@ -1,0 +1,205 @@
+//! Envoy's rate limit service API v3 on the agent's gRPC port:
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+//!
+//! Each descriptor is one check: its entries named by the tenant and route
+//! keys (default `tenant`, `route`) select the bucket, the request's
+//! `domain` selects the rule namespace, and the descriptor's `hits_addend`
+//! (else the request's, else 1) is the cost. A descriptor without a tenant
+//! entry, or that no rule matches, is `OK`. `overall_code` is `OVER_LIMIT`
+//! if any descriptor is. Like Envoy's reference service, descriptors are
+//! independent checks: each is atomic over the rules it matches, but a
+//! descriptor admitted before another one is denied stays charged.
+//! Fail-closed without a lease answers gRPC `UNAVAILABLE`.
+
+use quotalease_allocator::rules::RuleSet;
+use quotalease_proto::envoy::config::core::v3::HeaderValue;
+use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use quotalease_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use quotalease_proto::v1::{CheckResponse, Reason};
+use quotalease_proto::MAX_MESSAGE_BYTES;
+use tonic::{Request, Response, Status};
+
+use crate::agent::{Agent, CheckError, CheckInput};
+use crate::headers::LimitInfo;
+
+/// Most descriptors in one request (SPEC §8).
+pub const MAX_DESCRIPTORS: usize = 16;
+
+/// The Envoy RLS service.
+#[derive(Clone, Debug)]
+pub struct EnvoyService {
+    agent: Agent,
+    tenant_key: String,
+    route_key: String,
+}
+
+impl EnvoyService {
+    /// Serve `agent`, reading tenant and route from these descriptor keys.
+    pub fn new(agent: Agent, tenant_key: &str, route_key: &str) -> Self {
+        Self {
+            agent,
+            tenant_key: tenant_key.to_string(),
+            route_key: route_key.to_string(),
+        }
+    }
+
+    /// As a tonic server with message size limits.
+    pub fn into_server(self) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+}
+
+fn unit_of(period_s: u64) -> Unit {
+    match period_s {
+        1 => Unit::Second,
+        60 => Unit::Minute,
+        3600 => Unit::Hour,
+        86_400 => Unit::Day,
+        _ => Unit::Unknown,
+    }
+}
+
+fn duration_ms(ms: u64) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+/// One descriptor's status from a check answer.
+fn status_of(resp: &CheckResponse, rules: Option<&RuleSet>) -> DescriptorStatus {
+    let denied = !resp.allowed;
+    let rule = rules.and_then(|r| r.get(&resp.rule_id));
+    let current_limit = rule.map(|r| RateLimit {
+        name: r.id.clone(),
+        requests_per_unit: u32::try_from(r.rate.tokens).unwrap_or(u32::MAX),
+        unit: unit_of(r.rate.period_s) as i32,
+    });
+    // Until reset: the retry time when denied; when admitted, the time one
+    // token takes to come back.
+    let until_ms = if denied {
+        resp.retry_after_ms
+    } else {
+        rule.map(|r| (r.rate.period_s * 1000).div_ceil(r.rate.tokens))
+            .unwrap_or(0)
+    };
+    DescriptorStatus {
+        code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit,
+        limit_remaining: u32::try_from(resp.remaining).unwrap_or(u32::MAX),
+        duration_until_reset: Some(duration_ms(until_ms)),
+        quota: None,
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for EnvoyService {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let req = request.into_inner();
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Status::invalid_argument(format!(
+                "descriptors: {} given, at most {MAX_DESCRIPTORS}",
+                req.descriptors.len()
+            )));
+        }
+        let domain = (!req.domain.is_empty()).then_some(req.domain.as_str());
+        let rules = self.agent.rules();
+        let mut statuses = Vec::with_capacity(req.descriptors.len());
+        let mut overall = Code::Ok;
+        // The descriptor whose rule headers go back to the client: the first
+        // denied one, else the one with the fewest tokens left.
+        let mut shown: Option<(bool, CheckResponse)> = None;
+        for (i, d) in req.descriptors.iter().enumerate() {
+            let find = |k: &str| {
+                d.entries
+                    .iter()
+                    .find(|e| e.key == k)
+                    .map(|e| e.value.as_str())
+            };
+            let Some(tenant) = find(&self.tenant_key) else {
+                statuses.push(DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..DescriptorStatus::default()
+                });
+                continue;
+            };
+            let route = find(&self.route_key).unwrap_or("");
+            let hits = d.hits_addend.unwrap_or(u64::from(req.hits_addend)).max(1);
+            let Ok(cost) = u32::try_from(hits) else {
+                return Err(Status::invalid_argument(format!(
+                    "descriptors[{i}].hits_addend: {hits} is too large"
+                )));
+            };
+            let input = CheckInput {
+                tenant,
+                route,
+                cost,
+                request_id: "",
+                domain,
+            };
+            let resp = match self.agent.check(input).await {
+                Ok(r) => r,
+                Err(CheckError::Invalid { field, reason }) => {
+                    let field = match field {
+                        "tenant_id" => format!("descriptors[{i}].{}", self.tenant_key),
+                        "route_id" => format!("descriptors[{i}].{}", self.route_key),
+                        "cost" => format!("descriptors[{i}].hits_addend"),
+                        other => format!("descriptors[{i}].{other}"),
+                    };
+                    return Err(Status::invalid_argument(format!("{field}: {reason}")));
+                }
+                Err(CheckError::Unavailable(why)) => return Err(Status::unavailable(why)),
+            };
+            let status = status_of(&resp, rules.as_deref());
+            let denied = !resp.allowed;
+            if denied {
+                overall = Code::OverLimit;
+            }
+            let better = match &shown {
+                None => resp.reason != Reason::NoRule as i32,
+                Some((was_denied, prev)) => {
+                    (denied && !was_denied)
+                        || (denied == *was_denied && !denied && resp.remaining < prev.remaining)
+                }
+            };
+            if better {
+                shown = Some((denied, resp));
+            }
+            statuses.push(status);
+        }
+        let response_headers_to_add = shown
+            .and_then(|(_, resp)| {
+                let rules = rules.as_deref()?;
+                let rule = rules.get(&resp.rule_id)?;
+                let info = LimitInfo::new(rule, resp.remaining, resp.retry_after_ms);
+                Some(
+                    info.headers()
+                        .into_iter()
+                        .map(|(k, v)| HeaderValue {
+                            key: k.to_string(),
+                            value: v,
+                            raw_value: Vec::new(),
+                        })
+                        .collect(),
+                )
+            })
+            .unwrap_or_default();
+        Ok(Response::new(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add,
+            ..RateLimitResponse::default()
+        }))
+    }
+}

@@ -80,11 +80,6 @@ fn first_start(dir: &Path) -> anyhow::Result<bool> {
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let version = alloc_server::unix_ms();
     let rules = load_rules(&args.rules, version)?;
-    for r in &rules.rules {
-        if r.fail_policy == quotalease_allocator::rules::FailPolicy::Open {
-            tracing::warn!(rule = %r.id, "fail_policy open acts as lease_only until the emergency bucket exists");
-        }
-    }
     let no_predecessor = match &args.state_dir {
         Some(dir) => first_start(dir)?,
         None => false,

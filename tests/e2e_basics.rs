@@ -20,6 +20,11 @@ rules:
     rate: 5/m
     burst: 5
     fail_policy: closed
+  - id: open
+    match: { tenant: "*", route: /api/open }
+    rate: 10/s
+    burst: 10
+    fail_policy: open
   - id: daily
     match: { tenant: "*", route: /api/daily }
     rate: 1/d
@@ -265,6 +270,39 @@ async fn agent_without_allocator_starts_not_ready_and_applies_fail_policies() {
         m.contains("quotalease_agent_failure_mode_denied_total 2"),
         "{m}"
     );
+    // open: admits through the emergency bucket (I3: r_e = R / holders =
+    // 10/s, b_e = B / holders = 10 with one holder known), never above it.
+    let start = std::time::Instant::now();
+    let (mut allowed, mut denied) = (0u64, 0u64);
+    while start.elapsed() < Duration::from_millis(1500) {
+        let r = cl
+            .check(req("t", "/api/open", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        if r.allowed {
+            assert_eq!(r.reason, Reason::FailureModeAllowed as i32);
+            allowed += 1;
+        } else {
+            assert_eq!(r.reason, Reason::FailureModeDenied as i32);
+            denied += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bound = 10.0 + 10.0 * start.elapsed().as_secs_f64();
+    assert!(allowed >= 10, "allowed {allowed}");
+    assert!(
+        allowed as f64 <= bound,
+        "allowed {allowed} > b_e + r_e*T = {bound}"
+    );
+    assert!(denied > 0);
+    let (_, m) = http_get(a.http, "/metrics");
+    assert!(
+        m.contains(&format!(
+            "quotalease_agent_failure_mode_allowed_total {allowed}"
+        )),
+        "{m}"
+    );
     // Without bootstrap rules: UNAVAILABLE until the allocator is reached.
     let b = agent("lonelier", &format!("http://{dead}"), None, &[]);
     let mut cl = client(&b).await;
@@ -306,7 +344,7 @@ fn invalid_rules_file_exits_1_listing_every_error() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("3 rule(s), valid"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("4 rule(s), valid"));
 }
 
 #[test]

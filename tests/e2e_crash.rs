@@ -170,3 +170,95 @@ async fn allocator_sigkill_keeps_the_bound_and_service_resumes() {
         "{metrics}"
     );
 }
+
+const OPEN_RULES: &str = r#"
+rules:
+  - id: open
+    match: { tenant: "*", route: /api/open }
+    rate: 100/s
+    burst: 30
+    fail_policy: open
+"#;
+
+/// With fail policy `open`, a cut-off agent admits through its emergency
+/// bucket (SPEC §2 I3): admissions continue after the leases run out, and
+/// the excess over I1 during the cut-off stays within the sum over agents of
+/// `b_e + r_e * T`, where `b_e = B / holders` and
+/// `r_e = max(recent admitted share, R / holders)` (so the sum of the `r_e`
+/// is at most 2R: the shares sum to R at most, plus R).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_after_the_allocator_dies_stays_within_i3() {
+    let dir = tempdir("crash-open");
+    let rules = write_rules(&dir, OPEN_RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "1s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let logs: Vec<_> = (0..3).map(|i| dir.join(format!("adm-{i}.log"))).collect();
+    let agents: Vec<Proc> = (0..3)
+        .map(|i| agent(&format!("open-{i}"), &alloc.url(), Some(&logs[i]), &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let allowed_after = Arc::new(AtomicU64::new(0));
+    let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for a in &agents {
+        for _ in 0..4 {
+            let mut c = client(a).await;
+            let (stop, cut, allowed_after) = (stop.clone(), cut.clone(), allowed_after.clone());
+            tasks.push(tokio::spawn(async move {
+                // 2x R over 12 clients.
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(12.0 / 200.0));
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let req = CheckRequest {
+                        tenant_id: "acme".into(),
+                        route_id: "/api/open".into(),
+                        cost: 1,
+                        ..Default::default()
+                    };
+                    let r = c.check(req).await.expect("open never errors").into_inner();
+                    if r.allowed && cut.load(Ordering::Relaxed) {
+                        allowed_after.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t_kill = quotalease_allocator::clock::BootClock::now();
+    alloc.kill9();
+    cut.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let t_end = quotalease_allocator::clock::BootClock::now();
+    let mut fma = 0u64;
+    for a in agents {
+        let (_, m) = http_get(a.http, "/metrics");
+        let line = m
+            .lines()
+            .find(|l| l.starts_with("quotalease_agent_failure_mode_allowed_total"))
+            .expect("metric");
+        fma += line.rsplit(' ').next().unwrap().parse::<u64>().unwrap();
+        assert!(a.terminate().success());
+    }
+    assert!(fma > 0, "the emergency bucket never admitted");
+    let adm = read_admissions(&logs);
+    let list = adm
+        .get(&(
+            "open".to_string(),
+            "acme".to_string(),
+            "/api/open".to_string(),
+        ))
+        .expect("admissions");
+    let after: u64 = list.iter().filter(|(t, _)| *t >= t_kill).map(|x| x.1).sum();
+    let t_cut = (t_end - t_kill) as f64 / 1e9;
+    // Leases held at the kill (<= B), plus sum of b_e (3 * B/3), plus sum of r_e * T.
+    let bound = 30.0 + 30.0 + 2.0 * 100.0 * t_cut;
+    eprintln!("after the kill: {after} admitted in {t_cut:.2}s ({fma} by the emergency buckets), I3 bound {bound:.0}");
+    assert!(after as f64 <= bound, "I3: {after} > {bound}");
+}

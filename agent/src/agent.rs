@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
+use quotalease_allocator::bucket::TokenBucket;
 use quotalease_allocator::clock::BootClock;
 use quotalease_allocator::core::RHO_PPM;
 use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
@@ -242,6 +243,10 @@ pub struct Slot {
     dry_until_ns: AtomicU64,
     /// Sum of the costs of requests waiting for this key's next grant.
     waiting_cost: AtomicU64,
+    /// Holders of this key at the allocator, as of the last grant.
+    holders: AtomicU64,
+    /// Fail-open emergency bucket of the current outage: (outage, bucket).
+    emergency: Mutex<Option<(u64, TokenBucket)>>,
     /// Tokens asked for but denied since the last tick (demand the lease
     /// could not serve; counted off the fast path).
     denied: AtomicU64,
@@ -260,6 +265,8 @@ impl Slot {
             dry_until_ns: AtomicU64::new(0),
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
+            holders: AtomicU64::new(1),
+            emergency: Mutex::new(None),
             parked: Notify::new(),
             st: Mutex::new(SlotState::default()),
         }
@@ -267,6 +274,35 @@ impl Slot {
 }
 
 impl Slot {
+    /// Take `cost` from this key's emergency bucket for outage `outage`,
+    /// creating it on first use: rate `r_e = max(this agent's recent
+    /// consumption, R / holders)`, burst `b_e = max(1, B / holders)` (SPEC §2
+    /// I3, §6). Returns the tokens left, or None when it is empty.
+    fn emergency_take(&self, rule: &Rule, outage: u64, cost: u64, t: u64) -> Option<u64> {
+        let mut e = self.emergency.lock();
+        if e.as_ref().is_none_or(|(o, _)| *o != outage) {
+            let recent_per_s = self.st.lock().usage.admitted_rate;
+            let holders = self.holders.load(Ordering::Acquire).max(1);
+            let r = rule.rate;
+            let recent = (recent_per_s * r.period_s as f64).ceil() as u64;
+            let tokens = recent.max(r.tokens / holders).clamp(1, r.tokens);
+            let burst = (rule.burst / holders).max(1);
+            let rate = quotalease_allocator::rules::Rate {
+                tokens,
+                period_s: r.period_s,
+            };
+            *e = Some((outage, TokenBucket::new_full(rate, burst, t)));
+        }
+        let (_, bucket) = e.as_mut().expect("created above");
+        bucket.try_acquire(cost, t).ok()
+    }
+
+    fn emergency_refund(&self, cost: u64, t: u64) {
+        if let Some((_, bucket)) = self.emergency.lock().as_mut() {
+            bucket.refund(cost, t);
+        }
+    }
+
     /// A RELEASE item for this key.
     fn release_item(&self, lease_id: u64, spent: u64) -> LeaseItem {
         LeaseItem {
@@ -381,6 +417,8 @@ struct Inner {
     connected: AtomicBool,
     /// The last allocator call failed (as opposed to: none made yet).
     down: AtomicBool,
+    /// Counts outages; an emergency bucket belongs to one outage.
+    outage: AtomicU64,
     seq: AtomicU64,
     wake: Notify,
     stop: AtomicBool,
@@ -389,7 +427,6 @@ struct Inner {
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
     metrics: AgentMetrics,
     admission_log: Option<Mutex<BufWriter<File>>>,
-    open_warned: AtomicBool,
 }
 
 /// A running agent. Cheap to clone.
@@ -437,6 +474,7 @@ impl Agent {
             table: Table::with_hasher(foldhash::fast::RandomState::default()),
             connected: AtomicBool::new(false),
             down: AtomicBool::new(false),
+            outage: AtomicU64::new(0),
             seq: AtomicU64::new(0),
             wake: Notify::new(),
             stop: AtomicBool::new(false),
@@ -444,7 +482,6 @@ impl Agent {
             late_releases: Mutex::new(Vec::new()),
             metrics: AgentMetrics::default(),
             admission_log,
-            open_warned: AtomicBool::new(false),
         });
         let agent = Agent { inner };
         let bg = agent.clone();
@@ -607,6 +644,27 @@ impl Agent {
                     }
                     let down = inner.down.load(Ordering::Acquire);
                     if down || (!inner.connected.load(Ordering::Acquire) && attempt > 0) {
+                        if rule.fail_policy == FailPolicy::Open {
+                            match self.try_charge_emergency(&rules, &m, input, cost, t) {
+                                Ok((remaining, idx)) => {
+                                    inner.metrics.failure_mode_allowed.add(1);
+                                    return Ok(FastAdmit {
+                                        remaining,
+                                        rule_index: Some(idx),
+                                        rule_version: rules.version,
+                                        reason: Reason::FailureModeAllowed,
+                                    }
+                                    .to_response(&rules));
+                                }
+                                Err(k) => {
+                                    return self.fail_policy(
+                                        &rules.rules[k],
+                                        &rules,
+                                        "allocator unreachable; emergency bucket empty",
+                                    );
+                                }
+                            }
+                        }
                         return self.fail_policy(rule, &rules, "allocator unreachable");
                     }
                     if attempt >= 2 {
@@ -697,21 +755,7 @@ impl Agent {
                 }
             }
         }
-        if let Some(log) = &self.inner.admission_log {
-            let mut w = log.lock();
-            for &ri in &m.idx[..m.n] {
-                let r = &rules.rules[ri as usize];
-                if !r.shadow {
-                    let _ = writeln!(
-                        w,
-                        "{t}\t{}\t{}\t{}\t{cost}",
-                        r.id,
-                        r.tenant.key_part(input.tenant),
-                        r.route.key_part(input.route)
-                    );
-                }
-            }
-        }
+        self.log_admission(rules, m, input, cost, t);
         Ok((
             if min_remaining == u64::MAX {
                 0
@@ -720,6 +764,107 @@ impl Agent {
             },
             min_rule,
         ))
+    }
+
+    /// Test-only admission log: one line per charged (non-shadow) rule.
+    fn log_admission(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) {
+        let Some(log) = &self.inner.admission_log else {
+            return;
+        };
+        let mut w = log.lock();
+        for &ri in &m.idx[..m.n] {
+            let r = &rules.rules[ri as usize];
+            if !r.shadow {
+                let _ = writeln!(
+                    w,
+                    "{t}\t{}\t{}\t{}\t{cost}",
+                    r.id,
+                    r.tenant.key_part(input.tenant),
+                    r.route.key_part(input.route)
+                );
+            }
+        }
+    }
+
+    /// Fail-open admission while the allocator is unreachable (SPEC §2 I3):
+    /// every matched rule pays from its lease if it can, and an `open` rule
+    /// that cannot pays from its key's emergency bucket. All or none.
+    /// `Ok((min remaining, rule index))` or `Err(index of the rule that
+    /// could not pay)`.
+    fn try_charge_emergency(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) -> Result<(u64, usize), usize> {
+        enum Paid {
+            Lease(Arc<Slot>, u64),
+            Emergency(Arc<Slot>),
+        }
+        let outage = self.inner.outage.load(Ordering::Acquire);
+        let mut paid: Vec<Paid> = Vec::with_capacity(m.n);
+        let mut min = (u64::MAX, m.idx[0] as usize);
+        let mut failed = None;
+        for &ri in &m.idx[..m.n] {
+            let r = &rules.rules[ri as usize];
+            if r.shadow {
+                continue;
+            }
+            let Some(slot) = self.slot_for(r, input.tenant, input.route) else {
+                failed = Some(ri as usize);
+                break;
+            };
+            if let Take::Taken {
+                generation,
+                remaining,
+            } = slot.word.try_take(cost, t)
+            {
+                if remaining < min.0 {
+                    min = (remaining, ri as usize);
+                }
+                paid.push(Paid::Lease(slot, generation));
+                continue;
+            }
+            if r.fail_policy != FailPolicy::Open {
+                failed = Some(ri as usize);
+                break;
+            }
+            let took = slot.emergency_take(r, outage, cost, t);
+            match took {
+                Some(remaining) => {
+                    if remaining < min.0 {
+                        min = (remaining, ri as usize);
+                    }
+                    paid.push(Paid::Emergency(slot));
+                }
+                None => {
+                    failed = Some(ri as usize);
+                    break;
+                }
+            }
+        }
+        if let Some(ri) = failed {
+            for p in paid {
+                match p {
+                    Paid::Lease(slot, generation) => {
+                        slot.word.refund(generation, cost);
+                    }
+                    Paid::Emergency(slot) => slot.emergency_refund(cost, t),
+                }
+            }
+            return Err(ri);
+        }
+        self.log_admission(rules, m, input, cost, t);
+        Ok((if min.0 == u64::MAX { 0 } else { min.0 }, min.1))
     }
 
     /// Shadow rules decide and report, never deny, never refund.
@@ -794,11 +939,6 @@ impl Agent {
                 )))
             }
             FailPolicy::Open | FailPolicy::LeaseOnly => {
-                if rule.fail_policy == FailPolicy::Open
-                    && !self.inner.open_warned.swap(true, Ordering::Relaxed)
-                {
-                    tracing::warn!(rule = %rule.id, "fail_policy open acts as lease_only: the emergency bucket is not built yet");
-                }
                 m.failure_mode_denied.add(1);
                 Ok(CheckResponse {
                     allowed: false,
@@ -887,7 +1027,7 @@ impl Agent {
                 st.usage.since_tick += consumed;
             }
             // Demand, not just admissions, sizes the next lease.
-            st.usage.since_tick += slot.denied.swap(0, Ordering::Relaxed);
+            st.usage.denied_since_tick += slot.denied.swap(0, Ordering::Relaxed);
             st.baseline = tokens;
             st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
             let waiting = slot.waiting_cost.load(Ordering::Acquire);
@@ -947,6 +1087,18 @@ impl Agent {
                 }
                 Plan::Release => {
                     if st.in_flight.is_some() {
+                        continue;
+                    }
+                    // Keep a key whose emergency bucket serves the current
+                    // outage: dropping it would start a full bucket again.
+                    let outage = inner.outage.load(Ordering::Acquire);
+                    if inner.down.load(Ordering::Acquire)
+                        && slot
+                            .emergency
+                            .lock()
+                            .as_ref()
+                            .is_some_and(|(o, _)| *o == outage)
+                    {
                         continue;
                     }
                     let (left, new_gen) = slot.word.retire();
@@ -1028,7 +1180,9 @@ impl Agent {
             }
             Err(why) => {
                 inner.metrics.rpc_errors.add(1);
-                inner.down.store(true, Ordering::Release);
+                if !inner.down.swap(true, Ordering::AcqRel) {
+                    inner.outage.fetch_add(1, Ordering::AcqRel);
+                }
                 if inner.connected.swap(false, Ordering::AcqRel) {
                     tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
                 }
@@ -1137,6 +1291,8 @@ impl Agent {
             }
         }
         st.refused = None;
+        slot.holders
+            .store(u64::from(g.holders.max(1)), Ordering::Release);
         // A grant we cannot use: give it back. If it carried the old lease,
         // retire that lease first, so that what we report as spent is final.
         let give_back = |st: &mut SlotState| {

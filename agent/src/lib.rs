@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod envoy;
 pub mod headers;
+pub mod http_api;
 pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;

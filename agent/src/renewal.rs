@@ -46,10 +46,16 @@ impl Default for PlanConfig {
 /// Consumption history of one key.
 #[derive(Clone, Debug, Default)]
 pub struct Usage {
-    /// Tokens/s, exponentially weighted.
+    /// Demand in tokens/s (admitted and denied), exponentially weighted:
+    /// sizes leases.
     pub rate: f64,
+    /// Admitted tokens/s, exponentially weighted: this agent's recent share
+    /// of the key's rate (sizes the fail-open emergency bucket).
+    pub admitted_rate: f64,
     /// Tokens consumed since the last tick (fed by the driver).
     pub since_tick: u64,
+    /// Tokens asked for but denied since the last tick (fed by the driver).
+    pub denied_since_tick: u64,
     /// Instant of the last tick.
     pub last_tick_ns: u64,
     /// Last instant anything was consumed or requested.
@@ -57,9 +63,11 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Fold `consumed` tokens observed over `(last_tick, now]` into the EWMA.
+    /// Fold `consumed` tokens (plus what the driver accumulated) observed
+    /// over `(last_tick, now]` into the EWMAs.
     pub fn tick(&mut self, consumed: u64, now_ns: u64, tau: Duration) {
         let consumed = consumed + std::mem::take(&mut self.since_tick);
+        let denied = std::mem::take(&mut self.denied_since_tick);
         if self.last_tick_ns == 0 {
             self.last_tick_ns = now_ns;
             if consumed > 0 {
@@ -70,12 +78,13 @@ impl Usage {
         let dt = now_ns.saturating_sub(self.last_tick_ns);
         if dt == 0 {
             self.since_tick += consumed;
+            self.denied_since_tick += denied;
             return;
         }
         let dt_s = dt as f64 / 1e9;
-        let inst = consumed as f64 / dt_s;
         let alpha = 1.0 - (-dt_s / tau.as_secs_f64()).exp();
-        self.rate += alpha * (inst - self.rate);
+        self.rate += alpha * ((consumed + denied) as f64 / dt_s - self.rate);
+        self.admitted_rate += alpha * (consumed as f64 / dt_s - self.admitted_rate);
         self.last_tick_ns = now_ns;
         if consumed > 0 {
             self.last_active_ns = now_ns;
@@ -214,6 +223,8 @@ mod tests {
         let cfg = PlanConfig::default();
         let u = Usage {
             rate: 500.0,
+            admitted_rate: 500.0,
+            denied_since_tick: 0,
             last_active_ns: 1_000 * MS,
             last_tick_ns: 1_000 * MS,
             since_tick: 0,
@@ -232,6 +243,8 @@ mod tests {
         let cfg = PlanConfig::default();
         let u = Usage {
             rate: 10.0,
+            admitted_rate: 10.0,
+            denied_since_tick: 0,
             last_active_ns: 1_000 * MS,
             last_tick_ns: 1_000 * MS,
             since_tick: 0,

@@ -89,7 +89,8 @@ pub fn admin_router(agent: Agent) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(agent)
+        .with_state(agent.clone())
+        .merge(crate::http_api::router(agent))
 }
 
 /// Serve the admin router on `addr` until `shutdown` resolves.

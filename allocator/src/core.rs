@@ -489,6 +489,7 @@ impl AllocatorCore {
             retry_after_ms: g.retry_after_ms,
             parent_unreachable: false,
             detail: String::new(),
+            holders: g.holders,
         }
     }
 

@@ -92,6 +92,8 @@ pub struct Granted {
     pub expires_ns: u64,
     /// The independent shadow bucket says this grant would break I1.
     pub shadow_violation: bool,
+    /// Holders that asked for this key within the active window.
+    pub holders: u32,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -304,6 +306,7 @@ impl KeyLedger {
             retry_after_ms,
             expires_ns,
             shadow_violation,
+            holders: u32::try_from(self.demand.len()).unwrap_or(u32::MAX),
         }
     }
 

@@ -465,3 +465,95 @@ async fn rules_reload_on_change_and_bad_files_keep_the_last_good_rules() {
         "{m}"
     );
 }
+
+fn gauge(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_tenants_keeps_memory_bounded() {
+    let dir = tempdir("flood");
+    let rules = write_rules(
+        &dir,
+        r#"
+rules:
+  - id: open-api
+    match: { tenant: "*", route: /api/flood }
+    rate: 100/s
+    burst: 10
+    fail_policy: lease_only
+  - id: capped
+    match: { tenant: "*", route: /api/capped }
+    rate: 1/m
+    burst: 10
+    max_keys: 50
+    fail_policy: lease_only
+"#,
+    );
+    let alloc = allocator(&rules, &dir.join("state"), None, "1s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    // max_keys: the first 50 tenants get buckets (not full again for a
+    // minute, so the allocator keeps them), the rest are denied.
+    let b = agent("flood-cap", &alloc.url(), None, &[]);
+    wait_ok(b.http, "/readyz", Duration::from_secs(10));
+    let mut cb = client(&b).await;
+    let mut capped_ok = 0;
+    for i in 0..100 {
+        let r = cb
+            .check(req(&format!("cap-{i}"), "/api/capped", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        capped_ok += u32::from(r.allowed);
+    }
+    assert_eq!(capped_ok, 50);
+    let (_, m) = http_get(alloc.http, "/metrics");
+    assert_eq!(
+        gauge(&m, "quotalease_allocator_key_limit_refusals_total"),
+        50
+    );
+    assert!(b.terminate().success());
+    // A flood of random tenants through an agent that forgets idle keys fast.
+    let a = agent(
+        "flood-0",
+        &alloc.url(),
+        None,
+        &["--idle-release", "1s", "--lease-ttl", "1s"],
+    );
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let mut cl = client(&a).await;
+    for i in 0..1000 {
+        let r = cl
+            .check(req(&format!("rnd-{i}"), "/api/flood", 1, ""))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.allowed);
+    }
+    let (_, m) = http_get(alloc.http, "/metrics");
+    assert!(gauge(&m, "quotalease_allocator_keys") <= 1050, "{m}");
+    // Idle keys are released by the agent and, once full, dropped by the
+    // allocator; only the 50 capped keys (not full for minutes) remain.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, am) = http_get(a.http, "/metrics");
+        let (_, m) = http_get(alloc.http, "/metrics");
+        let (agent_keys, alloc_keys) = (
+            gauge(&am, "quotalease_agent_keys_held"),
+            gauge(&m, "quotalease_allocator_keys"),
+        );
+        if agent_keys == 0 && alloc_keys == 50 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "keys not dropped: agent {agent_keys}, allocator {alloc_keys}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -587,6 +587,7 @@ impl Agent {
         })
     }
 
+    #[tracing::instrument(level = "debug", name = "check", skip_all, fields(cost))]
     async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
         let inner = &*self.inner;
         let Some(rules) = inner.rules.load_full() else {
@@ -639,8 +640,10 @@ impl Agent {
                     if dry_until > t {
                         slot.denied.fetch_add(cost, Ordering::Relaxed);
                         inner.metrics.over_limit.add(1);
-                        let ms = (dry_until - t).div_ceil(1_000_000).max(1);
-                        return Ok(self.over_limit(rule, &rules, ms));
+                        // The answer names the denying rule with the largest retry.
+                        let (ms, idx) =
+                            self.largest_retry(&rules, &m, input, cost, t, rule_idx, dry_until - t);
+                        return Ok(self.over_limit(&rules.rules[idx], &rules, ms));
                     }
                     let down = inner.down.load(Ordering::Acquire);
                     if down || (!inner.connected.load(Ordering::Acquire) && attempt > 0) {
@@ -764,6 +767,39 @@ impl Agent {
             },
             min_rule,
         ))
+    }
+
+    /// Among the matched rules that cannot pay `cost` now, the one that
+    /// asks to wait longest: (retry in ms, rule index). `first` is the rule
+    /// already found denying with `first_wait_ns`.
+    #[allow(clippy::too_many_arguments)]
+    fn largest_retry(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+        first: usize,
+        first_wait_ns: u64,
+    ) -> (u64, usize) {
+        let table = self.inner.table.pin();
+        let mut best = (first_wait_ns, first);
+        for &ri in &m.idx[..m.n] {
+            let r = &rules.rules[ri as usize];
+            if r.shadow || ri as usize == first {
+                continue;
+            }
+            let Some(slot) = table.get(&KeyRef::of(r, input.tenant, input.route)) else {
+                continue;
+            };
+            let dry = slot.dry_until_ns.load(Ordering::Acquire);
+            let short = slot.word.peek(t).is_none_or(|held| held < cost);
+            if short && dry > t && dry - t > best.0 {
+                best = (dry - t, ri as usize);
+            }
+        }
+        (best.0.div_ceil(1_000_000).max(1), best.1)
     }
 
     /// Test-only admission log: one line per charged (non-shadow) rule.
@@ -1119,6 +1155,7 @@ impl Agent {
         (items, slots)
     }
 
+    #[tracing::instrument(level = "debug", name = "renewal", skip_all, fields(seq, items = items.len()))]
     async fn send(&self, seq: u64, sent_ns: u64, items: Vec<LeaseItem>, slots: Vec<Arc<Slot>>) {
         let inner = &*self.inner;
         let batch = LeaseBatch {

@@ -204,3 +204,28 @@ fn validation_names_the_field() {
         })
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_names_the_rule_with_the_largest_retry() {
+    let yaml = r#"
+rules:
+  - id: per-second
+    match: { tenant: "*", route: /both }
+    rate: 1/s
+    burst: 1
+  - id: per-minute
+    match: { tenant: "*" }
+    rate: 1/m
+    burst: 1
+"#;
+    let (a, _) = start_with(yaml);
+    wait_ready(&a).await;
+    assert!(a.check(input("t", "/both")).await.unwrap().allowed);
+    let r = a.check(input("t", "/both")).await.unwrap();
+    assert!(!r.allowed);
+    assert_eq!(r.rule_id, "per-minute", "{r:?}");
+    assert!(
+        r.retry_after_ms > 50_000 && r.retry_after_ms <= 60_000,
+        "{r:?}"
+    );
+}

@@ -124,6 +124,17 @@ async fn login_five_per_minute_then_denied_with_a_finite_retry() {
         }
     }
     assert_eq!(allowed, 5);
+    // Metrics count checks by rule and result, never by tenant.
+    let (_, m) = http_get(c.agents[0].http, "/metrics");
+    assert!(
+        m.contains("quotalease_agent_rule_checks_total{rule=\"login\",result=\"allowed\"} 5"),
+        "{m}"
+    );
+    assert!(
+        m.contains("quotalease_agent_rule_checks_total{rule=\"login\",result=\"over_limit\"} 5"),
+        "{m}"
+    );
+    assert!(!m.contains("alice"), "a tenant value leaked into metrics");
     // One token comes back every 12 s.
     assert!(
         retry.iter().all(|&ms| (1..=12_000).contains(&ms)),

@@ -31,7 +31,7 @@ use tokio::sync::Notify;
 
 use crate::idempotency::ReplayCache;
 use crate::lease_table::{LeaseWord, Take};
-use crate::metrics::AgentMetrics;
+use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::transport::Transport;
 
@@ -483,6 +483,15 @@ impl Agent {
             metrics: AgentMetrics::default(),
             admission_log,
         });
+        if let Some(rules) = inner.rules.load_full() {
+            inner
+                .metrics
+                .by_rule
+                .store(Arc::new(RuleCounterSet::for_rules(
+                    &rules,
+                    &RuleCounterSet::default(),
+                )));
+        }
         let agent = Agent { inner };
         let bg = agent.clone();
         tokio::spawn(async move { bg.renewal_loop().await });
@@ -579,6 +588,7 @@ impl Agent {
         let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
         let reason = self.charge_shadow(rules, &m, input, cost, t);
         inner.metrics.allowed.add(1);
+        self.count_admitted(rules, &m);
         Some(FastAdmit {
             remaining,
             rule_index: Some(rule_idx),
@@ -617,6 +627,7 @@ impl Agent {
                 Ok((remaining, rule_idx)) => {
                     let reason = self.charge_shadow(&rules, &m, input, cost, t);
                     inner.metrics.allowed.add(1);
+                    self.count_admitted(&rules, &m);
                     return Ok(FastAdmit {
                         remaining,
                         rule_index: Some(rule_idx),
@@ -651,6 +662,7 @@ impl Agent {
                             match self.try_charge_emergency(&rules, &m, input, cost, t) {
                                 Ok((remaining, idx)) => {
                                     inner.metrics.failure_mode_allowed.add(1);
+                                    self.count_rule(&rule.id, |c| &c.failure_mode_allowed);
                                     return Ok(FastAdmit {
                                         remaining,
                                         rule_index: Some(idx),
@@ -947,7 +959,29 @@ impl Agent {
         reason
     }
 
+    /// Count an admission for every rule the request matched.
+    #[inline]
+    fn count_admitted(&self, rules: &RuleSet, m: &Matched) {
+        let counters = self.inner.metrics.by_rule.load();
+        if counters.version != rules.version {
+            return;
+        }
+        for &i in &m.idx[..m.n] {
+            if let Some((_, c)) = counters.rules.get(i as usize) {
+                c.allowed.add(1);
+            }
+        }
+    }
+
+    /// Count one result for one rule.
+    fn count_rule(&self, rule_id: &str, which: impl Fn(&RuleCounters) -> &Counter) {
+        if let Some(c) = self.inner.metrics.by_rule.load().get(rule_id) {
+            which(c).add(1);
+        }
+    }
+
     fn over_limit(&self, rule: &Rule, rules: &RuleSet, retry_after_ms: u64) -> CheckResponse {
+        self.count_rule(&rule.id, |c| &c.over_limit);
         CheckResponse {
             allowed: false,
             remaining: 0,
@@ -965,6 +999,7 @@ impl Agent {
         why: &str,
     ) -> Result<CheckResponse, CheckError> {
         let m = &self.inner.metrics;
+        self.count_rule(&rule.id, |c| &c.failure_mode_denied);
         match rule.fail_policy {
             FailPolicy::Closed => {
                 m.unavailable.add(1);
@@ -1264,6 +1299,9 @@ impl Agent {
                             rules = rs.rules.len(),
                             "adopted rules from the allocator"
                         );
+                        let counters =
+                            RuleCounterSet::for_rules(&rs, &inner.metrics.by_rule.load());
+                        inner.metrics.by_rule.store(Arc::new(counters));
                         inner.rules.store(Some(Arc::new(rs)));
                     }
                     Err(errs) => {

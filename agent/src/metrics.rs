@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-const STRIPES: usize = 16;
+const STRIPES: usize = 8;
 
 #[repr(align(128))]
 #[derive(Debug, Default)]
@@ -54,6 +54,58 @@ impl Counter {
     }
 }
 
+/// Checks counted for one rule, by result.
+#[derive(Debug, Default)]
+pub struct RuleCounters {
+    /// Requests admitted that this rule matched (and charged).
+    pub allowed: Counter,
+    /// Requests this rule denied.
+    pub over_limit: Counter,
+    /// Requests this rule's fail policy denied (or answered unavailable).
+    pub failure_mode_denied: Counter,
+    /// Requests this rule's fail-open emergency bucket admitted.
+    pub failure_mode_allowed: Counter,
+}
+
+/// Per-rule counters, aligned by index with the rule set of `version`.
+#[derive(Debug, Default)]
+pub struct RuleCounterSet {
+    /// Rule set version these belong to.
+    pub version: u64,
+    /// (rule id, counters), in rule-set order.
+    pub rules: Vec<(String, std::sync::Arc<RuleCounters>)>,
+}
+
+impl RuleCounterSet {
+    /// Counters for `rules`, keeping those of rules that already had some.
+    pub fn for_rules(
+        rules: &quotalease_allocator::rules::RuleSet,
+        previous: &RuleCounterSet,
+    ) -> Self {
+        Self {
+            version: rules.version,
+            rules: rules
+                .rules
+                .iter()
+                .map(|r| {
+                    let kept = previous
+                        .rules
+                        .iter()
+                        .find(|(id, _)| *id == r.id)
+                        .map(|(_, c)| c.clone())
+                        .unwrap_or_default();
+                    (r.id.clone(), kept)
+                })
+                .collect(),
+        }
+    }
+
+    /// The counters of the rule with this id.
+    pub fn get(&self, id: &str) -> Option<&RuleCounters> {
+        self.rules.iter().find(|(r, _)| r == id).map(|(_, c)| &**c)
+    }
+}
+
 /// Counters of one agent.
 #[derive(Debug, Default)]
 pub struct AgentMetrics {
@@ -91,6 +143,8 @@ pub struct AgentMetrics {
     renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
     /// Per rule: allocator messages that carried at least one of its keys.
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Per rule: checks by result.
+    pub by_rule: arc_swap::ArcSwap<RuleCounterSet>,
 }
 
 impl AgentMetrics {
@@ -210,6 +264,21 @@ impl AgentMetrics {
             ),
         ] {
             let _ = writeln!(s, "# HELP quotalease_agent_{name} {help}\n# TYPE quotalease_agent_{name} counter\nquotalease_agent_{name} {v}");
+        }
+        let _ = writeln!(s, "# TYPE quotalease_agent_rule_checks_total counter");
+        for (rule, c) in self.by_rule.load().rules.iter() {
+            let rule = rule.escape_default();
+            for (result, v) in [
+                ("allowed", c.allowed.get()),
+                ("over_limit", c.over_limit.get()),
+                ("failure_mode_denied", c.failure_mode_denied.get()),
+                ("failure_mode_allowed", c.failure_mode_allowed.get()),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "quotalease_agent_rule_checks_total{{rule=\"{rule}\",result=\"{result}\"}} {v}"
+                );
+            }
         }
         let _ = writeln!(
             s,

@@ -262,3 +262,107 @@ async fn fail_open_after_the_allocator_dies_stays_within_i3() {
     eprintln!("after the kill: {after} admitted in {t_cut:.2}s ({fma} by the emergency buckets), I3 bound {bound:.0}");
     assert!(after as f64 <= bound, "I3: {after} > {bound}");
 }
+
+const POLICY_RULES: &str = r#"
+rules:
+  - id: lo
+    match: { tenant: "*", route: /lo }
+    rate: 50/s
+    burst: 20
+    fail_policy: lease_only
+  - id: cl
+    match: { tenant: "*", route: /cl }
+    rate: 50/s
+    burst: 20
+    fail_policy: closed
+  - id: op
+    match: { tenant: "*", route: /op }
+    rate: 50/s
+    burst: 20
+    fail_policy: open
+"#;
+
+/// Each fail policy on gRPC and HTTP once the allocator is dead and the
+/// leases have run out, and recovery when it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_fail_policy_after_the_leases_run_out_and_recovery() {
+    let dir = tempdir("policies");
+    let rules = write_rules(&dir, POLICY_RULES);
+    let state = dir.join("state");
+    let addr = free_addr();
+    let alloc = allocator(&rules, &state, Some(addr), "1s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let a = agent("policies-0", &alloc.url(), None, &["--lease-ttl", "1s"]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let mut c = client(&a).await;
+    let check = |route: &str| CheckRequest {
+        tenant_id: "acme".into(),
+        route_id: route.into(),
+        cost: 1,
+        ..Default::default()
+    };
+    for route in ["/lo", "/cl", "/op"] {
+        assert!(c.check(check(route)).await.unwrap().into_inner().allowed);
+    }
+    alloc.kill9();
+    // Leases last at most 1 s; wait them out.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // gRPC: lease_only denies, closed is UNAVAILABLE, open admits.
+    let r = c.check(check("/lo")).await.unwrap().into_inner();
+    assert!(!r.allowed);
+    assert_eq!(r.reason, Reason::FailureModeDenied as i32);
+    let e = c.check(check("/cl")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let start = Instant::now();
+    let mut open_ok = 0u64;
+    while start.elapsed() < Duration::from_secs(1) {
+        let r = c.check(check("/op")).await.unwrap().into_inner();
+        if r.allowed {
+            assert_eq!(r.reason, Reason::FailureModeAllowed as i32);
+            open_ok += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // One holder known: b_e = B = 20, r_e = max(recent share, R) = R = 50/s.
+    let bound = 20.0 + 50.0 * start.elapsed().as_secs_f64();
+    assert!(
+        open_ok > 0 && open_ok as f64 <= bound,
+        "open admitted {open_ok}, bound {bound:.0}"
+    );
+    // HTTP: 429, 503, 200.
+    let (st, body) = http_get(a.http, "/v1/check?tenant=acme&route=/lo");
+    assert_eq!(st, 429, "{body}");
+    let (st, body) = http_get(a.http, "/v1/check?tenant=acme&route=/cl");
+    assert_eq!(st, 503, "{body}");
+    assert!(body.contains("limiter_unavailable"), "{body}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (st, body) = http_get(a.http, "/v1/check?tenant=bob&route=/op");
+    assert_eq!(st, 200, "{body}");
+
+    // The allocator returns on the same address: every policy recovers.
+    let alloc = allocator(&rules, &state, Some(addr), "1s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for route in ["/lo", "/cl", "/op"] {
+        loop {
+            match c.check(check(route)).await {
+                Ok(r) if r.get_ref().allowed && r.get_ref().reason == Reason::Ok as i32 => break,
+                _ => {}
+            }
+            assert!(Instant::now() < deadline, "{route} did not recover");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // The bucket refills from empty after the restart: HTTP too gets a
+        // 200 once a token is there.
+        loop {
+            let (st, body) = http_get(a.http, &format!("/v1/check?tenant=acme&route={route}"));
+            if st == 200 {
+                break;
+            }
+            assert_eq!(st, 429, "{route}: {body}");
+            assert!(Instant::now() < deadline, "{route} did not recover on HTTP");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

@@ -1177,7 +1177,11 @@ impl Agent {
                     if st.lease_id != 0 {
                         let spent = st.granted.saturating_sub(left);
                         items.push(slot.release_item(st.lease_id, spent));
-                        inner.metrics.tokens_released.add(left);
+                        if deadline <= t {
+                            inner.metrics.tokens_expired_unused.add(left);
+                        } else {
+                            inner.metrics.tokens_released.add(left);
+                        }
                     }
                     st.lease_id = 0;
                     forget.push(key.clone());
@@ -1412,6 +1416,7 @@ impl Agent {
             return;
         }
         let same_lease = st.generation == f.generation;
+        let old_deadline = slot.word.deadline_ns();
         let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
             if same_lease {
                 // Carried = what the lease held at the cut; what was spent
@@ -1426,6 +1431,11 @@ impl Agent {
         });
         if same_lease {
             st.usage.since_tick += st.baseline.saturating_sub(old_seen);
+        }
+        if g.carried == 0 && old_deadline <= t && st.lease_id != 0 {
+            // The old lease ran out before it was renewed: what it still held
+            // is lost.
+            inner.metrics.tokens_expired_unused.add(old_seen);
         }
         st.lease_id = g.lease_id;
         st.granted = g.tokens;

@@ -140,6 +140,8 @@ pub struct AgentMetrics {
     pub tokens_leased: Counter,
     /// Unused tokens given back.
     pub tokens_released: Counter,
+    /// Tokens a lease still held when it ran out.
+    pub tokens_expired_unused: Counter,
     renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
     /// Per rule: allocator messages that carried at least one of its keys.
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
@@ -256,6 +258,11 @@ impl AgentMetrics {
                 "tokens_leased_total",
                 "new tokens received",
                 g(&self.tokens_leased),
+            ),
+            (
+                "tokens_expired_unused_total",
+                "tokens a lease still held when it ran out",
+                g(&self.tokens_expired_unused),
             ),
             (
                 "tokens_released_total",

@@ -116,6 +116,8 @@ pub struct Stats {
     pub key_limit_refusals: u64,
     /// Keys dropped because they were full and idle.
     pub keys_dropped: u64,
+    /// Tokens of leases that expired unspent (as far as reported).
+    pub tokens_expired_unused: u64,
 }
 
 /// A read-only view of one key's ledger (for `GET /v1/keys`).
@@ -527,7 +529,9 @@ impl AllocatorCore {
     pub fn sweep(&mut self, now_ns: u64) {
         let mut dropped = Vec::new();
         for (key, ledger) in self.keys.iter_mut() {
-            if ledger.is_full_and_idle(now_ns) {
+            let full = ledger.is_full_and_idle(now_ns);
+            self.stats.tokens_expired_unused += ledger.take_expired_unused();
+            if full {
                 dropped.push(key.clone());
             }
         }

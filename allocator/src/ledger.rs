@@ -117,6 +117,8 @@ pub struct KeyLedger {
     /// always fits in it (available <= shadow at every instant).
     shadow: TokenBucket,
     last_used_ns: u64,
+    /// Unspent tokens of leases that expired, not yet collected.
+    expired_unused: u64,
 }
 
 impl KeyLedger {
@@ -136,6 +138,7 @@ impl KeyLedger {
                 demand: Vec::new(),
                 shadow: TokenBucket::new_full(rate, burst, now_ns),
                 last_used_ns: now_ns,
+                expired_unused: 0,
             };
         };
         let start = now_ns.min(ready_at_ns);
@@ -148,6 +151,7 @@ impl KeyLedger {
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
             last_used_ns: now_ns,
+            expired_unused: 0,
         };
         if now_ns < ready_at_ns {
             l.leases.push(Lease {
@@ -190,6 +194,12 @@ impl KeyLedger {
         &self.leases
     }
 
+    /// Unspent tokens of leases that expired since the last call (as far as
+    /// the holders reported their spending; unreported spending counts here).
+    pub fn take_expired_unused(&mut self) -> u64 {
+        std::mem::take(&mut self.expired_unused)
+    }
+
     /// Last instant a holder asked for this key.
     pub fn last_used_ns(&self) -> u64 {
         self.last_used_ns
@@ -210,6 +220,9 @@ impl KeyLedger {
             self.refill_to(at);
             let lease = self.leases.swap_remove(i);
             self.outstanding -= lease.unspent();
+            if lease.holder != PHANTOM {
+                self.expired_unused += lease.unspent();
+            }
         }
         self.refill_to(now_ns);
         self.shadow.tokens(now_ns);

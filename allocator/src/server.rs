@@ -233,6 +233,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> String {
             ("tokens_released_total", st.tokens_released),
             ("key_limit_refusals_total", st.key_limit_refusals),
             ("keys_dropped_total", st.keys_dropped),
+            ("tokens_expired_unused_total", st.tokens_expired_unused),
             ("rules_reload_failures_total", reload_failures),
         ] {
             let _ = writeln!(s, "# TYPE quotalease_allocator_{name} counter\nquotalease_allocator_{name} {v}");

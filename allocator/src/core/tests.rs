@@ -292,3 +292,21 @@ fn rule_change_applies_without_reset() {
     let v = c.key_view(T, &key).unwrap();
     assert_eq!((v.available, v.outstanding, v.burst), (0, 20, 30));
 }
+
+#[test]
+fn expired_unspent_tokens_are_counted() {
+    let mut c = core_at(T, true);
+    let r = c.handle(
+        T,
+        &batch(
+            "a1",
+            1,
+            1,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 7)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 7);
+    // TTL 1 s: swept after expiry, nothing reported spent.
+    c.sweep(T + 2 * SEC);
+    assert_eq!(c.stats().tokens_expired_unused, 7);
+}

@@ -1,5 +1,6 @@
 //! `quotalease`: one binary, several subcommands (SPEC §3).
 
+mod bench;
 mod demo;
 mod run;
 
@@ -31,6 +32,10 @@ enum Command {
         #[command(subcommand)]
         command: RulesCommand,
     },
+    /// Load an agent (gRPC Check, Envoy RLS or HTTP), open or closed loop,
+    /// with HdrHistogram percentiles; or serve a do-nothing echo of the same
+    /// interfaces (--serve-echo).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -63,6 +68,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("{s:?}: must be greater than zero"));
     }
     Ok(d)
+}
+
+/// Parse a fraction in (0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number in (0, 1], like 0.25"))?;
+    if f > 0.0 && f <= 1.0 {
+        Ok(f)
+    } else {
+        Err(format!("{s:?}: must be greater than 0 and at most 1"))
+    }
 }
 
 #[derive(Args, Debug)]
@@ -129,6 +146,14 @@ pub struct AgentArgs {
     /// Release and forget keys idle this long.
     #[arg(long = "idle-release", default_value = "10s", value_parser = parse_duration)]
     idle_release: Duration,
+    /// Fail-open emergency bucket rate, as a fraction of each rule's rate
+    /// (default: max(this agent's recent share, R / agents using the key)).
+    #[arg(long = "emergency-rate", value_parser = parse_fraction)]
+    emergency_rate: Option<f64>,
+    /// Fail-open emergency bucket burst, as a fraction of each rule's burst
+    /// (default: B / agents using the key).
+    #[arg(long = "emergency-burst", value_parser = parse_fraction)]
+    emergency_burst: Option<f64>,
     /// Envoy RLS: the descriptor entry key that names the tenant.
     #[arg(long = "envoy-tenant-key", default_value = "tenant")]
     envoy_tenant_key: String,
@@ -162,6 +187,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => runtime().and_then(|rt| rt.block_on(demo::run(args.duration))),
         Command::Allocator(args) => runtime().and_then(|rt| rt.block_on(run::allocator(args))),
         Command::Agent(args) => runtime().and_then(|rt| rt.block_on(run::agent(args))),
+        Command::Bench(args) => runtime().and_then(|rt| rt.block_on(bench::run(args))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use quotalease_agent::agent::{Agent, AgentConfig};
+use quotalease_agent::agent::{Agent, AgentConfig, EmergencyConfig};
 use quotalease_agent::envoy::EnvoyService;
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::service::{self, CheckService};
@@ -14,7 +14,7 @@ use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::{AgentArgs, AllocatorArgs};
 
@@ -107,6 +107,9 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let mut rx2 = rx.clone();
+    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
         .with_graceful_shutdown(async move {
             let _ = rx2.wait_for(|s| *s).await;
@@ -115,9 +118,12 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let mut rx3 = rx.clone();
     let server = tonic::transport::Server::builder()
         .add_service(LeaseService::new(shared).into_server())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
-            let _ = rx3.wait_for(|s| *s).await;
-        });
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            async move {
+                let _ = rx3.wait_for(|s| *s).await;
+            },
+        );
     let server = tokio::spawn(server);
     terminated().await;
     tracing::info!("stopping");
@@ -150,6 +156,10 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
         },
         fetch_timeout: args.fetch_timeout,
         admission_log: args.admission_log.clone(),
+        emergency: EmergencyConfig {
+            rate_fraction: args.emergency_rate,
+            burst_fraction: args.emergency_burst,
+        },
         ..AgentConfig::default()
     };
     let grpc = bind("--grpc", args.grpc).await?;
@@ -174,9 +184,12 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
                 EnvoyService::new(agent.clone(), &args.envoy_tenant_key, &args.envoy_route_key)
                     .into_server(),
             )
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
-                let _ = rx3.wait_for(|s| *s).await;
-            }),
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                async move {
+                    let _ = rx3.wait_for(|s| *s).await;
+                },
+            ),
     );
     terminated().await;
     tracing::info!("stopping: releasing unused lease tokens");

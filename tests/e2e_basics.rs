@@ -568,3 +568,55 @@ rules:
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_emergency_bucket_is_configurable() {
+    let dir = tempdir("emergency");
+    let rules = write_rules(&dir, RULES);
+    let dead = free_addr();
+    let a = agent(
+        "emergency",
+        &format!("http://{dead}"),
+        None,
+        &[
+            "--rules",
+            rules.to_str().unwrap(),
+            "--emergency-rate",
+            "0.5",
+            "--emergency-burst",
+            "0.5",
+        ],
+    );
+    let mut cl = client(&a).await;
+    // open rule: 10/s burst 10 -> emergency 5/s burst 5.
+    let start = Instant::now();
+    let mut allowed = 0u64;
+    while start.elapsed() < Duration::from_millis(1500) {
+        allowed += u64::from(
+            cl.check(req("t", "/api/open", 1, ""))
+                .await
+                .unwrap()
+                .into_inner()
+                .allowed,
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bound = 5.0 + 5.0 * start.elapsed().as_secs_f64();
+    assert!(
+        allowed >= 5 && allowed as f64 <= bound,
+        "allowed {allowed}, bound {bound:.1}"
+    );
+    // A bad fraction is refused naming the flag.
+    let out = std::process::Command::new(BIN)
+        .args([
+            "agent",
+            "--allocator",
+            "http://127.0.0.1:1",
+            "--emergency-rate",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--emergency-rate"));
+}

@@ -56,8 +56,21 @@ pub struct AgentConfig {
     pub replay_capacity: usize,
     /// Heartbeat to the allocator when nothing else is sent (rules refresh).
     pub heartbeat: Duration,
+    /// Size of the fail-open emergency buckets.
+    pub emergency: EmergencyConfig,
     /// Test-only: append every admission (time, key, cost) to this file.
     pub admission_log: Option<PathBuf>,
+}
+
+/// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
+/// Defaults: rate `max(this agent's recent admitted rate, R / holders)`,
+/// burst `B / holders`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EmergencyConfig {
+    /// Fixed rate as a fraction of the rule's rate (instead of the default).
+    pub rate_fraction: Option<f64>,
+    /// Fixed burst as a fraction of the rule's burst (instead of the default).
+    pub burst_fraction: Option<f64>,
 }
 
 impl Default for AgentConfig {
@@ -71,6 +84,7 @@ impl Default for AgentConfig {
             max_keys: 1_000_000,
             replay_capacity: 100_000,
             heartbeat: Duration::from_secs(1),
+            emergency: EmergencyConfig::default(),
             admission_log: None,
         }
     }
@@ -278,15 +292,32 @@ impl Slot {
     /// creating it on first use: rate `r_e = max(this agent's recent
     /// consumption, R / holders)`, burst `b_e = max(1, B / holders)` (SPEC §2
     /// I3, §6). Returns the tokens left, or None when it is empty.
-    fn emergency_take(&self, rule: &Rule, outage: u64, cost: u64, t: u64) -> Option<u64> {
+    fn emergency_take(
+        &self,
+        rule: &Rule,
+        cfg: &EmergencyConfig,
+        outage: u64,
+        cost: u64,
+        t: u64,
+    ) -> Option<u64> {
         let mut e = self.emergency.lock();
         if e.as_ref().is_none_or(|(o, _)| *o != outage) {
             let recent_per_s = self.st.lock().usage.admitted_rate;
             let holders = self.holders.load(Ordering::Acquire).max(1);
             let r = rule.rate;
-            let recent = (recent_per_s * r.period_s as f64).ceil() as u64;
-            let tokens = recent.max(r.tokens / holders).clamp(1, r.tokens);
-            let burst = (rule.burst / holders).max(1);
+            let tokens = match cfg.rate_fraction {
+                Some(f) => (r.tokens as f64 * f).ceil() as u64,
+                None => {
+                    let recent = (recent_per_s * r.period_s as f64).ceil() as u64;
+                    recent.max(r.tokens / holders)
+                }
+            }
+            .clamp(1, r.tokens);
+            let burst = match cfg.burst_fraction {
+                Some(f) => (rule.burst as f64 * f).ceil() as u64,
+                None => rule.burst / holders,
+            }
+            .clamp(1, rule.burst);
             let rate = quotalease_allocator::rules::Rate {
                 tokens,
                 period_s: r.period_s,
@@ -886,7 +917,7 @@ impl Agent {
                 failed = Some(ri as usize);
                 break;
             }
-            let took = slot.emergency_take(r, outage, cost, t);
+            let took = slot.emergency_take(r, &self.inner.cfg.emergency, outage, cost, t);
             match took {
                 Some(remaining) => {
                     if remaining < min.0 {

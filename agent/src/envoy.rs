@@ -148,7 +148,17 @@ impl RateLimitService for EnvoyService {
                 request_id: "",
                 domain,
             };
-            let resp = match self.agent.check(input).await {
+            // The fast path first (no await, no allocation), else the full check.
+            let fast = match rules.as_deref() {
+                Some(r) => self.agent.check_fast(&input).map(|a| a.to_response(r)),
+                None => None,
+            };
+            let checked = match fast {
+                Some(r) => Ok(r),
+                // Boxed: keeps this future small when the fast path answers.
+                None => Box::pin(self.agent.check(input)).await,
+            };
+            let resp = match checked {
                 Ok(r) => r,
                 Err(CheckError::Invalid { field, reason }) => {
                     let field = match field {

@@ -99,6 +99,10 @@ pub async fn serve_admin(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // Small request/response exchanges: never wait for Nagle.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, admin_router(agent))
         .with_graceful_shutdown(shutdown)
         .await

@@ -1,6 +1,6 @@
 //! The agent's lease table: the hot path.
 //!
-//! Each key has a [`Slot`] whose lease lives in one `AtomicU64` word:
+//! Each key has a [`Slot`](crate::agent::Slot) whose lease lives in one `AtomicU64` word:
 //! `[generation: 24 bits | tokens: 40 bits]`, plus the lease's deadline on
 //! the agent clock in a second atomic. A decision with a lease held is
 //! `load deadline, load word, compare_exchange_weak` — no lock, no

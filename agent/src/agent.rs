@@ -441,7 +441,9 @@ fn validate(input: &CheckInput<'_>) -> Result<u64, CheckError> {
 
 struct Inner {
     cfg: AgentConfig,
-    incarnation: u64,
+    /// Grows only: wall-clock ns at start, raised above the allocator's
+    /// record if that is higher (a clock stepped back across a restart).
+    incarnation: AtomicU64,
     transport: Arc<dyn Transport>,
     rules: ArcSwapOption<RuleSet>,
     table: Table,
@@ -499,7 +501,7 @@ impl Agent {
         let inner = Arc::new(Inner {
             replays: ReplayCache::new(cfg.replay_capacity, 60_000_000_000),
             cfg,
-            incarnation,
+            incarnation: AtomicU64::new(incarnation),
             transport,
             rules: ArcSwapOption::new(bootstrap.map(Arc::new)),
             table: Table::with_hasher(foldhash::fast::RandomState::default()),
@@ -1231,7 +1233,7 @@ impl Agent {
         let batch = LeaseBatch {
             header: Some(RequestHeader {
                 agent_id: inner.cfg.agent_id.clone(),
-                incarnation: inner.incarnation,
+                incarnation: inner.incarnation.load(Ordering::Acquire),
                 seq,
                 protocol_version: PROTOCOL_VERSION,
                 rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
@@ -1324,6 +1326,24 @@ impl Agent {
         sent_ns: u64,
     ) {
         let inner = &*self.inner;
+        let mine = inner.incarnation.load(Ordering::Acquire);
+        if reply.holder_incarnation > mine {
+            // The allocator knows this agent id under a higher incarnation
+            // (our clock stepped back across a restart): take a higher one,
+            // so our batches are not refused as stale.
+            let next = reply.holder_incarnation + 1;
+            if inner
+                .incarnation
+                .compare_exchange(mine, next, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                tracing::warn!(
+                    from = mine,
+                    to = next,
+                    "raised the agent incarnation above the allocator's record"
+                );
+            }
+        }
         if let Some(pb) = &reply.rules {
             let current = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
             if pb.version > current {
@@ -1503,7 +1523,7 @@ impl Agent {
         let batch = LeaseBatch {
             header: Some(RequestHeader {
                 agent_id: inner.cfg.agent_id.clone(),
-                incarnation: inner.incarnation,
+                incarnation: inner.incarnation.load(Ordering::Acquire),
                 seq,
                 protocol_version: PROTOCOL_VERSION,
                 rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),

@@ -286,12 +286,15 @@ impl AllocatorCore {
         };
         if header.incarnation < holder.incarnation {
             self.stats.stale += 1;
-            return self.refuse(
+            let current = holder.incarnation;
+            let mut reply = self.refuse(
                 batch,
                 seq,
                 GrantStatus::Stale,
                 "header.incarnation: older than the holder's current one",
             );
+            reply.holder_incarnation = current;
+            return reply;
         }
         if header.incarnation > holder.incarnation {
             holder.incarnation = header.incarnation;
@@ -331,6 +334,7 @@ impl AllocatorCore {
             seq,
             epoch: self.epoch,
             protocol_version: PROTOCOL_VERSION,
+            holder_incarnation: header.incarnation,
             grants,
             rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
         };
@@ -362,6 +366,7 @@ impl AllocatorCore {
                 })
                 .collect(),
             rules: None,
+            holder_incarnation: 0,
         }
     }
 

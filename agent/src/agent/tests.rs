@@ -229,3 +229,39 @@ rules:
         "{r:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
+    use quotalease_proto::lease::{LeaseBatch, RequestHeader};
+    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
+    let shared = Shared::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules,
+        None,
+    );
+    // The allocator saw this agent id with an incarnation from the future
+    // (the agent's clock stepped back across a restart).
+    let future = u64::MAX / 2;
+    shared.handle(&LeaseBatch {
+        header: Some(RequestHeader {
+            agent_id: "stepped".into(),
+            incarnation: future,
+            seq: 1,
+            protocol_version: quotalease_proto::PROTOCOL_VERSION,
+            rules_version: 0,
+        }),
+        items: vec![],
+        ttl_ms: 0,
+    });
+    let cfg = AgentConfig {
+        agent_id: "stepped".into(),
+        ..AgentConfig::default()
+    };
+    let a = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
+    wait_ready(&a).await;
+    assert!(a.inner.incarnation.load(Ordering::Acquire) > future);
+    assert!(a.check(input("t", "/x")).await.unwrap().allowed);
+}

@@ -124,7 +124,7 @@ pub struct AgentMetrics {
     /// Of the `unavailable` answers, those of fail-closed rules (they are
     /// failure-mode denials too).
     pub closed_unavailable: Counter,
-    /// Admitted by a fail policy (emergency bucket; not built yet).
+    /// Admitted by a fail policy (the fail-open emergency bucket).
     pub failure_mode_allowed: Counter,
     /// Shadow rules that would have denied.
     pub shadow_over_limit: Counter,

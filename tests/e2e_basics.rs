@@ -42,31 +42,9 @@ fn req(tenant: &str, route: &str, cost: u32, request_id: &str) -> CheckRequest {
     }
 }
 
-struct Cluster {
-    _alloc: Proc,
-    agents: Vec<Proc>,
-}
-
-fn cluster(name: &str, agents: usize) -> Cluster {
-    let dir = tempdir(name);
-    let rules = write_rules(&dir, RULES);
-    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
-    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
-    let agents: Vec<Proc> = (0..agents)
-        .map(|i| agent(&format!("{name}-{i}"), &alloc.url(), None, &[]))
-        .collect();
-    for a in &agents {
-        wait_ok(a.http, "/readyz", Duration::from_secs(10));
-    }
-    Cluster {
-        _alloc: alloc,
-        agents,
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_sixty_per_minute_burst_twenty_per_tenant() {
-    let c = cluster("orders", 1);
+    let c = cluster("orders", RULES, 1);
     let mut cl = client(&c.agents[0]).await;
     let start = Instant::now();
     let mut allowed = 0;
@@ -106,7 +84,7 @@ async fn orders_sixty_per_minute_burst_twenty_per_tenant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn login_five_per_minute_then_denied_with_a_finite_retry() {
-    let c = cluster("login", 1);
+    let c = cluster("login", RULES, 1);
     let mut cl = client(&c.agents[0]).await;
     let mut allowed = 0;
     let mut retry = Vec::new();
@@ -144,7 +122,7 @@ async fn login_five_per_minute_then_denied_with_a_finite_retry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_concurrent_against_burst_ten_at_one_per_day_pass_exactly_ten() {
-    let c = cluster("daily", 3);
+    let c = cluster("daily", RULES, 3);
     let mut tasks = Vec::new();
     for i in 0..100 {
         let mut cl = client(&c.agents[i % 3]).await;
@@ -174,7 +152,7 @@ async fn hundred_concurrent_against_burst_ten_at_one_per_day_pass_exactly_ten() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cost_above_burst_is_invalid_and_oversized_ids_are_invalid() {
-    let c = cluster("invalid", 1);
+    let c = cluster("invalid", RULES, 1);
     let mut cl = client(&c.agents[0]).await;
     let r = cl
         .check(req("t", "/api/login", 6, ""))
@@ -218,7 +196,7 @@ async fn cost_above_burst_is_invalid_and_oversized_ids_are_invalid() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_request_id_charges_nothing() {
-    let c = cluster("idem", 1);
+    let c = cluster("idem", RULES, 1);
     let mut cl = client(&c.agents[0]).await;
     let first = cl
         .check(req("bob", "/api/login", 1, "req-1"))

@@ -122,24 +122,6 @@ fn get(addr: SocketAddr, path: &str) -> Answer {
     http_request(addr, "GET", path, b"")
 }
 
-struct Cluster {
-    _alloc: Proc,
-    agent: Proc,
-}
-
-fn cluster(name: &str) -> Cluster {
-    let dir = tempdir(name);
-    let rules = write_rules(&dir, RULES);
-    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
-    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
-    let agent = agent(&format!("{name}-0"), &alloc.url(), None, &[]);
-    wait_ok(agent.http, "/readyz", Duration::from_secs(10));
-    Cluster {
-        _alloc: alloc,
-        agent,
-    }
-}
-
 /// A 400 (or `status`) whose JSON error names `field`.
 #[track_caller]
 fn assert_invalid(a: &Answer, status: u16, field: &str) {
@@ -156,8 +138,8 @@ fn assert_invalid(a: &Answer, status: u16, field: &str) {
 
 #[test]
 fn login_five_per_minute_answers_200_then_429_with_every_header() {
-    let c = cluster("http-login");
-    let addr = c.agent.http;
+    let c = cluster("http-login", RULES, 1);
+    let addr = c.agents[0].http;
     let start = Instant::now();
     let mut admitted = 0;
     let mut denied = 0;
@@ -210,8 +192,8 @@ fn login_five_per_minute_answers_200_then_429_with_every_header() {
 
 #[test]
 fn get_form_and_requests_that_match_no_rule() {
-    let c = cluster("http-get");
-    let addr = c.agent.http;
+    let c = cluster("http-get", RULES, 1);
+    let addr = c.agents[0].http;
     let a = get(addr, "/v1/check?tenant=bob&route=%2Fapi%2Forders&cost=2");
     assert_eq!(a.status, 200, "{}", a.body);
     let j = a.json();
@@ -254,8 +236,8 @@ fn get_form_and_requests_that_match_no_rule() {
 
 #[test]
 fn bad_input_is_400_naming_the_field_and_charges_nothing() {
-    let c = cluster("http-bad");
-    let addr = c.agent.http;
+    let c = cluster("http-bad", RULES, 1);
+    let addr = c.agents[0].http;
     let cases: &[(&str, &str)] = &[
         (r#"{tenant_id: "t"}"#, "body"),
         (r#"{"tenant_id":"t","route_id":"/api/lo"#, "body"),
@@ -366,8 +348,8 @@ fn closed_rule_without_allocator_is_503_and_lease_only_is_429() {
 
 #[test]
 fn a_repeated_request_id_charges_nothing() {
-    let c = cluster("http-idem");
-    let addr = c.agent.http;
+    let c = cluster("http-idem", RULES, 1);
+    let addr = c.agents[0].http;
     let body = r#"{"tenant_id":"bob","route_id":"/api/login","request_id":"req-1"}"#;
     let start = Instant::now();
     let first = post(addr, body);

@@ -747,8 +747,8 @@ impl Agent {
         }
     }
 
-    /// The synchronous fast path, exposed for benchmarks: charge every
-    /// non-shadow matched rule or none. `Ok((min remaining, rule index))` or
+    /// The lease charge behind `check_fast` and `decide`: charge every
+    /// non-shadow matched rule from its lease, or none. `Ok((min remaining, rule index))` or
     /// `Err(index of the first rule that could not pay)`.
     fn try_charge(
         &self,

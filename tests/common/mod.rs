@@ -229,3 +229,25 @@ pub fn read_admissions(
     }
     out
 }
+
+/// A running allocator with `n` agents, all ready.
+pub struct Cluster {
+    pub alloc: Proc,
+    pub agents: Vec<Proc>,
+}
+
+/// Start an allocator on `rules_yaml` (TTL_max 2 s, fresh state directory)
+/// and `n` agents named `{name}-{i}`, and wait until all are ready.
+pub fn cluster(name: &str, rules_yaml: &str, n: usize) -> Cluster {
+    let dir = tempdir(name);
+    let rules = write_rules(&dir, rules_yaml);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let agents: Vec<Proc> = (0..n)
+        .map(|i| agent(&format!("{name}-{i}"), &alloc.url(), None, &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+    Cluster { alloc, agents }
+}

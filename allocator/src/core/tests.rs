@@ -310,3 +310,34 @@ fn expired_unspent_tokens_are_counted() {
     c.sweep(T + 2 * SEC);
     assert_eq!(c.stats().tokens_expired_unused, 7);
 }
+
+#[test]
+fn adjacent_protocol_versions_interoperate_and_others_are_refused() {
+    let mut c = core_at(T, true);
+    for (seq, v) in [(1, PROTOCOL_VERSION - 1), (2, PROTOCOL_VERSION + 1)] {
+        let mut b = batch(
+            "a1",
+            1,
+            seq,
+            vec![renew("orders", "t", "/api/orders", 0, 0, 1)],
+        );
+        b.header.as_mut().unwrap().protocol_version = v;
+        let r = c.handle(T, &b);
+        assert_eq!(
+            r.grants[0].status,
+            GrantStatus::Granted as i32,
+            "version {v}"
+        );
+        assert_eq!(r.protocol_version, PROTOCOL_VERSION);
+    }
+    let mut b = batch(
+        "a1",
+        1,
+        3,
+        vec![renew("orders", "t", "/api/orders", 0, 0, 1)],
+    );
+    b.header.as_mut().unwrap().protocol_version = PROTOCOL_VERSION + 2;
+    let r = c.handle(T, &b);
+    assert_eq!(r.grants[0].status, GrantStatus::Unsupported as i32);
+    assert!(r.grants[0].detail.contains("protocol_version"));
+}

@@ -9,6 +9,7 @@
 //! with [`crate::renewal::plan`], batches every key due into one message,
 //! and installs grants.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -35,6 +36,28 @@ use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::transport::Transport;
 
+/// Where the agent reads time. Production reads `CLOCK_BOOTTIME`; a driver
+/// that owns time (the simulator) sets the reading before each call.
+#[derive(Clone, Debug, Default)]
+pub enum AgentClock {
+    /// `CLOCK_BOOTTIME`.
+    #[default]
+    Boot,
+    /// A reading in nanoseconds set by the driver.
+    Manual(Arc<AtomicU64>),
+}
+
+impl AgentClock {
+    /// The current reading.
+    #[inline]
+    pub fn now(&self) -> u64 {
+        match self {
+            AgentClock::Boot => BootClock::now(),
+            AgentClock::Manual(t) => t.load(Ordering::Acquire),
+        }
+    }
+}
+
 /// Agent settings. Defaults are documented in docs/operations.md.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -60,6 +83,12 @@ pub struct AgentConfig {
     pub emergency: EmergencyConfig,
     /// Test-only: append every admission (time, key, cost) to this file.
     pub admission_log: Option<PathBuf>,
+    /// Time source.
+    pub clock: AgentClock,
+    /// Incarnation sent to the allocator; default: wall-clock ns at start.
+    pub incarnation: Option<u64>,
+    /// Remember every emergency bucket opened (for the simulator's I3 check).
+    pub record_emergency: bool,
 }
 
 /// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
@@ -86,6 +115,9 @@ impl Default for AgentConfig {
             heartbeat: Duration::from_secs(1),
             emergency: EmergencyConfig::default(),
             admission_log: None,
+            clock: AgentClock::Boot,
+            incarnation: None,
+            record_emergency: false,
         }
     }
 }
@@ -299,6 +331,7 @@ impl Slot {
         outage: u64,
         cost: u64,
         t: u64,
+        log: Option<&Mutex<Vec<EmergencyOpened>>>,
     ) -> Option<u64> {
         let mut e = self.emergency.lock();
         if e.as_ref().is_none_or(|(o, _)| *o != outage) {
@@ -322,6 +355,16 @@ impl Slot {
                 tokens,
                 period_s: r.period_s,
             };
+            if let Some(log) = log {
+                log.lock().push(EmergencyOpened {
+                    at_ns: t,
+                    rule_id: self.rule_id.clone(),
+                    tenant: self.tenant.clone(),
+                    route: self.route.clone(),
+                    rate,
+                    burst,
+                });
+            }
             *e = Some((outage, TokenBucket::new_full(rate, burst, t)));
         }
         let (_, bucket) = e.as_mut().expect("created above");
@@ -444,12 +487,21 @@ struct Inner {
     /// Grows only: wall-clock ns at start, raised above the allocator's
     /// record if that is higher (a clock stepped back across a restart).
     incarnation: AtomicU64,
-    transport: Arc<dyn Transport>,
+    /// None when a driver moves the batches itself (the simulator).
+    transport: Option<Arc<dyn Transport>>,
     rules: ArcSwapOption<RuleSet>,
     table: Table,
     connected: AtomicBool,
     /// The last allocator call failed (as opposed to: none made yet).
     down: AtomicBool,
+    /// The allocator (a regional one) reports its own parent unreachable.
+    parent_down: AtomicBool,
+    /// When the last batch was sent (for heartbeats).
+    last_sent_ns: AtomicU64,
+    /// Batches sent and not yet answered, by sequence number.
+    pending: Mutex<BTreeMap<u64, Pending>>,
+    /// Emergency buckets opened (only with `record_emergency`).
+    emergency_log: Mutex<Vec<EmergencyOpened>>,
     /// Counts outages; an emergency bucket belongs to one outage.
     outage: AtomicU64,
     seq: AtomicU64,
@@ -460,6 +512,54 @@ struct Inner {
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
     metrics: AgentMetrics,
     admission_log: Option<Mutex<BufWriter<File>>>,
+}
+
+/// A batch on its way to the allocator.
+#[derive(Debug)]
+struct Pending {
+    sent_ns: u64,
+    items: Vec<LeaseItem>,
+    slots: Vec<Arc<Slot>>,
+    /// The driver gave up on it; a late reply only releases what it granted.
+    abandoned: bool,
+}
+
+/// An emergency bucket opened for a fail-open key (SPEC §2 I3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmergencyOpened {
+    /// Agent clock instant.
+    pub at_ns: u64,
+    /// Rule id.
+    pub rule_id: String,
+    /// Tenant part of the key.
+    pub tenant: String,
+    /// Route part of the key.
+    pub route: String,
+    /// `r_e`.
+    pub rate: quotalease_allocator::rules::Rate,
+    /// `b_e`.
+    pub burst: u64,
+}
+
+/// One step of the slow path.
+enum Step {
+    Done(Result<CheckResponse, CheckError>),
+    /// Wait for the next grant of `slot` (rule `rule_idx` could not pay).
+    Park {
+        slot: Arc<Slot>,
+        rule_idx: usize,
+    },
+}
+
+/// What [`Agent::check_at`] decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CheckStep {
+    /// The answer.
+    Answer(Result<CheckResponse, CheckError>),
+    /// The request waits for a grant: the driver sends what
+    /// [`Agent::poll_renewal`] returns and calls `check_at` again with
+    /// `attempt + 1` once a reply arrived or `fetch_timeout` passed.
+    Wait,
 }
 
 /// A running agent. Cheap to clone.
@@ -477,10 +577,6 @@ impl std::fmt::Debug for Agent {
     }
 }
 
-fn now() -> u64 {
-    BootClock::now()
-}
-
 impl Agent {
     /// Start an agent and its renewal loop on the current tokio runtime.
     /// `bootstrap` rules (e.g. from `--rules`) are used until the
@@ -490,14 +586,31 @@ impl Agent {
         transport: Arc<dyn Transport>,
         bootstrap: Option<RuleSet>,
     ) -> std::io::Result<Agent> {
+        let agent = Self::new(cfg, Some(transport), bootstrap)?;
+        let bg = agent.clone();
+        tokio::spawn(async move { bg.renewal_loop().await });
+        Ok(agent)
+    }
+
+    /// An agent without a renewal task: the driver calls
+    /// [`Agent::poll_renewal`], carries the batch, and feeds back
+    /// [`Agent::on_reply`] or [`Agent::on_failure`] (the simulator does;
+    /// [`Agent::start`] runs the tokio driver).
+    pub fn new(
+        cfg: AgentConfig,
+        transport: Option<Arc<dyn Transport>>,
+        bootstrap: Option<RuleSet>,
+    ) -> std::io::Result<Agent> {
         let admission_log = match &cfg.admission_log {
             Some(p) => Some(Mutex::new(BufWriter::new(File::create(p)?))),
             None => None,
         };
-        let incarnation = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
+        let incarnation = cfg.incarnation.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
         let inner = Arc::new(Inner {
             replays: ReplayCache::new(cfg.replay_capacity, 60_000_000_000),
             cfg,
@@ -507,6 +620,10 @@ impl Agent {
             table: Table::with_hasher(foldhash::fast::RandomState::default()),
             connected: AtomicBool::new(false),
             down: AtomicBool::new(false),
+            parent_down: AtomicBool::new(false),
+            last_sent_ns: AtomicU64::new(0),
+            pending: Mutex::new(BTreeMap::new()),
+            emergency_log: Mutex::new(Vec::new()),
             outage: AtomicU64::new(0),
             seq: AtomicU64::new(0),
             wake: Notify::new(),
@@ -525,10 +642,35 @@ impl Agent {
                     &RuleCounterSet::default(),
                 )));
         }
-        let agent = Agent { inner };
-        let bg = agent.clone();
-        tokio::spawn(async move { bg.renewal_loop().await });
-        Ok(agent)
+        Ok(Agent { inner })
+    }
+
+    /// The emergency buckets opened since the last call (only recorded
+    /// with `record_emergency`).
+    pub fn take_emergency_opened(&self) -> Vec<EmergencyOpened> {
+        std::mem::take(&mut *self.inner.emergency_log.lock())
+    }
+
+    /// The indices (in `rules`) of the non-shadow rules a request on
+    /// (tenant, route) is charged to, overrides applied.
+    pub fn charged_rules(
+        rules: &RuleSet,
+        domain: Option<&str>,
+        tenant: &str,
+        route: &str,
+    ) -> Result<Vec<usize>, CheckError> {
+        let m = match_rules(rules, domain, tenant, route)?;
+        Ok(m.idx[..m.n]
+            .iter()
+            .map(|&i| i as usize)
+            .filter(|&i| !rules.rules[i].shadow)
+            .collect())
+    }
+
+    /// The agent's clock reading.
+    #[inline]
+    pub fn now(&self) -> u64 {
+        self.inner.cfg.clock.now()
     }
 
     /// Whether the last allocator call succeeded and rules are known.
@@ -561,7 +703,7 @@ impl Agent {
             }
         };
         if !input.request_id.is_empty() {
-            let t = now();
+            let t = self.now();
             if let Some(first) = self.inner.replays.get(
                 input.request_id,
                 input.tenant,
@@ -595,11 +737,17 @@ impl Agent {
         let cost = validate(input).ok()?;
         let guard = self.inner.rules.load();
         let rules = guard.as_ref()?;
-        self.fast_with(rules, input, cost)
+        self.fast_with(rules, input, cost, self.now())
     }
 
     #[inline]
-    fn fast_with(&self, rules: &RuleSet, input: &CheckInput<'_>, cost: u64) -> Option<FastAdmit> {
+    fn fast_with(
+        &self,
+        rules: &RuleSet,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) -> Option<FastAdmit> {
         let inner = &*self.inner;
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
         if m.n == 0 {
@@ -617,7 +765,6 @@ impl Agent {
                 return None;
             }
         }
-        let t = now();
         let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
         let reason = self.charge_shadow(rules, &m, input, cost, t);
         inner.metrics.allowed.add(1);
@@ -633,14 +780,75 @@ impl Agent {
     #[tracing::instrument(level = "debug", name = "check", skip_all, fields(cost))]
     async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
         let inner = &*self.inner;
+        let rules = match self.slow_prelude(input, cost, self.now())? {
+            Ok(answer) => return Ok(answer),
+            Err(rules) => rules,
+        };
+        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+        let mut attempt = 0;
+        loop {
+            match self.decide_step(&rules, &m, input, cost, attempt, self.now()) {
+                Step::Done(answer) => return answer,
+                Step::Park { slot, rule_idx } => {
+                    attempt += 1;
+                    let parked = slot.parked.notified();
+                    tokio::pin!(parked);
+                    parked.as_mut().enable();
+                    self.register_wait(&rules, &m, input, cost, rule_idx, &slot, self.now());
+                    let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
+                }
+            }
+        }
+    }
+
+    /// The sans-IO form of [`Agent::check`] for drivers that own time and
+    /// waiting (the simulator): decide at agent-clock instant `t`. Replays
+    /// by request id are not handled here.
+    pub fn check_at(&self, input: &CheckInput<'_>, attempt: u32, t: u64) -> CheckStep {
+        let cost = match validate(input) {
+            Ok(c) => c,
+            Err(e) => {
+                self.inner.metrics.invalid.add(1);
+                return CheckStep::Answer(Err(e));
+            }
+        };
+        let rules = match self.slow_prelude(input, cost, t) {
+            Err(e) => return CheckStep::Answer(Err(e)),
+            Ok(Ok(answer)) => return CheckStep::Answer(Ok(answer)),
+            Ok(Err(rules)) => rules,
+        };
+        let m = match match_rules(&rules, input.domain, input.tenant, input.route) {
+            Ok(m) => m,
+            Err(e) => return CheckStep::Answer(Err(e)),
+        };
+        match self.decide_step(&rules, &m, input, cost, attempt, t) {
+            Step::Done(answer) => CheckStep::Answer(answer),
+            Step::Park { slot, rule_idx } => {
+                self.register_wait(&rules, &m, input, cost, rule_idx, &slot, t);
+                CheckStep::Wait
+            }
+        }
+    }
+
+    /// The start of the slow path: no rules (unavailable), the fast path
+    /// (`Ok(Ok(answer))`), a cost above a burst (invalid), or the rules to
+    /// go on with (`Ok(Err(rules))`).
+    #[allow(clippy::type_complexity)]
+    fn slow_prelude(
+        &self,
+        input: &CheckInput<'_>,
+        cost: u64,
+        t: u64,
+    ) -> Result<Result<CheckResponse, Arc<RuleSet>>, CheckError> {
+        let inner = &*self.inner;
         let Some(rules) = inner.rules.load_full() else {
             inner.metrics.unavailable.add(1);
             return Err(CheckError::Unavailable(
                 "no rules yet: the allocator has not been reached".into(),
             ));
         };
-        if let Some(a) = self.fast_with(&rules, input, cost) {
-            return Ok(a.to_response(&rules));
+        if let Some(a) = self.fast_with(&rules, input, cost, t) {
+            return Ok(Ok(a.to_response(&rules)));
         }
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
         for &i in &m.idx[..m.n] {
@@ -653,98 +861,130 @@ impl Agent {
                 });
             }
         }
-        let mut attempt = 0;
-        loop {
-            let t = now();
-            match self.try_charge(&rules, &m, input, cost, t) {
-                Ok((remaining, rule_idx)) => {
-                    let reason = self.charge_shadow(&rules, &m, input, cost, t);
-                    inner.metrics.allowed.add(1);
-                    self.count_admitted(&rules, &m);
-                    return Ok(FastAdmit {
-                        remaining,
-                        rule_index: Some(rule_idx),
-                        rule_version: rules.version,
-                        reason,
-                    }
-                    .to_response(&rules));
+        Ok(Err(rules))
+    }
+
+    /// One pass of the slow path at `t`: charge, deny, apply a fail policy,
+    /// or park for the next grant.
+    fn decide_step(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        attempt: u32,
+        t: u64,
+    ) -> Step {
+        let inner = &*self.inner;
+        match self.try_charge(rules, m, input, cost, t) {
+            Ok((remaining, rule_idx)) => {
+                let reason = self.charge_shadow(rules, m, input, cost, t);
+                inner.metrics.allowed.add(1);
+                self.count_admitted(rules, m);
+                Step::Done(Ok(FastAdmit {
+                    remaining,
+                    rule_index: Some(rule_idx),
+                    rule_version: rules.version,
+                    reason,
                 }
-                Err(rule_idx) => {
-                    let rule = &rules.rules[rule_idx];
-                    let slot = self.slot_for(rule, input.tenant, input.route);
-                    let Some(slot) = slot else {
-                        return self.fail_policy(rule, &rules, "the agent holds max_keys keys");
-                    };
-                    if let Some((status, why)) = slot.st.lock().refused.clone() {
-                        inner.metrics.over_limit.add(1);
-                        tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
-                        return Ok(self.over_limit(rule, &rules, 1_000));
-                    }
-                    let dry_until = slot.dry_until_ns.load(Ordering::Acquire);
-                    if dry_until > t {
-                        slot.denied.fetch_add(cost, Ordering::Relaxed);
-                        inner.metrics.over_limit.add(1);
-                        // The answer names the denying rule with the largest retry.
-                        let (ms, idx) =
-                            self.largest_retry(&rules, &m, input, cost, t, rule_idx, dry_until - t);
-                        return Ok(self.over_limit(&rules.rules[idx], &rules, ms));
-                    }
-                    let down = inner.down.load(Ordering::Acquire);
-                    if down || (!inner.connected.load(Ordering::Acquire) && attempt > 0) {
-                        if rule.fail_policy == FailPolicy::Open {
-                            match self.try_charge_emergency(&rules, &m, input, cost, t) {
+                .to_response(rules)))
+            }
+            Err(rule_idx) => {
+                let rule = &rules.rules[rule_idx];
+                let slot = self.slot_for(rule, input.tenant, input.route);
+                let Some(slot) = slot else {
+                    return Step::Done(self.fail_policy(
+                        rule,
+                        rules,
+                        "the agent holds max_keys keys",
+                    ));
+                };
+                if let Some((status, why)) = slot.st.lock().refused.clone() {
+                    inner.metrics.over_limit.add(1);
+                    tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
+                    return Step::Done(Ok(self.over_limit(rule, rules, 1_000)));
+                }
+                let dry_until = slot.dry_until_ns.load(Ordering::Acquire);
+                // Behind a regional allocator whose parent is unreachable the
+                // regional's pool still counts as leased: ask it once; when
+                // it is dry, the fail policy applies (SPEC §2 I3, §6).
+                let parent_cut =
+                    inner.parent_down.load(Ordering::Acquire) && (attempt > 0 || dry_until > t);
+                let cut_off = parent_cut
+                    || inner.down.load(Ordering::Acquire)
+                    || (!inner.connected.load(Ordering::Acquire) && attempt > 0);
+                if dry_until > t && !parent_cut {
+                    slot.denied.fetch_add(cost, Ordering::Relaxed);
+                    inner.metrics.over_limit.add(1);
+                    // The answer names the denying rule with the largest retry.
+                    let (ms, idx) =
+                        self.largest_retry(rules, m, input, cost, t, rule_idx, dry_until - t);
+                    return Step::Done(Ok(self.over_limit(&rules.rules[idx], rules, ms)));
+                }
+                if cut_off {
+                    if rule.fail_policy == FailPolicy::Open {
+                        return Step::Done(
+                            match self.try_charge_emergency(rules, m, input, cost, t) {
                                 Ok((remaining, idx)) => {
                                     inner.metrics.failure_mode_allowed.add(1);
                                     self.count_rule(&rule.id, |c| &c.failure_mode_allowed);
-                                    return Ok(FastAdmit {
+                                    Ok(FastAdmit {
                                         remaining,
                                         rule_index: Some(idx),
                                         rule_version: rules.version,
                                         reason: Reason::FailureModeAllowed,
                                     }
-                                    .to_response(&rules));
+                                    .to_response(rules))
                                 }
-                                Err(k) => {
-                                    return self.fail_policy(
-                                        &rules.rules[k],
-                                        &rules,
-                                        "allocator unreachable; emergency bucket empty",
-                                    );
-                                }
-                            }
-                        }
-                        return self.fail_policy(rule, &rules, "allocator unreachable");
+                                Err(k) => self.fail_policy(
+                                    &rules.rules[k],
+                                    rules,
+                                    "allocator unreachable; emergency bucket empty",
+                                ),
+                            },
+                        );
                     }
-                    if attempt >= 2 {
-                        slot.denied.fetch_add(cost, Ordering::Relaxed);
-                        inner.metrics.over_limit.add(1);
-                        let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
-                        return Ok(self.over_limit(rule, &rules, ms.max(1)));
-                    }
-                    attempt += 1;
-                    // Wait for the renewal loop to bring tokens: every rule
-                    // of this request that cannot pay asks in the same batch.
-                    let parked = slot.parked.notified();
-                    tokio::pin!(parked);
-                    parked.as_mut().enable();
-                    slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
-                    for &ri in &m.idx[..m.n] {
-                        let other = &rules.rules[ri as usize];
-                        if other.shadow || ri as usize == rule_idx {
-                            continue;
-                        }
-                        if let Some(s) = self.slot_for(other, input.tenant, input.route) {
-                            if s.word.peek(t).is_none_or(|held| held < cost) {
-                                s.waiting_cost.fetch_add(cost, Ordering::AcqRel);
-                            }
-                        }
-                    }
-                    inner.wake.notify_one();
-                    inner.metrics.waits.add(1);
-                    let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
+                    return Step::Done(self.fail_policy(rule, rules, "allocator unreachable"));
+                }
+                if attempt >= 2 {
+                    slot.denied.fetch_add(cost, Ordering::Relaxed);
+                    inner.metrics.over_limit.add(1);
+                    let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
+                    return Step::Done(Ok(self.over_limit(rule, rules, ms.max(1))));
+                }
+                Step::Park { slot, rule_idx }
+            }
+        }
+    }
+
+    /// Register a parked request: every rule of it that cannot pay asks in
+    /// the next batch; wake the renewal loop.
+    #[allow(clippy::too_many_arguments)]
+    fn register_wait(
+        &self,
+        rules: &RuleSet,
+        m: &Matched,
+        input: &CheckInput<'_>,
+        cost: u64,
+        rule_idx: usize,
+        slot: &Slot,
+        t: u64,
+    ) {
+        let inner = &*self.inner;
+        slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
+        for &ri in &m.idx[..m.n] {
+            let other = &rules.rules[ri as usize];
+            if other.shadow || ri as usize == rule_idx {
+                continue;
+            }
+            if let Some(s) = self.slot_for(other, input.tenant, input.route) {
+                if s.word.peek(t).is_none_or(|held| held < cost) {
+                    s.waiting_cost.fetch_add(cost, Ordering::AcqRel);
                 }
             }
         }
+        inner.wake.notify_one();
+        inner.metrics.waits.add(1);
     }
 
     /// The lease charge behind `check_fast` and `decide`: charge every
@@ -919,7 +1159,12 @@ impl Agent {
                 failed = Some(ri as usize);
                 break;
             }
-            let took = slot.emergency_take(r, &self.inner.cfg.emergency, outage, cost, t);
+            let log = self
+                .inner
+                .cfg
+                .record_emergency
+                .then_some(&self.inner.emergency_log);
+            let took = slot.emergency_take(r, &self.inner.cfg.emergency, outage, cost, t, log);
             match took {
                 Some(remaining) => {
                     if remaining < min.0 {
@@ -1076,42 +1321,75 @@ impl Agent {
     // -----------------------------------------------------------------------
     // Renewal loop
 
+    /// The tokio driver of the renewal side: plan at every tick or wake,
+    /// send each batch on its own task, feed the outcome back.
     async fn renewal_loop(self) {
         let inner = &*self.inner;
         let mut tick = tokio::time::interval(inner.cfg.plan.renew_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last_sent = 0u64;
         while !inner.stop.load(Ordering::Acquire) {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = inner.wake.notified() => {}
                 _ = inner.stopped.notified() => break,
             }
-            let t = now();
-            let (items, slots) = self.plan_all(t);
-            let heartbeat_due = t.saturating_sub(last_sent)
-                >= inner.cfg.heartbeat.as_nanos() as u64
-                || inner.rules.load().is_none()
-                || !inner.connected.load(Ordering::Acquire);
-            if items.is_empty() && !heartbeat_due {
-                continue;
+            if let Some(batch) = self.poll_renewal(self.now()) {
+                let me = self.clone();
+                tokio::spawn(async move { me.send(batch).await });
             }
-            last_sent = t;
-            let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
-            for s in &slots {
-                if let Some(f) = s.st.lock().in_flight.as_mut() {
-                    f.seq = seq;
-                }
+        }
+    }
+
+    /// Sans-IO: plan every key at `t` and return the batch to send, if any
+    /// (renewals, releases, or a heartbeat). The driver delivers it and calls
+    /// [`Agent::on_reply`] or [`Agent::on_failure`] with its sequence number.
+    pub fn poll_renewal(&self, t: u64) -> Option<LeaseBatch> {
+        let inner = &*self.inner;
+        let (items, slots) = self.plan_all(t);
+        let mut pending = inner.pending.lock();
+        // Forget abandoned batches whose grants have surely expired.
+        let keep_ns = 2 * inner.cfg.lease_ttl.as_nanos() as u64;
+        pending.retain(|_, p| !p.abandoned || p.sent_ns.saturating_add(keep_ns) > t);
+        let heartbeat_due = (t.saturating_sub(inner.last_sent_ns.load(Ordering::Acquire))
+            >= inner.cfg.heartbeat.as_nanos() as u64
+            || inner.rules.load().is_none()
+            || !inner.connected.load(Ordering::Acquire))
+            && pending.values().all(|p| p.abandoned);
+        if items.is_empty() && !heartbeat_due {
+            return None;
+        }
+        inner.last_sent_ns.store(t, Ordering::Release);
+        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        for s in &slots {
+            if let Some(f) = s.st.lock().in_flight.as_mut() {
+                f.seq = seq;
             }
-            let me = self.clone();
-            let heartbeat_only = items.is_empty();
-            let send = async move { me.send(seq, t, items, slots).await };
-            if heartbeat_only {
-                // Heartbeats need not overlap: wait for them (bounded).
-                send.await;
-            } else {
-                tokio::spawn(send);
-            }
+        }
+        let batch = self.batch(seq, items.clone(), inner.cfg.lease_ttl.as_millis() as u64);
+        pending.insert(
+            seq,
+            Pending {
+                sent_ns: t,
+                items,
+                slots,
+                abandoned: false,
+            },
+        );
+        Some(batch)
+    }
+
+    fn batch(&self, seq: u64, items: Vec<LeaseItem>, ttl_ms: u64) -> LeaseBatch {
+        let inner = &*self.inner;
+        LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: inner.cfg.agent_id.clone(),
+                incarnation: inner.incarnation.load(Ordering::Acquire),
+                seq,
+                protocol_version: PROTOCOL_VERSION,
+                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
+            }),
+            ttl_ms,
+            items,
         }
     }
 
@@ -1120,7 +1398,8 @@ impl Agent {
         let inner = &*self.inner;
         let rules = inner.rules.load_full();
         let mut items = std::mem::take(&mut *inner.late_releases.lock());
-        let mut slots: Vec<Arc<Slot>> = Vec::new();
+        let mut releases: Vec<LeaseItem> = Vec::new();
+        let mut renews: Vec<(LeaseItem, Arc<Slot>)> = Vec::new();
         let mut forget: Vec<SlotKey> = Vec::new();
         let table = inner.table.pin();
         for (key, slot) in table.iter() {
@@ -1172,7 +1451,7 @@ impl Agent {
                     };
                     st.generation = new_gen;
                     st.baseline = at_cut;
-                    items.push(LeaseItem {
+                    let item = LeaseItem {
                         rule_id: slot.rule_id.clone(),
                         tenant: slot.tenant.clone(),
                         route: slot.route.clone(),
@@ -1180,14 +1459,14 @@ impl Agent {
                         lease_id: st.lease_id,
                         spent,
                         want,
-                    });
+                    };
                     st.in_flight = Some(InFlight {
                         seq: 0,
                         generation: new_gen,
                         tokens_at_send: at_cut,
                         kind: ItemKind::Renew,
                     });
-                    slots.push(slot.clone());
+                    renews.push((item, slot.clone()));
                 }
                 Plan::Release => {
                     if st.in_flight.is_some() {
@@ -1209,7 +1488,7 @@ impl Agent {
                     st.generation = new_gen;
                     if st.lease_id != 0 {
                         let spent = st.granted.saturating_sub(left);
-                        items.push(slot.release_item(st.lease_id, spent));
+                        releases.push(slot.release_item(st.lease_id, spent));
                         if deadline <= t {
                             inner.metrics.tokens_expired_unused.add(left);
                         } else {
@@ -1224,24 +1503,30 @@ impl Agent {
         for k in forget {
             table.remove(&k);
         }
+        // Items in key order, whatever the table's hash order: the
+        // allocator's fair shares then do not depend on a per-process seed
+        // (the simulator replays exactly).
+        let order = |a: &LeaseItem, b: &LeaseItem| {
+            (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
+        };
+        releases.sort_by(order);
+        items.extend(releases);
+        renews.sort_by(|(a, _), (b, _)| order(a, b));
+        let mut slots = Vec::with_capacity(renews.len());
+        for (item, slot) in renews {
+            items.push(item);
+            slots.push(slot);
+        }
         (items, slots)
     }
 
-    #[tracing::instrument(level = "debug", name = "renewal", skip_all, fields(seq, items = items.len()))]
-    async fn send(&self, seq: u64, sent_ns: u64, items: Vec<LeaseItem>, slots: Vec<Arc<Slot>>) {
+    #[tracing::instrument(level = "debug", name = "renewal", skip_all, fields(seq, items = batch.items.len()))]
+    async fn send(&self, batch: LeaseBatch) {
         let inner = &*self.inner;
-        let batch = LeaseBatch {
-            header: Some(RequestHeader {
-                agent_id: inner.cfg.agent_id.clone(),
-                incarnation: inner.incarnation.load(Ordering::Acquire),
-                seq,
-                protocol_version: PROTOCOL_VERSION,
-                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
-            }),
-            ttl_ms: inner.cfg.lease_ttl.as_millis() as u64,
-            items,
+        let Some(transport) = inner.transport.as_ref() else {
+            return;
         };
-        let started = std::time::Instant::now();
+        let seq = batch.header.as_ref().map(|h| h.seq).unwrap_or(0);
         let mut result = Err(String::new());
         // Retries reuse the sequence number: the allocator answers a
         // duplicate from its cache and never grants twice.
@@ -1250,7 +1535,7 @@ impl Agent {
             inner
                 .metrics
                 .record_message_rules(batch.items.iter().map(|i| i.rule_id.as_str()));
-            let call = inner.transport.lease(batch.clone());
+            let call = transport.lease(batch.clone());
             result = match tokio::time::timeout(inner.cfg.fetch_timeout, call).await {
                 Ok(r) => r,
                 Err(_) => Err("allocator call timed out".into()),
@@ -1260,70 +1545,93 @@ impl Agent {
             }
         }
         match result {
-            Ok(reply) => {
-                inner.metrics.record_renewal(started.elapsed());
-                inner.down.store(false, Ordering::Release);
-                if !inner.connected.swap(true, Ordering::AcqRel) {
-                    tracing::info!("allocator reachable");
-                }
-                if reply.grants.len() != batch.items.len() || reply.seq != seq {
-                    tracing::error!(
-                        items = batch.items.len(),
-                        grants = reply.grants.len(),
-                        seq,
-                        reply_seq = reply.seq,
-                        "allocator reply does not match the request; ignoring what does not"
-                    );
-                }
-                self.apply_reply(reply, &batch.items, &slots, sent_ns);
-                // Any key the reply did not answer is free to ask again.
-                for s in &slots {
-                    let mut st = s.st.lock();
-                    if st.in_flight.is_some_and(|f| f.seq == seq) {
-                        st.in_flight = None;
-                    }
-                    drop(st);
-                    s.waiting_cost.store(0, Ordering::Release);
-                    s.parked.notify_waiters();
-                }
+            Ok(reply) => self.on_reply(self.now(), seq, reply),
+            Err(why) => self.on_failure(self.now(), seq, &why),
+        }
+    }
+
+    /// Sans-IO: the reply to batch `seq` arrived at `t`. A reply to a batch
+    /// given up on only releases the fresh tokens it granted; an unknown or
+    /// repeated reply is ignored.
+    pub fn on_reply(&self, t: u64, seq: u64, reply: LeaseReply) {
+        let inner = &*self.inner;
+        let Some(p) = inner.pending.lock().remove(&seq) else {
+            return;
+        };
+        inner
+            .metrics
+            .record_renewal(Duration::from_nanos(t.saturating_sub(p.sent_ns)));
+        inner.down.store(false, Ordering::Release);
+        if !inner.connected.swap(true, Ordering::AcqRel) {
+            tracing::info!("allocator reachable");
+        }
+        if reply.grants.len() != p.items.len() || reply.seq != seq {
+            tracing::error!(
+                items = p.items.len(),
+                grants = reply.grants.len(),
+                seq,
+                reply_seq = reply.seq,
+                "allocator reply does not match the request; ignoring what does not"
+            );
+        }
+        self.apply_reply(reply, seq, &p.items, &p.slots, p.sent_ns, t);
+        if !p.abandoned {
+            self.settle(seq, &p.slots);
+        }
+    }
+
+    /// Sans-IO: batch `seq` failed (an error, or no reply within
+    /// `fetch_timeout`) at `t`. The keys are free to ask again, releases go
+    /// back to the queue, and fail policies apply until a call succeeds.
+    pub fn on_failure(&self, _t: u64, seq: u64, why: &str) {
+        let inner = &*self.inner;
+        let mut pending = inner.pending.lock();
+        let Some(p) = pending.get_mut(&seq).filter(|p| !p.abandoned) else {
+            return;
+        };
+        p.abandoned = true;
+        // Releases that did not get through return to the queue.
+        let releases: Vec<LeaseItem> = p
+            .items
+            .iter()
+            .filter(|i| i.kind == ItemKind::Release as i32)
+            .cloned()
+            .collect();
+        let slots = p.slots.clone();
+        drop(pending);
+        inner.metrics.rpc_errors.add(1);
+        if !inner.down.swap(true, Ordering::AcqRel) {
+            inner.outage.fetch_add(1, Ordering::AcqRel);
+        }
+        if inner.connected.swap(false, Ordering::AcqRel) {
+            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
+        }
+        inner.late_releases.lock().extend(releases);
+        self.settle(seq, &slots);
+    }
+
+    /// Batch `seq` is answered or given up: its keys may ask again and the
+    /// requests parked on them re-check.
+    fn settle(&self, seq: u64, slots: &[Arc<Slot>]) {
+        for s in slots {
+            let mut st = s.st.lock();
+            if st.in_flight.is_some_and(|f| f.seq == seq) {
+                st.in_flight = None;
             }
-            Err(why) => {
-                inner.metrics.rpc_errors.add(1);
-                if !inner.down.swap(true, Ordering::AcqRel) {
-                    inner.outage.fetch_add(1, Ordering::AcqRel);
-                }
-                if inner.connected.swap(false, Ordering::AcqRel) {
-                    tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
-                }
-                // Releases that did not get through return to the queue.
-                let mut late = inner.late_releases.lock();
-                for it in batch
-                    .items
-                    .iter()
-                    .filter(|i| i.kind == ItemKind::Release as i32)
-                {
-                    late.push(it.clone());
-                }
-                drop(late);
-                for s in slots {
-                    let mut st = s.st.lock();
-                    if st.in_flight.is_some_and(|f| f.seq == seq) {
-                        st.in_flight = None;
-                    }
-                    drop(st);
-                    s.waiting_cost.store(0, Ordering::Release);
-                    s.parked.notify_waiters();
-                }
-            }
+            drop(st);
+            s.waiting_cost.store(0, Ordering::Release);
+            s.parked.notify_waiters();
         }
     }
 
     fn apply_reply(
         &self,
         reply: LeaseReply,
+        seq: u64,
         items: &[LeaseItem],
         slots: &[Arc<Slot>],
         sent_ns: u64,
+        t: u64,
     ) {
         let inner = &*self.inner;
         let mine = inner.incarnation.load(Ordering::Acquire);
@@ -1366,14 +1674,13 @@ impl Agent {
             }
         }
         let version = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
-        let t = now();
         let renews = items
             .iter()
             .zip(reply.grants.iter())
             .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
             .map(|(_, g)| g);
         for (grant, slot) in renews.zip(slots) {
-            self.install(slot, grant, reply.seq, sent_ns, version, t);
+            self.install(slot, grant, seq, sent_ns, version, t);
         }
     }
 
@@ -1421,6 +1728,16 @@ impl Agent {
             }
         }
         st.refused = None;
+        // A regional allocator tells whether its own parent is reachable; a
+        // cut-off region's agents apply fail policies once its pool is dry.
+        if g.parent_unreachable {
+            if !inner.parent_down.swap(true, Ordering::AcqRel) {
+                inner.outage.fetch_add(1, Ordering::AcqRel);
+                tracing::warn!("the regional allocator reports its parent unreachable");
+            }
+        } else if inner.parent_down.swap(false, Ordering::AcqRel) {
+            tracing::info!("the regional allocator reaches its parent again");
+        }
         slot.holders
             .store(u64::from(g.holders.max(1)), Ordering::Release);
         // A grant we cannot use: give it back. If it carried the old lease,
@@ -1520,18 +1837,11 @@ impl Agent {
         }
         let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
         let n = items.len();
-        let batch = LeaseBatch {
-            header: Some(RequestHeader {
-                agent_id: inner.cfg.agent_id.clone(),
-                incarnation: inner.incarnation.load(Ordering::Acquire),
-                seq,
-                protocol_version: PROTOCOL_VERSION,
-                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
-            }),
-            ttl_ms: 0,
-            items,
+        let batch = self.batch(seq, items, 0);
+        let Some(transport) = inner.transport.as_ref() else {
+            return;
         };
-        match tokio::time::timeout(inner.cfg.fetch_timeout, inner.transport.lease(batch)).await {
+        match tokio::time::timeout(inner.cfg.fetch_timeout, transport.lease(batch)).await {
             Ok(Ok(_)) => {
                 tracing::info!(leases = n, tokens = released, "released leases on shutdown")
             }

@@ -558,6 +558,14 @@ impl AllocatorCore {
         });
     }
 
+    /// I2 for one key at `now_ns` (`None`: no ledger, a full bucket). For
+    /// checkers such as the simulator's.
+    pub fn i2_holds(&mut self, now_ns: u64, key: &KeyId) -> Option<bool> {
+        let ledger = self.keys.get_mut(key)?;
+        ledger.advance(now_ns);
+        Some(ledger.i2_holds())
+    }
+
     /// The rule set as sent on the wire.
     pub fn rules_proto(&self) -> PbRuleSet {
         self.rules.to_proto()

@@ -35,51 +35,95 @@ impl Worst {
 /// Check I1 for one key. `admissions` are `(time_ns, tokens)` in any order.
 pub fn worst_window(admissions: &mut [(u64, u64)], rate: Rate, burst: u64) -> Worst {
     admissions.sort_unstable();
-    let p = i128::from(rate.period_ns());
-    let n = i128::from(rate.tokens);
-    let b = i128::from(burst) * p;
-    let mut best = Worst {
-        excess: i64::MIN,
-        ..Worst::default()
-    };
-    let mut best_fine = i128::MIN;
-    // min over i of (A_{i-1} * P - N * t_i), with its index
-    let mut min_start = i128::MAX;
-    let mut min_at = (0u64, 0u64); // (t_i, A_{i-1})
-    let mut cum: i128 = 0;
-    for &(t, c) in admissions.iter() {
-        let start = cum * p - n * i128::from(t);
-        if start < min_start {
-            min_start = start;
-            min_at = (t, cum as u64);
+    let mut c = StreamChecker::new(rate, burst);
+    for &(t, n) in admissions.iter() {
+        c.push(t, n);
+    }
+    c.worst()
+}
+
+/// The same exact check fed one admission at a time in time order, in
+/// O(1) memory: the simulator keeps one per key.
+#[derive(Clone, Debug)]
+pub struct StreamChecker {
+    p: i128,
+    n: i128,
+    b: i128,
+    burst: u64,
+    /// min over i of (A_{i-1} * P - N * t_i)
+    min_start: i128,
+    min_at: (u64, u64), // (t_i, A_{i-1})
+    cum: i128,
+    best_fine: i128,
+    best: Worst,
+    last_t: u64,
+    any: bool,
+}
+
+impl StreamChecker {
+    /// A checker for a key with `rate` and `burst`.
+    pub fn new(rate: Rate, burst: u64) -> Self {
+        let p = i128::from(rate.period_ns());
+        Self {
+            p,
+            n: i128::from(rate.tokens),
+            b: i128::from(burst) * p,
+            burst,
+            min_start: i128::MAX,
+            min_at: (0, 0),
+            cum: 0,
+            best_fine: i128::MIN,
+            best: Worst::default(),
+            last_t: 0,
+            any: false,
         }
-        cum += i128::from(c);
-        let end = cum * p - n * i128::from(t);
-        let fine = end - min_start - b;
-        if fine > best_fine {
-            best_fine = fine;
-            best = Worst {
-                admitted: cum as u64 - min_at.1,
-                from_ns: min_at.0,
+    }
+
+    /// One admission of `c` tokens at `t`; `t` must not decrease.
+    pub fn push(&mut self, t: u64, c: u64) {
+        debug_assert!(!self.any || t >= self.last_t, "admissions out of order");
+        self.any = true;
+        self.last_t = t;
+        let start = self.cum * self.p - self.n * i128::from(t);
+        if start < self.min_start {
+            self.min_start = start;
+            self.min_at = (t, self.cum as u64);
+        }
+        self.cum += i128::from(c);
+        let end = self.cum * self.p - self.n * i128::from(t);
+        let fine = end - self.min_start - self.b;
+        if fine > self.best_fine {
+            self.best_fine = fine;
+            self.best = Worst {
+                admitted: self.cum as u64 - self.min_at.1,
+                from_ns: self.min_at.0,
                 to_ns: t,
                 excess: 0,
             };
         }
     }
-    if admissions.is_empty() {
-        return Worst {
-            excess: -(burst as i64),
-            ..Worst::default()
-        };
+
+    /// Tokens admitted so far.
+    pub fn admitted(&self) -> u64 {
+        self.cum as u64
     }
-    // Round up to whole tokens (positive = broken).
-    let excess = if best_fine > 0 {
-        (best_fine + p - 1) / p
-    } else {
-        best_fine / p
-    };
-    best.excess = excess.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
-    best
+
+    /// The worst window so far.
+    pub fn worst(&self) -> Worst {
+        if !self.any {
+            return Worst {
+                excess: -(self.burst as i64),
+                ..Worst::default()
+            };
+        }
+        // Round up to whole tokens (positive = broken).
+        let (f, p) = (self.best_fine, self.p);
+        let excess = if f > 0 { (f + p - 1) / p } else { f / p };
+        Worst {
+            excess: excess.clamp(i64::MIN as i128, i64::MAX as i128) as i64,
+            ..self.best
+        }
+    }
 }
 
 #[cfg(test)]

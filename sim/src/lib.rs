@@ -7,3 +7,4 @@
 pub mod checker;
 pub mod net;
 pub mod rng;
+pub mod workload;

@@ -6,5 +6,6 @@
 
 pub mod checker;
 pub mod net;
+pub mod quality;
 pub mod rng;
 pub mod workload;

@@ -8,4 +8,5 @@ pub mod checker;
 pub mod net;
 pub mod quality;
 pub mod rng;
+pub mod scenario;
 pub mod workload;

@@ -7,6 +7,7 @@
 pub mod checker;
 pub mod net;
 pub mod quality;
+pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod workload;

@@ -857,6 +857,7 @@ scale: 0.1
             .unwrap_or_default();
         files.retain(|p| p.extension().is_some_and(|x| x == "yaml"));
         files.sort();
+        assert!(files.len() >= 7, "scenarios missing in {}", dir.display());
         for f in &files {
             let sc = Scenario::load(f).unwrap_or_else(|e| panic!("{e}"));
             let small = sc.scaled(sc.scale.unwrap_or(0.1));

@@ -11,6 +11,7 @@
 //! regions of `A` agents each, agent `i` belongs to region `i / A`.
 
 use crate::net::{Cut, CutKind, NetConfig, Node};
+use crate::rng::SimRng;
 use crate::workload::WorkloadSpec;
 use quotalease_allocator::rules::{FailPolicy, RuleSet};
 use serde::Deserialize;
@@ -262,6 +263,37 @@ impl Scenario {
             Node::Regional(r) => r < self.regions,
             Node::Agent(a) => a < self.total_agents(),
         }
+    }
+
+    /// The clock rate error of `node` in ppm, uniform in
+    /// `[-clock_drift_ppm, +clock_drift_ppm]`, drawn from its own stream of
+    /// `rng` (so it does not depend on the order nodes are asked for, nor
+    /// on how many there are). A node's clock then reads
+    /// `t * (1 + ppm * 1e-6)` after `t` of true time. 0 without drift.
+    pub fn drift_ppm(&self, node: Node, rng: &SimRng) -> f64 {
+        let x = self.faults.clock_drift_ppm;
+        if x <= 0.0 || !x.is_finite() {
+            return 0.0;
+        }
+        let stream = match node {
+            Node::Global => 0,
+            Node::Regional(r) => (1 << 32) | u64::from(r),
+            Node::Agent(a) => (2 << 32) | u64::from(a),
+        };
+        let u = rng.fork(stream).unit_f64();
+        (2.0 * u - 1.0) * x
+    }
+
+    /// One regional round trip, the shift of [`crate::quality::false_rejects`]:
+    /// twice the median latency between a regional allocator and the global
+    /// one (between an agent and the global allocator without regions).
+    pub fn regional_round_trip_ns(&self) -> u64 {
+        let link = if self.regions == 0 {
+            &self.net.agent_parent
+        } else {
+            &self.net.regional_global
+        };
+        (2.0 * link.median_ms * 1e6).round() as u64
     }
 
     /// The rules with every rule's fail policy replaced by the variant's
@@ -771,6 +803,18 @@ scale: 0.1
         assert!(rs.rules.iter().all(|r| r.fail_policy == FailPolicy::Open));
         assert_eq!(sc.rules_for(None).rules[0].fail_policy, FailPolicy::Closed);
         assert_eq!(sc.runs().len(), 2);
+        assert_eq!(sc.regional_round_trip_ns(), 40_000_000);
+        let rng = SimRng::new(3);
+        let d: Vec<f64> = (0..200)
+            .map(|a| sc.drift_ppm(Node::Agent(a), &rng))
+            .collect();
+        assert!(d.iter().all(|x| x.abs() <= 500.0));
+        assert!(d.iter().any(|&x| x > 250.0) && d.iter().any(|&x| x < -250.0));
+        assert_eq!(sc.drift_ppm(Node::Agent(7), &rng), d[7]);
+        assert_ne!(
+            sc.drift_ppm(Node::Global, &rng),
+            sc.drift_ppm(Node::Regional(0), &rng)
+        );
     }
 
     #[test]

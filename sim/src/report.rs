@@ -1,7 +1,7 @@
 //! Writers for a run's report: `report.md` (markdown with tables and
 //! embedded plots), CSV series and SVG line plots.
 //!
-//! The event loop fills a [`Report`] and calls [`write`]. Output depends
+//! The event loop fills a [`Report`] and calls [`write()`]. Output depends
 //! only on the report's contents: identical input gives byte-identical
 //! files (the plots go through plotters' SVG backend, which writes `<text>`
 //! elements itself and needs no system font; floats are printed by Rust's

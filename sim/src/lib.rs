@@ -1,6 +1,13 @@
-//! quotalease simulation support. For now: the independent invariant
-//! checker used by the demo and the end-to-end tests. The deterministic
-//! simulator grows here with the simulation issue.
+//! quotalease simulation support: the independent invariant checker used by
+//! the demo and the end-to-end tests, and the deterministic pieces the
+//! simulator's event loop is built from (random streams, network, workload,
+//! scenarios, quality figures and report writers).
 #![warn(missing_docs)]
 
 pub mod checker;
+pub mod net;
+pub mod quality;
+pub mod report;
+pub mod rng;
+pub mod scenario;
+pub mod workload;

@@ -1,0 +1,518 @@
+//! The quality figures of SPEC §2 — false rejects, utilization, fairness —
+//! as pure functions of recorded decisions. They know nothing of the
+//! simulator: the event loop records `(time, cost, admitted)` per key and
+//! calls these at the end of a run.
+
+use quotalease_allocator::rules::Rate;
+
+/// Result of [`false_rejects`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FalseRejects {
+    /// Requests we denied.
+    pub denied: u64,
+    /// Of those, the ones an ideal global bucket would have admitted under
+    /// every shift of the arrivals (see [`false_rejects`]).
+    pub false_denied: u64,
+    /// All requests.
+    pub requests: u64,
+}
+
+impl FalseRejects {
+    /// `false_denied / requests` (0 with no requests).
+    pub fn ratio(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.false_denied as f64 / self.requests as f64
+        }
+    }
+}
+
+/// Counts our false denials of one key (SPEC §2: "a denial is false if an
+/// ideal single global bucket would have admitted it under every shift of
+/// the arrivals by up to one regional round trip").
+///
+/// `requests` are `(t_ns, cost, admitted)` in any order; `shift_ns` is one
+/// regional round trip.
+///
+/// The reference is one ideal token bucket (rate `rate`, burst `burst`,
+/// exact integer fixed-point arithmetic as in
+/// `quotalease_allocator::bucket`, full at the first request) that sees
+/// every request, in time order (ties in input order), and admits or
+/// denies each on its own, greedily. Its level `L(t)` after its own
+/// decisions is known at every instant. A request we denied at `t` with
+/// cost `c` is a *false* denial when the ideal bucket could have paid `c`
+/// at every instant of `[t - shift, t + shift]`, not counting the request's
+/// own charge:
+///
+/// `min over u in [t - shift, t + shift] of L'(u) >= c`, where `L'` is `L`
+/// with the request's own charge (if the ideal bucket admitted it) added
+/// back from `t` on, capped at the burst.
+///
+/// If the ideal bucket itself denied the request, the denial is not false.
+/// Adding the own charge back ignores that the ideal bucket would have
+/// refilled to the cap a little sooner without it, so this can count a
+/// denial as false that was borderline; the other requests' decisions are
+/// those of the real ideal run. O(n log n) for the sort, then O(n) with
+/// two monotone deques over the event index.
+pub fn false_rejects(
+    requests: &[(u64, u64, bool)],
+    rate: Rate,
+    burst: u64,
+    shift_ns: u64,
+) -> FalseRejects {
+    let n = requests.len();
+    let mut out = FalseRejects {
+        requests: n as u64,
+        ..FalseRejects::default()
+    };
+    if n == 0 {
+        return out;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| requests[i].0); // stable: ties in input order
+    let p = u128::from(rate.period_ns());
+    let per_ns = u128::from(rate.tokens);
+    let cap = u128::from(burst) * p;
+
+    // Ideal run: time, post-decision level (fine units), own charge.
+    let t0 = requests[order[0]].0;
+    let mut times = Vec::with_capacity(n);
+    let mut level = Vec::with_capacity(n);
+    let mut charge = Vec::with_capacity(n);
+    let mut fine = cap;
+    let mut last = t0;
+    for &i in &order {
+        let (t, c, _) = requests[i];
+        fine = (fine + u128::from(t - last) * per_ns).min(cap);
+        last = t;
+        let need = u128::from(c) * p;
+        let took = if c <= burst && fine >= need {
+            fine -= need;
+            need
+        } else {
+            0
+        };
+        times.push(t);
+        level.push(fine);
+        charge.push(took);
+    }
+
+    // Sliding-window minima of `level` over index ranges whose ends only
+    // move forward.
+    let mut before = MinWindow::default(); // (j, i)  : events after the window start, before i
+    let mut after = MinWindow::default(); // (i, end] : events after i up to the window end
+    let mut j_next = 0usize; // first index with time > t - shift
+    let mut end_next = 0usize; // first index with time > t + shift
+    for (k, &i) in order.iter().enumerate() {
+        let (t, c, admitted) = requests[i];
+        let lo = t.saturating_sub(shift_ns);
+        let hi = t.saturating_add(shift_ns);
+        while j_next < n && times[j_next] <= lo {
+            j_next += 1;
+        }
+        while end_next < n && times[end_next] <= hi {
+            end_next += 1;
+        }
+        if admitted {
+            continue;
+        }
+        out.denied += 1;
+        let need = u128::from(c) * p;
+        if charge[k] == 0 {
+            continue; // the ideal bucket denied it too
+        }
+        // Level at the window start: the last event at or before `lo`,
+        // refilled to `lo` (full if there is none: the ideal bucket starts
+        // full). An event at or after k there (only with shift 0) gets the
+        // own charge back.
+        let mut min = match j_next.checked_sub(1) {
+            None => cap,
+            Some(j) => {
+                let l = if j >= k {
+                    (level[j] + charge[k]).min(cap)
+                } else {
+                    level[j]
+                };
+                (l + u128::from(lo - times[j]) * per_ns).min(cap)
+            }
+        };
+        // Events strictly inside (lo, t) before k.
+        if j_next < k {
+            before.slide(&level, j_next, k);
+            min = min.min(before.min(&level));
+        }
+        // The request itself, before its own decision.
+        min = min.min((level[k] + charge[k]).min(cap));
+        // Events after k up to hi, with the own charge back.
+        if k + 1 < end_next {
+            after.slide(&level, k + 1, end_next);
+            min = min.min((after.min(&level) + charge[k]).min(cap));
+        }
+        if min >= need {
+            out.false_denied += 1;
+        }
+    }
+    out
+}
+
+/// Minimum of `values[lo..hi]` for windows whose `lo` and `hi` never move
+/// backwards (monotone deque of indices).
+#[derive(Default)]
+struct MinWindow {
+    deque: std::collections::VecDeque<usize>,
+    hi: usize,
+}
+
+impl MinWindow {
+    fn slide(&mut self, values: &[u128], lo: usize, hi: usize) {
+        while self.hi < hi {
+            let v = values[self.hi];
+            while self.deque.back().is_some_and(|&b| values[b] >= v) {
+                self.deque.pop_back();
+            }
+            self.deque.push_back(self.hi);
+            self.hi += 1;
+        }
+        while self.deque.front().is_some_and(|&f| f < lo) {
+            self.deque.pop_front();
+        }
+    }
+
+    fn min(&self, values: &[u128]) -> u128 {
+        self.deque.front().map_or(u128::MAX, |&f| values[f])
+    }
+}
+
+/// Utilization per window: tokens admitted in `[from + k*w, from + (k+1)*w)`
+/// divided by `R * w`, for every whole window inside `[from_ns, to_ns)`.
+/// `admissions` are `(t_ns, tokens)` in any order. SPEC §2 asks for >= 97%
+/// over windows of 10 x `TTL_max` after warm-up.
+pub fn utilization(
+    admissions: &[(u64, u64)],
+    rate: Rate,
+    from_ns: u64,
+    to_ns: u64,
+    window_ns: u64,
+) -> Vec<f64> {
+    if window_ns == 0 || to_ns <= from_ns {
+        return Vec::new();
+    }
+    let windows = ((to_ns - from_ns) / window_ns) as usize;
+    let mut sums = vec![0u64; windows];
+    for &(t, c) in admissions {
+        if t < from_ns {
+            continue;
+        }
+        let k = ((t - from_ns) / window_ns) as usize;
+        if k < windows {
+            sums[k] += c;
+        }
+    }
+    let capacity = rate.tokens as f64 * window_ns as f64 / rate.period_ns() as f64;
+    sums.iter().map(|&s| s as f64 / capacity).collect()
+}
+
+/// Max-min fair (water-filling) shares of `supply` among holders with
+/// these demands: holders demanding less than an equal split get their
+/// demand, the rest split what is left equally. Negative or NaN demands
+/// count as 0. The shares sum to `min(supply, sum of demands)`.
+pub fn max_min_shares(demands: &[f64], supply: f64) -> Vec<f64> {
+    let clean = |d: f64| if d.is_nan() { 0.0 } else { d.max(0.0) };
+    let mut order: Vec<usize> = (0..demands.len()).collect();
+    order.sort_by(|&a, &b| clean(demands[a]).total_cmp(&clean(demands[b])));
+    let mut shares = vec![0.0; demands.len()];
+    let mut left = supply.max(0.0);
+    let mut holders = demands.len();
+    for &i in &order {
+        let equal = left / holders as f64;
+        let s = clean(demands[i]).min(equal);
+        shares[i] = s;
+        left -= s;
+        holders -= 1;
+    }
+    shares
+}
+
+/// Fairness of `actual` allocations against the max-min fair shares of
+/// `supply` for `demands` ([`max_min_shares`]).
+///
+/// Returns Jain's index of the ratios `x_i = actual_i / fair_i` over the
+/// holders whose fair share is positive: `(sum x)^2 / (n * sum x^2)`, 1
+/// when every holder got the same fraction of its fair share, down to
+/// `1/n` when one holder got everything. It measures how evenly the
+/// shortfall (or excess) is spread, not how much was used — utilization is
+/// a separate figure. 1 when no holder has a positive fair share. See
+/// [`worst_fair_ratio`] for the worst-served holder.
+pub fn fairness(actual: &[f64], demands: &[f64], supply: f64) -> f64 {
+    let fair = max_min_shares(demands, supply);
+    let (mut sum, mut sum_sq, mut n) = (0.0, 0.0, 0usize);
+    for (i, &f) in fair.iter().enumerate() {
+        if f > 0.0 {
+            let x = actual.get(i).copied().unwrap_or(0.0).max(0.0) / f;
+            sum += x;
+            sum_sq += x * x;
+            n += 1;
+        }
+    }
+    if n == 0 {
+        1.0
+    } else if sum_sq == 0.0 {
+        // Nobody got anything: equally (un)served.
+        1.0
+    } else {
+        sum * sum / (n as f64 * sum_sq)
+    }
+}
+
+/// The worst-served holder: `min over holders of min(actual / fair, 1)`
+/// with the max-min fair shares of [`max_min_shares`] (holders with a zero
+/// fair share are skipped; 1 if there are none).
+pub fn worst_fair_ratio(actual: &[f64], demands: &[f64], supply: f64) -> f64 {
+    let fair = max_min_shares(demands, supply);
+    fair.iter()
+        .enumerate()
+        .filter(|(_, &f)| f > 0.0)
+        .map(|(i, &f)| (actual.get(i).copied().unwrap_or(0.0).max(0.0) / f).min(1.0))
+        .fold(1.0, f64::min)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+    const MS: u64 = 1_000_000;
+
+    fn per_s(n: u64) -> Rate {
+        Rate {
+            tokens: n,
+            period_s: 1,
+        }
+    }
+
+    #[test]
+    fn no_denials_no_false_denials() {
+        let reqs: Vec<_> = (0..100).map(|i| (i * MS, 1, true)).collect();
+        let r = false_rejects(&reqs, per_s(10), 5, MS);
+        assert_eq!(
+            r,
+            FalseRejects {
+                denied: 0,
+                false_denied: 0,
+                requests: 100
+            }
+        );
+    }
+
+    #[test]
+    fn denying_with_a_full_ideal_bucket_is_false() {
+        // 1 request per second at 10/s burst 10: the ideal bucket is always
+        // nearly full; every denial of ours is false.
+        let reqs: Vec<_> = (0..10).map(|i| (i * S, 1, i % 2 == 0)).collect();
+        let r = false_rejects(&reqs, per_s(10), 10, 100 * MS);
+        assert_eq!(r.denied, 5);
+        assert_eq!(r.false_denied, 5);
+        assert!((r.ratio() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn denials_of_an_overloaded_key_are_not_false() {
+        // 100/s offered at 10/s burst 10, we admit exactly what the ideal
+        // bucket admits: no false denials.
+        let rate = per_s(10);
+        let mut ideal = quotalease_allocator::bucket::TokenBucket::new_full(rate, 10, 0);
+        let reqs: Vec<_> = (0..1000u64)
+            .map(|i| {
+                let t = i * 10 * MS;
+                (t, 1, ideal.try_acquire(1, t).is_ok())
+            })
+            .collect();
+        let r = false_rejects(&reqs, rate, 10, 20 * MS);
+        assert!(r.denied > 800);
+        assert_eq!(r.false_denied, 0);
+    }
+
+    #[test]
+    fn shift_window_sees_a_drain_nearby() {
+        // Burst 1 at 1/s: a request at 0 (admitted by the ideal bucket,
+        // emptying it), then one at 0.5 s that we deny. The ideal bucket
+        // denies it too (level 0.5): not false. Our denial at 2.0 s with an
+        // ideal admission at 2.05 s: false only if the window does not
+        // reach 2.05 s.
+        let rate = per_s(1);
+        let reqs = vec![
+            (0, 1, true),
+            (S / 2, 1, false),
+            (2 * S, 1, false),
+            (2 * S + 50 * MS, 1, true),
+        ];
+        // Window 10 ms: at 2.0 the ideal bucket is full (1) and the next
+        // event is outside: false. The ideal bucket admits the request at
+        // 2.0 itself and then denies the one at 2.05.
+        let r = false_rejects(&reqs, rate, 1, 10 * MS);
+        assert_eq!((r.denied, r.false_denied), (2, 1));
+        // Window 100 ms covers 2.05: that request is denied by the ideal
+        // bucket (level 0.05 after ours), the level after it is 0.05 + our
+        // own charge back = 1.05 capped at 1: still false.
+        let r = false_rejects(&reqs, rate, 1, 100 * MS);
+        assert_eq!((r.denied, r.false_denied), (2, 1));
+        // Put an ideal admission before ours, inside the window: at 1.95
+        // the bucket (full) pays it, and at 2.0 it has 0.05: the ideal
+        // bucket denies ours, so not false.
+        let reqs = vec![(1_950 * MS, 1, true), (2 * S, 1, false)];
+        let r = false_rejects(&reqs, rate, 1, 100 * MS);
+        assert_eq!((r.denied, r.false_denied), (1, 0));
+    }
+
+    #[test]
+    fn own_charge_is_added_back_after_the_request() {
+        // Burst 2 at 1/s, full at 1.0 s. We deny a request at 1.0 s; the
+        // ideal bucket admits it (2 -> 1), then admits one at 1.01 s
+        // (1 -> 0.01). Without our request's own charge the level after
+        // 1.01 s is 1.01 >= 1: the denial is false. A drain before it in
+        // the window, admitted first by the ideal bucket, makes it justified.
+        let rate = per_s(1);
+        let reqs = vec![(S, 1, false), (S + 10 * MS, 1, true)];
+        let r = false_rejects(&reqs, rate, 2, 30 * MS);
+        assert_eq!((r.denied, r.false_denied), (1, 1));
+        let reqs = vec![
+            (S - 20 * MS, 1, true),
+            (S - 10 * MS, 1, true),
+            (S, 1, false),
+        ];
+        let r = false_rejects(&reqs, rate, 2, 30 * MS);
+        assert_eq!((r.denied, r.false_denied), (1, 0));
+        // Same drain after ours, within the window: the ideal bucket
+        // admits ours first, then only one of the two (2 -> 1 -> 0.01, then
+        // 0.02: denied); with ours added back the level stays >= 1.01.
+        let reqs = vec![
+            (S, 1, false),
+            (S + 10 * MS, 1, true),
+            (S + 20 * MS, 1, true),
+        ];
+        let r = false_rejects(&reqs, rate, 2, 30 * MS);
+        assert_eq!((r.denied, r.false_denied), (1, 1));
+    }
+
+    #[test]
+    fn matches_brute_force() {
+        // Compare the deque version with a direct scan on random inputs.
+        let mut rng = crate::rng::SimRng::new(4);
+        for _ in 0..200 {
+            let rate = per_s(1 + rng.below(20));
+            let burst = 1 + rng.below(10);
+            let shift = rng.below(300) * MS;
+            let reqs: Vec<(u64, u64, bool)> = (0..rng.below(60))
+                .map(|_| (rng.below(5 * S), 1 + rng.below(3), rng.chance(0.5)))
+                .collect();
+            assert_eq!(
+                false_rejects(&reqs, rate, burst, shift),
+                brute(&reqs, rate, burst, shift)
+            );
+        }
+    }
+
+    fn brute(reqs: &[(u64, u64, bool)], rate: Rate, burst: u64, shift: u64) -> FalseRejects {
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&i| reqs[i].0);
+        let p = u128::from(rate.period_ns());
+        let cap = u128::from(burst) * p;
+        let n = u128::from(rate.tokens);
+        let mut ev = Vec::new(); // (t, level, charge)
+        let mut fine = cap;
+        let mut last = order.first().map_or(0, |&i| reqs[i].0);
+        for &i in &order {
+            let (t, c, _) = reqs[i];
+            fine = (fine + u128::from(t - last) * n).min(cap);
+            last = t;
+            let need = u128::from(c) * p;
+            let ch = if c <= burst && fine >= need { need } else { 0 };
+            fine -= ch;
+            ev.push((t, fine, ch));
+        }
+        let mut out = FalseRejects {
+            requests: reqs.len() as u64,
+            ..Default::default()
+        };
+        for (k, &i) in order.iter().enumerate() {
+            let (t, c, adm) = reqs[i];
+            if adm {
+                continue;
+            }
+            out.denied += 1;
+            if ev[k].2 == 0 {
+                continue;
+            }
+            let lo = t.saturating_sub(shift);
+            let hi = t + shift;
+            // Level L'(u) at every event time and at lo.
+            let lvl = |idx: usize| {
+                if idx >= k {
+                    (ev[idx].1 + ev[k].2).min(cap)
+                } else {
+                    ev[idx].1
+                }
+            };
+            let mut min = match (0..ev.len()).rev().find(|&x| ev[x].0 <= lo) {
+                None => cap,
+                Some(j) => (lvl(j) + u128::from(lo - ev[j].0) * n).min(cap),
+            };
+            for (idx, e) in ev.iter().enumerate() {
+                if e.0 > lo && e.0 <= hi && idx != k {
+                    min = min.min(lvl(idx));
+                }
+            }
+            min = min.min((ev[k].1 + ev[k].2).min(cap));
+            if min >= u128::from(c) * p {
+                out.false_denied += 1;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn utilization_windows() {
+        let adm: Vec<(u64, u64)> = (0..300).map(|i| (i * 10 * MS, 1)).collect();
+        // 100/s admitted against 100/s: 1.0 per 1 s window; 3 whole windows.
+        let u = utilization(&adm, per_s(100), 0, 3 * S + S / 2, S);
+        assert_eq!(u, vec![1.0, 1.0, 1.0]);
+        let u = utilization(&adm, per_s(200), S, 3 * S, S);
+        assert_eq!(u, vec![0.5, 0.5]);
+        assert!(utilization(&adm, per_s(1), 0, S, 0).is_empty());
+        let per_min = Rate {
+            tokens: 60,
+            period_s: 60,
+        };
+        let u = utilization(&adm, per_min, 0, S, S);
+        assert_eq!(u, vec![100.0]);
+    }
+
+    #[test]
+    fn water_filling() {
+        let s = max_min_shares(&[1.0, 10.0, 3.0, 10.0], 12.0);
+        assert_eq!(s, vec![1.0, 4.0, 3.0, 4.0]);
+        let s = max_min_shares(&[1.0, 2.0], 10.0);
+        assert_eq!(s, vec![1.0, 2.0]);
+        let s = max_min_shares(&[5.0, 5.0, 5.0], 3.0);
+        assert_eq!(s, vec![1.0, 1.0, 1.0]);
+        assert!(max_min_shares(&[], 3.0).is_empty());
+        assert_eq!(
+            max_min_shares(&[-1.0, f64::NAN, 4.0], 2.0),
+            vec![0.0, 0.0, 2.0]
+        );
+    }
+
+    #[test]
+    fn fairness_index() {
+        let d = [1.0, 10.0, 3.0, 10.0];
+        assert!((fairness(&[1.0, 4.0, 3.0, 4.0], &d, 12.0) - 1.0).abs() < 1e-12);
+        // Everyone at half their fair share: still even.
+        assert!((fairness(&[0.5, 2.0, 1.5, 2.0], &d, 12.0) - 1.0).abs() < 1e-12);
+        // One holder takes everything of four: 1/4.
+        let f = fairness(&[0.0, 12.0, 0.0, 0.0], &[10.0; 4], 12.0);
+        assert!((f - 0.25).abs() < 1e-12, "{f}");
+        assert_eq!(worst_fair_ratio(&[1.0, 4.0, 1.5, 4.0], &d, 12.0), 0.5);
+        assert_eq!(worst_fair_ratio(&[], &[], 1.0), 1.0);
+    }
+}

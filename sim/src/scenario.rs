@@ -1,0 +1,916 @@
+//! Scenario files: what one simulation run (or one run per variant) sets
+//! up — topology, lease timings, rules, workloads, network and faults.
+//!
+//! A scenario is YAML (unknown fields are errors). [`Scenario::load`]
+//! parses and validates it and returns every problem, each naming the file
+//! and the field. Times in the file are seconds (`*_s`) or milliseconds
+//! (`*_ms`); the event loop works in nanoseconds and gets them from the
+//! conversion methods here ([`Scenario::cuts`], [`Scenario::crashes`]).
+//!
+//! Agents are numbered `0..total_agents()` across regions: with `R`
+//! regions of `A` agents each, agent `i` belongs to region `i / A`.
+
+use crate::net::{Cut, CutKind, NetConfig, Node};
+use crate::rng::SimRng;
+use crate::workload::WorkloadSpec;
+use quotalease_allocator::rules::{FailPolicy, RuleSet};
+use serde::Deserialize;
+use std::path::Path;
+
+fn d_warmup() -> f64 {
+    5.0
+}
+fn d_2000() -> u64 {
+    2000
+}
+fn d_renew() -> u64 {
+    50
+}
+fn d_low_water() -> u64 {
+    100
+}
+fn d_fetch_timeout() -> u64 {
+    250
+}
+
+/// One simulation scenario.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Short name (report title).
+    pub name: String,
+    /// What it shows (a markdown paragraph for the report).
+    #[serde(default)]
+    pub description: String,
+    /// Simulated length of a run (s, > 0).
+    pub duration_s: f64,
+    /// Start of the measured part (s, default 5): quality figures ignore
+    /// what happens before.
+    #[serde(default = "d_warmup")]
+    pub warmup_s: f64,
+    /// Regional allocators; 0 = agents talk to the global allocator.
+    #[serde(default)]
+    pub regions: u16,
+    /// Agents per region (with `regions > 0`).
+    #[serde(default)]
+    pub agents_per_region: u32,
+    /// Agents (with `regions: 0`).
+    #[serde(default)]
+    pub agents: u32,
+    /// The allocators' `TTL_max` (ms, default 2000).
+    #[serde(default = "d_2000")]
+    pub ttl_max_ms: u64,
+    /// Lease TTL granted (ms, default 2000, at most `ttl_max_ms`).
+    #[serde(default = "d_2000")]
+    pub lease_ttl_ms: u64,
+    /// Agents' background renewal interval (ms, default 50).
+    #[serde(default = "d_renew")]
+    pub renew_interval_ms: u64,
+    /// Renew when a lease has less than this left (ms, default 100).
+    #[serde(default = "d_low_water")]
+    pub low_water_ms: u64,
+    /// An agent gives up waiting for a grant after this long (ms, default 250).
+    #[serde(default = "d_fetch_timeout")]
+    pub fetch_timeout_ms: u64,
+    /// The rules, as a rules YAML document (SPEC §4).
+    pub rules: String,
+    /// The parsed rules (filled by [`Scenario::load`] / [`Scenario::parse`];
+    /// scaled by [`Scenario::scaled`]): what the event loop enforces. Use
+    /// [`Scenario::rules_for`] for a variant.
+    #[serde(skip)]
+    pub rule_set: RuleSet,
+    /// Sources of checks.
+    pub workloads: Vec<WorkloadSpec>,
+    /// Links.
+    #[serde(default)]
+    pub net: NetConfig,
+    /// Injected faults.
+    #[serde(default)]
+    pub faults: Faults,
+    /// Empty: one run. Otherwise one run per variant.
+    #[serde(default)]
+    pub variants: Vec<Variant>,
+    /// Factor for the test suite's reduced-scale runs (see
+    /// [`Scenario::scaled`]); `None` = the suite runs it at full scale.
+    #[serde(default)]
+    pub scale: Option<f64>,
+}
+
+/// Faults injected into a run.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Faults {
+    /// Network cuts.
+    #[serde(default)]
+    pub cuts: Vec<CutSpec>,
+    /// Process crashes.
+    #[serde(default)]
+    pub crashes: Vec<CrashSpec>,
+    /// Each node's clock runs at a rate drawn uniformly in `[-x, +x]` ppm
+    /// (at most 1000, the protocol's `rho`).
+    #[serde(default)]
+    pub clock_drift_ppm: f64,
+}
+
+/// A one-way cut, by node names (`global`, `region/N`, `agent/N`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OneWaySpec {
+    /// Sender.
+    pub from: String,
+    /// Receiver.
+    pub to: String,
+}
+
+/// A cut: exactly one of `region`, `agent`, `one_way`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CutSpec {
+    /// Start (s).
+    pub at_s: f64,
+    /// Length (s, > 0).
+    pub for_s: f64,
+    /// Cut this region's allocator from the global one (both directions).
+    #[serde(default)]
+    pub region: Option<u16>,
+    /// Cut this agent from its allocator (both directions).
+    #[serde(default)]
+    pub agent: Option<u32>,
+    /// Drop only the messages from one node to another.
+    #[serde(default)]
+    pub one_way: Option<OneWaySpec>,
+}
+
+/// A crash of one node (it loses all memory), optionally restarted.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CrashSpec {
+    /// When (s).
+    pub at_s: f64,
+    /// `global`, `region/N` or `agent/N`.
+    pub node: String,
+    /// Restart this long after the crash (s); `None`: stays down.
+    #[serde(default)]
+    pub restart_after_s: Option<f64>,
+}
+
+/// A crash in simulated time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Crash {
+    /// When (ns).
+    pub at_ns: u64,
+    /// Which node.
+    pub node: Node,
+    /// When it starts again (ns), if it does.
+    pub restart_ns: Option<u64>,
+}
+
+/// One run of a scenario with every rule's fail policy overridden.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    /// Name (report section).
+    pub name: String,
+    /// `open`, `closed` or `lease_only`; `None` keeps the rules' own.
+    #[serde(default)]
+    pub fail_policy: Option<String>,
+}
+
+impl Variant {
+    /// The parsed fail policy override.
+    pub fn policy(&self) -> Result<Option<FailPolicy>, String> {
+        self.fail_policy.as_deref().map(parse_policy).transpose()
+    }
+}
+
+fn parse_policy(s: &str) -> Result<FailPolicy, String> {
+    [FailPolicy::Open, FailPolicy::Closed, FailPolicy::LeaseOnly]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+        .ok_or_else(|| format!("must be open, closed or lease_only, got {s:?}"))
+}
+
+fn secs_to_ns(s: f64) -> u64 {
+    // Validated finite and >= 0; the cast saturates anyway.
+    (s * 1e9).round() as u64
+}
+
+impl Scenario {
+    /// Reads, parses and validates a scenario file. The error lists every
+    /// problem found, one per line, each `FILE: FIELD: REASON`.
+    pub fn load(path: &Path) -> Result<Scenario, String> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{file}: {e}"))?;
+        Scenario::parse(&text, &file)
+    }
+
+    /// Parses and validates scenario text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Scenario, String> {
+        let mut sc: Scenario =
+            serde_yaml::from_str(text).map_err(|e| format!("{file}: {}", yaml_error(text, &e)))?;
+        let mut errors = Vec::new();
+        match RuleSet::parse(&sc.rules, &format!("{file}: rules"), 1) {
+            Ok(rs) => sc.rule_set = rs,
+            Err(errs) => errors.extend(errs.iter().map(|e| e.to_string())),
+        }
+        for (field, reason) in sc.check() {
+            errors.push(format!("{file}: {field}: {reason}"));
+        }
+        if errors.is_empty() {
+            Ok(sc)
+        } else {
+            Err(errors.join("\n"))
+        }
+    }
+
+    /// Every agent of the deployment.
+    pub fn total_agents(&self) -> u32 {
+        if self.regions == 0 {
+            self.agents
+        } else {
+            u32::from(self.regions).saturating_mul(self.agents_per_region)
+        }
+    }
+
+    /// The region of agent `agent` (`None` without regions).
+    pub fn region_of(&self, agent: u32) -> Option<u16> {
+        if self.regions == 0 || self.agents_per_region == 0 {
+            None
+        } else {
+            u16::try_from(agent / self.agents_per_region).ok()
+        }
+    }
+
+    /// The allocator agent `agent` talks to.
+    pub fn parent_of(&self, agent: u32) -> Node {
+        self.region_of(agent).map_or(Node::Global, Node::Regional)
+    }
+
+    /// Run length in ns.
+    pub fn duration_ns(&self) -> u64 {
+        secs_to_ns(self.duration_s)
+    }
+
+    /// Warm-up length in ns.
+    pub fn warmup_ns(&self) -> u64 {
+        secs_to_ns(self.warmup_s)
+    }
+
+    /// Whether `node` exists in this deployment.
+    pub fn has_node(&self, node: Node) -> bool {
+        match node {
+            Node::Global => true,
+            Node::Regional(r) => r < self.regions,
+            Node::Agent(a) => a < self.total_agents(),
+        }
+    }
+
+    /// The clock rate error of `node` in ppm, uniform in
+    /// `[-clock_drift_ppm, +clock_drift_ppm]`, drawn from its own stream of
+    /// `rng` (so it does not depend on the order nodes are asked for, nor
+    /// on how many there are). A node's clock then reads
+    /// `t * (1 + ppm * 1e-6)` after `t` of true time. 0 without drift.
+    pub fn drift_ppm(&self, node: Node, rng: &SimRng) -> f64 {
+        let x = self.faults.clock_drift_ppm;
+        if x <= 0.0 || !x.is_finite() {
+            return 0.0;
+        }
+        let stream = match node {
+            Node::Global => 0,
+            Node::Regional(r) => (1 << 32) | u64::from(r),
+            Node::Agent(a) => (2 << 32) | u64::from(a),
+        };
+        let u = rng.fork(stream).unit_f64();
+        (2.0 * u - 1.0) * x
+    }
+
+    /// One regional round trip, the shift of [`crate::quality::false_rejects`]:
+    /// twice the median latency between a regional allocator and the global
+    /// one (between an agent and the global allocator without regions).
+    pub fn regional_round_trip_ns(&self) -> u64 {
+        let link = if self.regions == 0 {
+            &self.net.agent_parent
+        } else {
+            &self.net.regional_global
+        };
+        (2.0 * link.median_ms * 1e6).round() as u64
+    }
+
+    /// The rules with every rule's fail policy replaced by the variant's
+    /// (if it sets one). Shadow, rates and bursts are kept.
+    pub fn rules_for(&self, variant: Option<&Variant>) -> RuleSet {
+        let mut rs = self.rule_set.clone();
+        if let Some(Ok(Some(policy))) = variant.map(Variant::policy) {
+            for r in &mut rs.rules {
+                r.fail_policy = policy;
+            }
+        }
+        rs
+    }
+
+    /// The variants to run: the declared ones, or a single unnamed one
+    /// (`name` empty, no override) when none is declared.
+    pub fn runs(&self) -> Vec<Variant> {
+        if self.variants.is_empty() {
+            vec![Variant {
+                name: String::new(),
+                fail_policy: None,
+            }]
+        } else {
+            self.variants.clone()
+        }
+    }
+
+    /// The cuts as the network applies them. Call on a validated scenario
+    /// (invalid node names are skipped).
+    pub fn cuts(&self) -> Vec<Cut> {
+        self.faults
+            .cuts
+            .iter()
+            .filter_map(|c| {
+                let kind = if let Some(r) = c.region {
+                    CutKind::RegionFromGlobal(r)
+                } else if let Some(a) = c.agent {
+                    CutKind::AgentFromParent(a)
+                } else {
+                    let ow = c.one_way.as_ref()?;
+                    CutKind::OneWay {
+                        from: Node::parse(&ow.from).ok()?,
+                        to: Node::parse(&ow.to).ok()?,
+                    }
+                };
+                let from_ns = secs_to_ns(c.at_s);
+                Some(Cut {
+                    from_ns,
+                    until_ns: from_ns.saturating_add(secs_to_ns(c.for_s)),
+                    kind,
+                })
+            })
+            .collect()
+    }
+
+    /// The crashes in simulated time, in file order. Call on a validated
+    /// scenario (invalid node names are skipped).
+    pub fn crashes(&self) -> Vec<Crash> {
+        self.faults
+            .crashes
+            .iter()
+            .filter_map(|c| {
+                let at_ns = secs_to_ns(c.at_s);
+                Some(Crash {
+                    at_ns,
+                    node: Node::parse(&c.node).ok()?,
+                    restart_ns: c
+                        .restart_after_s
+                        .map(|r| at_ns.saturating_add(secs_to_ns(r))),
+                })
+            })
+            .collect()
+    }
+
+    /// A reduced-scale copy for quick test runs: agents per region (or
+    /// agents) times `f`, at least 2 per region; workload rates and Zipf
+    /// tenant counts times `f`; every rule's rate and burst times `f` (at
+    /// least 1 token per period, burst at least the largest workload cost),
+    /// so each key keeps its ratio of demand to rate. Regions, durations,
+    /// timings, network and faults are kept; cuts and crashes naming agents
+    /// are mapped onto the smaller numbering (agent `i` becomes
+    /// `i * new / old`), and workload agent ranges likewise. `f` is clamped
+    /// to `(0, 1]`; `rules` keeps the original text, `rule_set` holds the
+    /// scaled rules.
+    pub fn scaled(&self, f: f64) -> Scenario {
+        let f = if f.is_finite() && f > 0.0 {
+            f.min(1.0)
+        } else {
+            1.0
+        };
+        let mut sc = self.clone();
+        let old_agents = self.total_agents();
+        let shrink = |n: u32| ((f64::from(n) * f).round() as u32).max(2).min(n.max(2));
+        if sc.regions == 0 {
+            sc.agents = shrink(sc.agents);
+        } else {
+            sc.agents_per_region = shrink(sc.agents_per_region);
+        }
+        let new_agents = sc.total_agents();
+        let map_agent = |a: u32| -> u32 {
+            if old_agents == 0 {
+                return a;
+            }
+            let y = u64::from(a) * u64::from(new_agents) / u64::from(old_agents);
+            (y as u32).min(new_agents.saturating_sub(1))
+        };
+        let map_node = |s: &str| -> String {
+            match Node::parse(s) {
+                Ok(Node::Agent(a)) => Node::Agent(map_agent(a)).to_string(),
+                _ => s.to_string(),
+            }
+        };
+        sc.workloads = self
+            .workloads
+            .iter()
+            .map(|w| w.scaled(f, old_agents, new_agents))
+            .collect();
+        let max_cost = sc
+            .workloads
+            .iter()
+            .map(|w| u64::from(w.cost()))
+            .max()
+            .unwrap_or(1);
+        for r in &mut sc.rule_set.rules {
+            r.rate.tokens = ((r.rate.tokens as f64 * f).round() as u64).max(1);
+            r.burst = ((r.burst as f64 * f).round() as u64).max(max_cost).max(1);
+        }
+        for c in &mut sc.faults.cuts {
+            c.agent = c.agent.map(map_agent);
+            if let Some(ow) = &mut c.one_way {
+                ow.from = map_node(&ow.from);
+                ow.to = map_node(&ow.to);
+            }
+        }
+        for c in &mut sc.faults.crashes {
+            c.node = map_node(&c.node);
+        }
+        // Mapping can make two crashes of different agents hit the same
+        // one; keep the first of each node.
+        let mut seen = Vec::new();
+        sc.faults.crashes.retain(|c| {
+            if seen.contains(&c.node) {
+                false
+            } else {
+                seen.push(c.node.clone());
+                true
+            }
+        });
+        sc.scale = None;
+        sc
+    }
+
+    /// Every validation problem as `(field, reason)`, in file order.
+    fn check(&self) -> Vec<(String, String)> {
+        let mut e: Vec<(String, String)> = Vec::new();
+        let mut err = |field: &str, reason: String| e.push((field.to_string(), reason));
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        let nonneg = |v: f64| v.is_finite() && v >= 0.0;
+        if self.name.trim().is_empty() {
+            err("name", "must not be empty".into());
+        }
+        if !pos(self.duration_s) {
+            err(
+                "duration_s",
+                format!("must be > 0, got {}", self.duration_s),
+            );
+        }
+        if !nonneg(self.warmup_s) || (pos(self.duration_s) && self.warmup_s >= self.duration_s) {
+            err(
+                "warmup_s",
+                format!(
+                    "must be >= 0 and below duration_s ({}), got {}",
+                    self.duration_s, self.warmup_s
+                ),
+            );
+        }
+        if self.regions == 0 {
+            if self.agents == 0 {
+                err("agents", "must be at least 1 when regions is 0".into());
+            }
+            if self.agents_per_region != 0 {
+                err(
+                    "agents_per_region",
+                    "only with regions > 0 (use agents with regions: 0)".into(),
+                );
+            }
+        } else {
+            if self.agents_per_region == 0 {
+                err(
+                    "agents_per_region",
+                    "must be at least 1 when regions > 0".into(),
+                );
+            }
+            if self.agents != 0 {
+                err(
+                    "agents",
+                    "only with regions: 0 (use agents_per_region with regions)".into(),
+                );
+            }
+        }
+        for (name, v) in [
+            ("ttl_max_ms", self.ttl_max_ms),
+            ("lease_ttl_ms", self.lease_ttl_ms),
+            ("renew_interval_ms", self.renew_interval_ms),
+            ("fetch_timeout_ms", self.fetch_timeout_ms),
+        ] {
+            if v == 0 {
+                err(name, "must be > 0".into());
+            }
+        }
+        if self.lease_ttl_ms > self.ttl_max_ms {
+            err(
+                "lease_ttl_ms",
+                format!(
+                    "must be at most ttl_max_ms ({}), got {}",
+                    self.ttl_max_ms, self.lease_ttl_ms
+                ),
+            );
+        }
+        if self.low_water_ms >= self.lease_ttl_ms {
+            err(
+                "low_water_ms",
+                format!(
+                    "must be below lease_ttl_ms ({}), got {}",
+                    self.lease_ttl_ms, self.low_water_ms
+                ),
+            );
+        }
+        if self.workloads.is_empty() {
+            err("workloads", "must list at least one workload".into());
+        }
+        let agents = self.total_agents();
+        for (i, w) in self.workloads.iter().enumerate() {
+            if let Err(reason) = w.validate(agents) {
+                err(&format!("workloads[{i}].{reason}"), String::new());
+            }
+        }
+        if self.workloads.len() > usize::from(u16::MAX) {
+            err("workloads", format!("at most {} workloads", u16::MAX));
+        }
+        for (name, link) in [
+            ("net.agent_parent", &self.net.agent_parent),
+            ("net.regional_global", &self.net.regional_global),
+        ] {
+            if let Err(reason) = link.validate() {
+                err(&format!("{name}.{reason}"), String::new());
+            }
+        }
+        let d = &self.faults.clock_drift_ppm;
+        if !nonneg(*d) || *d > 1000.0 {
+            err(
+                "faults.clock_drift_ppm",
+                format!("must be from 0 to 1000 (the protocol's rho), got {d}"),
+            );
+        }
+        let node_ok = |s: &str| -> Result<Node, String> {
+            let n = Node::parse(s)?;
+            if self.has_node(n) {
+                Ok(n)
+            } else {
+                Err(format!(
+                    "{s:?} does not exist ({} regions, {} agents)",
+                    self.regions, agents
+                ))
+            }
+        };
+        for (i, c) in self.faults.cuts.iter().enumerate() {
+            let at = format!("faults.cuts[{i}]");
+            if !nonneg(c.at_s) {
+                err(
+                    &format!("{at}.at_s"),
+                    format!("must be >= 0, got {}", c.at_s),
+                );
+            }
+            if !pos(c.for_s) {
+                err(
+                    &format!("{at}.for_s"),
+                    format!("must be > 0, got {}", c.for_s),
+                );
+            } else if nonneg(c.at_s) && pos(self.duration_s) && c.at_s + c.for_s > self.duration_s {
+                err(
+                    &format!("{at}.for_s"),
+                    format!(
+                        "the cut ends at {} s, after the run (duration_s {})",
+                        c.at_s + c.for_s,
+                        self.duration_s
+                    ),
+                );
+            }
+            let set = [c.region.is_some(), c.agent.is_some(), c.one_way.is_some()];
+            if set.iter().filter(|&&s| s).count() != 1 {
+                err(&at, "set exactly one of region, agent and one_way".into());
+            }
+            if let Some(r) = c.region {
+                if r >= self.regions {
+                    err(
+                        &format!("{at}.region"),
+                        format!("region {r} does not exist ({} regions)", self.regions),
+                    );
+                }
+            }
+            if let Some(a) = c.agent {
+                if a >= agents {
+                    err(
+                        &format!("{at}.agent"),
+                        format!("agent {a} does not exist ({agents} agents)"),
+                    );
+                }
+            }
+            if let Some(ow) = &c.one_way {
+                let from = node_ok(&ow.from);
+                let to = node_ok(&ow.to);
+                if let Err(r) = &from {
+                    err(&format!("{at}.one_way.from"), r.clone());
+                }
+                if let Err(r) = &to {
+                    err(&format!("{at}.one_way.to"), r.clone());
+                }
+                if let (Ok(f), Ok(t)) = (from, to) {
+                    if f == t {
+                        err(
+                            &format!("{at}.one_way"),
+                            "from and to are the same node".into(),
+                        );
+                    }
+                }
+            }
+        }
+        for (i, c) in self.faults.crashes.iter().enumerate() {
+            let at = format!("faults.crashes[{i}]");
+            if !nonneg(c.at_s) || (pos(self.duration_s) && c.at_s >= self.duration_s) {
+                err(
+                    &format!("{at}.at_s"),
+                    format!(
+                        "must be >= 0 and within the run (duration_s {}), got {}",
+                        self.duration_s, c.at_s
+                    ),
+                );
+            }
+            if let Err(r) = node_ok(&c.node) {
+                err(&format!("{at}.node"), r);
+            }
+            if let Some(r) = c.restart_after_s {
+                if !pos(r) {
+                    err(
+                        &format!("{at}.restart_after_s"),
+                        format!("must be > 0, got {r}"),
+                    );
+                }
+            }
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for (i, v) in self.variants.iter().enumerate() {
+            let at = format!("variants[{i}]");
+            if v.name.trim().is_empty() {
+                err(&format!("{at}.name"), "must not be empty".into());
+            } else if names.contains(&v.name.as_str()) {
+                err(&format!("{at}.name"), format!("{:?} is used twice", v.name));
+            } else if !v
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
+                err(
+                    &format!("{at}.name"),
+                    format!(
+                        "{:?}: use letters, digits, - and _ (it names a directory)",
+                        v.name
+                    ),
+                );
+            }
+            names.push(&v.name);
+            if let Err(r) = v.policy() {
+                err(&format!("{at}.fail_policy"), r);
+            }
+        }
+        if let Some(s) = self.scale {
+            if !(pos(s) && s <= 1.0) {
+                err("scale", format!("must be in (0, 1], got {s}"));
+            }
+        }
+        // `field.reason` pairs from nested validators come as one string.
+        e.into_iter()
+            .map(|(f, r)| {
+                if r.is_empty() {
+                    match f.split_once(": ") {
+                        Some((field, reason)) => (field.to_string(), reason.to_string()),
+                        None => (f, r),
+                    }
+                } else {
+                    (f, r)
+                }
+            })
+            .collect()
+    }
+}
+
+/// A serde_yaml error with its location. serde_yaml names the field path
+/// (`faults.cuts[0]: unknown field ...`) except inside the internally
+/// tagged workload entries, where it says only `workloads`: find the entry
+/// at fault and name its index.
+fn yaml_error(text: &str, e: &serde_yaml::Error) -> String {
+    let msg = e.to_string();
+    if !msg.starts_with("workloads:") {
+        return msg;
+    }
+    let Ok(root) = serde_yaml::from_str::<serde_yaml::Value>(text) else {
+        return msg;
+    };
+    let Some(list) = root.get("workloads").and_then(|w| w.as_sequence()) else {
+        return msg;
+    };
+    for (i, w) in list.iter().enumerate() {
+        if let Err(inner) = serde_yaml::from_value::<WorkloadSpec>(w.clone()) {
+            let at = e
+                .location()
+                .map(|l| format!(" at line {} column {}", l.line(), l.column()))
+                .unwrap_or_default();
+            return format!("workloads[{i}]: {inner}{at}");
+        }
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name: t
+duration_s: 30
+regions: 2
+agents_per_region: 10
+rules: |
+  rules:
+    - id: hot
+      match: { tenant: t0, route: /api }
+      rate: 1000/s
+      burst: 200
+      fail_policy: closed
+    - id: per-tenant
+      match: { tenant: "*", route: /api }
+      rate: 100/s
+      burst: 50
+workloads:
+  - { kind: hot, tenant: 0, rps: 3000, agents: [0, 19] }
+  - { kind: zipf, tenants: 1000, s: 1.0, rps: 5000 }
+net:
+  regional_global: { median_ms: 20, p99_ms: 60, loss: 0.01 }
+faults:
+  cuts:
+    - { at_s: 10, for_s: 5, region: 1 }
+    - { at_s: 1, for_s: 2, agent: 19 }
+    - { at_s: 2, for_s: 1, one_way: { from: global, to: region/0 } }
+  crashes:
+    - { at_s: 12, node: agent/15, restart_after_s: 3 }
+    - { at_s: 20, node: global }
+  clock_drift_ppm: 500
+variants:
+  - { name: open, fail_policy: open }
+  - { name: closed, fail_policy: closed }
+scale: 0.1
+"#;
+
+    #[test]
+    fn parses_a_good_file() {
+        let sc = Scenario::parse(GOOD, "good.yaml").unwrap();
+        assert_eq!(sc.total_agents(), 20);
+        assert_eq!(sc.warmup_s, 5.0);
+        assert_eq!(sc.lease_ttl_ms, 2000);
+        assert_eq!(sc.renew_interval_ms, 50);
+        assert_eq!(sc.rule_set.rules.len(), 2);
+        assert_eq!(sc.region_of(15), Some(1));
+        assert_eq!(sc.parent_of(3), Node::Regional(0));
+        assert_eq!(sc.net.agent_parent.median_ms, 1.0);
+        assert_eq!(sc.net.regional_global.median_ms, 20.0);
+        let cuts = sc.cuts();
+        assert_eq!(cuts.len(), 3);
+        assert_eq!(
+            cuts[0],
+            Cut {
+                from_ns: 10_000_000_000,
+                until_ns: 15_000_000_000,
+                kind: CutKind::RegionFromGlobal(1)
+            }
+        );
+        assert_eq!(cuts[1].kind, CutKind::AgentFromParent(19));
+        assert_eq!(
+            cuts[2].kind,
+            CutKind::OneWay {
+                from: Node::Global,
+                to: Node::Regional(0)
+            }
+        );
+        let crashes = sc.crashes();
+        assert_eq!(
+            crashes[0],
+            Crash {
+                at_ns: 12_000_000_000,
+                node: Node::Agent(15),
+                restart_ns: Some(15_000_000_000)
+            }
+        );
+        assert_eq!(crashes[1].restart_ns, None);
+        let v = &sc.variants[0];
+        let rs = sc.rules_for(Some(v));
+        assert!(rs.rules.iter().all(|r| r.fail_policy == FailPolicy::Open));
+        assert_eq!(sc.rules_for(None).rules[0].fail_policy, FailPolicy::Closed);
+        assert_eq!(sc.runs().len(), 2);
+        assert_eq!(sc.regional_round_trip_ns(), 40_000_000);
+        let rng = SimRng::new(3);
+        let d: Vec<f64> = (0..200)
+            .map(|a| sc.drift_ppm(Node::Agent(a), &rng))
+            .collect();
+        assert!(d.iter().all(|x| x.abs() <= 500.0));
+        assert!(d.iter().any(|&x| x > 250.0) && d.iter().any(|&x| x < -250.0));
+        assert_eq!(sc.drift_ppm(Node::Agent(7), &rng), d[7]);
+        assert_ne!(
+            sc.drift_ppm(Node::Global, &rng),
+            sc.drift_ppm(Node::Regional(0), &rng)
+        );
+    }
+
+    #[test]
+    fn scaled_keeps_regions_and_ratios() {
+        let sc = Scenario::parse(GOOD, "good.yaml").unwrap();
+        let s = sc.scaled(0.1);
+        assert_eq!(s.regions, 2);
+        assert_eq!(s.agents_per_region, 2);
+        assert_eq!(s.total_agents(), 4);
+        assert_eq!(s.rule_set.rules[0].rate.tokens, 100);
+        assert_eq!(s.rule_set.rules[0].burst, 20);
+        match &s.workloads[0] {
+            WorkloadSpec::Hot { rps, agents, .. } => {
+                assert!((rps - 300.0).abs() < 1e-9);
+                assert_eq!(*agents, Some((0, 3)));
+            }
+            w => panic!("{w:?}"),
+        }
+        match &s.workloads[1] {
+            WorkloadSpec::Zipf { tenants, .. } => assert_eq!(*tenants, 100),
+            w => panic!("{w:?}"),
+        }
+        assert_eq!(s.faults.cuts[1].agent, Some(3));
+        assert_eq!(s.faults.crashes[0].node, "agent/3");
+        for w in &s.workloads {
+            w.validate(s.total_agents()).unwrap();
+        }
+        assert!(s.check().is_empty(), "{:?}", s.check());
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let bad = GOOD
+            .replace("duration_s: 30", "duration_s: 0")
+            .replace("clock_drift_ppm: 500", "clock_drift_ppm: 5000")
+            .replace("node: agent/15", "node: agent/99")
+            .replace("fail_policy: closed }", "fail_policy: shut }")
+            .replace("rate: 100/s", "rate: 100/y")
+            .replace("s: 1.0, rps: 5000", "s: -1.0, rps: 5000");
+        let e = Scenario::parse(&bad, "bad.yaml").unwrap_err();
+        for want in [
+            "bad.yaml: duration_s: must be > 0",
+            "bad.yaml: faults.clock_drift_ppm:",
+            "bad.yaml: faults.crashes[0].node: \"agent/99\" does not exist",
+            "bad.yaml: variants[1].fail_policy: must be open, closed or lease_only",
+            "bad.yaml: rules: rule per-tenant: field rate:",
+            "bad.yaml: workloads[1].s: must be",
+        ] {
+            assert!(e.contains(want), "missing {want:?} in:\n{e}");
+        }
+        let e = Scenario::parse(&GOOD.replace("regions: 2", "regionz: 2"), "x.yaml").unwrap_err();
+        assert!(e.starts_with("x.yaml: ") && e.contains("regionz"), "{e}");
+        let e = Scenario::parse(
+            &GOOD.replace("{ kind: hot, tenant: 0,", "{ kind: hot, tenant: 0, rsp: 1,"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.contains("workloads[0]") && e.contains("rsp"), "{e}");
+        let e = Scenario::parse(
+            &GOOD.replace(
+                "{ at_s: 10, for_s: 5, region: 1 }",
+                "{ at_s: 28, for_s: 5, region: 2 }",
+            ),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("x.yaml: faults.cuts[0].for_s: the cut ends at 33 s"),
+            "{e}"
+        );
+        assert!(
+            e.contains("x.yaml: faults.cuts[0].region: region 2 does not exist"),
+            "{e}"
+        );
+        let e = Scenario::load(Path::new("/nonexistent/s.yaml")).unwrap_err();
+        assert!(e.starts_with("/nonexistent/s.yaml: "), "{e}");
+    }
+
+    #[test]
+    fn shipped_scenarios_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        files.retain(|p| p.extension().is_some_and(|x| x == "yaml"));
+        files.sort();
+        assert!(files.len() >= 7, "scenarios missing in {}", dir.display());
+        for f in &files {
+            let sc = Scenario::load(f).unwrap_or_else(|e| panic!("{e}"));
+            let small = sc.scaled(sc.scale.unwrap_or(0.1));
+            assert!(
+                small.check().is_empty(),
+                "{}: {:?}",
+                f.display(),
+                small.check()
+            );
+        }
+    }
+}

@@ -12,3 +12,4 @@ pub mod ledger;
 pub mod regional;
 pub mod rules;
 pub mod server;
+pub mod upstream;

@@ -23,7 +23,8 @@ struct Cli {
 enum Command {
     /// Run an allocator, six agents and a synthetic load in one process.
     Demo(DemoArgs),
-    /// Run the global allocator.
+    /// Run an allocator: the global one, or with --parent and --region a
+    /// regional one that sub-leases its parent's leases to its region.
     Allocator(AllocatorArgs),
     /// Run the agent sidecar.
     Agent(AgentArgs),
@@ -95,9 +96,11 @@ pub struct AllocatorArgs {
     /// addresses are printed on stdout).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
-    /// YAML rules file, re-read on change.
+    /// YAML rules file, re-read on change. Required for the global
+    /// allocator; for a regional one (--parent) optional bootstrap rules
+    /// until the parent's arrive (without them it refuses children until then).
     #[arg(long)]
-    rules: PathBuf,
+    rules: Option<PathBuf>,
     /// HTTP address for /metrics, /healthz, /readyz and /v1/keys.
     #[arg(long, default_value = "127.0.0.1:7071")]
     http: SocketAddr,
@@ -111,6 +114,30 @@ pub struct AllocatorArgs {
     /// TTL_max has passed. Without it every start is treated as a restart.
     #[arg(long = "state-dir")]
     state_dir: Option<PathBuf>,
+    /// Parent allocator URL (http://HOST:PORT): makes this a regional
+    /// allocator. Needs --region.
+    #[arg(long)]
+    parent: Option<String>,
+    /// Region name; the regional talks to its parent as `region/NAME`.
+    /// Needs --parent.
+    #[arg(long)]
+    region: Option<String>,
+    /// Regional: lease TTL asked of the parent.
+    #[arg(long = "upstream-ttl", default_value = "2s", value_parser = parse_duration)]
+    upstream_ttl: Duration,
+    /// Regional: upstream planner tick (and the least gap between
+    /// upstream messages that are not urgent).
+    #[arg(long = "upstream-renew-interval", default_value = "50ms", value_parser = parse_duration)]
+    upstream_renew_interval: Duration,
+    /// Regional: ask the parent when a pool covers less than this much of
+    /// its children's consumption, and renew a parent lease this long
+    /// before its deadline.
+    #[arg(long = "upstream-low-water", default_value = "500ms", value_parser = parse_duration)]
+    upstream_low_water: Duration,
+    /// Regional: bound of one call to the parent; a parent that has not
+    /// answered for this long is reported unreachable.
+    #[arg(long = "upstream-timeout", default_value = "500ms", value_parser = parse_duration)]
+    upstream_timeout: Duration,
 }
 
 #[derive(Args, Debug)]

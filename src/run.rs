@@ -11,8 +11,10 @@ use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::service::{self, CheckService};
 use quotalease_agent::transport::GrpcTransport;
 use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::regional::RegionalConfig;
 use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
+use quotalease_allocator::upstream;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
@@ -78,8 +80,27 @@ fn first_start(dir: &Path) -> anyhow::Result<bool> {
 
 /// `quotalease allocator`.
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
+    match (&args.parent, &args.region) {
+        (Some(_), Some(_)) => return regional(args).await,
+        (Some(_), None) => {
+            return Err(anyhow!(
+                "--parent needs --region NAME: a regional allocator is named by its region"
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(anyhow!(
+                "--region needs --parent URL: only a regional allocator has a region"
+            ))
+        }
+        (None, None) => {}
+    }
+    let Some(rules_path) = args.rules.clone() else {
+        return Err(anyhow!(
+            "--rules FILE is required for the global allocator (a regional one, with --parent, may take its rules from the parent)"
+        ));
+    };
     let version = alloc_server::unix_ms();
-    let rules = load_rules(&args.rules, version)?;
+    let rules = load_rules(&rules_path, version)?;
     let no_predecessor = match &args.state_dir {
         Some(dir) => first_start(dir)?,
         None => false,
@@ -92,7 +113,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         no_predecessor,
         ..CoreConfig::default()
     };
-    let shared = Shared::new(cfg, rules, Some(args.rules.clone()));
+    let shared = Shared::new(cfg, rules, Some(rules_path));
     let grpc = bind("--listen", args.listen).await?;
     let http = bind("--http", args.http).await?;
     println!(
@@ -129,6 +150,88 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     tracing::info!("stopping");
     let _ = tx.send(true);
     hk.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
+    Ok(())
+}
+
+/// `quotalease allocator --parent URL --region NAME`: a regional allocator.
+async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
+    let parent = args.parent.clone().unwrap_or_default();
+    let region = args.region.clone().unwrap_or_default();
+    if region.is_empty() || region.len() > 200 {
+        return Err(anyhow!("--region: must be 1..=200 bytes"));
+    }
+    // Bootstrap rules carry version 0: the parent's rules replace them.
+    let bootstrap = match &args.rules {
+        Some(p) => Some(load_rules(p, 0)?),
+        None => None,
+    };
+    if args.state_dir.is_some() {
+        tracing::warn!(
+            "--state-dir is not used by a regional allocator: it needs no start-up wait"
+        );
+    }
+    let ns = |d: Duration| d.as_nanos() as u64;
+    let cfg = RegionalConfig {
+        core: CoreConfig {
+            ttl_max_ns: ns(args.ttl_max),
+            ..CoreConfig::default()
+        },
+        region: region.clone(),
+        renew_interval_ns: ns(args.upstream_renew_interval),
+        low_water_ns: ns(args.upstream_low_water),
+        fetch_timeout_ns: ns(args.upstream_timeout),
+        lease_ttl_ns: ns(args.upstream_ttl),
+        ..RegionalConfig::default()
+    };
+    let client = upstream::client(&parent, args.upstream_timeout).map_err(|e| anyhow!(e))?;
+    let shared = Shared::new_regional(cfg, bootstrap);
+    let grpc = bind("--listen", args.listen).await?;
+    let http = bind("--http", args.http).await?;
+    println!(
+        "quotalease allocator grpc={} http={}",
+        grpc.local_addr()?,
+        http.local_addr()?
+    );
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, %parent, %region, "regional allocator started");
+    let hk = tokio::spawn(alloc_server::housekeeping(
+        shared.clone(),
+        Duration::from_millis(500),
+    ));
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let up = tokio::spawn(upstream::run(
+        shared.clone(),
+        client.clone(),
+        args.upstream_timeout,
+        rx.clone(),
+    ));
+    let mut rx2 = rx.clone();
+    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
+        .with_graceful_shutdown(async move {
+            let _ = rx2.wait_for(|s| *s).await;
+        });
+    let admin = tokio::spawn(async move { admin.await });
+    let mut rx3 = rx.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(LeaseService::new(shared.clone()).into_server())
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                async move {
+                    let _ = rx3.wait_for(|s| *s).await;
+                },
+            ),
+    );
+    terminated().await;
+    tracing::info!("stopping: giving unused pools back to the parent");
+    let _ = tx.send(true);
+    hk.abort();
+    let _ = up.await;
+    upstream::shutdown(&shared, &client, args.upstream_timeout).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
     Ok(())

@@ -150,6 +150,16 @@ pub struct AllocatorCore {
     next_lease_id: u64,
     next_holder: HolderId,
     stats: Stats,
+    /// `Some` for the child-facing core of a regional allocator: ledgers
+    /// are pooled (fed by parent leases), see [`AllocatorCore::new_pooled`].
+    pooled: Option<PooledMode>,
+}
+
+/// State of a core in pooled mode (regional allocator).
+#[derive(Clone, Copy, Debug, Default)]
+struct PooledMode {
+    /// Stamped on every grant (SPEC §2 I3).
+    parent_unreachable: bool,
 }
 
 impl AllocatorCore {
@@ -182,7 +192,76 @@ impl AllocatorCore {
             next_lease_id: lease_id_base.max(1),
             next_holder: 0,
             stats: Stats::default(),
+            pooled: None,
         }
+    }
+
+    /// The child-facing core of a regional allocator: every key's ledger is
+    /// *pooled* ([`KeyLedger::new_pooled`]): it does not refill, it holds
+    /// what the regional deposits from parent leases, and its leases expire
+    /// no later than the pool's deadline. There is no start-up wait
+    /// (`cfg.no_predecessor` is ignored): everything a pooled ledger grants
+    /// is backed by a parent lease the parent still counts, so whatever a
+    /// predecessor sub-leased is covered by the predecessor's parent leases.
+    pub fn new_pooled(
+        cfg: CoreConfig,
+        rules: RuleSet,
+        epoch: u64,
+        lease_id_base: u64,
+        now_ns: u64,
+    ) -> Self {
+        let mut c = Self::new(cfg, rules, epoch, lease_id_base, now_ns);
+        c.ready_at_ns = None;
+        c.pooled = Some(PooledMode::default());
+        c
+    }
+
+    /// True for the child-facing core of a regional allocator.
+    pub fn is_pooled(&self) -> bool {
+        self.pooled.is_some()
+    }
+
+    /// Pooled mode: stamp `parent_unreachable` on grants from now on.
+    pub fn set_parent_unreachable(&mut self, unreachable: bool) {
+        if let Some(p) = self.pooled.as_mut() {
+            p.parent_unreachable = unreachable;
+        }
+    }
+
+    /// The ledger of `key`, if any (the regional allocator feeds pooled
+    /// ledgers through this).
+    pub fn ledger_mut(&mut self, key: &KeyId) -> Option<&mut KeyLedger> {
+        self.keys.get_mut(key)
+    }
+
+    /// Every key with a ledger, sorted (deterministic iteration).
+    pub fn key_ids(&self) -> Vec<KeyId> {
+        let mut v: Vec<KeyId> = self.keys.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Put `ledger` in place for `key` (a new chain of parent leases); the
+    /// key counts against its rule's `max_keys` as before.
+    pub fn replace_ledger(&mut self, key: &KeyId, ledger: KeyLedger) {
+        if self.keys.insert(key.clone(), ledger).is_none() {
+            *self.keys_per_rule.entry(key.rule.clone()).or_insert(0) += 1;
+        }
+    }
+
+    /// Forget `key` (a pooled key that holds nothing and is idle).
+    pub fn remove_key(&mut self, key: &KeyId) {
+        if self.keys.remove(key).is_some() {
+            self.stats.keys_dropped += 1;
+            if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
+                *c = c.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
     }
 
     /// The epoch stamped on every reply.
@@ -453,12 +532,26 @@ impl AllocatorCore {
                 };
             }
             *self.keys_per_rule.entry(item.rule_id.clone()).or_insert(0) += 1;
-            self.keys.insert(
-                key.clone(),
-                KeyLedger::new(rate, burst, now_ns, self.ready_at_ns),
-            );
+            let ledger = if self.pooled.is_some() {
+                KeyLedger::new_pooled(rate, burst, now_ns)
+            } else {
+                KeyLedger::new(rate, burst, now_ns, self.ready_at_ns)
+            };
+            self.keys.insert(key.clone(), ledger);
         }
         let ledger = self.keys.get_mut(&key).expect("inserted above");
+        let mut ttl_ns = ttl_ns;
+        let mut parent_unreachable = false;
+        if let (Some(mode), Some(pool)) = (self.pooled, ledger.pool()) {
+            // A sub-lease never outlives the parent lease: whole
+            // milliseconds up to the pool's deadline, and nothing new from
+            // the pool when that is too short to be of use (the ledger
+            // still records the want, which the regional passes upstream).
+            parent_unreachable = mode.parent_unreachable;
+            let left_ms = pool.deadline_ns.saturating_sub(now_ns) / 1_000_000;
+            ttl_ns = ttl_ns.min(left_ms.saturating_mul(1_000_000));
+            ledger.set_pool_min_ttl(2 * self.cfg.epsilon_ns);
+        }
         let new_id = self.next_lease_id;
         self.next_lease_id += 1;
         let g = ledger.renew(
@@ -494,7 +587,7 @@ impl AllocatorCore {
             ttl_ms: ttl_ns / 1_000_000,
             rule_version: version,
             retry_after_ms: g.retry_after_ms,
-            parent_unreachable: false,
+            parent_unreachable,
             detail: String::new(),
             holders: g.holders,
         }

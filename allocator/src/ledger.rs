@@ -24,6 +24,13 @@
 //! expired, or granted by a predecessor) carries nothing and lowers nothing:
 //! the lease it actually names, if any still exists, keeps its tokens
 //! outstanding until its own expiry.
+//!
+//! **Pooled mode** (regional allocators, see docs/protocol.md "Regional
+//! allocators"): the same ledger, but `available` does not refill at `R`.
+//! It is fed explicitly with tokens a parent lease backs
+//! ([`KeyLedger::deposit`]), drained when that backing ends
+//! ([`KeyLedger::drain_pool`]), and every lease it grants expires no later
+//! than the pool's deadline (the parent lease's deadline on this clock).
 
 use crate::bucket::{Level, TokenBucket};
 use crate::rules::Rate;
@@ -96,6 +103,18 @@ pub struct Granted {
     pub holders: u32,
 }
 
+/// Pooled-mode state of a ledger (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pool {
+    /// No lease of this ledger may expire after this instant (0: the pool
+    /// is backed by nothing, grant nothing).
+    pub deadline_ns: u64,
+    /// Retry hint for a holder the pool could not serve (ms, >= 1).
+    pub retry_ms: u64,
+    /// Grant nothing new when the lease would live shorter than this.
+    pub min_ttl_ns: u64,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Demand {
     holder: HolderId,
@@ -119,6 +138,8 @@ pub struct KeyLedger {
     last_used_ns: u64,
     /// Unspent tokens of leases that expired, not yet collected.
     expired_unused: u64,
+    /// `Some` in pooled mode: no refill, explicit deposits, capped expiries.
+    pool: Option<Pool>,
 }
 
 impl KeyLedger {
@@ -139,6 +160,7 @@ impl KeyLedger {
                 shadow: TokenBucket::new_full(rate, burst, now_ns),
                 last_used_ns: now_ns,
                 expired_unused: 0,
+                pool: None,
             };
         };
         let start = now_ns.min(ready_at_ns);
@@ -152,6 +174,7 @@ impl KeyLedger {
             shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
             last_used_ns: now_ns,
             expired_unused: 0,
+            pool: None,
         };
         if now_ns < ready_at_ns {
             l.leases.push(Lease {
@@ -167,6 +190,122 @@ impl KeyLedger {
         }
         l.advance(now_ns);
         l
+    }
+
+    /// A pooled ledger (regional allocator): empty, never refills, backed by
+    /// nothing until [`KeyLedger::set_pool_deadline`] and
+    /// [`KeyLedger::deposit`]. `burst` caps `available + outstanding` as
+    /// usual (I2); `rate` only scales the fixed-point level.
+    pub fn new_pooled(rate: Rate, burst: u64, now_ns: u64) -> Self {
+        Self {
+            rate,
+            burst,
+            available: Level::new(0, rate, now_ns),
+            leases: Vec::new(),
+            outstanding: 0,
+            demand: Vec::new(),
+            shadow: TokenBucket::new_empty(rate, burst, now_ns),
+            last_used_ns: now_ns,
+            expired_unused: 0,
+            pool: Some(Pool {
+                deadline_ns: 0,
+                retry_ms: 1,
+                min_ttl_ns: 0,
+            }),
+        }
+    }
+
+    /// A new, empty pooled ledger for a new chain of parent leases that
+    /// remembers this one's demand and last use (its leases are forgotten:
+    /// a renewal naming one of them carries nothing).
+    pub fn fresh_chain(&self, now_ns: u64) -> Self {
+        let mut l = Self::new_pooled(self.rate, self.burst, now_ns);
+        l.demand = self.demand.clone();
+        l.last_used_ns = self.last_used_ns;
+        if let Some(p) = self.pool {
+            l.pool = Some(Pool {
+                deadline_ns: 0,
+                ..p
+            });
+        }
+        l
+    }
+
+    /// Pooled-mode state, `None` for a refilling ledger.
+    pub fn pool(&self) -> Option<Pool> {
+        self.pool
+    }
+
+    /// Pooled mode: no lease expires after `deadline_ns` from now on.
+    pub fn set_pool_deadline(&mut self, deadline_ns: u64) {
+        if let Some(p) = self.pool.as_mut() {
+            p.deadline_ns = deadline_ns;
+        }
+    }
+
+    /// Pooled mode: grant nothing new for leases shorter than `ns`.
+    pub fn set_pool_min_ttl(&mut self, ns: u64) {
+        if let Some(p) = self.pool.as_mut() {
+            p.min_ttl_ns = ns;
+        }
+    }
+
+    /// Pooled mode: the retry hint given when the pool cannot serve a want.
+    pub fn set_pool_retry_ms(&mut self, retry_ms: u64) {
+        if let Some(p) = self.pool.as_mut() {
+            p.retry_ms = retry_ms.max(1);
+        }
+    }
+
+    /// Pooled mode: add `n` tokens backed by a parent lease to `available`
+    /// at `now_ns`, never above `B - outstanding`. Returns the tokens
+    /// accepted (the rest is dropped: counted as destroyed by the caller).
+    /// A refilling ledger accepts nothing.
+    pub fn deposit(&mut self, now_ns: u64, n: u64) -> u64 {
+        if self.pool.is_none() {
+            return 0;
+        }
+        self.advance(now_ns);
+        let before = self.available();
+        let cap = self.burst.saturating_sub(self.outstanding);
+        self.available.give(self.rate, n, cap.max(before));
+        let taken = self.available() - before;
+        debug_assert!(self.i2_holds(), "I2 broken after deposit");
+        taken
+    }
+
+    /// Pooled mode: destroy up to `n` tokens of `available` (their backing
+    /// ended or shrank). Returns the tokens destroyed.
+    pub fn drain(&mut self, now_ns: u64, n: u64) -> u64 {
+        if self.pool.is_none() {
+            return 0;
+        }
+        self.advance(now_ns);
+        let n = n.min(self.available());
+        let took = self.available.take(self.rate, n);
+        debug_assert!(took, "n <= available");
+        n
+    }
+
+    /// Pooled mode: destroy all of `available`. Returns the tokens destroyed.
+    pub fn drain_pool(&mut self, now_ns: u64) -> u64 {
+        self.drain(now_ns, u64::MAX)
+    }
+
+    /// `available + outstanding` at `now_ns`: what a pooled ledger holds
+    /// of its parent lease.
+    pub fn holding(&mut self, now_ns: u64) -> u64 {
+        self.advance(now_ns);
+        self.available() + self.outstanding
+    }
+
+    /// What the holders that asked within `window_ns` before `now_ns` still
+    /// miss (the sum of their remembered wants).
+    pub fn unmet_demand(&self, now_ns: u64, window_ns: u64) -> u64 {
+        self.demand
+            .iter()
+            .filter(|d| d.last_ns.saturating_add(window_ns) >= now_ns)
+            .fold(0u64, |acc, d| acc.saturating_add(d.want))
     }
 
     /// Rate of the key.
@@ -230,6 +369,10 @@ impl KeyLedger {
     }
 
     fn refill_to(&mut self, at_ns: u64) {
+        if self.pool.is_some() {
+            // Pooled: tokens come only from deposits.
+            return;
+        }
         let cap = self.burst.saturating_sub(self.outstanding);
         self.available.refill(self.rate, cap, at_ns);
     }
@@ -263,14 +406,22 @@ impl KeyLedger {
         self.note_demand(req.holder, req.want, now_ns, active_window_ns);
         let avail = self.available.tokens(self.rate);
         let share = self.fair_level(avail);
-        let fresh = req.want.min(share).min(avail);
+        let mut fresh = req.want.min(share).min(avail);
+        let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
+        if let Some(p) = self.pool {
+            // A sub-lease never outlives the parent lease it is cut from.
+            expires_ns = expires_ns.min(p.deadline_ns);
+            if expires_ns <= now_ns.saturating_add(p.min_ttl_ns) {
+                fresh = 0;
+            }
+        }
         let took = self.available.take(self.rate, fresh);
         debug_assert!(took, "fresh <= available by construction");
         // What the holder still misses is its demand for the next fair share.
         self.note_demand(req.holder, req.want - fresh, now_ns, active_window_ns);
         // 3. The shadow bucket, charged independently.
         let mut shadow_violation = false;
-        if fresh > 0 {
+        if fresh > 0 && self.pool.is_none() {
             match self.shadow.try_acquire(fresh.min(self.burst), now_ns) {
                 Ok(_) => {}
                 Err(_) => shadow_violation = true,
@@ -278,7 +429,6 @@ impl KeyLedger {
         }
         // 4. The new lease.
         let tokens = carried + fresh;
-        let expires_ns = now_ns.saturating_add(req.ttl_ns);
         let lease_id = if tokens > 0 {
             self.leases.push(Lease {
                 id: req.new_id,
@@ -298,15 +448,20 @@ impl KeyLedger {
         // share (B / 2 in all), whichever is later, but never more than
         // ECONOMY_WAIT_MS beyond the first.
         let retry_after_ms = if fresh < req.want {
-            let holders = self.demand.len().max(1) as u64;
-            let useful = (self.burst / (2 * holders)).clamp(1, req.want - fresh);
-            let target = (useful * holders).min(self.burst);
-            let one = self.available.wait_ms(self.rate, avail - fresh + 1).max(1);
-            let economy = self
-                .available
-                .wait_ms(self.rate, target)
-                .min(ECONOMY_WAIT_MS);
-            one.max(economy)
+            if let Some(p) = self.pool {
+                // Pooled: the pool grows only when the parent answers.
+                p.retry_ms.max(1)
+            } else {
+                let holders = self.demand.len().max(1) as u64;
+                let useful = (self.burst / (2 * holders)).clamp(1, req.want - fresh);
+                let target = (useful * holders).min(self.burst);
+                let one = self.available.wait_ms(self.rate, avail - fresh + 1).max(1);
+                let economy = self
+                    .available
+                    .wait_ms(self.rate, target)
+                    .min(ECONOMY_WAIT_MS);
+                one.max(economy)
+            }
         } else {
             0
         };
@@ -371,6 +526,10 @@ impl KeyLedger {
     /// bucket full, so that a missing key means a full bucket.
     pub fn is_full_and_idle(&mut self, now_ns: u64) -> bool {
         self.advance(now_ns);
+        if self.pool.is_some() {
+            // Pooled ledgers are dropped by the regional allocator.
+            return false;
+        }
         self.leases.is_empty() && self.available.tokens(self.rate) >= self.burst
     }
 

@@ -1,7 +1,8 @@
 //! The allocator's tokio drivers: the gRPC `Allocator/Lease` service over an
-//! [`AllocatorCore`] behind one mutex, the rules-file watcher, the
-//! housekeeping sweep, and the HTTP admin face (`/metrics`, `/healthz`,
-//! `/readyz`, `GET /v1/keys`).
+//! [`AllocatorCore`] (global) or a [`RegionalCore`] (regional) behind one
+//! mutex, the rules-file watcher, the housekeeping sweep, and the HTTP admin
+//! face (`/metrics`, `/healthz`, `/readyz`, `GET /v1/keys`). The regional's
+//! upstream loop is in [`crate::upstream`].
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -22,6 +23,7 @@ use tonic::{Request, Response, Status};
 
 use crate::clock::BootClock;
 use crate::core::{AllocatorCore, CoreConfig, KeyId};
+use crate::regional::{RegionalConfig, RegionalCore};
 use crate::rules::RuleSet;
 
 /// Wall-clock milliseconds since the Unix epoch (only for versions and
@@ -33,17 +35,39 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-fn unix_ns() -> u64 {
+/// Wall-clock nanoseconds since the Unix epoch (incarnations, lease id
+/// bases; never for refill arithmetic).
+pub fn unix_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
 }
 
+/// The state machine a process runs: a global allocator or a regional one.
+// One per process: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+enum Node {
+    Global(AllocatorCore),
+    Regional(RegionalCore),
+}
+
+impl Node {
+    fn core(&mut self) -> &mut AllocatorCore {
+        match self {
+            Node::Global(c) => c,
+            Node::Regional(r) => r.core_mut(),
+        }
+    }
+}
+
 /// Shared state of a running allocator.
 #[derive(Debug)]
 pub struct Shared {
-    core: Mutex<AllocatorCore>,
+    core: Mutex<Node>,
+    /// Woken when a child could not be served from a pool (regional).
+    upstream_wake: tokio::sync::Notify,
     /// Path of the rules file, if rules come from a file.
     rules_path: Option<PathBuf>,
     /// Last reload error (reported on /metrics and /readyz stays ready:
@@ -57,8 +81,22 @@ impl Shared {
     pub fn new(cfg: CoreConfig, rules: RuleSet, rules_path: Option<PathBuf>) -> Arc<Self> {
         let core = AllocatorCore::new(cfg, rules, unix_ms(), unix_ns(), BootClock::now());
         Arc::new(Self {
-            core: Mutex::new(core),
+            core: Mutex::new(Node::Global(core)),
+            upstream_wake: tokio::sync::Notify::new(),
             rules_path,
+            last_reload_error: Mutex::new(None),
+            reload_failures: Default::default(),
+        })
+    }
+
+    /// A regional allocator started now, with optional bootstrap rules
+    /// (rules then come from the parent; no rules file is watched).
+    pub fn new_regional(cfg: RegionalConfig, rules: Option<RuleSet>) -> Arc<Self> {
+        let core = RegionalCore::new(cfg, rules, unix_ns(), unix_ns(), BootClock::now());
+        Arc::new(Self {
+            core: Mutex::new(Node::Regional(core)),
+            upstream_wake: tokio::sync::Notify::new(),
+            rules_path: None,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
         })
@@ -66,25 +104,52 @@ impl Shared {
 
     /// Handle one batch now.
     pub fn handle(&self, batch: &LeaseBatch) -> LeaseReply {
-        let mut core = self.core.lock();
-        core.handle(BootClock::now(), batch)
+        let mut node = self.core.lock();
+        match &mut *node {
+            Node::Global(core) => core.handle(BootClock::now(), batch),
+            Node::Regional(r) => {
+                let reply = r.handle(BootClock::now(), batch);
+                drop(node);
+                if reply.grants.iter().any(|g| g.retry_after_ms > 0) {
+                    // A pool ran dry: let the upstream loop look now.
+                    self.upstream_wake.notify_one();
+                }
+                reply
+            }
+        }
     }
 
-    /// Run `f` on the core.
+    /// Run `f` on the (child-facing) core.
     pub fn with_core<T>(&self, f: impl FnOnce(&mut AllocatorCore) -> T) -> T {
-        f(&mut self.core.lock())
+        f(self.core.lock().core())
+    }
+
+    /// Run `f` on the regional core; `None` for a global allocator.
+    pub fn with_regional<T>(&self, f: impl FnOnce(&mut RegionalCore) -> T) -> Option<T> {
+        match &mut *self.core.lock() {
+            Node::Regional(r) => Some(f(r)),
+            Node::Global(_) => None,
+        }
+    }
+
+    /// True for a regional allocator.
+    pub fn is_regional(&self) -> bool {
+        matches!(&*self.core.lock(), Node::Regional(_))
+    }
+
+    /// Resolves when a child could not be served from a pool.
+    pub async fn upstream_wanted(&self) {
+        self.upstream_wake.notified().await
     }
 
     /// Re-read the rules file if it changed; keep the last good rules on error.
     pub fn reload(&self) {
         let Some(path) = &self.rules_path else { return };
-        let version = {
-            let core = self.core.lock();
-            unix_ms().max(core.rules().version + 1)
-        };
+        let version = unix_ms().max(self.with_core(|c| c.rules().version) + 1);
         match RuleSet::load(path, version) {
             Ok(rules) => {
-                let mut core = self.core.lock();
+                let mut node = self.core.lock();
+                let core = node.core();
                 if rules.rules == core.rules().rules {
                     return;
                 }
@@ -179,6 +244,18 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
         route: q.route.unwrap_or_default(),
     };
     let now = BootClock::now();
+    let regional = shared.is_regional();
+    let chain = shared
+        .with_regional(|r| {
+            let rule = r.core().rules().get(&key.rule).cloned()?;
+            let k = KeyId {
+                tenant: rule.tenant.key_part(&key.tenant).to_string(),
+                route: rule.route.key_part(&key.route).to_string(),
+                rule: key.rule.clone(),
+            };
+            r.chain_view(&k)
+        })
+        .flatten();
     shared.with_core(|core| {
         let Some(rule) = core.rules().get(&key.rule).cloned() else {
             return (
@@ -192,7 +269,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
             route: rule.route.key_part(&key.route).to_string(),
             rule: key.rule,
         };
-        let body = match core.key_view(now, &key) {
+        let mut body = match core.key_view(now, &key) {
             Some(v) => serde_json::json!({
                 "rule": key.rule, "tenant": key.tenant, "route": key.route,
                 "known": true,
@@ -210,6 +287,20 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "rate": rule.rate.to_string(), "holders": [],
             }),
         };
+        if regional {
+            // A regional holds only what its parent leases back: an unknown
+            // key holds nothing.
+            if body["known"] == false {
+                body["available"] = 0.into();
+            }
+            body["parent_lease"] = match &chain {
+                Some(c) => serde_json::json!({
+                    "lease_id": c.parent_lease_id, "granted": c.granted,
+                    "expires_in_ms": c.deadline_ns.saturating_sub(now) / 1_000_000,
+                }),
+                None => serde_json::Value::Null,
+            };
+        }
         (StatusCode::OK, Json(body)).into_response()
     })
 }
@@ -218,6 +309,33 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> String {
     let reload_failures = shared
         .reload_failures
         .load(std::sync::atomic::Ordering::Relaxed);
+    let regional = shared
+        .with_regional(|r| {
+            let st = r.stats();
+            let mut s = String::new();
+            for (name, v) in [
+                ("upstream_messages_total", st.upstream_messages),
+                ("upstream_items_total", st.upstream_items),
+                ("upstream_heartbeats_total", st.upstream_heartbeats),
+                ("upstream_replies_total", st.upstream_replies),
+                ("upstream_failures_total", st.upstream_failures),
+                ("tokens_from_parent_total", st.tokens_from_parent),
+                ("tokens_returned_total", st.tokens_returned),
+                ("tokens_destroyed_total", st.tokens_destroyed),
+                ("chain_breaks_total", st.chain_breaks),
+                ("chains_lapsed_total", st.chains_lapsed),
+                ("rules_adopted_total", st.rules_adopted),
+            ] {
+                let _ = writeln!(s, "# TYPE quotalease_regional_{name} counter\nquotalease_regional_{name} {v}");
+            }
+            let _ = writeln!(
+                s,
+                "# HELP quotalease_regional_parent_reachable 1 when the last call to the parent succeeded within the fetch timeout\n# TYPE quotalease_regional_parent_reachable gauge\nquotalease_regional_parent_reachable {}",
+                u8::from(r.parent_reachable())
+            );
+            s
+        })
+        .unwrap_or_default();
     shared.with_core(|core| {
         let st = core.stats();
         let mut s = String::new();
@@ -255,11 +373,22 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> String {
         for (agent, lag) in core.rule_lag() {
             let _ = writeln!(s, "quotalease_allocator_agent_rule_version_lag{{agent=\"{}\"}} {lag}", agent.escape_default());
         }
+        s.push_str(&regional);
         s
     })
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
+    if let Some(has_rules) = shared.with_regional(|r| r.has_rules()) {
+        return if has_rules {
+            (StatusCode::OK, "ready\n".into())
+        } else {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: no rules yet (the parent allocator was not reached and no --rules were given)\n".into(),
+            )
+        };
+    }
     let now = BootClock::now();
     let ready_at = shared.with_core(|c| c.ready_at_ns());
     if now >= ready_at {

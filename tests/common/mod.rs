@@ -251,3 +251,33 @@ pub fn cluster(name: &str, rules_yaml: &str, n: usize) -> Cluster {
     }
     Cluster { alloc, agents }
 }
+
+/// Start a regional allocator under `parent_url` for `region` (optional
+/// bootstrap rules; `extra` flags appended).
+pub fn regional(parent_url: &str, region: &str, rules: Option<&Path>, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "allocator".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--http".into(),
+        "127.0.0.1:0".into(),
+        "--parent".into(),
+        parent_url.into(),
+        "--region".into(),
+        region.into(),
+    ];
+    if let Some(r) = rules {
+        args.push("--rules".into());
+        args.push(r.display().to_string());
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn(&format!("regional-{region}"), &args)
+}
+
+/// The value of an unlabelled metric in a Prometheus text body.
+pub fn metric(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}

@@ -1,0 +1,894 @@
+//! The regional allocator, sans-IO: takes leases from a parent allocator and
+//! sub-leases them to its children (agents) over the same Lease protocol.
+//!
+//! The child-facing side is an [`AllocatorCore`] in pooled mode
+//! ([`AllocatorCore::new_pooled`]): the same duplicate suppression, holders,
+//! rules and [`KeyLedger`]s as the global allocator, except that a ledger
+//! does not refill at `R`; it holds what the current parent lease backs.
+//!
+//! Per key the regional keeps a *chain* (docs/protocol.md "Regional
+//! allocators"): the parent lease id, `G` (tokens that lease holds), `E`
+//! (its deadline on this clock, computed like an agent's: first send +
+//! `TTL*(1-2rho) - epsilon`), and the pooled ledger. `H = available +
+//! outstanding` of that ledger is what the regional still holds of `G`.
+//!
+//! * A renewal reports `spent = G - H` (never more than was consumed or
+//!   destroyed), so the parent carries exactly `H`.
+//! * A reply that carried our lease continues the chain: `G := carried +
+//!   fresh`, the fresh part is deposited, `E` moves.
+//! * A reply that did not carry it (lost reply, parent restart) breaks the
+//!   chain: a new ledger starts with the fresh tokens; the old pool is
+//!   destroyed, the old sub-leases stay valid at the children until their own
+//!   expiry (<= the old `E`), backed by the old parent lease.
+//! * Every sub-lease expires no later than `E`; at `E` a chain that was not
+//!   renewed is dropped with its pool.
+//!
+//! Time is always an argument; iteration is over `BTreeMap`s and sorted key
+//! lists, so outputs never depend on hash order.
+
+use std::collections::BTreeMap;
+
+use quotalease_proto::lease::{
+    Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+};
+use quotalease_proto::PROTOCOL_VERSION;
+
+use crate::core::{AllocatorCore, CoreConfig, KeyId, KeyView, Stats, RHO_PPM};
+use crate::ledger::KeyLedger;
+use crate::rules::RuleSet;
+
+const MS: u64 = 1_000_000;
+/// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
+/// upstream for this long.
+pub const HEARTBEAT_NS: u64 = 1_000 * MS;
+/// Time constant of the per-key consumption estimate.
+const EWMA_TAU_S: f64 = 1.0;
+
+/// Regional allocator configuration.
+#[derive(Clone, Debug)]
+pub struct RegionalConfig {
+    /// Child-facing core configuration (`ttl_max_ns`: longest sub-lease;
+    /// `no_predecessor` is ignored: a regional needs no start-up wait).
+    pub core: CoreConfig,
+    /// Region name; the regional talks to its parent as `region/<NAME>`.
+    pub region: String,
+    /// How often the upstream planner runs (and the throttle between
+    /// upstream messages that are not urgent).
+    pub renew_interval_ns: u64,
+    /// Ask the parent ahead: when the pool covers less than this much of the
+    /// children's consumption, and when the parent lease is this close to `E`.
+    pub low_water_ns: u64,
+    /// An upstream call without an answer for this long has failed; no
+    /// success for this long (beyond the heartbeat) marks the parent
+    /// unreachable.
+    pub fetch_timeout_ns: u64,
+    /// Lease TTL asked of the parent.
+    pub lease_ttl_ns: u64,
+    /// Clock granularity and stall allowance subtracted from `E`.
+    pub epsilon_ns: u64,
+}
+
+impl Default for RegionalConfig {
+    fn default() -> Self {
+        Self {
+            core: CoreConfig::default(),
+            region: "default".into(),
+            renew_interval_ns: 50 * MS,
+            low_water_ns: 500 * MS,
+            fetch_timeout_ns: 500 * MS,
+            lease_ttl_ns: 2_000 * MS,
+            epsilon_ns: 50 * MS,
+        }
+    }
+}
+
+impl RegionalConfig {
+    /// A chain's parent lease is released once no child asked for the key
+    /// for this long and nothing is sub-leased: `2 * lease_ttl`.
+    pub fn idle_release_ns(&self) -> u64 {
+        self.lease_ttl_ns.saturating_mul(2)
+    }
+}
+
+/// Upstream counters (the child-facing ones are [`RegionalCore::child_stats`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegionalStats {
+    /// Batches sent to the parent (heartbeats included).
+    pub upstream_messages: u64,
+    /// Items in those batches.
+    pub upstream_items: u64,
+    /// Of the batches, heartbeats (no items).
+    pub upstream_heartbeats: u64,
+    /// Replies applied.
+    pub upstream_replies: u64,
+    /// Batches that failed or timed out (or were answered STALE/UNSUPPORTED).
+    pub upstream_failures: u64,
+    /// Fresh tokens received from the parent.
+    pub tokens_from_parent: u64,
+    /// Tokens given back to the parent by releases (as sent).
+    pub tokens_returned: u64,
+    /// Pool tokens destroyed (chain break, lapse, backing shrank, shutdown).
+    pub tokens_destroyed: u64,
+    /// Chains that broke (the parent did not carry our lease).
+    pub chain_breaks: u64,
+    /// Chains dropped at their deadline without renewal.
+    pub chains_lapsed: u64,
+    /// Rule sets adopted from the parent.
+    pub rules_adopted: u64,
+}
+
+/// A key's chain of parent leases, as seen from outside (for `/v1/keys`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainView {
+    /// Current parent lease id.
+    pub parent_lease_id: u64,
+    /// Tokens the current parent lease holds (`G`).
+    pub granted: u64,
+    /// Deadline of the parent lease on this clock (`E`).
+    pub deadline_ns: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Chain {
+    serial: u64,
+    parent_lease_id: u64,
+    granted: u64,
+    deadline_ns: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct KeyState {
+    chain: Option<Chain>,
+    /// Children's consumption, tokens/s (EWMA over what left `H`).
+    rate: f64,
+    /// `H` at the last sample plus what was deposited since.
+    sample_h: u64,
+    sample_ns: u64,
+    /// Do not ask the parent for more before this (its retry hint).
+    retry_at_ns: u64,
+}
+
+#[derive(Clone, Debug)]
+struct SentItem {
+    key: KeyId,
+    release: bool,
+    /// Serial of the chain the renewal named (None: a new chain was asked).
+    chain_serial: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+struct InFlight {
+    seq: u64,
+    sent_ns: u64,
+    items: Vec<SentItem>,
+}
+
+/// The regional allocator's state machine.
+#[derive(Debug)]
+pub struct RegionalCore {
+    cfg: RegionalConfig,
+    core: AllocatorCore,
+    agent_id: String,
+    incarnation: u64,
+    seq: u64,
+    rules_known: bool,
+    keys: BTreeMap<KeyId, KeyState>,
+    in_flight: Option<InFlight>,
+    last_sent_ns: Option<u64>,
+    not_before_ns: u64,
+    started_ns: u64,
+    last_success_ns: Option<u64>,
+    last_failed: bool,
+    reachable: bool,
+    next_serial: u64,
+    stopping: bool,
+    stats: RegionalStats,
+}
+
+/// What the planner decided for one key.
+enum Plan {
+    Nothing,
+    /// Ask for a new chain.
+    Open {
+        want: u64,
+        urgent: bool,
+    },
+    /// Renew the chain's parent lease.
+    Renew {
+        want: u64,
+        urgent: bool,
+    },
+    /// Give the chain's parent lease back (idle, nothing sub-leased).
+    Release,
+    /// Forget the key.
+    Forget,
+}
+
+impl RegionalCore {
+    /// A regional allocator starting at `now_ns`. `rules`: bootstrap rules
+    /// (from `--rules`), or `None` to refuse child items until the parent's
+    /// rules arrive. `incarnation` must grow across restarts (the driver
+    /// uses wall-clock nanoseconds); it is also the epoch stamped on
+    /// replies to children (in milliseconds). Sub-lease ids start at
+    /// `lease_id_base`, which must exceed every id a predecessor issued.
+    pub fn new(
+        cfg: RegionalConfig,
+        rules: Option<RuleSet>,
+        incarnation: u64,
+        lease_id_base: u64,
+        now_ns: u64,
+    ) -> Self {
+        let rules_known = rules.is_some();
+        // The core's epsilon sizes the shortest useful sub-lease (2 epsilon);
+        // it has no restart wait to size in pooled mode.
+        let core_cfg = CoreConfig {
+            epsilon_ns: cfg.core.epsilon_ns.max(cfg.epsilon_ns),
+            ..cfg.core.clone()
+        };
+        let core = AllocatorCore::new_pooled(
+            core_cfg,
+            rules.unwrap_or_default(),
+            incarnation / MS,
+            lease_id_base,
+            now_ns,
+        );
+        Self {
+            agent_id: format!("region/{}", cfg.region),
+            cfg,
+            core,
+            incarnation,
+            seq: 0,
+            rules_known,
+            keys: BTreeMap::new(),
+            in_flight: None,
+            last_sent_ns: None,
+            not_before_ns: 0,
+            started_ns: now_ns,
+            last_success_ns: None,
+            last_failed: false,
+            reachable: true,
+            next_serial: 1,
+            stopping: false,
+            stats: RegionalStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RegionalConfig {
+        &self.cfg
+    }
+
+    /// The id this regional uses towards its parent: `region/<NAME>`.
+    pub fn agent_id(&self) -> &str {
+        &self.agent_id
+    }
+
+    /// True once rules are known (bootstrap or from the parent).
+    pub fn has_rules(&self) -> bool {
+        self.rules_known
+    }
+
+    /// The child-facing core (rules, holders, ledgers).
+    pub fn core(&self) -> &AllocatorCore {
+        &self.core
+    }
+
+    /// The child-facing core, mutable (housekeeping sweeps of holders).
+    pub fn core_mut(&mut self) -> &mut AllocatorCore {
+        &mut self.core
+    }
+
+    /// Child-facing: exactly the [`AllocatorCore::handle`] contract
+    /// (duplicates, STALE, rules in the reply, statuses), with sub-leases
+    /// cut from the pools, and `parent_unreachable` stamped on grants.
+    /// Without rules every item is answered `UNKNOWN_RULE` (nothing applied).
+    pub fn handle(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
+        self.update_reachable(now_ns);
+        self.core.set_parent_unreachable(!self.reachable);
+        if !self.rules_known || self.stopping {
+            let why = if self.stopping {
+                format!("regional allocator {} is shutting down", self.agent_id)
+            } else {
+                format!(
+                    "regional allocator {} has no rules yet: its parent was not reached",
+                    self.agent_id
+                )
+            };
+            return LeaseReply {
+                seq: batch.header.as_ref().map_or(0, |h| h.seq),
+                epoch: self.core.epoch(),
+                protocol_version: PROTOCOL_VERSION,
+                grants: batch
+                    .items
+                    .iter()
+                    .map(|_| Grant {
+                        status: GrantStatus::UnknownRule as i32,
+                        retry_after_ms: self.cfg.renew_interval_ns.div_ceil(MS).max(1),
+                        parent_unreachable: !self.reachable,
+                        detail: why.clone(),
+                        ..Grant::default()
+                    })
+                    .collect(),
+                rules: None,
+                holder_incarnation: 0,
+            };
+        }
+        self.core.handle(now_ns, batch)
+    }
+
+    /// Whether the parent is reachable: the last upstream call succeeded,
+    /// none is pending beyond `fetch_timeout`, and something succeeded
+    /// within `HEARTBEAT + fetch_timeout` (or since start).
+    pub fn parent_reachable(&self) -> bool {
+        self.reachable
+    }
+
+    fn update_reachable(&mut self, now_ns: u64) {
+        let timeout = self.cfg.fetch_timeout_ns;
+        let pending_too_long = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| now_ns >= f.sent_ns.saturating_add(timeout));
+        let since = self.last_success_ns.unwrap_or(self.started_ns);
+        let silent =
+            now_ns >= since.saturating_add(HEARTBEAT_NS.max(self.cfg.renew_interval_ns) + timeout);
+        self.reachable = !self.last_failed && !pending_too_long && !silent;
+    }
+
+    /// Upstream counters.
+    pub fn stats(&self) -> &RegionalStats {
+        &self.stats
+    }
+
+    /// Child-facing counters (as for the global allocator).
+    pub fn child_stats(&self) -> &Stats {
+        self.core.stats()
+    }
+
+    /// The sub-lease ledger of one key at `now_ns` (for `/v1/keys`).
+    pub fn key_view(&mut self, now_ns: u64, key: &KeyId) -> Option<KeyView> {
+        self.core.key_view(now_ns, key)
+    }
+
+    /// The key's chain of parent leases, if one is live.
+    pub fn chain_view(&self, key: &KeyId) -> Option<ChainView> {
+        let c = self.keys.get(key)?.chain.as_ref()?;
+        Some(ChainView {
+            parent_lease_id: c.parent_lease_id,
+            granted: c.granted,
+            deadline_ns: c.deadline_ns,
+        })
+    }
+
+    /// When `poll_upstream` should next be called at the latest.
+    pub fn next_wakeup_ns(&self) -> u64 {
+        let base = self
+            .last_sent_ns
+            .unwrap_or(self.started_ns)
+            .saturating_add(self.cfg.renew_interval_ns)
+            .max(self.not_before_ns);
+        let mut t = base;
+        if let Some(f) = &self.in_flight {
+            t = t.min(f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns));
+        }
+        for ks in self.keys.values() {
+            if let Some(c) = &ks.chain {
+                t = t.min(
+                    c.deadline_ns
+                        .saturating_sub(self.cfg.low_water_ns)
+                        .max(self.not_before_ns),
+                );
+                t = t.min(c.deadline_ns);
+            }
+        }
+        t
+    }
+
+    /// The chain's deadline for a parent lease of `ttl_ms` asked at
+    /// `sent_ns`: `sent + TTL*(1 - 2 rho) - epsilon` (as an agent installs).
+    fn deadline(&self, sent_ns: u64, ttl_ms: u64) -> u64 {
+        let ttl_ns = ttl_ms.saturating_mul(MS);
+        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM)
+            + (ttl_ns % 1_000_000) * (2 * RHO_PPM) / 1_000_000
+            + self.cfg.epsilon_ns;
+        sent_ns.saturating_add(ttl_ns).saturating_sub(margin)
+    }
+
+    /// Drop chains whose deadline passed (their pools are destroyed; their
+    /// sub-leases expired by construction).
+    fn lapse_chains(&mut self, now_ns: u64) {
+        for (key, ks) in self.keys.iter_mut() {
+            let Some(c) = &ks.chain else { continue };
+            if now_ns < c.deadline_ns {
+                continue;
+            }
+            ks.chain = None;
+            self.stats.chains_lapsed += 1;
+            if let Some(l) = self.core.ledger_mut(key) {
+                let d = l.drain_pool(now_ns);
+                self.stats.tokens_destroyed += d;
+                l.set_pool_deadline(0);
+                ks.sample_h = ks.sample_h.saturating_sub(d);
+            }
+        }
+    }
+
+    /// The next batch for the parent, or `None`: renewals of due chains
+    /// (with `spent = G - H`), requests for new chains where children wait,
+    /// releases of idle chains, or a heartbeat. At most one batch is in
+    /// flight; every batch has a new, higher `seq`.
+    pub fn poll_upstream(&mut self, now_ns: u64) -> Option<LeaseBatch> {
+        self.update_reachable(now_ns);
+        self.core.set_parent_unreachable(!self.reachable);
+        self.lapse_chains(now_ns);
+        // Keys the children created since the last poll.
+        for key in self.core.key_ids() {
+            self.keys.entry(key).or_insert_with(|| KeyState {
+                sample_ns: now_ns,
+                ..KeyState::default()
+            });
+        }
+        let plans = self.plan(now_ns);
+        if self.in_flight.is_some() || self.stopping || now_ns < self.not_before_ns {
+            return None;
+        }
+        let urgent = plans.iter().any(|(_, p)| {
+            matches!(
+                p,
+                Plan::Open { urgent: true, .. } | Plan::Renew { urgent: true, .. }
+            )
+        });
+        let throttled = self
+            .last_sent_ns
+            .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
+        let mut items = Vec::new();
+        let mut sent = Vec::new();
+        let mut forget = Vec::new();
+        for (key, plan) in plans {
+            match plan {
+                Plan::Nothing => {}
+                Plan::Forget => forget.push(key),
+                _ if throttled && !urgent => {}
+                Plan::Open { want, .. } => {
+                    items.push(self.item(&key, ItemKind::Renew, 0, 0, want));
+                    sent.push(SentItem {
+                        key,
+                        release: false,
+                        chain_serial: None,
+                    });
+                }
+                Plan::Renew { want, .. } => {
+                    let h = self.holding(now_ns, &key);
+                    let c = self.keys[&key].chain.clone().expect("planned for a chain");
+                    let spent = c.granted.saturating_sub(h);
+                    items.push(self.item(&key, ItemKind::Renew, c.parent_lease_id, spent, want));
+                    sent.push(SentItem {
+                        key,
+                        release: false,
+                        chain_serial: Some(c.serial),
+                    });
+                }
+                Plan::Release => {
+                    if let Some(item) = self.release_item(now_ns, &key) {
+                        items.push(item);
+                        sent.push(SentItem {
+                            key,
+                            release: true,
+                            chain_serial: None,
+                        });
+                    }
+                }
+            }
+        }
+        for key in forget {
+            self.keys.remove(&key);
+            self.core.remove_key(&key);
+        }
+        let heartbeat = items.is_empty()
+            && match self.last_sent_ns {
+                None => true,
+                Some(t) if !self.rules_known || self.last_failed => {
+                    now_ns >= t.saturating_add(self.cfg.renew_interval_ns)
+                }
+                Some(t) => now_ns >= t.saturating_add(HEARTBEAT_NS),
+            };
+        if items.is_empty() && !heartbeat {
+            return None;
+        }
+        Some(self.send(now_ns, items, sent))
+    }
+
+    fn item(&self, key: &KeyId, kind: ItemKind, lease_id: u64, spent: u64, want: u64) -> LeaseItem {
+        LeaseItem {
+            rule_id: key.rule.clone(),
+            tenant: key.tenant.clone(),
+            route: key.route.clone(),
+            kind: kind as i32,
+            lease_id,
+            spent,
+            want,
+        }
+    }
+
+    /// Release the chain of `key`: the pool goes back to the parent (spent
+    /// = `G - pool`, which is `G - H` since nothing is sub-leased, or
+    /// counts what is still sub-leased as spent otherwise — never used
+    /// then, see `shutdown`); the chain ends here.
+    fn release_item(&mut self, now_ns: u64, key: &KeyId) -> Option<LeaseItem> {
+        let ks = self.keys.get_mut(key)?;
+        let c = ks.chain.take()?;
+        let ledger = self.core.ledger_mut(key)?;
+        let pool = ledger.drain_pool(now_ns);
+        ledger.set_pool_deadline(0);
+        debug_assert_eq!(
+            ledger.outstanding(),
+            0,
+            "released only with nothing sub-leased"
+        );
+        ks.sample_h = ks.sample_h.saturating_sub(pool);
+        self.stats.tokens_returned += pool;
+        let spent = c.granted.saturating_sub(pool);
+        Some(self.item(key, ItemKind::Release, c.parent_lease_id, spent, 0))
+    }
+
+    fn send(&mut self, now_ns: u64, items: Vec<LeaseItem>, sent: Vec<SentItem>) -> LeaseBatch {
+        self.seq += 1;
+        self.stats.upstream_messages += 1;
+        self.stats.upstream_items += items.len() as u64;
+        if items.is_empty() {
+            self.stats.upstream_heartbeats += 1;
+        }
+        self.last_sent_ns = Some(now_ns);
+        self.in_flight = Some(InFlight {
+            seq: self.seq,
+            sent_ns: now_ns,
+            items: sent,
+        });
+        LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: self.agent_id.clone(),
+                incarnation: self.incarnation,
+                seq: self.seq,
+                protocol_version: PROTOCOL_VERSION,
+                rules_version: if self.rules_known {
+                    self.core.rules().version
+                } else {
+                    0
+                },
+            }),
+            items,
+            ttl_ms: self.cfg.lease_ttl_ns / MS,
+        }
+    }
+
+    fn holding(&mut self, now_ns: u64, key: &KeyId) -> u64 {
+        self.core.ledger_mut(key).map_or(0, |l| l.holding(now_ns))
+    }
+
+    /// Decide per key (sorted): sample consumption, then whether to open,
+    /// renew, release or forget.
+    fn plan(&mut self, now_ns: u64) -> Vec<(KeyId, Plan)> {
+        let cfg = &self.cfg;
+        let window = cfg.core.active_window_ns;
+        let idle_ns = cfg.idle_release_ns();
+        let low_water_s = cfg.low_water_ns as f64 / 1e9;
+        let horizon_s = (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9;
+        let retry_ms = cfg.renew_interval_ns.div_ceil(MS).max(1);
+        let mut out = Vec::new();
+        for (key, ks) in self.keys.iter_mut() {
+            let Some(ledger) = self.core.ledger_mut(key) else {
+                if ks.chain.is_none() {
+                    out.push((key.clone(), Plan::Forget));
+                }
+                continue;
+            };
+            let h = ledger.holding(now_ns);
+            // Consumption estimate: what left H since the last sample.
+            let dt = now_ns.saturating_sub(ks.sample_ns);
+            if dt >= cfg.renew_interval_ns.max(1) {
+                let used = ks.sample_h.saturating_sub(h) as f64;
+                let dt_s = dt as f64 / 1e9;
+                let alpha = 1.0 - (-dt_s / EWMA_TAU_S).exp();
+                ks.rate += alpha * (used / dt_s - ks.rate);
+                ks.sample_h = h;
+                ks.sample_ns = now_ns;
+            }
+            let pool = ledger.available();
+            let outstanding = ledger.outstanding();
+            let unmet = ledger.unmet_demand(now_ns, window);
+            let burst = ledger.burst();
+            let low = (ks.rate * low_water_s).ceil() as u64;
+            let target = (ks.rate * horizon_s).ceil() as u64;
+            let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
+            let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= idle_ns;
+            let may_ask = now_ns >= ks.retry_at_ns;
+            // Children's pool hint: until the next upstream answer can be in.
+            let wait_ms = ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS);
+            ledger.set_pool_retry_ms(retry_ms.max(wait_ms));
+            let plan = match &ks.chain {
+                None if unmet > 0 && may_ask => Plan::Open {
+                    want: want.max(1),
+                    urgent: true,
+                },
+                None if idle && outstanding == 0 && pool == 0 => Plan::Forget,
+                None => Plan::Nothing,
+                Some(_) if idle && outstanding == 0 => Plan::Release,
+                Some(c) => {
+                    let ahead = c.deadline_ns.saturating_sub(now_ns) <= cfg.low_water_ns && !idle;
+                    let short = may_ask && want > 0 && (unmet > pool || pool < low);
+                    if ahead || short {
+                        Plan::Renew {
+                            want: if may_ask { want } else { 0 },
+                            urgent: unmet > 0 && pool == 0 && may_ask,
+                        }
+                    } else {
+                        Plan::Nothing
+                    }
+                }
+            };
+            out.push((key.clone(), plan));
+        }
+        out
+    }
+
+    /// Apply the parent's reply to the in-flight batch (ignored if it
+    /// answers another one).
+    pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
+        let Some(f) = self.in_flight.take_if(|f| f.seq == reply.seq) else {
+            return;
+        };
+        if reply.holder_incarnation > self.incarnation {
+            // Our clock stepped back across a restart: move above.
+            self.incarnation = reply.holder_incarnation + 1;
+        }
+        let refused = reply.grants.iter().any(|g| {
+            g.status == GrantStatus::Stale as i32 || g.status == GrantStatus::Unsupported as i32
+        });
+        if refused || reply.grants.len() != f.items.len() {
+            // Nothing was applied (or the reply is malformed: treat it so;
+            // every chain keeps its old lease and deadline).
+            self.fail(now_ns);
+            return;
+        }
+        self.stats.upstream_replies += 1;
+        self.last_success_ns = Some(now_ns);
+        self.last_failed = false;
+        // Rules first, as an agent does.
+        if let Some(pb) = &reply.rules {
+            if !self.rules_known || pb.version > self.core.rules().version {
+                match RuleSet::from_proto(pb) {
+                    Ok(rules) => {
+                        self.core.set_rules(rules, now_ns);
+                        self.rules_known = true;
+                        self.stats.rules_adopted += 1;
+                    }
+                    Err(errs) => {
+                        tracing::error!(errors = errs.len(), "rules from the parent rejected");
+                    }
+                }
+            }
+        }
+        for (sent, g) in f.items.iter().zip(&reply.grants) {
+            if sent.release {
+                continue;
+            }
+            self.apply_grant(now_ns, f.sent_ns, sent, g);
+        }
+        self.update_reachable(now_ns);
+    }
+
+    fn apply_grant(&mut self, now_ns: u64, sent_ns: u64, sent: &SentItem, g: &Grant) {
+        let deadline = self.deadline(sent_ns, g.ttl_ms);
+        let key = &sent.key;
+        let ks = self.keys.entry(key.clone()).or_insert_with(|| KeyState {
+            sample_ns: now_ns,
+            ..KeyState::default()
+        });
+        if g.retry_after_ms > 0 {
+            ks.retry_at_ns = now_ns.saturating_add(g.retry_after_ms.saturating_mul(MS));
+        }
+        if g.status != GrantStatus::Granted as i32 {
+            // Refused (unknown rule, key limit, bad item): nothing applied
+            // at the parent; the chain, if any, keeps its lease. Ask again
+            // in a second at the earliest.
+            ks.retry_at_ns = ks.retry_at_ns.max(now_ns.saturating_add(1_000 * MS));
+            return;
+        }
+        if g.carried > g.tokens {
+            tracing::error!(rule = %key.rule, tokens = g.tokens, carried = g.carried, "malformed grant from the parent ignored");
+            return;
+        }
+        let fresh = g.tokens - g.carried;
+        let same_chain =
+            sent.chain_serial.is_some() && ks.chain.as_ref().map(|c| c.serial) == sent.chain_serial;
+        if same_chain && g.carried > 0 && g.lease_id != 0 {
+            // The chain continues: G := carried + fresh, the pool gains fresh.
+            let c = ks.chain.as_mut().expect("same_chain");
+            c.parent_lease_id = g.lease_id;
+            c.granted = g.tokens;
+            c.deadline_ns = deadline;
+            let Some(ledger) = self.core.ledger_mut(key) else {
+                return;
+            };
+            ledger.set_pool_deadline(deadline);
+            let took = ledger.deposit(now_ns, fresh);
+            self.stats.tokens_from_parent += fresh;
+            self.stats.tokens_destroyed += fresh - took;
+            ks.sample_h += took;
+            // Never hold more than the parent lease backs.
+            let h = ledger.holding(now_ns);
+            if h > g.tokens {
+                let d = ledger.drain(now_ns, h - g.tokens);
+                self.stats.tokens_destroyed += d;
+                ks.sample_h = ks.sample_h.saturating_sub(d);
+            }
+            return;
+        }
+        // Not carried: a new chain (or none). The old chain's pool is
+        // destroyed; its sub-leases are forgotten by the new ledger, stay
+        // valid at the children until their own expiry (<= the old E) and
+        // are backed by the old parent lease, which the parent counts until
+        // it expires.
+        let had_chain = ks.chain.take().is_some();
+        if had_chain && sent.chain_serial.is_some() {
+            self.stats.chain_breaks += 1;
+        }
+        let rule = self.core.rules().get(&key.rule).map(|r| (r.rate, r.burst));
+        let old = self.core.ledger_mut(key);
+        let mut fresh_ledger = match (old, rule) {
+            (Some(l), _) => {
+                let d = l.drain_pool(now_ns);
+                self.stats.tokens_destroyed += d;
+                l.fresh_chain(now_ns)
+            }
+            (None, Some((rate, burst))) => KeyLedger::new_pooled(rate, burst, now_ns),
+            (None, None) => return,
+        };
+        if g.lease_id == 0 || g.tokens == 0 || now_ns >= deadline {
+            // Nothing to build a chain on (a parent lease arriving past its
+            // deadline is left to expire at the parent).
+            if had_chain {
+                self.core.replace_ledger(key, fresh_ledger);
+            }
+            ks.sample_h = 0;
+            return;
+        }
+        fresh_ledger.set_pool_deadline(deadline);
+        let took = fresh_ledger.deposit(now_ns, fresh);
+        self.stats.tokens_from_parent += fresh;
+        self.stats.tokens_destroyed += fresh - took;
+        self.core.replace_ledger(key, fresh_ledger);
+        ks.sample_h = took;
+        ks.sample_ns = now_ns;
+        ks.chain = Some(Chain {
+            serial: self.next_serial,
+            parent_lease_id: g.lease_id,
+            granted: g.tokens,
+            deadline_ns: deadline,
+        });
+        self.next_serial += 1;
+    }
+
+    /// The in-flight batch `seq` failed or timed out (the driver decides the
+    /// timeout). Chains keep their leases and deadlines; the next batch has
+    /// a new `seq` (a renewal the parent did apply shows up as a chain
+    /// break then).
+    pub fn upstream_failed(&mut self, now_ns: u64, seq: u64) {
+        if self.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
+            self.in_flight = None;
+            self.fail(now_ns);
+        }
+    }
+
+    fn fail(&mut self, now_ns: u64) {
+        self.stats.upstream_failures += 1;
+        self.last_failed = true;
+        self.not_before_ns = now_ns.saturating_add(self.cfg.renew_interval_ns);
+        self.update_reachable(now_ns);
+        self.core.set_parent_unreachable(!self.reachable);
+    }
+
+    /// Stop: no more sub-leasing, and one last batch giving the pools back:
+    /// a chain with nothing sub-leased is released (its pool returns to
+    /// the parent); a chain with sub-leases outstanding is renewed with its
+    /// pool destroyed and reported spent, carrying only what the children
+    /// hold. `None` if there is nothing to give back.
+    pub fn shutdown(&mut self, now_ns: u64) -> Option<LeaseBatch> {
+        self.stopping = true;
+        self.lapse_chains(now_ns);
+        let keys: Vec<KeyId> = self
+            .keys
+            .iter()
+            .filter(|(_, ks)| ks.chain.is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut items = Vec::new();
+        let mut sent = Vec::new();
+        for key in keys {
+            let outstanding = self.core.ledger_mut(&key).map_or(0, |l| {
+                l.advance(now_ns);
+                l.outstanding()
+            });
+            if outstanding == 0 {
+                if let Some(item) = self.release_item(now_ns, &key) {
+                    items.push(item);
+                    sent.push(SentItem {
+                        key,
+                        release: true,
+                        chain_serial: None,
+                    });
+                }
+                continue;
+            }
+            let Some(ledger) = self.core.ledger_mut(&key) else {
+                continue;
+            };
+            let d = ledger.drain_pool(now_ns);
+            self.stats.tokens_destroyed += d;
+            let h = ledger.holding(now_ns);
+            let c = self.keys[&key].chain.clone().expect("filtered on chain");
+            items.push(self.item(
+                &key,
+                ItemKind::Renew,
+                c.parent_lease_id,
+                c.granted.saturating_sub(h),
+                0,
+            ));
+            sent.push(SentItem {
+                key,
+                release: false,
+                chain_serial: Some(c.serial),
+            });
+        }
+        if items.is_empty() {
+            return None;
+        }
+        Some(self.send(now_ns, items, sent))
+    }
+
+    /// Check the regional's invariants at `now_ns`, per key: the ledger's I2
+    /// (`available + outstanding <= B`); with a chain, `H <= G` (what the
+    /// pool and the children hold is backed by the parent lease) and every
+    /// sub-lease expires no later than `E`; without one, nothing is held.
+    pub fn check_i2(&mut self, now_ns: u64) -> Result<(), String> {
+        self.lapse_chains(now_ns);
+        for key in self.core.key_ids() {
+            let chain = self.keys.get(&key).and_then(|k| k.chain.clone());
+            let ledger = self.core.ledger_mut(&key).expect("listed key");
+            let h = ledger.holding(now_ns);
+            if !ledger.i2_holds() {
+                return Err(format!(
+                    "{key:?}: available {} + outstanding {} > B {}",
+                    ledger.available(),
+                    ledger.outstanding(),
+                    ledger.burst()
+                ));
+            }
+            match chain {
+                Some(c) => {
+                    if h > c.granted {
+                        return Err(format!("{key:?}: holding {h} > parent lease {}", c.granted));
+                    }
+                    if let Some(l) = ledger
+                        .leases()
+                        .iter()
+                        .find(|l| l.expires_ns > c.deadline_ns)
+                    {
+                        return Err(format!(
+                            "{key:?}: sub-lease {} expires at {} after the chain deadline {}",
+                            l.id, l.expires_ns, c.deadline_ns
+                        ));
+                    }
+                }
+                None if h > 0 => {
+                    return Err(format!("{key:?}: holding {h} without a parent lease"));
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,580 @@
+//! Regional allocator tests: a [`RegionalCore`] driven in-process with
+//! explicit times, with a real [`AllocatorCore`] as its parent. Examples
+//! first (carry-over, chain break, expiry caps, unreachable parent,
+//! duplicates, rules, idle release, shutdown), then a property test over
+//! random histories that checks I2 at both tiers and I1 over the children's
+//! admissions at every step.
+
+use super::*;
+use proptest::prelude::*;
+use quotalease_proto::lease::{ItemKind, LeaseItem, RequestHeader};
+
+const SEC: u64 = 1_000 * MS;
+/// Start of every test (arbitrary, far from 0).
+const T0: u64 = 1_000 * SEC;
+const RATE: u64 = 100; // per second
+const BURST: u64 = 50;
+
+fn rules(version: u64) -> RuleSet {
+    RuleSet::parse(
+        "rules:\n  - id: hot\n    match: { tenant: \"*\" }\n    rate: 100/s\n    burst: 50\n    fail_policy: closed\n",
+        "test.yaml",
+        version,
+    )
+    .expect("valid rules")
+}
+
+fn parent_at(now: u64) -> AllocatorCore {
+    let cfg = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    AllocatorCore::new(cfg, rules(5), 1, 1_000_000, now)
+}
+
+fn regional_at(now: u64, bootstrap: bool) -> RegionalCore {
+    let cfg = RegionalConfig {
+        region: "eu".into(),
+        ..RegionalConfig::default()
+    };
+    RegionalCore::new(cfg, bootstrap.then(|| rules(0)), 7_000_000, 5_000_000, now)
+}
+
+fn key() -> KeyId {
+    KeyId {
+        rule: "hot".into(),
+        tenant: "acme".into(),
+        route: String::new(),
+    }
+}
+
+fn item(kind: ItemKind, lease_id: u64, spent: u64, want: u64) -> LeaseItem {
+    LeaseItem {
+        rule_id: "hot".into(),
+        tenant: "acme".into(),
+        route: String::new(),
+        kind: kind as i32,
+        lease_id,
+        spent,
+        want,
+    }
+}
+
+fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
+    LeaseBatch {
+        header: Some(RequestHeader {
+            agent_id: agent.into(),
+            incarnation: 1,
+            seq,
+            protocol_version: PROTOCOL_VERSION,
+            rules_version: 0,
+        }),
+        items,
+        ttl_ms: 2_000,
+    }
+}
+
+/// One poll of the upstream side, delivered to the parent and back.
+fn pump(reg: &mut RegionalCore, parent: &mut AllocatorCore, now: u64) -> Option<LeaseReply> {
+    let b = reg.poll_upstream(now)?;
+    let r = parent.handle(now, &b);
+    reg.handle_upstream_reply(now, &r);
+    Some(r)
+}
+
+fn ask(
+    reg: &mut RegionalCore,
+    now: u64,
+    agent: &str,
+    seq: u64,
+    lease: u64,
+    spent: u64,
+    want: u64,
+) -> Grant {
+    let r = reg.handle(
+        now,
+        &child_batch(agent, seq, vec![item(ItemKind::Renew, lease, spent, want)]),
+    );
+    r.grants[0].clone()
+}
+
+fn parent_region_outstanding(parent: &mut AllocatorCore, now: u64) -> u64 {
+    parent.key_view(now, &key()).map_or(0, |v| {
+        v.holders
+            .iter()
+            .filter(|(n, _)| n == "region/eu")
+            .map(|(_, l)| l.granted - l.spent)
+            .sum()
+    })
+}
+
+/// A regional with an open chain for the key and one child holding `got`.
+fn opened(now: u64) -> (RegionalCore, AllocatorCore, Grant) {
+    let mut parent = parent_at(now);
+    let mut reg = regional_at(now, true);
+    let g = ask(&mut reg, now, "a", 1, 0, 0, 10);
+    assert_eq!(g.status, GrantStatus::Granted as i32);
+    assert_eq!(g.tokens, 0, "nothing before the parent is asked");
+    assert!(
+        g.retry_after_ms >= 1,
+        "a dry pool tells the child when to come back"
+    );
+    pump(&mut reg, &mut parent, now).expect("children wait: ask the parent");
+    let g = ask(&mut reg, now, "a", 2, 0, 0, 10);
+    assert_eq!(g.tokens, 10);
+    reg.check_i2(now).unwrap();
+    (reg, parent, g)
+}
+
+#[test]
+fn a_chain_carries_over_and_reports_exactly_what_left_it() {
+    let t = T0;
+    let (mut reg, mut parent, g) = opened(t);
+    let c0 = reg.chain_view(&key()).expect("chain");
+    assert!(c0.granted >= 10 && c0.granted <= BURST);
+    assert_eq!(parent_region_outstanding(&mut parent, t), c0.granted);
+    // The child spends 4 of its 10 and reports it at the next renewal.
+    let t = t + 1_500 * MS;
+    let g2 = ask(&mut reg, t, "a", 3, g.lease_id, 4, 0);
+    assert_eq!(g2.carried, 6);
+    // E - low_water reached: the regional renews its parent lease, spent
+    // = G - H = 4, so the parent carries the rest.
+    let h = c0.granted - 4;
+    let r = pump(&mut reg, &mut parent, t).expect("renewal ahead of E");
+    assert_eq!(r.grants.len(), 1);
+    assert_eq!(r.grants[0].carried, h);
+    let c1 = reg.chain_view(&key()).expect("chain continues");
+    assert_eq!(c1.granted, r.grants[0].tokens);
+    assert_eq!(c1.parent_lease_id, r.grants[0].lease_id);
+    assert!(c1.deadline_ns > c0.deadline_ns);
+    assert_eq!(parent_region_outstanding(&mut parent, t), c1.granted);
+    assert_eq!(reg.stats().chain_breaks, 0);
+    reg.check_i2(t).unwrap();
+}
+
+#[test]
+fn a_lost_reply_breaks_the_chain_and_old_sub_leases_carry_nothing() {
+    let t = T0;
+    let (mut reg, mut parent, g) = opened(t);
+    let t = t + 1_500 * MS;
+    let b = reg.poll_upstream(t).expect("renewal");
+    let seq = b.header.as_ref().unwrap().seq;
+    let _lost = parent.handle(t, &b); // applied at the parent, reply lost
+    reg.upstream_failed(t, seq);
+    assert!(!reg.parent_reachable());
+    let g_unreach = ask(&mut reg, t, "b", 1, 0, 0, 1);
+    assert!(g_unreach.parent_unreachable);
+    // Next renewal names the rolled lease: the parent carries nothing.
+    let t = t + 100 * MS;
+    let r = pump(&mut reg, &mut parent, t).expect("next renewal");
+    assert_eq!(r.grants[0].carried, 0);
+    assert_eq!(reg.stats().chain_breaks, 1);
+    assert!(reg.parent_reachable());
+    // The child's old sub-lease is unknown to the new chain's ledger.
+    let g2 = ask(&mut reg, t, "a", 3, g.lease_id, 2, 0);
+    assert_eq!(g2.carried, 0);
+    reg.check_i2(t).unwrap();
+    let c = reg.chain_view(&key()).expect("new chain");
+    assert_eq!(c.granted, r.grants[0].tokens);
+}
+
+#[test]
+fn sub_leases_never_outlive_the_parent_lease() {
+    let t = T0;
+    let (mut reg, _parent, g) = opened(t);
+    // The child gives its 10 back to the pool.
+    reg.handle(
+        t,
+        &child_batch("a", 3, vec![item(ItemKind::Release, g.lease_id, 0, 0)]),
+    );
+    let e = reg.chain_view(&key()).unwrap().deadline_ns;
+    // Cut off from the parent from now on: every upstream call fails.
+    let mut now = t;
+    while now < e - 300 * MS {
+        now += 50 * MS;
+        if let Some(b) = reg.poll_upstream(now) {
+            reg.upstream_failed(now, b.header.unwrap().seq);
+        }
+    }
+    let g = ask(&mut reg, now, "b", 1, 0, 0, 5);
+    assert!(g.parent_unreachable);
+    assert_eq!(g.tokens, 5, "keeps sub-leasing what the pool holds");
+    assert!(now + g.ttl_ms * MS <= e, "ttl {} ms beyond E", g.ttl_ms);
+    reg.check_i2(now).unwrap();
+    // Too close to E: nothing new from the pool.
+    let near = e - 60 * MS;
+    let g = ask(&mut reg, near, "c", 1, 0, 0, 5);
+    assert_eq!(g.tokens, 0);
+    assert!(g.retry_after_ms >= 1);
+    // At E the chain lapses with its pool.
+    let _ = reg.poll_upstream(e);
+    assert!(reg.chain_view(&key()).is_none());
+    assert!(reg.stats().chains_lapsed == 1 && reg.stats().tokens_destroyed > 0);
+    reg.check_i2(e).unwrap();
+}
+
+#[test]
+fn parent_unreachable_is_stamped_until_a_reply_arrives() {
+    let t = T0;
+    let (mut reg, mut parent, _) = opened(t);
+    assert!(reg.parent_reachable());
+    let t = t + 100 * MS;
+    let g = ask(&mut reg, t, "a", 3, 0, 0, 1);
+    assert!(!g.parent_unreachable);
+    // A call that never returns: after fetch_timeout the parent counts as
+    // unreachable even before the driver reports the failure.
+    let t = t + 1_500 * MS;
+    let b = reg.poll_upstream(t).expect("renewal");
+    let t2 = t + reg.config().fetch_timeout_ns;
+    let g = ask(&mut reg, t2, "a", 4, 0, 0, 1);
+    assert!(g.parent_unreachable);
+    reg.upstream_failed(t2, b.header.unwrap().seq);
+    assert!(!reg.parent_reachable());
+    let t3 = t2 + 100 * MS;
+    pump(&mut reg, &mut parent, t3).expect("retry");
+    assert!(reg.parent_reachable());
+    let g = ask(&mut reg, t3, "a", 5, 0, 0, 1);
+    assert!(!g.parent_unreachable);
+}
+
+#[test]
+fn a_duplicate_child_batch_is_answered_from_the_cache_and_grants_once() {
+    let t = T0;
+    let (mut reg, _parent, _) = opened(t);
+    let b = child_batch("d", 1, vec![item(ItemKind::Renew, 0, 0, 5)]);
+    let r1 = reg.handle(t, &b);
+    let pool = reg.core_mut().ledger_mut(&key()).unwrap().available();
+    let r2 = reg.handle(t + MS, &b);
+    assert_eq!(r1, r2);
+    assert_eq!(reg.core_mut().ledger_mut(&key()).unwrap().available(), pool);
+    assert_eq!(reg.child_stats().duplicates, 1);
+    reg.check_i2(t + MS).unwrap();
+}
+
+#[test]
+fn without_rules_children_are_refused_until_the_parent_sends_them() {
+    let t = T0;
+    let mut parent = parent_at(t);
+    let mut reg = regional_at(t, false);
+    assert!(!reg.has_rules());
+    let g = ask(&mut reg, t, "a", 1, 0, 0, 5);
+    assert_eq!(g.status, GrantStatus::UnknownRule as i32);
+    assert!(g.detail.contains("no rules yet"), "{}", g.detail);
+    // The first poll is a heartbeat; its reply carries the rules.
+    let r = pump(&mut reg, &mut parent, t).expect("heartbeat");
+    assert!(r.rules.is_some());
+    assert!(reg.has_rules());
+    assert_eq!(reg.core().rules().version, 5);
+    let g = ask(&mut reg, t, "a", 2, 0, 0, 5);
+    assert_eq!(g.status, GrantStatus::Granted as i32);
+    assert_eq!(g.rule_version, 5);
+}
+
+#[test]
+fn an_idle_chain_is_released_and_the_pool_returns_to_the_parent() {
+    let t = T0;
+    let (mut reg, mut parent, g) = opened(t);
+    let g2 = reg.handle(
+        t,
+        &child_batch("a", 3, vec![item(ItemKind::Release, g.lease_id, 3, 0)]),
+    );
+    assert_eq!(g2.grants[0].status, GrantStatus::Released as i32);
+    // Keep the chain alive while idle does not yet count, then let it idle.
+    let mut now = t;
+    let end = t + reg.config().idle_release_ns() + SEC;
+    let mut released = false;
+    while now < end {
+        now += 50 * MS;
+        if let Some(b) = reg.poll_upstream(now) {
+            released |= b.items.iter().any(|i| i.kind == ItemKind::Release as i32);
+            let r = parent.handle(now, &b);
+            reg.handle_upstream_reply(now, &r);
+        }
+    }
+    assert!(released, "idle chain released");
+    assert!(reg.chain_view(&key()).is_none());
+    assert_eq!(parent_region_outstanding(&mut parent, now), 0);
+    // 3 spent by the child: the parent refilled the rest long ago.
+    let v = parent.key_view(now, &key());
+    assert!(v.is_none_or(|v| v.available == BURST));
+    reg.check_i2(now).unwrap();
+}
+
+#[test]
+fn shutdown_returns_the_pool_but_keeps_what_children_hold() {
+    let t = T0;
+    let (mut reg, mut parent, g) = opened(t);
+    let before = reg.chain_view(&key()).unwrap().granted;
+    let b = reg.shutdown(t).expect("something to give back");
+    assert_eq!(b.items.len(), 1);
+    // A child holds 10: renewed with the pool counted as spent (destroyed),
+    // carrying only the 10.
+    assert_eq!(b.items[0].kind, ItemKind::Renew as i32);
+    assert_eq!(b.items[0].spent, before - g.tokens);
+    let r = parent.handle(t, &b);
+    assert_eq!(r.grants[0].carried, g.tokens);
+    reg.handle_upstream_reply(t, &r);
+    let g = ask(&mut reg, t, "a", 9, 0, 0, 1);
+    assert_eq!(
+        g.status,
+        GrantStatus::UnknownRule as i32,
+        "refuses while stopping"
+    );
+}
+
+#[test]
+fn heartbeats_keep_the_parent_reachable_when_idle() {
+    let t = T0;
+    let mut parent = parent_at(t);
+    let mut reg = regional_at(t, true);
+    let mut beats = 0;
+    let mut now = t;
+    while now < t + 5 * SEC {
+        if pump(&mut reg, &mut parent, now).is_some() {
+            beats += 1;
+        }
+        assert!(reg.parent_reachable(), "at {now}");
+        now = reg.next_wakeup_ns().max(now + MS);
+    }
+    assert!((4..=7).contains(&beats), "{beats} heartbeats in 5 s");
+}
+
+// ---------------------------------------------------------------------------
+// Property test: random histories over both tiers.
+
+#[derive(Clone, Debug)]
+enum Op {
+    ChildRenew {
+        c: usize,
+        want: u64,
+        lose_reply: bool,
+    },
+    ChildSpend {
+        c: usize,
+        n: u64,
+    },
+    ChildRelease {
+        c: usize,
+    },
+    ChildDuplicate {
+        c: usize,
+    },
+    UpPoll,
+    UpPump,
+    UpDeliver,
+    UpLoseRequest,
+    UpLoseReply,
+    UpDeliverLate,
+    UpDuplicate,
+    Advance {
+        ms: u64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3usize, 0..40u64, proptest::bool::weighted(0.15))
+            .prop_map(|(c, want, lose_reply)| Op::ChildRenew { c, want, lose_reply }),
+        8 => (0..3usize, 1..15u64).prop_map(|(c, n)| Op::ChildSpend { c, n }),
+        1 => (0..3usize).prop_map(|c| Op::ChildRelease { c }),
+        1 => (0..3usize).prop_map(|c| Op::ChildDuplicate { c }),
+        3 => Just(Op::UpPoll),
+        4 => Just(Op::UpPump),
+        4 => Just(Op::UpDeliver),
+        1 => Just(Op::UpLoseRequest),
+        1 => Just(Op::UpLoseReply),
+        1 => Just(Op::UpDeliverLate),
+        1 => Just(Op::UpDuplicate),
+        5 => (1..500u64).prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+/// A child as an agent behaves: one lease, used until its deadline
+/// (first send + TTL*(1-2rho) - epsilon), spent counts reported truthfully.
+#[derive(Clone, Debug, Default)]
+struct Child {
+    seq: u64,
+    lease_id: u64,
+    granted: u64,
+    left: u64,
+    deadline: u64,
+    last: Option<(LeaseBatch, LeaseReply)>,
+}
+
+const CHILD_EPS: u64 = 50 * MS;
+
+impl Child {
+    fn install(&mut self, now: u64, g: &Grant) {
+        if g.status != GrantStatus::Granted as i32 || g.lease_id == 0 {
+            return; // the named lease stays usable under its own deadline
+        }
+        let ttl = g.ttl_ms * MS;
+        let deadline = (now + ttl).saturating_sub(ttl / 1_000_000 * 2 * RHO_PPM + CHILD_EPS);
+        if deadline <= now {
+            // Unusable: retire the old lease; the grant expires at the regional.
+            self.lease_id = 0;
+            self.left = 0;
+            return;
+        }
+        self.lease_id = g.lease_id;
+        self.granted = g.tokens;
+        self.left = g.tokens;
+        self.deadline = deadline;
+    }
+}
+
+/// `admitted` sorted by time: every window [t_i, t_j] admits at most
+/// B + R*(t_j - t_i).
+fn i1_holds(admitted: &[(u64, u64)]) -> Result<(), String> {
+    for i in 0..admitted.len() {
+        let mut sum = 0;
+        for a in &admitted[i..] {
+            sum += a.1;
+            let bound =
+                BURST as u128 + RATE as u128 * u128::from(a.0 - admitted[i].0) / 1_000_000_000;
+            if sum as u128 > bound {
+                return Err(format!(
+                    "{sum} admitted in [{}, {}], bound {bound}",
+                    admitted[i].0, a.0
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn both_tiers_keep_i1_and_i2_under_random_histories(
+        ops in proptest::collection::vec(op(), 1..300),
+    ) {
+        let mut now = T0;
+        let mut parent = parent_at(now);
+        let mut reg = regional_at(now, true);
+        let mut children: Vec<Child> = vec![Child::default(); 3];
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        let mut pending: Option<LeaseBatch> = None;
+        let mut lost: Vec<LeaseBatch> = Vec::new();
+        let mut delivered: Option<LeaseBatch> = None;
+        for op in ops {
+            match op {
+                Op::ChildRenew { c, want, lose_reply } => {
+                    let ch = &mut children[c];
+                    ch.seq += 1;
+                    let live = ch.lease_id != 0 && now < ch.deadline;
+                    let (lease, spent) = if live { (ch.lease_id, ch.granted - ch.left) } else { (0, 0) };
+                    if !live {
+                        ch.lease_id = 0;
+                        ch.left = 0;
+                    }
+                    let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Renew, lease, spent, want)]);
+                    let r = reg.handle(now, &b);
+                    if !lose_reply {
+                        ch.install(now, &r.grants[0]);
+                    }
+                    ch.last = Some((b, r));
+                }
+                Op::ChildSpend { c, n } => {
+                    let ch = &mut children[c];
+                    if ch.lease_id != 0 && now < ch.deadline {
+                        let n = n.min(ch.left);
+                        if n > 0 {
+                            ch.left -= n;
+                            admitted.push((now, n));
+                        }
+                    }
+                }
+                Op::ChildRelease { c } => {
+                    let ch = &mut children[c];
+                    if ch.lease_id != 0 {
+                        ch.seq += 1;
+                        let spent = ch.granted - ch.left;
+                        let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Release, ch.lease_id, spent, 0)]);
+                        ch.lease_id = 0;
+                        ch.left = 0;
+                        let r = reg.handle(now, &b);
+                        ch.last = Some((b, r));
+                    }
+                }
+                Op::ChildDuplicate { c } => {
+                    if let Some((b, r)) = children[c].last.clone() {
+                        let r2 = reg.handle(now, &b);
+                        prop_assert_eq!(r2, r, "a duplicate gets the cached reply");
+                    }
+                }
+                Op::UpPoll => {
+                    if pending.is_none() {
+                        pending = reg.poll_upstream(now);
+                    }
+                }
+                Op::UpPump => {
+                    if pending.is_none() {
+                        if let Some(b) = reg.poll_upstream(now) {
+                            let r = parent.handle(now, &b);
+                            reg.handle_upstream_reply(now, &r);
+                            delivered = Some(b);
+                        }
+                    }
+                }
+                Op::UpDeliver => {
+                    if let Some(b) = pending.take() {
+                        let r = parent.handle(now, &b);
+                        reg.handle_upstream_reply(now, &r);
+                        delivered = Some(b);
+                    }
+                }
+                Op::UpLoseRequest => {
+                    if let Some(b) = pending.take() {
+                        reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        lost.push(b);
+                    }
+                }
+                Op::UpLoseReply => {
+                    if let Some(b) = pending.take() {
+                        let _ = parent.handle(now, &b);
+                        reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        delivered = Some(b);
+                    }
+                }
+                Op::UpDeliverLate => {
+                    if !lost.is_empty() {
+                        let b = lost.remove(0);
+                        let r = parent.handle(now, &b);
+                        reg.handle_upstream_reply(now, &r); // answers no in-flight batch: ignored
+                    }
+                }
+                Op::UpDuplicate => {
+                    if let Some(b) = &delivered {
+                        let r = parent.handle(now, b);
+                        reg.handle_upstream_reply(now, &r);
+                    }
+                }
+                Op::Advance { ms } => now += ms * MS,
+            }
+            // I2 at the regional (and H <= G, sub-leases within E).
+            if let Err(e) = reg.check_i2(now) {
+                return Err(TestCaseError::fail(e));
+            }
+            // I2 at the parent, and the chain's deadline before the
+            // parent's expiry of the lease it names.
+            if let Some(v) = parent.key_view(now, &key()) {
+                prop_assert!(v.available + v.outstanding <= v.burst, "parent I2: {:?}", v);
+                if let Some(c) = reg.chain_view(&key()) {
+                    if let Some((_, l)) = v.holders.iter().find(|(_, l)| l.id == c.parent_lease_id) {
+                        prop_assert!(c.deadline_ns < l.expires_ns, "E {} not before the parent's expiry {}", c.deadline_ns, l.expires_ns);
+                    }
+                }
+            }
+            prop_assert!(parent.stats().shadow_violations.is_empty());
+        }
+        if std::env::var_os("REGIONAL_PROPTEST_STATS").is_some() {
+            eprintln!("admitted {} tokens in {} admissions; regional {:?}", admitted.iter().map(|a| a.1).sum::<u64>(), admitted.len(), reg.stats());
+        }
+        // I1 over everything the children admitted.
+        if let Err(e) = i1_holds(&admitted) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}

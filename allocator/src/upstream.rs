@@ -1,0 +1,128 @@
+//! The regional allocator's upstream driver: a tokio task that calls
+//! [`RegionalCore::poll_upstream`](crate::regional::RegionalCore::poll_upstream)
+//! when it is due (or when a child could not be served), sends the batch to
+//! the parent over gRPC with a timeout, and feeds the reply or the failure
+//! back. All decisions are in the sans-IO core; this only moves messages and
+//! sleeps.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_proto::lease::allocator_client::AllocatorClient;
+use quotalease_proto::lease::LeaseBatch;
+use quotalease_proto::MAX_MESSAGE_BYTES;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::clock::BootClock;
+use crate::server::Shared;
+
+/// A lazily connecting client for the parent at `url` (the regional starts
+/// even if the parent does not answer yet). `timeout` bounds each call.
+pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, String> {
+    let ep = Endpoint::from_shared(url.to_string())
+        .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_while_idle(true);
+    Ok(AllocatorClient::new(ep.connect_lazy())
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+/// Send one batch and feed the outcome back to the core.
+async fn exchange(
+    shared: &Shared,
+    client: &AllocatorClient<Channel>,
+    timeout: Duration,
+    batch: LeaseBatch,
+) {
+    let seq = batch.header.as_ref().map_or(0, |h| h.seq);
+    // Log the first failure after a success at warn, repeats at debug.
+    let was_reachable = shared
+        .with_regional(|r| r.parent_reachable())
+        .unwrap_or(false);
+    let mut c = client.clone();
+    let res = tokio::time::timeout(timeout, c.lease(batch)).await;
+    let now = BootClock::now();
+    match res {
+        Ok(Ok(reply)) => {
+            let reply = reply.into_inner();
+            shared.with_regional(|r| r.handle_upstream_reply(now, &reply));
+            if !was_reachable {
+                tracing::info!("parent allocator reachable");
+            }
+        }
+        Ok(Err(status)) => {
+            if was_reachable {
+                tracing::warn!(seq, code = ?status.code(), msg = status.message(), "parent allocator call failed");
+            } else {
+                tracing::debug!(seq, code = ?status.code(), msg = status.message(), "parent allocator call failed");
+            }
+            shared.with_regional(|r| r.upstream_failed(now, seq));
+        }
+        Err(_) => {
+            if was_reachable {
+                tracing::warn!(seq, ?timeout, "parent allocator call timed out");
+            } else {
+                tracing::debug!(seq, ?timeout, "parent allocator call timed out");
+            }
+            shared.with_regional(|r| r.upstream_failed(now, seq));
+        }
+    }
+}
+
+/// The upstream loop; returns when `stop` turns true (or at once for a
+/// global allocator).
+pub async fn run(
+    shared: Arc<Shared>,
+    client: AllocatorClient<Channel>,
+    timeout: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let now = BootClock::now();
+        let Some((batch, wake, tick)) = shared.with_regional(|r| {
+            (
+                r.poll_upstream(now),
+                r.next_wakeup_ns(),
+                r.config().renew_interval_ns,
+            )
+        }) else {
+            return;
+        };
+        if let Some(batch) = batch {
+            tokio::select! {
+                _ = exchange(&shared, &client, timeout, batch) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            continue;
+        }
+        let now = BootClock::now();
+        let sleep = Duration::from_nanos(
+            wake.saturating_sub(now)
+                .clamp(1_000_000, tick.max(1_000_000)),
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(sleep) => {}
+            _ = shared.upstream_wanted() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// At shutdown: stop sub-leasing and give the pools back to the parent
+/// (one batch, bounded by `timeout`).
+pub async fn shutdown(shared: &Shared, client: &AllocatorClient<Channel>, timeout: Duration) {
+    let now = BootClock::now();
+    let Some(Some(batch)) = shared.with_regional(|r| r.shutdown(now)) else {
+        return;
+    };
+    let items = batch.items.len();
+    exchange(shared, client, timeout, batch).await;
+    tracing::info!(items, "gave the unused pools back to the parent");
+}

@@ -1,0 +1,295 @@
+//! End to end: a global allocator, regional allocators under it, and agents
+//! in each region, all real child processes over real gRPC.
+//!
+//! * Two regions share a hot key asked at 2x its rate: I1 holds exactly over
+//!   every window of all agents' admissions together (one machine, one
+//!   CLOCK_BOOTTIME), and the regions get a useful share of the bound.
+//! * The global allocator is killed (SIGKILL): the regional keeps serving
+//!   what it holds (its sub-leases never outlive its parent leases), reports
+//!   the parent unreachable on its /metrics, and I1 holds for a `closed`
+//!   rule.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quotalease_allocator::clock::BootClock;
+use quotalease_allocator::rules::Rate;
+use quotalease_proto::v1::CheckRequest;
+use quotalease_sim::checker::worst_window;
+
+const HOT_RULES: &str = r#"
+rules:
+  - id: hot
+    match: { tenant: "*", route: /api/hot }
+    rate: 500/s
+    burst: 100
+    fail_policy: lease_only
+"#;
+
+/// Drive `clients` clients per agent at `per_client` checks/s for tenant
+/// `tenant` until `stop`; returns (allowed, errors) counters.
+async fn load(
+    agents: &[&Proc],
+    clients: usize,
+    per_client: f64,
+    tenant: &'static str,
+    route: &'static str,
+    stop: Arc<AtomicBool>,
+) -> (
+    Arc<AtomicU64>,
+    Arc<AtomicU64>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let allowed = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for a in agents {
+        for _ in 0..clients {
+            let mut c = client(a).await;
+            let (allowed, errors, stop) = (allowed.clone(), errors.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_client));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let req = CheckRequest {
+                        tenant_id: tenant.into(),
+                        route_id: route.into(),
+                        cost: 1,
+                        ..Default::default()
+                    };
+                    match c.check(req).await {
+                        Ok(r) if r.get_ref().allowed => {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(_) => {}
+                        Err(_) => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    (allowed, errors, tasks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_regions_share_a_hot_key_within_the_bound() {
+    let dir = tempdir("regions-hot");
+    let rules = write_rules(&dir, HOT_RULES);
+    let global = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(global.http, "/readyz", Duration::from_secs(10));
+    // One region takes its rules from the parent, the other bootstraps.
+    let eu = regional(&global.url(), "eu", None, &[]);
+    let us = regional(&global.url(), "us", Some(&rules), &[]);
+    for r in [&eu, &us] {
+        wait_ok(r.http, "/readyz", Duration::from_secs(10));
+    }
+    let logs: Vec<_> = (0..4).map(|i| dir.join(format!("adm-{i}.log"))).collect();
+    let agents: Vec<Proc> = (0..4)
+        .map(|i| {
+            let parent = if i < 2 { &eu } else { &us };
+            agent(&format!("hot-{i}"), &parent.url(), Some(&logs[i]), &[])
+        })
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let refs: Vec<&Proc> = agents.iter().collect();
+    // 2x R in total: 1000/s over 4 agents x 5 clients.
+    let (allowed, errors, tasks) =
+        load(&refs, 5, 1000.0 / 20.0, "acme", "/api/hot", stop.clone()).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let (_, gm) = http_get(global.http, "/metrics");
+    let (_, em) = http_get(eu.http, "/metrics");
+    let (_, um) = http_get(us.http, "/metrics");
+    for a in agents {
+        assert!(a.terminate().success());
+    }
+    for r in [eu, us] {
+        assert!(r.terminate().success(), "regional stops cleanly on SIGTERM");
+    }
+
+    let adm = read_admissions(&logs);
+    let key = (
+        "hot".to_string(),
+        "acme".to_string(),
+        "/api/hot".to_string(),
+    );
+    let mut hot = adm.get(&key).cloned().unwrap_or_default();
+    let admitted: u64 = hot.iter().map(|a| a.1).sum();
+    assert_eq!(
+        admitted,
+        allowed.load(Ordering::Relaxed),
+        "logs and answers disagree"
+    );
+    assert_eq!(errors.load(Ordering::Relaxed), 0, "gRPC errors");
+    let rate = Rate {
+        tokens: 500,
+        period_s: 1,
+    };
+    let w = worst_window(&mut hot, rate, 100);
+    assert!(
+        w.held(),
+        "I1 broken: {} admitted in [{}, {}] ns, excess {}",
+        w.admitted,
+        w.from_ns,
+        w.to_ns,
+        w.excess
+    );
+    let t_s = (hot.last().unwrap().0 - hot.first().unwrap().0) as f64 / 1e9;
+    let bound = 100.0 + 500.0 * t_s;
+    let util = admitted as f64 / bound;
+    let per_region: Vec<u64> = [&logs[..2], &logs[2..]]
+        .iter()
+        .map(|l| {
+            read_admissions(l)
+                .get(&key)
+                .map_or(0, |v| v.iter().map(|a| a.1).sum())
+        })
+        .collect();
+    eprintln!(
+        "two regions: admitted {admitted} ({per_region:?} per region) over {t_s:.2}s, bound {bound:.0}, utilization {:.1}%",
+        util * 100.0
+    );
+    for (name, m) in [("eu", &em), ("us", &um)] {
+        eprintln!(
+            "{name}: upstream messages {:?}, tokens from parent {:?}, chain breaks {:?}",
+            metric(m, "quotalease_regional_upstream_messages_total"),
+            metric(m, "quotalease_regional_tokens_from_parent_total"),
+            metric(m, "quotalease_regional_chain_breaks_total"),
+        );
+        assert_eq!(
+            metric(m, "quotalease_regional_parent_reachable"),
+            Some(1.0),
+            "{name}: {m}"
+        );
+    }
+    assert!(util >= 0.5, "utilization {:.1}% < 50%", util * 100.0);
+    assert!(
+        per_region
+            .iter()
+            .all(|r| *r as f64 >= 0.15 * admitted as f64),
+        "a region starved: {per_region:?}"
+    );
+    assert!(
+        gm.contains("quotalease_allocator_shadow_violations_total{rule=\"hot\"} 0"),
+        "shadow bucket alarm: {gm}"
+    );
+}
+
+const CLOSED_RULES: &str = r#"
+rules:
+  - id: cut
+    match: { tenant: "*", route: /api/cut }
+    rate: 100/s
+    burst: 200
+    fail_policy: closed
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_cut_off_from_its_parent_keeps_serving_what_it_holds() {
+    let dir = tempdir("regions-cut");
+    let rules = write_rules(&dir, CLOSED_RULES);
+    let global = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(global.http, "/readyz", Duration::from_secs(10));
+    let eu = regional(&global.url(), "eu", None, &[]);
+    wait_ok(eu.http, "/readyz", Duration::from_secs(10));
+    let logs: Vec<_> = (0..2).map(|i| dir.join(format!("adm-{i}.log"))).collect();
+    let agents: Vec<Proc> = (0..2)
+        .map(|i| agent(&format!("cut-{i}"), &eu.url(), Some(&logs[i]), &[]))
+        .collect();
+    for a in &agents {
+        wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let refs: Vec<&Proc> = agents.iter().collect();
+    // "hot" asks 1.5x R (the bound is tested); "calm" asks R/2, so its
+    // leases and the regional's pool hold spare tokens at the cut.
+    let (hot_allowed, _, mut tasks) =
+        load(&refs, 3, 150.0 / 6.0, "hot", "/api/cut", stop.clone()).await;
+    let (calm_allowed, _, calm_tasks) =
+        load(&refs, 2, 50.0 / 4.0, "calm", "/api/cut", stop.clone()).await;
+    tasks.extend(calm_tasks);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (_, before) = http_get(eu.http, "/metrics");
+    assert_eq!(
+        metric(&before, "quotalease_regional_parent_reachable"),
+        Some(1.0)
+    );
+    let calm_before = calm_allowed.load(Ordering::Relaxed);
+    global.kill9();
+    let killed = Instant::now();
+    let kill_ns = BootClock::now();
+    // The regional notices within its upstream timeout (500 ms) plus a tick.
+    let mut seen = None;
+    while killed.elapsed() < Duration::from_secs(5) {
+        let (_, m) = http_get(eu.http, "/metrics");
+        if metric(&m, "quotalease_regional_parent_reachable") == Some(0.0) {
+            seen = Some(killed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = seen.expect("the regional never reported its parent unreachable");
+    tokio::time::sleep(Duration::from_secs(4).saturating_sub(killed.elapsed())).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let (_, after) = http_get(eu.http, "/metrics");
+    for a in agents {
+        assert!(a.terminate().success());
+    }
+    let calm_total = calm_allowed.load(Ordering::Relaxed);
+    eprintln!(
+        "cut-off: unreachable reported after {seen:?}; calm allowed {calm_before} before the kill, {calm_total} in all; hot {}",
+        hot_allowed.load(Ordering::Relaxed)
+    );
+    assert_eq!(
+        metric(&after, "quotalease_regional_parent_reachable"),
+        Some(0.0)
+    );
+    assert!(
+        metric(&after, "quotalease_regional_upstream_failures_total").unwrap_or(0.0) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        calm_total > calm_before,
+        "the region served nothing from what it held after the kill"
+    );
+    let adm = read_admissions(&logs);
+    assert_eq!(adm.len(), 2, "{:?}", adm.keys().collect::<Vec<_>>());
+    for (key, mut list) in adm {
+        let w = worst_window(
+            &mut list,
+            Rate {
+                tokens: 100,
+                period_s: 1,
+            },
+            200,
+        );
+        eprintln!("{key:?}: {} admissions, worst window {w:?}", list.len());
+        assert!(w.held(), "I1 broken across the cut for {key:?}: {w:?}");
+        // Sub-leases never outlive the parent leases: nothing is admitted
+        // later than one parent lease TTL (2 s) after the last contact.
+        let last = list.iter().map(|a| a.0).max().unwrap_or(0);
+        assert!(
+            last <= kill_ns + 2_000_000_000,
+            "{key:?}: admitted {} ms after the kill",
+            (last - kill_ns) / 1_000_000
+        );
+    }
+    drop(eu);
+}

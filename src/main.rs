@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod run;
+mod sim;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,6 +38,10 @@ enum Command {
     /// with HdrHistogram percentiles; or serve a do-nothing echo of the same
     /// interfaces (--serve-echo).
     Bench(bench::BenchArgs),
+    /// Deterministic simulation of a scenario: the real allocator, regional
+    /// and agent cores on a simulated clock and network. Writes report.md,
+    /// CSV series and SVG plots; exits 1 if I1, I2 or I3 is broken.
+    Sim(sim::SimArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -195,7 +200,10 @@ pub struct AgentArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints its own progress; keep its log to warnings unless asked.
-    let default_level = if matches!(cli.command, Command::Demo(_)) {
+    let default_level = if matches!(cli.command, Command::Sim(_)) {
+        // Hundreds of simulated agents would each log every outage.
+        "error"
+    } else if matches!(cli.command, Command::Demo(_)) {
         "warn"
     } else {
         "info"
@@ -215,6 +223,7 @@ fn main() -> ExitCode {
         Command::Allocator(args) => runtime().and_then(|rt| rt.block_on(run::allocator(args))),
         Command::Agent(args) => runtime().and_then(|rt| rt.block_on(run::agent(args))),
         Command::Bench(args) => runtime().and_then(|rt| rt.block_on(bench::run(args))),
+        Command::Sim(args) => sim::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

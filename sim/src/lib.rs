@@ -9,5 +9,7 @@ pub mod net;
 pub mod quality;
 pub mod report;
 pub mod rng;
+pub mod runner;
 pub mod scenario;
 pub mod workload;
+pub mod world;

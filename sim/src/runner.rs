@@ -1,0 +1,337 @@
+//! Runs scenarios: one seed (a report with tables, CSV series and SVG
+//! plots) or a sweep over many seeds (every failing seed named with the
+//! command that replays it).
+
+use std::path::Path;
+
+use quotalease_allocator::rules::FailPolicy;
+
+use crate::quality;
+use crate::report::{LinePlot, Report, Section, Table};
+use crate::scenario::Scenario;
+use crate::world::{KeyStats, Outcome, World};
+
+const SEC: u64 = 1_000_000_000;
+
+/// Run every variant of `sc` with `seed`.
+pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
+    sc.runs()
+        .iter()
+        .map(|v| World::new(sc.clone(), v, seed).map(World::run))
+        .collect()
+}
+
+/// Run `scenario` with `seed`, write the report into `out`; returns the
+/// failures (empty: every invariant held).
+pub fn run_to_dir(sc: &Scenario, seed: u64, out: &Path) -> Result<Vec<String>, String> {
+    let outcomes = run_all(sc, seed)?;
+    let report = build_report(sc, seed, &outcomes);
+    std::fs::create_dir_all(out).map_err(|e| format!("--out {}: {e}", out.display()))?;
+    crate::report::write(&report, out).map_err(|e| format!("--out {}: {e}", out.display()))?;
+    Ok(outcomes
+        .iter()
+        .flat_map(|o| o.failures().into_iter().map(|f| format!("{}: {f}", o.name)))
+        .collect())
+}
+
+/// One failing seed of a sweep.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The seed.
+    pub seed: u64,
+    /// What broke.
+    pub what: Vec<String>,
+}
+
+/// Run seeds `from..=to`; the failing ones.
+pub fn sweep(sc: &Scenario, from: u64, to: u64) -> Result<Vec<Failure>, String> {
+    let mut failed = Vec::new();
+    for seed in from..=to {
+        let outcomes = run_all(sc, seed)?;
+        let what: Vec<String> = outcomes
+            .iter()
+            .flat_map(|o| o.failures().into_iter().map(|f| format!("{}: {f}", o.name)))
+            .collect();
+        if !what.is_empty() {
+            failed.push(Failure { seed, what });
+        }
+    }
+    Ok(failed)
+}
+
+fn fmt_f(x: f64, digits: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// Quality figures of one key.
+#[derive(Clone, Debug)]
+pub struct KeyFigures {
+    /// `B + R*T` over the run.
+    pub bound: f64,
+    /// Lowest utilization over windows of 10 x TTL_max after warm-up.
+    pub utilization_min: f64,
+    /// Mean utilization over those windows.
+    pub utilization_mean: f64,
+    /// Falsely rejected requests / all requests.
+    pub false_reject_ratio: f64,
+    /// Denied requests.
+    pub denied: u64,
+    /// Checks per allocator message, agent tier.
+    pub checks_per_msg_agent: f64,
+    /// Checks per allocator message, regional tier.
+    pub checks_per_msg_regional: f64,
+    /// The renewal economy target `min(100, B / (2 * agents))`.
+    pub economy_target: f64,
+    /// Fairness of the per-region shares (min of actual / max-min share).
+    pub fairness: f64,
+}
+
+/// Compute the quality figures of `k`.
+pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
+    let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
+    let bound = k.burst as f64 + r_per_s * o.duration_s;
+    let (mut umin, mut umean) = (f64::NAN, f64::NAN);
+    let (mut fr, mut denied) = (f64::NAN, k.denied);
+    if let Some(log) = &k.log {
+        let adm: Vec<(u64, u64)> = log
+            .iter()
+            .filter(|(_, _, ok)| *ok)
+            .map(|&(t, c, _)| (t, c))
+            .collect();
+        let from = (o.warmup_s * SEC as f64) as u64;
+        let to = (o.duration_s * SEC as f64) as u64;
+        let u = quality::utilization(&adm, k.rate, from, to, 10 * ttl_max_ns);
+        if !u.is_empty() {
+            umin = u.iter().copied().fold(f64::INFINITY, f64::min);
+            umean = u.iter().sum::<f64>() / u.len() as f64;
+        }
+        let f = quality::false_rejects(log, k.rate, k.burst, o.round_trip_ns);
+        denied = f.denied;
+        if f.requests > 0 {
+            fr = f.false_denied as f64 / f.requests as f64;
+        }
+    }
+    let agents = k.agents.len().max(1) as f64;
+    let economy_target = (k.burst as f64 / (2.0 * agents)).min(100.0);
+    let per_msg = |m: u64| {
+        if m == 0 {
+            f64::NAN
+        } else {
+            k.requests as f64 / m as f64
+        }
+    };
+    let fairness = if o.regions > 1 {
+        let actual: Vec<f64> = (0..usize::from(o.regions))
+            .map(|r| k.per_second.iter().map(|s| s[r]).sum::<u64>() as f64)
+            .collect();
+        let demand: Vec<f64> = k.per_region_requests.iter().map(|&d| d as f64).collect();
+        let supply: f64 = actual.iter().sum();
+        if supply > 0.0 {
+            quality::fairness(&actual, &demand, supply)
+        } else {
+            f64::NAN
+        }
+    } else {
+        f64::NAN
+    };
+    KeyFigures {
+        bound,
+        utilization_min: umin,
+        utilization_mean: umean,
+        false_reject_ratio: fr,
+        denied,
+        checks_per_msg_agent: per_msg(k.msgs_agent_tier),
+        checks_per_msg_regional: per_msg(k.msgs_regional_tier),
+        economy_target,
+        fairness,
+    }
+}
+
+/// Keys shown in a report: tracked ones, then the busiest, at most 8.
+fn shown(o: &Outcome) -> Vec<&KeyStats> {
+    let mut ks: Vec<&KeyStats> = o.keys.iter().collect();
+    ks.sort_by(|a, b| {
+        b.log
+            .is_some()
+            .cmp(&a.log.is_some())
+            .then(b.admitted.cmp(&a.admitted))
+            .then(a.key.cmp(&b.key))
+    });
+    ks.truncate(8);
+    ks
+}
+
+fn key_name(k: &KeyStats) -> String {
+    let mut s = k.key.rule.clone();
+    if !k.key.tenant.is_empty() {
+        s.push('/');
+        s.push_str(&k.key.tenant);
+    }
+    if !k.key.route.is_empty() {
+        s.push('/');
+        s.push_str(&k.key.route);
+    }
+    s
+}
+
+fn policy(p: FailPolicy) -> &'static str {
+    match p {
+        FailPolicy::Open => "open",
+        FailPolicy::Closed => "closed",
+        FailPolicy::LeaseOnly => "lease_only",
+    }
+}
+
+/// The report of one scenario file run with one seed.
+pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
+    let ttl_max_ns = sc.ttl_max_ms * 1_000_000;
+    let mut sections = Vec::new();
+    for (vi, o) in outcomes.iter().enumerate() {
+        let failures = o.failures();
+        let verdict = if failures.is_empty() {
+            "**held**: I1 exact over every window of every closed / lease_only key, I2 at every step, I3 within its allowance for open keys".to_string()
+        } else {
+            format!("**BROKEN**: {}", failures.join("; "))
+        };
+        let secs = o.duration_s;
+        let mut paragraphs = vec![
+            format!(
+                "{} agents in {} region(s), {:.0} simulated s, {} checks ({:.0}/s); messages: agent tier {:.0}/s, regional tier {:.0}/s; unavailable answers {}.",
+                o.agents,
+                o.regions,
+                secs,
+                o.checks,
+                o.checks as f64 / secs,
+                o.msgs_agent_tier as f64 / secs,
+                o.msgs_regional_tier as f64 / secs,
+                o.unavailable
+            ),
+            format!("Verdict: {verdict}."),
+        ];
+        if o.i2_violations.is_empty() {
+            paragraphs
+                .push("I2 checked after every message an allocator handled: no violation.".into());
+        }
+        let mut rows = Vec::new();
+        for k in shown(o) {
+            let f = figures(o, k, ttl_max_ns);
+            let w = k.checker.worst();
+            rows.push(vec![
+                key_name(k),
+                policy(k.fail_policy).to_string(),
+                k.requests.to_string(),
+                k.admitted.to_string(),
+                k.failure_mode_allowed.to_string(),
+                fmt_f(f.bound, 0),
+                w.excess.to_string(),
+                if k.fail_policy == FailPolicy::Open {
+                    fmt_f(k.i3_allowance, 0)
+                } else {
+                    "-".into()
+                },
+                fmt_f(f.utilization_min * 100.0, 1),
+                fmt_f(f.utilization_mean * 100.0, 1),
+                fmt_f(f.false_reject_ratio * 100.0, 3),
+                fmt_f(f.checks_per_msg_agent, 1),
+                fmt_f(f.checks_per_msg_regional, 1),
+                fmt_f(f.economy_target, 1),
+                fmt_f(f.fairness, 3),
+            ]);
+        }
+        let table = Table {
+            title: "Keys".into(),
+            headers: [
+                "key",
+                "policy",
+                "requests",
+                "admitted",
+                "of which fail-open",
+                "bound B+R*T",
+                "largest window excess",
+                "I3 allowance",
+                "util. min %",
+                "util. mean %",
+                "false rejects %",
+                "checks/msg agent tier",
+                "checks/msg regional tier",
+                "economy target",
+                "region fairness",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+            rows,
+        };
+        let mut plots = Vec::new();
+        let mut csv = Vec::new();
+        if let Some(k) = shown(o).into_iter().find(|k| k.log.is_some()) {
+            let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
+            let mut cum = 0u64;
+            let mut admitted = Vec::new();
+            let mut bound = Vec::new();
+            let mut rows = Vec::new();
+            let regions = usize::from(o.regions.max(1));
+            let mut per_region: Vec<Vec<(f64, f64)>> = vec![Vec::new(); regions];
+            for (s, per) in k.per_second.iter().enumerate() {
+                let total: u64 = per.iter().sum();
+                cum += total;
+                let x = (s + 1) as f64;
+                admitted.push((x, cum as f64));
+                bound.push((x, k.burst as f64 + r_per_s * x));
+                for (r, v) in per.iter().enumerate() {
+                    per_region[r].push((x, *v as f64));
+                }
+                let mut row = vec![(s + 1).to_string(), total.to_string(), cum.to_string()];
+                row.extend(per.iter().map(|v| v.to_string()));
+                rows.push(row);
+            }
+            let stem = format!("{}-{}", sc.name, vi);
+            plots.push(LinePlot {
+                title: format!("{}: admitted vs the bound B + R*t", key_name(k)),
+                x_label: "simulated s".into(),
+                y_label: "tokens (cumulative)".into(),
+                series: vec![("admitted".into(), admitted), ("B + R*t".into(), bound)],
+                file: format!("{stem}-admitted-vs-bound.svg"),
+            });
+            if regions > 1 {
+                plots.push(LinePlot {
+                    title: format!("{}: admitted per second by region", key_name(k)),
+                    x_label: "simulated s".into(),
+                    y_label: "tokens / s".into(),
+                    series: per_region
+                        .into_iter()
+                        .enumerate()
+                        .map(|(r, pts)| (format!("region {r}"), pts))
+                        .collect(),
+                    file: format!("{stem}-share-per-region.svg"),
+                });
+            }
+            let mut header = vec!["second".into(), "admitted".into(), "cumulative".into()];
+            header.extend((0..regions).map(|r| format!("region_{r}")));
+            csv.push((format!("{stem}-series.csv"), header, rows));
+        }
+        sections.push(Section {
+            title: o.name.clone(),
+            paragraphs,
+            tables: vec![table],
+            plots,
+            csv,
+        });
+    }
+    Report {
+        title: format!("quotalease simulation: {}", sc.name),
+        preamble: vec![
+            sc.description.clone(),
+            format!(
+                "Seed {seed}. Replay: `quotalease sim --scenario sim/scenarios/{}.yaml --seed {seed} --out DIR`.",
+                sc.name
+            ),
+            "Columns: *bound* is B + R*T over the whole run; *largest window excess* is the largest `admitted - (B + R*T)` over every window [t, t+T] (<= 0: I1 held); *I3 allowance* is the sum over emergency buckets opened of b_e + r_e*T for the fault window; utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up (meaningful when demand exceeds R); a false reject is a denial that one ideal global bucket would have admitted under every shift of arrivals by up to one regional round trip (docs/simulation.md); the economy target is min(100, B / (2 x agents using the key)).".into(),
+        ],
+        sections,
+    }
+}

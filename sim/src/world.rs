@@ -1,0 +1,1075 @@
+//! The simulator's event loop: one seed drives a simulated clock and network
+//! carrying the real cores — [`AllocatorCore`] for the global allocator,
+//! [`RegionalCore`] for regional allocators, and [`Agent`] (through its
+//! sans-IO face: `check_at`, `poll_renewal`, `on_reply`, `on_failure`) for
+//! the agents. There is no second implementation of the protocol here: this
+//! file only moves messages, owns time and watches.
+//!
+//! Time: the loop runs on true time `t` (ns). Every node reads its own
+//! clock, `local(t) = BASE + t + t * drift_ppb / 1e9`, with a drift drawn
+//! per node from the scenario's `clock_drift_ppm`. Timers (ticks, fetch
+//! timeouts) are scheduled in true time; the drift only changes what the
+//! cores read, which is what a drifting crystal does.
+//!
+//! Determinism: events are ordered by (time, insertion number); every map
+//! that is iterated is a `BTreeMap` or a `Vec`; random draws come from
+//! [`SimRng`] streams forked per purpose. Same seed and build, same bytes.
+//!
+//! What is checked while it runs:
+//! - I1 exactly, over every window, for every key (a [`StreamChecker`] per
+//!   key fed with every admission at its true instant);
+//! - I2 after every message an allocator handles, for the keys it touched
+//!   (I2 can only change at such events: between them, refill is capped at
+//!   `B - outstanding` and expiries only lower `outstanding`);
+//! - I3 for fail-open keys: the excess against the sum over the emergency
+//!   buckets the agents opened of `b_e + r_e * T`.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_agent::agent::{Agent, AgentClock, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::renewal::PlanConfig;
+use quotalease_allocator::core::{AllocatorCore, CoreConfig, KeyId};
+use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
+use quotalease_allocator::rules::{FailPolicy, Rate, RuleSet};
+use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::v1::Reason;
+
+use crate::checker::{StreamChecker, Worst};
+use crate::net::{Net, Node};
+use crate::rng::SimRng;
+use crate::scenario::{Scenario, Variant};
+use crate::workload::{tenant_name, Arrival, Workload, WorkloadSpec};
+
+/// Origin of every node's clock reading (so that no reading is near 0).
+const CLOCK_BASE_NS: u64 = 1_000_000_000_000;
+/// How long an agent's renewal task takes to react to a wake-up.
+const WAKE_DELAY_NS: u64 = 100_000;
+/// Length of a workload slice.
+const SLICE_NS: u64 = 1_000_000;
+const SEC: u64 = 1_000_000_000;
+
+/// A lease message in flight.
+#[derive(Debug)]
+enum Msg {
+    Batch(LeaseBatch),
+    Reply(LeaseReply),
+}
+
+#[derive(Debug)]
+enum Event {
+    /// Renewal tick of an agent or a regional allocator.
+    Tick(Node),
+    /// An agent's renewal task wakes (a request waits for a lease).
+    Wake(u32),
+    /// A message arrives.
+    Deliver {
+        from: Node,
+        to: Node,
+        msg: Box<Msg>,
+    },
+    /// No reply to `seq` within the fetch timeout (`life` = the node's life
+    /// when it was sent: a restarted node ignores its predecessor's timers).
+    Timeout {
+        node: Node,
+        seq: u64,
+        life: u32,
+    },
+    /// A parked request re-checks after the fetch timeout.
+    Recheck {
+        agent: u32,
+        park: u64,
+        life: u32,
+    },
+    Crash(Node),
+    Restart(Node),
+}
+
+struct Ev {
+    t: u64,
+    n: u64,
+    ev: Event,
+}
+impl PartialEq for Ev {
+    fn eq(&self, o: &Self) -> bool {
+        (self.t, self.n) == (o.t, o.n)
+    }
+}
+impl Eq for Ev {}
+impl PartialOrd for Ev {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ev {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.t, self.n).cmp(&(o.t, o.n))
+    }
+}
+
+/// A node's clock: true time to its own reading.
+#[derive(Clone, Copy, Debug)]
+struct NodeClock {
+    drift_ppb: i64,
+}
+impl NodeClock {
+    fn local(&self, t: u64) -> u64 {
+        let d = (i128::from(t) * i128::from(self.drift_ppb)) / 1_000_000_000;
+        (i128::from(CLOCK_BASE_NS) + i128::from(t) + d) as u64
+    }
+}
+
+/// Outstanding calls of one node: seq -> (batch, attempts so far).
+type Awaiting = BTreeMap<u64, (LeaseBatch, u32)>;
+
+struct AgentNode {
+    agent: Option<Agent>,
+    clock_cell: Arc<AtomicU64>,
+    clock: NodeClock,
+    parent: Node,
+    region: u16,
+    life: u32,
+    awaiting: Awaiting,
+    wake_pending: bool,
+    /// Parked requests: park id -> (arrival, attempt).
+    parked: BTreeMap<u64, (Arrival, u32)>,
+}
+
+struct RegionalNode {
+    core: Option<RegionalCore>,
+    clock: NodeClock,
+    life: u32,
+    awaiting: Awaiting,
+}
+
+struct GlobalNode {
+    core: Option<AllocatorCore>,
+    clock: NodeClock,
+    life: u32,
+}
+
+/// Per-key observations.
+#[derive(Clone, Debug)]
+pub struct KeyStats {
+    /// The key.
+    pub key: KeyId,
+    /// Rate and burst of its rule.
+    pub rate: Rate,
+    /// Burst.
+    pub burst: u64,
+    /// Fail policy of its rule.
+    pub fail_policy: FailPolicy,
+    /// Requests that were charged to this key (admitted or not).
+    pub requests: u64,
+    /// Tokens admitted.
+    pub admitted: u64,
+    /// Of which through emergency buckets.
+    pub failure_mode_allowed: u64,
+    /// Denied requests.
+    pub denied: u64,
+    /// Batches that carried this key, agent tier.
+    pub msgs_agent_tier: u64,
+    /// Batches that carried this key, regional tier.
+    pub msgs_regional_tier: u64,
+    /// Agents that charged this key.
+    pub agents: std::collections::BTreeSet<u32>,
+    /// I1 checker.
+    pub checker: StreamChecker,
+    /// I3 allowance: sum over emergency buckets opened of `b_e + r_e * T`
+    /// (T = the whole fault window, see `i3_window_ns`), in tokens.
+    pub i3_allowance: f64,
+    /// Tracked keys keep every request for the quality figures.
+    pub log: Option<Vec<(u64, u64, bool)>>,
+    /// Admitted per second per region (tracked keys).
+    pub per_second: Vec<Vec<u64>>,
+    /// Requests per region (demand, for fairness).
+    pub per_region_requests: Vec<u64>,
+}
+
+/// Everything a run produced.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Scenario name (with variant).
+    pub name: String,
+    /// Seed.
+    pub seed: u64,
+    /// Simulated seconds.
+    pub duration_s: f64,
+    /// Warm-up seconds.
+    pub warmup_s: f64,
+    /// Regions (0: agents talk to the global allocator).
+    pub regions: u16,
+    /// Agents.
+    pub agents: u32,
+    /// Keys, sorted.
+    pub keys: Vec<KeyStats>,
+    /// Checks made.
+    pub checks: u64,
+    /// Messages from agents to their allocator.
+    pub msgs_agent_tier: u64,
+    /// Messages from regional allocators to the global one.
+    pub msgs_regional_tier: u64,
+    /// I2 violations seen (message, first few).
+    pub i2_violations: Vec<String>,
+    /// Shadow-bucket alarms raised by allocators.
+    pub shadow_violations: u64,
+    /// Requests answered "unavailable" (fail closed, crashed agent).
+    pub unavailable: u64,
+    /// One regional round trip, ns (the false-reject shift).
+    pub round_trip_ns: u64,
+    /// Length of the fault window (for I3), ns.
+    pub i3_window_ns: u64,
+}
+
+impl Outcome {
+    /// I1 held for every key whose rule is `closed` or `lease_only`, and
+    /// I3 for every `open` key; I2 held at every step.
+    pub fn failures(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .i2_violations
+            .iter()
+            .map(|v| format!("I2: {v}"))
+            .collect();
+        if self.shadow_violations > 0 {
+            out.push(format!(
+                "shadow bucket alarms: {} (a grant the independent bucket says breaks I1)",
+                self.shadow_violations
+            ));
+        }
+        for k in &self.keys {
+            let w = k.checker.worst();
+            match k.fail_policy {
+                FailPolicy::Open => {
+                    if w.excess as f64 > k.i3_allowance.ceil() {
+                        out.push(format!(
+                            "I3: key {}/{}/{}: excess {} > allowance {:.0} (window {}..{} ns)",
+                            k.key.rule,
+                            k.key.tenant,
+                            k.key.route,
+                            w.excess,
+                            k.i3_allowance,
+                            w.from_ns,
+                            w.to_ns
+                        ));
+                    }
+                }
+                _ => {
+                    if !w.held() {
+                        out.push(format!(
+                            "I1: key {}/{}/{}: {} admitted in [{}, {}] ns, {} over B + R*T",
+                            k.key.rule,
+                            k.key.tenant,
+                            k.key.route,
+                            w.admitted,
+                            w.from_ns,
+                            w.to_ns,
+                            w.excess
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The simulation of one scenario with one seed.
+pub struct World {
+    sc: Scenario,
+    seed: u64,
+    t: u64,
+    end: u64,
+    n: u64,
+    queue: BinaryHeap<Reverse<Ev>>,
+    net: Net,
+    workload: Workload,
+    rules: RuleSet,
+    global: GlobalNode,
+    regionals: Vec<RegionalNode>,
+    agents: Vec<AgentNode>,
+    next_park: u64,
+    /// Per (tenant id, route index): (tenant string, indices into `keys`
+    /// the requests charge).
+    tenants: BTreeMap<(u32, u16), (String, Vec<usize>)>,
+    keys: Vec<KeyStats>,
+    key_index: BTreeMap<KeyId, usize>,
+    checks: u64,
+    msgs_agent_tier: u64,
+    msgs_regional_tier: u64,
+    i2_violations: Vec<String>,
+    unavailable: u64,
+    tracked_tenants: std::collections::BTreeSet<u32>,
+    fault_window_ns: u64,
+}
+
+impl World {
+    /// Build the world for `sc` run as `variant` with `seed`.
+    pub fn new(mut sc: Scenario, variant: &Variant, seed: u64) -> Result<World, String> {
+        let rules = sc.rules_for(Some(variant));
+        variant
+            .policy()
+            .map_err(|e| format!("variants: {}: {e}", variant.name))?;
+        if !variant.name.is_empty() {
+            sc.name = format!("{}/{}", sc.name, variant.name);
+        }
+        let root = SimRng::new(seed);
+        let clocks = root.fork(1);
+        let draw_clock = |node: Node| NodeClock {
+            drift_ppb: (sc.drift_ppm(node, &clocks) * 1000.0) as i64,
+        };
+        let regions = sc.regions;
+        let n_agents = sc.total_agents();
+        let global = GlobalNode {
+            core: None,
+            clock: draw_clock(Node::Global),
+            life: 0,
+        };
+        let regionals = (0..regions)
+            .map(|r| RegionalNode {
+                core: None,
+                clock: draw_clock(Node::Regional(r)),
+                life: 0,
+                awaiting: BTreeMap::new(),
+            })
+            .collect();
+        let agents = (0..n_agents)
+            .map(|i| {
+                let region = sc.region_of(i).unwrap_or(0);
+                AgentNode {
+                    agent: None,
+                    clock_cell: Arc::new(AtomicU64::new(CLOCK_BASE_NS)),
+                    clock: draw_clock(Node::Agent(i)),
+                    parent: sc.parent_of(i),
+                    region,
+                    life: 0,
+                    awaiting: BTreeMap::new(),
+                    wake_pending: false,
+                    parked: BTreeMap::new(),
+                }
+            })
+            .collect();
+        let net = Net::new(sc.net, sc.cuts(), root.fork(2));
+        let workload = Workload::new(&sc.workloads, n_agents, root.fork(3));
+        let mut tracked_tenants = std::collections::BTreeSet::new();
+        for w in &sc.workloads {
+            match w {
+                WorkloadSpec::Hot { tenant, .. }
+                | WorkloadSpec::FlashCrowd { tenant, .. }
+                | WorkloadSpec::Diurnal { tenant, .. } => {
+                    tracked_tenants.insert(*tenant);
+                }
+                WorkloadSpec::Zipf { .. } => {}
+            }
+        }
+        if tracked_tenants.is_empty() {
+            tracked_tenants.extend(0..=2);
+        }
+        let end = sc.duration_ns();
+        let fault_window_ns = fault_window_ns(&sc);
+        let mut w = World {
+            seed,
+            t: 0,
+            end,
+            n: 0,
+            queue: BinaryHeap::new(),
+            net,
+            workload,
+            rules,
+            global,
+            regionals,
+            agents,
+            next_park: 0,
+            tenants: BTreeMap::new(),
+            keys: Vec::new(),
+            key_index: BTreeMap::new(),
+            checks: 0,
+            msgs_agent_tier: 0,
+            msgs_regional_tier: 0,
+            i2_violations: Vec::new(),
+            unavailable: 0,
+            tracked_tenants,
+            fault_window_ns,
+            sc,
+        };
+        w.boot_global(true);
+        for r in 0..regions {
+            w.boot_regional(r);
+        }
+        for a in 0..n_agents {
+            w.boot_agent(a);
+        }
+        for c in w.sc.crashes() {
+            w.schedule(c.at_ns, Event::Crash(c.node));
+            if let Some(back) = c.restart_ns {
+                w.schedule(back, Event::Restart(c.node));
+            }
+        }
+        Ok(w)
+    }
+
+    fn schedule(&mut self, t: u64, ev: Event) {
+        self.n += 1;
+        self.queue.push(Reverse(Ev { t, n: self.n, ev }));
+    }
+
+    fn renew_interval_ns(&self) -> u64 {
+        self.sc.renew_interval_ms * 1_000_000
+    }
+
+    fn fetch_timeout_ns(&self) -> u64 {
+        self.sc.fetch_timeout_ms * 1_000_000
+    }
+
+    fn boot_global(&mut self, first: bool) {
+        let g = &mut self.global;
+        g.life += 1;
+        let now = g.clock.local(self.t);
+        let cfg = CoreConfig {
+            ttl_max_ns: self.sc.ttl_max_ms * 1_000_000,
+            // The very first start has no predecessor; every restart waits.
+            no_predecessor: first,
+            ..CoreConfig::default()
+        };
+        let life = u64::from(g.life);
+        g.core = Some(AllocatorCore::new(
+            cfg,
+            self.rules.clone(),
+            life,
+            life << 40,
+            now,
+        ));
+    }
+
+    fn boot_regional(&mut self, r: u16) {
+        let interval = self.renew_interval_ns();
+        let node = &mut self.regionals[r as usize];
+        node.life += 1;
+        node.awaiting.clear();
+        let now = node.clock.local(self.t);
+        let cfg = RegionalConfig {
+            core: CoreConfig {
+                ttl_max_ns: self.sc.ttl_max_ms * 1_000_000,
+                no_predecessor: true,
+                ..CoreConfig::default()
+            },
+            region: format!("r{r}"),
+            renew_interval_ns: interval,
+            low_water_ns: self.sc.low_water_ms * 1_000_000,
+            fetch_timeout_ns: self.sc.fetch_timeout_ms * 1_000_000,
+            lease_ttl_ns: self.sc.lease_ttl_ms * 1_000_000,
+            epsilon_ns: 10_000_000,
+        };
+        let life = u64::from(node.life);
+        node.core = Some(RegionalCore::new(
+            cfg,
+            Some(self.rules.clone()),
+            life * SEC,
+            (u64::from(r) + 1) << 48 | life << 40,
+            now,
+        ));
+        // Stagger ticks deterministically.
+        let first = self.t + (u64::from(r) * 7_919_000) % interval;
+        self.schedule(first, Event::Tick(Node::Regional(r)));
+    }
+
+    fn boot_agent(&mut self, i: u32) {
+        let interval = self.renew_interval_ns();
+        let sc = &self.sc;
+        let node = &mut self.agents[i as usize];
+        node.life += 1;
+        node.awaiting.clear();
+        node.parked.clear();
+        node.wake_pending = false;
+        node.clock_cell
+            .store(node.clock.local(self.t), Ordering::Release);
+        let cfg = AgentConfig {
+            agent_id: format!("agent-{i}"),
+            lease_ttl: Duration::from_millis(sc.lease_ttl_ms),
+            plan: PlanConfig {
+                renew_interval: Duration::from_millis(sc.renew_interval_ms),
+                low_water: Duration::from_millis(sc.low_water_ms),
+                ..PlanConfig::default()
+            },
+            fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),
+            clock: AgentClock::Manual(node.clock_cell.clone()),
+            incarnation: Some(u64::from(node.life)),
+            record_emergency: true,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new(cfg, None, Some(self.rules.clone()))
+            .expect("an agent without an admission log cannot fail to start");
+        node.agent = Some(agent);
+        let first = self.t + (u64::from(i) * 104_729) % interval;
+        self.schedule(first, Event::Tick(Node::Agent(i)));
+    }
+
+    /// Run to the end; the outcome with every check's result.
+    pub fn run(mut self) -> Outcome {
+        let mut arrivals: Vec<Arrival> = Vec::new();
+        let mut slice_start = 0;
+        while slice_start < self.end {
+            let slice_end = (slice_start + SLICE_NS).min(self.end);
+            arrivals.clear();
+            self.workload.fill(slice_start, slice_end, &mut arrivals);
+            for a in arrivals.iter().copied() {
+                self.run_events_until(a.t_ns);
+                self.t = a.t_ns;
+                self.arrive(a, 0);
+            }
+            self.run_events_until(slice_end.saturating_sub(1));
+            slice_start = slice_end;
+        }
+        self.finish()
+    }
+
+    fn run_events_until(&mut self, until: u64) {
+        while let Some(Reverse(top)) = self.queue.peek() {
+            if top.t > until {
+                break;
+            }
+            let Reverse(ev) = self.queue.pop().expect("peeked");
+            self.t = ev.t;
+            self.handle(ev.ev);
+        }
+    }
+
+    fn handle(&mut self, ev: Event) {
+        match ev {
+            Event::Tick(node) => self.tick(node),
+            Event::Wake(i) => {
+                self.agents[i as usize].wake_pending = false;
+                self.agent_poll(i);
+            }
+            Event::Deliver { from, to, msg } => self.deliver(from, to, *msg),
+            Event::Timeout { node, seq, life } => self.timeout(node, seq, life),
+            Event::Recheck { agent, park, life } => {
+                let node = &mut self.agents[agent as usize];
+                if node.life != life {
+                    return;
+                }
+                if let Some((a, attempt)) = node.parked.remove(&park) {
+                    self.arrive(a, attempt + 1);
+                }
+            }
+            Event::Crash(node) => self.crash(node),
+            Event::Restart(node) => match node {
+                Node::Global => self.boot_global(false),
+                Node::Regional(r) => self.boot_regional(r),
+                Node::Agent(i) => self.boot_agent(i),
+            },
+        }
+    }
+
+    fn crash(&mut self, node: Node) {
+        match node {
+            Node::Global => {
+                self.global.core = None;
+                self.global.life += 1;
+            }
+            Node::Regional(r) => {
+                let n = &mut self.regionals[r as usize];
+                n.core = None;
+                n.life += 1;
+                n.awaiting.clear();
+            }
+            Node::Agent(i) => {
+                let n = &mut self.agents[i as usize];
+                n.agent = None;
+                n.life += 1;
+                n.awaiting.clear();
+                let parked = std::mem::take(&mut n.parked);
+                self.unavailable += parked.len() as u64;
+            }
+        }
+    }
+
+    fn tick(&mut self, node: Node) {
+        let interval = self.renew_interval_ns();
+        match node {
+            Node::Agent(i) => {
+                if self.agents[i as usize].agent.is_none() {
+                    return;
+                }
+                self.agent_poll(i);
+            }
+            Node::Regional(r) => {
+                let t = self.t;
+                let n = &mut self.regionals[r as usize];
+                let Some(core) = n.core.as_mut() else { return };
+                let now = n.clock.local(t);
+                if let Some(batch) = core.poll_upstream(now) {
+                    self.send_batch(Node::Regional(r), Node::Global, batch);
+                }
+            }
+            Node::Global => return,
+        }
+        self.schedule(self.t + interval, Event::Tick(node));
+    }
+
+    fn agent_poll(&mut self, i: u32) {
+        let t = self.t;
+        let node = &mut self.agents[i as usize];
+        let Some(agent) = node.agent.as_ref() else {
+            return;
+        };
+        let now = node.clock.local(t);
+        node.clock_cell.store(now, Ordering::Release);
+        if let Some(batch) = agent.poll_renewal(now) {
+            let parent = node.parent;
+            self.send_batch(Node::Agent(i), parent, batch);
+        }
+    }
+
+    fn life_of(&self, node: Node) -> u32 {
+        match node {
+            Node::Global => self.global.life,
+            Node::Regional(r) => self.regionals[r as usize].life,
+            Node::Agent(i) => self.agents[i as usize].life,
+        }
+    }
+
+    fn awaiting(&mut self, node: Node) -> Option<&mut Awaiting> {
+        match node {
+            Node::Global => None,
+            Node::Regional(r) => Some(&mut self.regionals[r as usize].awaiting),
+            Node::Agent(i) => Some(&mut self.agents[i as usize].awaiting),
+        }
+    }
+
+    /// Send a batch with a fetch timeout; one retry with the same sequence
+    /// number, like the production drivers.
+    fn send_batch(&mut self, from: Node, to: Node, batch: LeaseBatch) {
+        let seq = batch.header.as_ref().map(|h| h.seq).unwrap_or(0);
+        self.count_message(from, &batch);
+        self.transmit(from, to, Msg::Batch(batch.clone()));
+        if let Some(aw) = self.awaiting(from) {
+            aw.insert(seq, (batch, 1));
+        }
+        let life = self.life_of(from);
+        let at = self.t + self.fetch_timeout_ns();
+        self.schedule(
+            at,
+            Event::Timeout {
+                node: from,
+                seq,
+                life,
+            },
+        );
+    }
+
+    fn count_message(&mut self, from: Node, batch: &LeaseBatch) {
+        let regional_tier = matches!(from, Node::Regional(_));
+        if regional_tier {
+            self.msgs_regional_tier += 1;
+        } else {
+            self.msgs_agent_tier += 1;
+        }
+        for item in &batch.items {
+            let key = KeyId {
+                rule: item.rule_id.clone(),
+                tenant: item.tenant.clone(),
+                route: item.route.clone(),
+            };
+            if let Some(&k) = self.key_index.get(&key) {
+                let ks = &mut self.keys[k];
+                if regional_tier {
+                    ks.msgs_regional_tier += 1;
+                } else {
+                    ks.msgs_agent_tier += 1;
+                }
+            }
+        }
+    }
+
+    fn transmit(&mut self, from: Node, to: Node, msg: Msg) {
+        let times: Vec<u64> = self.net.deliveries(self.t, from, to).into_iter().collect();
+        match times.len() {
+            0 => {}
+            1 => self.schedule(
+                times[0],
+                Event::Deliver {
+                    from,
+                    to,
+                    msg: Box::new(msg),
+                },
+            ),
+            _ => {
+                let copy = match &msg {
+                    Msg::Batch(b) => Msg::Batch(b.clone()),
+                    Msg::Reply(r) => Msg::Reply(r.clone()),
+                };
+                self.schedule(
+                    times[0],
+                    Event::Deliver {
+                        from,
+                        to,
+                        msg: Box::new(msg),
+                    },
+                );
+                self.schedule(
+                    times[1],
+                    Event::Deliver {
+                        from,
+                        to,
+                        msg: Box::new(copy),
+                    },
+                );
+            }
+        }
+    }
+
+    fn timeout(&mut self, node: Node, seq: u64, life: u32) {
+        if self.life_of(node) != life {
+            return;
+        }
+        let parent = match node {
+            Node::Agent(i) => self.agents[i as usize].parent,
+            _ => Node::Global,
+        };
+        let Some(aw) = self.awaiting(node) else {
+            return;
+        };
+        let Some((batch, attempts)) = aw.remove(&seq) else {
+            return;
+        };
+        if attempts < 2 && matches!(node, Node::Agent(_)) {
+            // The agent driver's retry: same batch, same sequence number.
+            let again = batch.clone();
+            aw.insert(seq, (batch, attempts + 1));
+            self.count_message(node, &again);
+            self.transmit(node, parent, Msg::Batch(again));
+            let at = self.t + self.fetch_timeout_ns();
+            self.schedule(at, Event::Timeout { node, seq, life });
+            return;
+        }
+        let t = self.t;
+        match node {
+            Node::Agent(i) => {
+                let n = &mut self.agents[i as usize];
+                if let Some(agent) = n.agent.as_ref() {
+                    let now = n.clock.local(t);
+                    n.clock_cell.store(now, Ordering::Release);
+                    agent.on_failure(now, seq, "timed out");
+                }
+                self.recheck_parked(i);
+            }
+            Node::Regional(r) => {
+                let n = &mut self.regionals[r as usize];
+                if let Some(core) = n.core.as_mut() {
+                    core.upstream_failed(n.clock.local(t), seq);
+                }
+            }
+            Node::Global => {}
+        }
+    }
+
+    fn deliver(&mut self, from: Node, to: Node, msg: Msg) {
+        let t = self.t;
+        match (to, msg) {
+            (Node::Global, Msg::Batch(batch)) => {
+                let g = &mut self.global;
+                let Some(core) = g.core.as_mut() else { return };
+                let now = g.clock.local(t);
+                let reply = core.handle(now, &batch);
+                check_i2_core(core, now, &batch, &mut self.i2_violations, t);
+                self.transmit(to, from, Msg::Reply(reply));
+            }
+            (Node::Regional(r), Msg::Batch(batch)) => {
+                let n = &mut self.regionals[r as usize];
+                let Some(core) = n.core.as_mut() else { return };
+                let now = n.clock.local(t);
+                let reply = core.handle(now, &batch);
+                if let Err(why) = core.check_i2(now) {
+                    if self.i2_violations.len() < 10 {
+                        self.i2_violations
+                            .push(format!("region {r} at t={t} ns: {why}"));
+                    }
+                }
+                self.transmit(to, from, Msg::Reply(reply));
+            }
+            (Node::Regional(r), Msg::Reply(reply)) => {
+                let n = &mut self.regionals[r as usize];
+                let Some(core) = n.core.as_mut() else { return };
+                n.awaiting.remove(&reply.seq);
+                let now = n.clock.local(t);
+                core.handle_upstream_reply(now, &reply);
+            }
+            (Node::Agent(i), Msg::Reply(reply)) => {
+                let n = &mut self.agents[i as usize];
+                let Some(agent) = n.agent.as_ref() else {
+                    return;
+                };
+                let seq = reply.seq;
+                n.awaiting.remove(&seq);
+                let now = n.clock.local(t);
+                n.clock_cell.store(now, Ordering::Release);
+                agent.on_reply(now, seq, reply);
+                for e in agent.take_emergency_opened() {
+                    let key = KeyId {
+                        rule: e.rule_id,
+                        tenant: e.tenant,
+                        route: e.route,
+                    };
+                    self.note_emergency(&key, e.rate, e.burst);
+                }
+                self.recheck_parked(i);
+            }
+            // Agents receive no batches; the global allocator no replies.
+            _ => {}
+        }
+    }
+
+    fn note_emergency(&mut self, key: &KeyId, rate: Rate, burst: u64) {
+        if let Some(&k) = self.key_index.get(key) {
+            let t_s = self.fault_window_ns as f64 / SEC as f64;
+            let r_per_s = rate.tokens as f64 / rate.period_s as f64;
+            self.keys[k].i3_allowance += burst as f64 + r_per_s * t_s;
+        }
+    }
+
+    fn recheck_parked(&mut self, i: u32) {
+        let parked = std::mem::take(&mut self.agents[i as usize].parked);
+        for (_, (a, attempt)) in parked {
+            self.arrive(a, attempt + 1);
+        }
+    }
+
+    /// The keys a tenant's requests on a route charge (cached).
+    fn tenant_keys(&mut self, tenant: u32, route_idx: u16) {
+        if self.tenants.contains_key(&(tenant, route_idx)) {
+            return;
+        }
+        let name = tenant_name(tenant);
+        let route = self.workload.route(route_idx).to_string();
+        let idx = Agent::charged_rules(&self.rules, None, &name, &route).unwrap_or_default();
+        let mut keys = Vec::with_capacity(idx.len());
+        for ri in idx {
+            let rule = &self.rules.rules[ri];
+            let key = KeyId {
+                rule: rule.id.clone(),
+                tenant: rule.tenant.key_part(&name).to_string(),
+                route: rule.route.key_part(&route).to_string(),
+            };
+            let k = match self.key_index.get(&key) {
+                Some(&k) => k,
+                None => {
+                    let k = self.keys.len();
+                    let tracked = self.tracked_tenants.contains(&tenant) || key.tenant.is_empty();
+                    self.keys.push(KeyStats {
+                        key: key.clone(),
+                        rate: rule.rate,
+                        burst: rule.burst,
+                        fail_policy: rule.fail_policy,
+                        requests: 0,
+                        admitted: 0,
+                        failure_mode_allowed: 0,
+                        denied: 0,
+                        msgs_agent_tier: 0,
+                        msgs_regional_tier: 0,
+                        agents: Default::default(),
+                        checker: StreamChecker::new(rule.rate, rule.burst),
+                        i3_allowance: 0.0,
+                        log: tracked.then(Vec::new),
+                        per_second: Vec::new(),
+                        per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],
+                    });
+                    self.key_index.insert(key, k);
+                    k
+                }
+            };
+            keys.push(k);
+        }
+        self.tenants.insert((tenant, route_idx), (name, keys));
+    }
+
+    /// A request arrives at its agent (or re-checks after parking).
+    fn arrive(&mut self, a: Arrival, attempt: u32) {
+        let t = self.t;
+        self.tenant_keys(a.tenant, a.route);
+        let node = &mut self.agents[a.agent as usize];
+        let Some(agent) = node.agent.as_ref() else {
+            // The gateway's sidecar is down: the gateway fails the request.
+            self.unavailable += 1;
+            return;
+        };
+        let now = node.clock.local(t);
+        node.clock_cell.store(now, Ordering::Release);
+        let (name, keys) = &self.tenants[&(a.tenant, a.route)];
+        let input = CheckInput {
+            tenant: name,
+            route: self.workload.route(a.route),
+            cost: a.cost,
+            request_id: "",
+            domain: None,
+        };
+        if attempt == 0 {
+            self.checks += 1;
+        }
+        let answer = match agent.check_fast(&input) {
+            Some(_) => Some((true, false)),
+            None => match agent.check_at(&input, attempt, now) {
+                CheckStep::Answer(Ok(resp)) => Some((
+                    resp.allowed,
+                    resp.reason == Reason::FailureModeAllowed as i32,
+                )),
+                CheckStep::Answer(Err(_)) => {
+                    self.unavailable += 1;
+                    Some((false, false))
+                }
+                CheckStep::Wait => None,
+            },
+        };
+        let keys = keys.clone();
+        let Some((allowed, emergency)) = answer else {
+            self.next_park += 1;
+            let park = self.next_park;
+            let life = node.life;
+            node.parked.insert(park, (a, attempt));
+            if !node.wake_pending {
+                node.wake_pending = true;
+                self.schedule(t + WAKE_DELAY_NS, Event::Wake(a.agent));
+            }
+            let at = t + self.fetch_timeout_ns();
+            self.schedule(
+                at,
+                Event::Recheck {
+                    agent: a.agent,
+                    park,
+                    life,
+                },
+            );
+            return;
+        };
+        if emergency {
+            for e in agent.take_emergency_opened() {
+                let key = KeyId {
+                    rule: e.rule_id,
+                    tenant: e.tenant,
+                    route: e.route,
+                };
+                self.note_emergency(&key, e.rate, e.burst);
+            }
+        }
+        let region = self.agents[a.agent as usize].region as usize;
+        let sec = (t / SEC) as usize;
+        let regions = usize::from(self.sc.regions.max(1));
+        for k in keys {
+            let ks = &mut self.keys[k];
+            ks.requests += 1;
+            ks.per_region_requests[region] += 1;
+            if ks.agents.len() < 100_000 {
+                ks.agents.insert(a.agent);
+            }
+            if let Some(log) = ks.log.as_mut() {
+                log.push((t, u64::from(a.cost), allowed));
+            }
+            if allowed {
+                ks.admitted += u64::from(a.cost);
+                ks.checker.push(t, u64::from(a.cost));
+                if emergency {
+                    ks.failure_mode_allowed += u64::from(a.cost);
+                }
+                if ks.log.is_some() {
+                    if ks.per_second.len() <= sec {
+                        ks.per_second.resize(sec + 1, vec![0; regions]);
+                    }
+                    ks.per_second[sec][region] += u64::from(a.cost);
+                }
+            } else {
+                ks.denied += 1;
+            }
+        }
+    }
+
+    fn finish(mut self) -> Outcome {
+        // Drain what is left of the emergency logs.
+        for i in 0..self.agents.len() {
+            let opened = self.agents[i]
+                .agent
+                .as_ref()
+                .map(|a| a.take_emergency_opened())
+                .unwrap_or_default();
+            for e in opened {
+                let key = KeyId {
+                    rule: e.rule_id,
+                    tenant: e.tenant,
+                    route: e.route,
+                };
+                self.note_emergency(&key, e.rate, e.burst);
+            }
+        }
+        let shadow_violations = self
+            .global
+            .core
+            .as_ref()
+            .map(|c| c.stats().shadow_violations.values().sum())
+            .unwrap_or(0);
+        let mut keys = self.keys;
+        keys.sort_by(|a, b| a.key.cmp(&b.key));
+        let rtt = self.sc.regional_round_trip_ns();
+        Outcome {
+            name: self.sc.name.clone(),
+            seed: self.seed,
+            duration_s: self.sc.duration_s,
+            warmup_s: self.sc.warmup_s,
+            regions: self.sc.regions,
+            agents: self.agents.len() as u32,
+            keys,
+            checks: self.checks,
+            msgs_agent_tier: self.msgs_agent_tier,
+            msgs_regional_tier: self.msgs_regional_tier,
+            i2_violations: self.i2_violations,
+            shadow_violations,
+            unavailable: self.unavailable,
+            round_trip_ns: rtt,
+            i3_window_ns: self.fault_window_ns,
+        }
+    }
+}
+
+/// The window of I3's allowance: from the first fault to the end of the
+/// last one (a crash without restart lasts to the end), plus `TTL_max`.
+fn fault_window_ns(sc: &Scenario) -> u64 {
+    let end = sc.duration_ns();
+    let mut spans: Vec<(u64, u64)> = sc.cuts().iter().map(|c| (c.from_ns, c.until_ns)).collect();
+    spans.extend(
+        sc.crashes()
+            .iter()
+            .map(|c| (c.at_ns, c.restart_ns.unwrap_or(end))),
+    );
+    let Some(first) = spans.iter().map(|s| s.0).min() else {
+        return 0;
+    };
+    let last = spans.iter().map(|s| s.1).max().unwrap_or(first);
+    (last - first).min(end) + sc.ttl_max_ms * 1_000_000
+}
+
+/// I2 for the keys a batch touched, at the global allocator.
+fn check_i2_core(
+    core: &mut AllocatorCore,
+    now: u64,
+    batch: &LeaseBatch,
+    out: &mut Vec<String>,
+    t: u64,
+) {
+    for item in &batch.items {
+        let key = KeyId {
+            rule: item.rule_id.clone(),
+            tenant: item.tenant.clone(),
+            route: item.route.clone(),
+        };
+        if core.i2_holds(now, &key) == Some(false) && out.len() < 10 {
+            out.push(format!(
+                "global allocator at t={t} ns, key {key:?}: available + outstanding > B"
+            ));
+        }
+    }
+}
+
+/// The worst window of a key, for reports.
+pub fn worst(k: &KeyStats) -> Worst {
+    k.checker.worst()
+}

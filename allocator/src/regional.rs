@@ -360,24 +360,23 @@ impl RegionalCore {
         })
     }
 
-    /// When `poll_upstream` should next be called at the latest.
+    /// When `poll_upstream` should next be called at the latest: the end of
+    /// the throttle after the last send (renewals ahead of `E`, pool
+    /// top-ups and heartbeats are decided then), the in-flight batch's
+    /// timeout, or the next chain deadline (to drop a lapsed chain). A
+    /// child the pool cannot serve is a reason to call it earlier (the
+    /// driver is woken).
     pub fn next_wakeup_ns(&self) -> u64 {
-        let base = self
+        let mut t = self
             .last_sent_ns
             .unwrap_or(self.started_ns)
             .saturating_add(self.cfg.renew_interval_ns)
             .max(self.not_before_ns);
-        let mut t = base;
         if let Some(f) = &self.in_flight {
             t = t.min(f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns));
         }
         for ks in self.keys.values() {
             if let Some(c) = &ks.chain {
-                t = t.min(
-                    c.deadline_ns
-                        .saturating_sub(self.cfg.low_water_ns)
-                        .max(self.not_before_ns),
-                );
                 t = t.min(c.deadline_ns);
             }
         }

@@ -111,15 +111,31 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
     for t in tasks {
         t.await.expect("client task");
     }
-    let (_, gm) = http_get(global.http, "/metrics");
     let (_, em) = http_get(eu.http, "/metrics");
     let (_, um) = http_get(us.http, "/metrics");
+    // The regional's key view shows its sub-leases and its parent lease.
+    let (status, kv) = http_get(eu.http, "/v1/keys?rule=hot&tenant=acme&route=/api/hot");
+    assert_eq!(status, 200, "{kv}");
+    let kv: serde_json::Value = serde_json::from_str(&kv).expect("json");
+    assert_eq!(kv["known"], true, "{kv}");
+    assert!(kv["parent_lease"]["lease_id"].as_u64().is_some(), "{kv}");
+    assert!(
+        kv["available"].as_u64().unwrap() + kv["outstanding"].as_u64().unwrap()
+            <= kv["parent_lease"]["granted"].as_u64().unwrap(),
+        "{kv}"
+    );
+    let (_, gm0) = http_get(global.http, "/metrics");
     for a in agents {
         assert!(a.terminate().success());
     }
     for r in [eu, us] {
         assert!(r.terminate().success(), "regional stops cleanly on SIGTERM");
     }
+    // On SIGTERM the regionals gave their unused pools back.
+    let (_, gm) = http_get(global.http, "/metrics");
+    let releases = |m: &str| metric(m, "quotalease_allocator_releases_total").unwrap_or(0.0);
+    eprintln!("global releases: {} before the regionals stopped, {} after", releases(&gm0), releases(&gm));
+    assert!(releases(&gm) > releases(&gm0), "no release from the stopping regionals: {gm}");
 
     let adm = read_admissions(&logs);
     let key = (

@@ -31,7 +31,7 @@ rules:
 "#;
 
 /// Drive `clients` clients per agent at `per_client` checks/s for tenant
-/// `tenant` until `stop`; returns (allowed, errors) counters.
+/// `tenant` until `stop`; returns (sent, allowed, errors) counters.
 async fn load(
     agents: &[&Proc],
     clients: usize,
@@ -42,20 +42,24 @@ async fn load(
 ) -> (
     Arc<AtomicU64>,
     Arc<AtomicU64>,
+    Arc<AtomicU64>,
     Vec<tokio::task::JoinHandle<()>>,
 ) {
+    let sent = Arc::new(AtomicU64::new(0));
     let allowed = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for a in agents {
         for _ in 0..clients {
             let mut c = client(a).await;
-            let (allowed, errors, stop) = (allowed.clone(), errors.clone(), stop.clone());
+            let (allowed, errors, stop, sent) =
+                (allowed.clone(), errors.clone(), stop.clone(), sent.clone());
             tasks.push(tokio::spawn(async move {
                 let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_client));
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
                 while !stop.load(Ordering::Relaxed) {
                     tick.tick().await;
+                    sent.fetch_add(1, Ordering::Relaxed);
                     let req = CheckRequest {
                         tenant_id: tenant.into(),
                         route_id: route.into(),
@@ -75,7 +79,7 @@ async fn load(
             }));
         }
     }
-    (allowed, errors, tasks)
+    (sent, allowed, errors, tasks)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,22 +108,74 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
     let stop = Arc::new(AtomicBool::new(false));
     let refs: Vec<&Proc> = agents.iter().collect();
     // 2x R in total: 1000/s over 4 agents x 5 clients.
-    let (allowed, errors, tasks) =
+    let (sent, allowed, errors, tasks) =
         load(&refs, 5, 1000.0 / 20.0, "acme", "/api/hot", stop.clone()).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.expect("client task");
     }
-    let (_, gm) = http_get(global.http, "/metrics");
     let (_, em) = http_get(eu.http, "/metrics");
     let (_, um) = http_get(us.http, "/metrics");
+    // The regional's key view shows its sub-leases and its parent lease.
+    let (status, kv) = http_get(eu.http, "/v1/keys?rule=hot&tenant=acme&route=/api/hot");
+    assert_eq!(status, 200, "{kv}");
+    let kv: serde_json::Value = serde_json::from_str(&kv).expect("json");
+    assert_eq!(kv["known"], true, "{kv}");
+    assert!(kv["parent_lease"]["lease_id"].as_u64().is_some(), "{kv}");
+    assert!(
+        kv["available"].as_u64().unwrap() + kv["outstanding"].as_u64().unwrap()
+            <= kv["parent_lease"]["granted"].as_u64().unwrap(),
+        "{kv}"
+    );
+    let (_, gm0) = http_get(global.http, "/metrics");
+    // Renewal economy, per tier (SPEC §2): checks per message for this key
+    // >= min(100, B / (2 * holders)); holders: 4 agents below the regionals,
+    // 2 regionals below the global allocator.
+    let mut agent_messages = 0.0;
+    for a in &agents {
+        let (_, m) = http_get(a.http, "/metrics");
+        agent_messages += m
+            .lines()
+            .find(|l| {
+                l.starts_with("quotalease_agent_allocator_messages_by_rule_total{rule=\"hot\"}")
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+    }
+    let up_messages: f64 = [&em, &um]
+        .iter()
+        .map(|m| metric(m, "quotalease_regional_upstream_messages_total").unwrap_or(0.0))
+        .sum();
+    let checks = sent.load(Ordering::Relaxed) as f64;
+    eprintln!(
+        "economy: {checks} checks, {agent_messages} agent messages ({:.1}/msg, target {:.1}), {up_messages} regional messages ({:.1}/msg, target {:.1})",
+        checks / agent_messages,
+        100.0 / 8.0,
+        checks / up_messages,
+        100.0 / 4.0
+    );
+    assert!(checks / agent_messages >= 100.0 / 8.0, "agent tier economy");
+    assert!(checks / up_messages >= 100.0 / 4.0, "regional tier economy");
     for a in agents {
         assert!(a.terminate().success());
     }
     for r in [eu, us] {
         assert!(r.terminate().success(), "regional stops cleanly on SIGTERM");
     }
+    // On SIGTERM the regionals gave their unused pools back.
+    let (_, gm) = http_get(global.http, "/metrics");
+    let releases = |m: &str| metric(m, "quotalease_allocator_releases_total").unwrap_or(0.0);
+    eprintln!(
+        "global releases: {} before the regionals stopped, {} after",
+        releases(&gm0),
+        releases(&gm)
+    );
+    assert!(
+        releases(&gm) > releases(&gm0),
+        "no release from the stopping regionals: {gm}"
+    );
 
     let adm = read_admissions(&logs);
     let key = (
@@ -176,7 +232,10 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
             "{name}: {m}"
         );
     }
-    assert!(util >= 0.5, "utilization {:.1}% < 50%", util * 100.0);
+    // Loose: two tiers of spent reports lag behind consumption, and with
+    // B = R/5 the parent's refill is capped while they do (about 65-75% on
+    // a quiet 2-core machine; see docs/protocol.md "Regional allocators").
+    assert!(util >= 0.4, "utilization {:.1}% < 40%", util * 100.0);
     assert!(
         per_region
             .iter()
@@ -217,9 +276,9 @@ async fn a_region_cut_off_from_its_parent_keeps_serving_what_it_holds() {
     let refs: Vec<&Proc> = agents.iter().collect();
     // "hot" asks 1.5x R (the bound is tested); "calm" asks R/2, so its
     // leases and the regional's pool hold spare tokens at the cut.
-    let (hot_allowed, _, mut tasks) =
+    let (_, hot_allowed, _, mut tasks) =
         load(&refs, 3, 150.0 / 6.0, "hot", "/api/cut", stop.clone()).await;
-    let (calm_allowed, _, calm_tasks) =
+    let (_, calm_allowed, _, calm_tasks) =
         load(&refs, 2, 50.0 / 4.0, "calm", "/api/cut", stop.clone()).await;
     tasks.extend(calm_tasks);
     tokio::time::sleep(Duration::from_secs(3)).await;

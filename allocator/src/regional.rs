@@ -41,6 +41,8 @@ const MS: u64 = 1_000_000;
 /// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
 /// upstream for this long.
 pub const HEARTBEAT_NS: u64 = 1_000 * MS;
+/// Shortest retry hint given to a child the pool cannot serve.
+pub const MIN_CHILD_RETRY_MS: u64 = 5;
 /// Time constant of the per-key consumption estimate.
 const EWMA_TAU_S: f64 = 1.0;
 
@@ -182,6 +184,8 @@ pub struct RegionalCore {
     reachable: bool,
     next_serial: u64,
     stopping: bool,
+    /// Upstream round trip, EWMA (sizes the children's retry hints).
+    rtt_ns: u64,
     stats: RegionalStats,
 }
 
@@ -249,6 +253,7 @@ impl RegionalCore {
             reachable: true,
             next_serial: 1,
             stopping: false,
+            rtt_ns: 0,
             stats: RegionalStats::default(),
         }
     }
@@ -360,24 +365,23 @@ impl RegionalCore {
         })
     }
 
-    /// When `poll_upstream` should next be called at the latest.
+    /// When `poll_upstream` should next be called at the latest: the end of
+    /// the throttle after the last send (renewals ahead of `E`, pool
+    /// top-ups and heartbeats are decided then), the in-flight batch's
+    /// timeout, or the next chain deadline (to drop a lapsed chain). A
+    /// child the pool cannot serve is a reason to call it earlier (the
+    /// driver is woken).
     pub fn next_wakeup_ns(&self) -> u64 {
-        let base = self
+        let mut t = self
             .last_sent_ns
             .unwrap_or(self.started_ns)
             .saturating_add(self.cfg.renew_interval_ns)
             .max(self.not_before_ns);
-        let mut t = base;
         if let Some(f) = &self.in_flight {
             t = t.min(f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns));
         }
         for ks in self.keys.values() {
             if let Some(c) = &ks.chain {
-                t = t.min(
-                    c.deadline_ns
-                        .saturating_sub(self.cfg.low_water_ns)
-                        .max(self.not_before_ns),
-                );
                 t = t.min(c.deadline_ns);
             }
         }
@@ -573,7 +577,14 @@ impl RegionalCore {
         let idle_ns = cfg.idle_release_ns();
         let low_water_s = cfg.low_water_ns as f64 / 1e9;
         let horizon_s = (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9;
-        let retry_ms = cfg.renew_interval_ns.div_ceil(MS).max(1);
+        // A child the pool cannot serve comes back when the next upstream
+        // answer can be in: about two round trips when the regional may
+        // ask now (it is woken by that child), at least MIN_CHILD_RETRY_MS,
+        // at most one renew interval; later if the parent said so.
+        let rtt_ms = (2 * self.rtt_ns).div_ceil(MS).clamp(
+            MIN_CHILD_RETRY_MS,
+            cfg.renew_interval_ns.div_ceil(MS).max(MIN_CHILD_RETRY_MS),
+        );
         let mut out = Vec::new();
         for (key, ks) in self.keys.iter_mut() {
             let Some(ledger) = self.core.ledger_mut(key) else {
@@ -604,7 +615,12 @@ impl RegionalCore {
             let may_ask = now_ns >= ks.retry_at_ns;
             // Children's pool hint: until the next upstream answer can be in.
             let wait_ms = ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS);
-            ledger.set_pool_retry_ms(retry_ms.max(wait_ms));
+            let hint = if self.reachable {
+                rtt_ms + wait_ms
+            } else {
+                cfg.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
+            };
+            ledger.set_pool_retry_ms(hint);
             let plan = match &ks.chain {
                 None if unmet > 0 && may_ask => Plan::Open {
                     want: want.max(1),
@@ -616,7 +632,11 @@ impl RegionalCore {
                 Some(c) => {
                     let ahead = c.deadline_ns.saturating_sub(now_ns) <= cfg.low_water_ns && !idle;
                     let short = may_ask && want > 0 && (unmet > pool || pool < low);
-                    if ahead || short {
+                    // Spending the parent does not know of yet keeps its
+                    // bucket from refilling (refill is capped at
+                    // B - outstanding): report it once it is a quarter of B.
+                    let report = c.granted.saturating_sub(h) >= (burst / 4).max(1);
+                    if ahead || short || report {
                         Plan::Renew {
                             want: if may_ask { want } else { 0 },
                             urgent: unmet > 0 && pool == 0 && may_ask,
@@ -651,6 +671,12 @@ impl RegionalCore {
             return;
         }
         self.stats.upstream_replies += 1;
+        let rtt = now_ns.saturating_sub(f.sent_ns);
+        self.rtt_ns = if self.rtt_ns == 0 {
+            rtt
+        } else {
+            (self.rtt_ns * 7 + rtt) / 8
+        };
         self.last_success_ns = Some(now_ns);
         self.last_failed = false;
         // Rules first, as an agent does.

@@ -19,6 +19,11 @@ use crate::server::Shared;
 /// A lazily connecting client for the parent at `url` (the regional starts
 /// even if the parent does not answer yet). `timeout` bounds each call.
 pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, String> {
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(format!(
+            "--parent: {url:?} is not a valid URL: expected http://HOST:PORT"
+        ));
+    }
     let ep = Endpoint::from_shared(url.to_string())
         .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))?
         .connect_timeout(timeout)

@@ -359,32 +359,53 @@ enum Op {
     ChildDuplicate {
         c: usize,
     },
-    UpPoll,
-    UpPump,
-    UpDeliver,
-    UpLoseRequest,
-    UpLoseReply,
-    UpDeliverLate,
-    UpDuplicate,
+    UpPoll {
+        r: usize,
+    },
+    UpPump {
+        r: usize,
+    },
+    UpDeliver {
+        r: usize,
+    },
+    UpLoseRequest {
+        r: usize,
+    },
+    UpLoseReply {
+        r: usize,
+    },
+    UpDeliverLate {
+        r: usize,
+    },
+    UpDuplicate {
+        r: usize,
+    },
     Advance {
         ms: u64,
     },
 }
 
+/// Children 0..3 are in region 0, 3..5 in region 1.
+const CHILDREN: usize = 5;
+fn region_of(c: usize) -> usize {
+    usize::from(c >= 3)
+}
+
 fn op() -> impl Strategy<Value = Op> {
+    let r = || 0..2usize;
     prop_oneof![
-        4 => (0..3usize, 0..40u64, proptest::bool::weighted(0.15))
+        4 => (0..CHILDREN, 0..40u64, proptest::bool::weighted(0.15))
             .prop_map(|(c, want, lose_reply)| Op::ChildRenew { c, want, lose_reply }),
-        8 => (0..3usize, 1..15u64).prop_map(|(c, n)| Op::ChildSpend { c, n }),
-        1 => (0..3usize).prop_map(|c| Op::ChildRelease { c }),
-        1 => (0..3usize).prop_map(|c| Op::ChildDuplicate { c }),
-        3 => Just(Op::UpPoll),
-        4 => Just(Op::UpPump),
-        4 => Just(Op::UpDeliver),
-        1 => Just(Op::UpLoseRequest),
-        1 => Just(Op::UpLoseReply),
-        1 => Just(Op::UpDeliverLate),
-        1 => Just(Op::UpDuplicate),
+        8 => (0..CHILDREN, 1..15u64).prop_map(|(c, n)| Op::ChildSpend { c, n }),
+        1 => (0..CHILDREN).prop_map(|c| Op::ChildRelease { c }),
+        1 => (0..CHILDREN).prop_map(|c| Op::ChildDuplicate { c }),
+        3 => r().prop_map(|r| Op::UpPoll { r }),
+        4 => r().prop_map(|r| Op::UpPump { r }),
+        4 => r().prop_map(|r| Op::UpDeliver { r }),
+        1 => r().prop_map(|r| Op::UpLoseRequest { r }),
+        1 => r().prop_map(|r| Op::UpLoseReply { r }),
+        1 => r().prop_map(|r| Op::UpDeliverLate { r }),
+        1 => r().prop_map(|r| Op::UpDuplicate { r }),
         5 => (1..500u64).prop_map(|ms| Op::Advance { ms }),
     ]
 }
@@ -423,6 +444,30 @@ impl Child {
     }
 }
 
+/// One region of the property test: its regional and its upstream link.
+struct Region {
+    reg: RegionalCore,
+    /// Polled, not yet delivered.
+    pending: Option<LeaseBatch>,
+    /// Reported failed, never delivered (may arrive late).
+    lost: Vec<LeaseBatch>,
+    /// Last batch the parent saw (may be duplicated).
+    delivered: Option<LeaseBatch>,
+}
+
+fn region(now: u64, name: &str) -> Region {
+    let cfg = RegionalConfig {
+        region: name.into(),
+        ..RegionalConfig::default()
+    };
+    Region {
+        reg: RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now),
+        pending: None,
+        lost: Vec::new(),
+        delivered: None,
+    }
+}
+
 /// `admitted` sorted by time: every window [t_i, t_j] admits at most
 /// B + R*(t_j - t_i).
 fn i1_holds(admitted: &[(u64, u64)]) -> Result<(), String> {
@@ -444,20 +489,19 @@ fn i1_holds(admitted: &[(u64, u64)]) -> Result<(), String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
+    /// Two regions under one parent, five agents: I2 at every tier, the
+    /// chain invariants, and I1 over all agents' admissions together.
     #[test]
     fn both_tiers_keep_i1_and_i2_under_random_histories(
-        ops in proptest::collection::vec(op(), 1..300),
+        ops in proptest::collection::vec(op(), 1..400),
     ) {
         let mut now = T0;
         let mut parent = parent_at(now);
-        let mut reg = regional_at(now, true);
-        let mut children: Vec<Child> = vec![Child::default(); 3];
+        let mut regions = [region(now, "eu"), region(now, "us")];
+        let mut children: Vec<Child> = vec![Child::default(); CHILDREN];
         let mut admitted: Vec<(u64, u64)> = Vec::new();
-        let mut pending: Option<LeaseBatch> = None;
-        let mut lost: Vec<LeaseBatch> = Vec::new();
-        let mut delivered: Option<LeaseBatch> = None;
         for op in ops {
             match op {
                 Op::ChildRenew { c, want, lose_reply } => {
@@ -470,7 +514,7 @@ proptest! {
                         ch.left = 0;
                     }
                     let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Renew, lease, spent, want)]);
-                    let r = reg.handle(now, &b);
+                    let r = regions[region_of(c)].reg.handle(now, &b);
                     if !lose_reply {
                         ch.install(now, &r.grants[0]);
                     }
@@ -494,74 +538,85 @@ proptest! {
                         let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Release, ch.lease_id, spent, 0)]);
                         ch.lease_id = 0;
                         ch.left = 0;
-                        let r = reg.handle(now, &b);
+                        let r = regions[region_of(c)].reg.handle(now, &b);
                         ch.last = Some((b, r));
                     }
                 }
                 Op::ChildDuplicate { c } => {
                     if let Some((b, r)) = children[c].last.clone() {
-                        let r2 = reg.handle(now, &b);
+                        let r2 = regions[region_of(c)].reg.handle(now, &b);
                         prop_assert_eq!(r2, r, "a duplicate gets the cached reply");
                     }
                 }
-                Op::UpPoll => {
-                    if pending.is_none() {
-                        pending = reg.poll_upstream(now);
+                Op::UpPoll { r } => {
+                    let g = &mut regions[r];
+                    if g.pending.is_none() {
+                        g.pending = g.reg.poll_upstream(now);
                     }
                 }
-                Op::UpPump => {
-                    if pending.is_none() {
-                        if let Some(b) = reg.poll_upstream(now) {
-                            let r = parent.handle(now, &b);
-                            reg.handle_upstream_reply(now, &r);
-                            delivered = Some(b);
+                Op::UpPump { r } => {
+                    let g = &mut regions[r];
+                    if g.pending.is_none() {
+                        if let Some(b) = g.reg.poll_upstream(now) {
+                            let rep = parent.handle(now, &b);
+                            g.reg.handle_upstream_reply(now, &rep);
+                            g.delivered = Some(b);
                         }
                     }
                 }
-                Op::UpDeliver => {
-                    if let Some(b) = pending.take() {
-                        let r = parent.handle(now, &b);
-                        reg.handle_upstream_reply(now, &r);
-                        delivered = Some(b);
+                Op::UpDeliver { r } => {
+                    let g = &mut regions[r];
+                    if let Some(b) = g.pending.take() {
+                        let rep = parent.handle(now, &b);
+                        g.reg.handle_upstream_reply(now, &rep);
+                        g.delivered = Some(b);
                     }
                 }
-                Op::UpLoseRequest => {
-                    if let Some(b) = pending.take() {
-                        reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
-                        lost.push(b);
+                Op::UpLoseRequest { r } => {
+                    let g = &mut regions[r];
+                    if let Some(b) = g.pending.take() {
+                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        g.lost.push(b);
                     }
                 }
-                Op::UpLoseReply => {
-                    if let Some(b) = pending.take() {
+                Op::UpLoseReply { r } => {
+                    let g = &mut regions[r];
+                    if let Some(b) = g.pending.take() {
                         let _ = parent.handle(now, &b);
-                        reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
-                        delivered = Some(b);
+                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        g.delivered = Some(b);
                     }
                 }
-                Op::UpDeliverLate => {
-                    if !lost.is_empty() {
-                        let b = lost.remove(0);
-                        let r = parent.handle(now, &b);
-                        reg.handle_upstream_reply(now, &r); // answers no in-flight batch: ignored
+                Op::UpDeliverLate { r } => {
+                    let g = &mut regions[r];
+                    if !g.lost.is_empty() {
+                        let b = g.lost.remove(0);
+                        let rep = parent.handle(now, &b);
+                        g.reg.handle_upstream_reply(now, &rep); // answers no in-flight batch: ignored
                     }
                 }
-                Op::UpDuplicate => {
-                    if let Some(b) = &delivered {
-                        let r = parent.handle(now, b);
-                        reg.handle_upstream_reply(now, &r);
+                Op::UpDuplicate { r } => {
+                    let g = &mut regions[r];
+                    if let Some(b) = &g.delivered {
+                        let rep = parent.handle(now, b);
+                        g.reg.handle_upstream_reply(now, &rep);
                     }
                 }
                 Op::Advance { ms } => now += ms * MS,
             }
-            // I2 at the regional (and H <= G, sub-leases within E).
-            if let Err(e) = reg.check_i2(now) {
-                return Err(TestCaseError::fail(e));
-            }
-            // I2 at the parent, and the chain's deadline before the
-            // parent's expiry of the lease it names.
-            if let Some(v) = parent.key_view(now, &key()) {
+            let view = parent.key_view(now, &key());
+            if let Some(v) = &view {
+                // I2 at the parent.
                 prop_assert!(v.available + v.outstanding <= v.burst, "parent I2: {:?}", v);
-                if let Some(c) = reg.chain_view(&key()) {
+            }
+            for g in regions.iter_mut() {
+                // I2 at the regional (and H <= G, sub-leases within E).
+                if let Err(e) = g.reg.check_i2(now) {
+                    return Err(TestCaseError::fail(e));
+                }
+                // The chain's deadline is before the parent's expiry of
+                // the lease it names.
+                if let (Some(v), Some(c)) = (&view, g.reg.chain_view(&key())) {
                     if let Some((_, l)) = v.holders.iter().find(|(_, l)| l.id == c.parent_lease_id) {
                         prop_assert!(c.deadline_ns < l.expires_ns, "E {} not before the parent's expiry {}", c.deadline_ns, l.expires_ns);
                     }
@@ -570,9 +625,10 @@ proptest! {
             prop_assert!(parent.stats().shadow_violations.is_empty());
         }
         if std::env::var_os("REGIONAL_PROPTEST_STATS").is_some() {
-            eprintln!("admitted {} tokens in {} admissions; regional {:?}", admitted.iter().map(|a| a.1).sum::<u64>(), admitted.len(), reg.stats());
+            eprintln!("admitted {} tokens in {} admissions; regional {:?}", admitted.iter().map(|a| a.1).sum::<u64>(), admitted.len(), regions[1].reg.stats());
         }
-        // I1 over everything the children admitted.
+        // I1 over everything the children of both regions admitted.
+        admitted.sort_unstable();
         if let Err(e) = i1_holds(&admitted) {
             return Err(TestCaseError::fail(e));
         }

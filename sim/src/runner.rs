@@ -212,6 +212,9 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             ),
             format!("Verdict: {verdict}."),
         ];
+        for n in &o.tier_notes {
+            paragraphs.push(format!("- {n}"));
+        }
         if o.i2_violations.is_empty() {
             paragraphs
                 .push("I2 checked after every message an allocator handled: no violation.".into());

@@ -222,6 +222,8 @@ pub struct Outcome {
     pub round_trip_ns: u64,
     /// Length of the fault window (for I3), ns.
     pub i3_window_ns: u64,
+    /// What the allocators counted, one line per node (for the report).
+    pub tier_notes: Vec<String>,
 }
 
 impl Outcome {
@@ -1007,6 +1009,23 @@ impl World {
             .as_ref()
             .map(|c| c.stats().shadow_violations.values().sum())
             .unwrap_or(0);
+        let mut tier_notes = Vec::new();
+        if let Some(c) = self.global.core.as_ref() {
+            let s = c.stats();
+            tier_notes.push(format!(
+                "global: {} batches, {} grants, {} tokens granted, {} carried, {} released, {} expired unused, {} duplicates, {} stale",
+                s.messages, s.grants, s.tokens_granted, s.tokens_carried, s.tokens_released, s.tokens_expired_unused, s.duplicates, s.stale
+            ));
+        }
+        for (r, n) in self.regionals.iter().enumerate() {
+            if let Some(c) = n.core.as_ref() {
+                let s = c.stats();
+                tier_notes.push(format!(
+                    "region {r}: {} upstream batches ({} heartbeats, {} failed), {} tokens from the parent, {} returned, {} destroyed, {} chain breaks, {} chains lapsed",
+                    s.upstream_messages, s.upstream_heartbeats, s.upstream_failures, s.tokens_from_parent, s.tokens_returned, s.tokens_destroyed, s.chain_breaks, s.chains_lapsed
+                ));
+            }
+        }
         let mut keys = self.keys;
         keys.sort_by(|a, b| a.key.cmp(&b.key));
         let rtt = self.sc.regional_round_trip_ns();
@@ -1026,6 +1045,7 @@ impl World {
             unavailable: self.unavailable,
             round_trip_ns: rtt,
             i3_window_ns: self.fault_window_ns,
+            tier_notes,
         }
     }
 }

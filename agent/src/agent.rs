@@ -296,6 +296,11 @@ pub struct Slot {
     /// Tokens asked for but denied since the last tick (demand the lease
     /// could not serve; counted off the fast path).
     denied: AtomicU64,
+    /// The renewal loop may skip this key before this instant if its lease
+    /// word still reads `seen_word` and nothing waits or was denied: the
+    /// planner's answer cannot change before then (see `plan_all`).
+    quiet_until_ns: AtomicU64,
+    seen_word: AtomicU64,
     parked: Notify,
     st: Mutex<SlotState>,
 }
@@ -311,6 +316,8 @@ impl Slot {
             dry_until_ns: AtomicU64::new(0),
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
+            quiet_until_ns: AtomicU64::new(0),
+            seen_word: AtomicU64::new(u64::MAX),
             holders: AtomicU64::new(1),
             emergency: Mutex::new(None),
             parked: Notify::new(),
@@ -498,6 +505,8 @@ struct Inner {
     parent_down: AtomicBool,
     /// When the last batch was sent (for heartbeats).
     last_sent_ns: AtomicU64,
+    /// Rule set version of the last planning pass (a change visits every key).
+    planned_version: AtomicU64,
     /// Batches sent and not yet answered, by sequence number.
     pending: Mutex<BTreeMap<u64, Pending>>,
     /// Emergency buckets opened (only with `record_emergency`).
@@ -622,6 +631,7 @@ impl Agent {
             down: AtomicBool::new(false),
             parent_down: AtomicBool::new(false),
             last_sent_ns: AtomicU64::new(0),
+            planned_version: AtomicU64::new(0),
             pending: Mutex::new(BTreeMap::new()),
             emergency_log: Mutex::new(Vec::new()),
             outage: AtomicU64::new(0),
@@ -1402,9 +1412,26 @@ impl Agent {
         let mut renews: Vec<(LeaseItem, Arc<Slot>)> = Vec::new();
         let mut forget: Vec<SlotKey> = Vec::new();
         let table = inner.table.pin();
+        let version = rules.as_ref().map_or(0, |r| r.version);
+        let rules_changed = inner.planned_version.swap(version, Ordering::AcqRel) != version;
+        let idle_ns = inner.cfg.plan.idle_release.as_nanos() as u64;
+        let lead_ns = (4 * inner.cfg.plan.renew_interval.as_nanos() as u64)
+            .max(inner.cfg.plan.low_water.as_nanos() as u64);
         for (key, slot) in table.iter() {
-            let mut st = slot.st.lock();
+            // A quiet key (nothing spent, denied or waiting since the last
+            // visit) is skipped until the planner's answer can change: a
+            // tick costs O(active keys), not O(keys held).
             let (gen, tokens) = slot.word.load();
+            let packed = crate::lease_table::pack(gen, tokens);
+            if !rules_changed
+                && t < slot.quiet_until_ns.load(Ordering::Acquire)
+                && slot.seen_word.load(Ordering::Acquire) == packed
+                && slot.waiting_cost.load(Ordering::Acquire) == 0
+                && slot.denied.load(Ordering::Relaxed) == 0
+            {
+                continue;
+            }
+            let mut st = slot.st.lock();
             if gen == st.generation {
                 let consumed = st.baseline.saturating_sub(tokens);
                 st.usage.since_tick += consumed;
@@ -1436,6 +1463,26 @@ impl Agent {
                     t,
                 ),
             };
+            // Until when this key's plan cannot change without activity: its
+            // idle release, the end of a dry spell, its refresh lead, its
+            // deadline (each only if still ahead).
+            let quiet_until = if matches!(decision, Plan::Wait) && st.in_flight.is_none() {
+                let dry = slot.dry_until_ns.load(Ordering::Acquire);
+                [
+                    st.usage.last_active_ns.saturating_add(idle_ns + 1),
+                    dry,
+                    deadline.saturating_sub(lead_ns),
+                    deadline,
+                ]
+                .into_iter()
+                .filter(|&x| x > t)
+                .min()
+                .unwrap_or(0)
+            } else {
+                0
+            };
+            slot.quiet_until_ns.store(quiet_until, Ordering::Release);
+            slot.seen_word.store(packed, Ordering::Release);
             match decision {
                 Plan::Wait => {}
                 Plan::Renew { want } => {
@@ -1619,6 +1666,7 @@ impl Agent {
                 st.in_flight = None;
             }
             drop(st);
+            s.quiet_until_ns.store(0, Ordering::Release);
             s.waiting_cost.store(0, Ordering::Release);
             s.parked.notify_waiters();
         }

@@ -634,8 +634,10 @@ impl RegionalCore {
                     let short = may_ask && want > 0 && (unmet > pool || pool < low);
                     // Spending the parent does not know of yet keeps its
                     // bucket from refilling (refill is capped at
-                    // B - outstanding): report it once it is a quarter of B.
-                    let report = c.granted.saturating_sub(h) >= (burst / 4).max(1);
+                    // B - outstanding): report it (at most once per renew
+                    // interval, even while told to wait for new tokens)
+                    // once it is a useful part of B.
+                    let report = c.granted.saturating_sub(h) >= (burst / 32).max(1);
                     if ahead || short || report {
                         Plan::Renew {
                             want: if may_ask { want } else { 0 },
@@ -879,38 +881,70 @@ impl RegionalCore {
     pub fn check_i2(&mut self, now_ns: u64) -> Result<(), String> {
         self.lapse_chains(now_ns);
         for key in self.core.key_ids() {
-            let chain = self.keys.get(&key).and_then(|k| k.chain.clone());
-            let ledger = self.core.ledger_mut(&key).expect("listed key");
-            let h = ledger.holding(now_ns);
-            if !ledger.i2_holds() {
-                return Err(format!(
-                    "{key:?}: available {} + outstanding {} > B {}",
-                    ledger.available(),
-                    ledger.outstanding(),
-                    ledger.burst()
-                ));
+            self.check_key(now_ns, &key)?;
+        }
+        Ok(())
+    }
+
+    /// [`RegionalCore::check_i2`] for the keys of one child batch only (what a
+    /// batch can change), so that a checker can run it after every batch.
+    pub fn check_i2_batch(&mut self, now_ns: u64, batch: &LeaseBatch) -> Result<(), String> {
+        for item in &batch.items {
+            let key = KeyId {
+                rule: item.rule_id.clone(),
+                tenant: item.tenant.clone(),
+                route: item.route.clone(),
+            };
+            let lapsed = self
+                .keys
+                .get(&key)
+                .and_then(|k| k.chain.as_ref())
+                .is_some_and(|c| now_ns >= c.deadline_ns);
+            if lapsed {
+                self.lapse_chains(now_ns);
             }
-            match chain {
-                Some(c) => {
-                    if h > c.granted {
-                        return Err(format!("{key:?}: holding {h} > parent lease {}", c.granted));
-                    }
-                    if let Some(l) = ledger
-                        .leases()
-                        .iter()
-                        .find(|l| l.expires_ns > c.deadline_ns)
-                    {
-                        return Err(format!(
-                            "{key:?}: sub-lease {} expires at {} after the chain deadline {}",
-                            l.id, l.expires_ns, c.deadline_ns
-                        ));
-                    }
-                }
-                None if h > 0 => {
-                    return Err(format!("{key:?}: holding {h} without a parent lease"));
-                }
-                None => {}
+            if self.core.ledger_mut(&key).is_some() {
+                self.check_key(now_ns, &key)?;
             }
+        }
+        Ok(())
+    }
+
+    fn check_key(&mut self, now_ns: u64, key: &KeyId) -> Result<(), String> {
+        let chain = self.keys.get(key).and_then(|k| k.chain.clone());
+        let ledger = self
+            .core
+            .ledger_mut(key)
+            .expect("checked keys have a ledger");
+        let h = ledger.holding(now_ns);
+        if !ledger.i2_holds() {
+            return Err(format!(
+                "{key:?}: available {} + outstanding {} > B {}",
+                ledger.available(),
+                ledger.outstanding(),
+                ledger.burst()
+            ));
+        }
+        match chain {
+            Some(c) => {
+                if h > c.granted {
+                    return Err(format!("{key:?}: holding {h} > parent lease {}", c.granted));
+                }
+                if let Some(l) = ledger
+                    .leases()
+                    .iter()
+                    .find(|l| l.expires_ns > c.deadline_ns)
+                {
+                    return Err(format!(
+                        "{key:?}: sub-lease {} expires at {} after the chain deadline {}",
+                        l.id, l.expires_ns, c.deadline_ns
+                    ));
+                }
+            }
+            None if h > 0 => {
+                return Err(format!("{key:?}: holding {h} without a parent lease"));
+            }
+            None => {}
         }
         Ok(())
     }

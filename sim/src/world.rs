@@ -143,6 +143,8 @@ struct RegionalNode {
     clock: NodeClock,
     life: u32,
     awaiting: Awaiting,
+    /// True time of the pending poll (a `Tick` at another time is stale).
+    poll_at: u64,
 }
 
 struct GlobalNode {
@@ -335,6 +337,7 @@ impl World {
                 clock: draw_clock(Node::Regional(r)),
                 life: 0,
                 awaiting: BTreeMap::new(),
+                poll_at: u64::MAX,
             })
             .collect();
         let agents = (0..n_agents)
@@ -472,8 +475,9 @@ impl World {
             (u64::from(r) + 1) << 48 | life << 40,
             now,
         ));
-        // Stagger ticks deterministically.
+        // Stagger the first polls deterministically.
         let first = self.t + (u64::from(r) * 7_919_000) % interval;
+        node.poll_at = first;
         self.schedule(first, Event::Tick(Node::Regional(r)));
     }
 
@@ -598,17 +602,51 @@ impl World {
                 self.agent_poll(i);
             }
             Node::Regional(r) => {
-                let t = self.t;
-                let n = &mut self.regionals[r as usize];
-                let Some(core) = n.core.as_mut() else { return };
-                let now = n.clock.local(t);
-                if let Some(batch) = core.poll_upstream(now) {
-                    self.send_batch(Node::Regional(r), Node::Global, batch);
+                if self.regionals[r as usize].poll_at != self.t {
+                    return; // superseded by an earlier poll
                 }
+                self.regionals[r as usize].poll_at = u64::MAX;
+                self.regional_poll(r);
+                return;
             }
             Node::Global => return,
         }
         self.schedule(self.t + interval, Event::Tick(node));
+    }
+
+    /// The upstream loop of a regional allocator, as `upstream::run` does
+    /// it: poll; a batch goes out and the next poll follows its outcome;
+    /// otherwise sleep until the core's next wake-up (1 ms ..= one renew
+    /// interval) or until a child finds a pool dry.
+    fn regional_poll(&mut self, r: u16) {
+        let t = self.t;
+        let interval = self.renew_interval_ns();
+        let n = &mut self.regionals[r as usize];
+        let Some(core) = n.core.as_mut() else { return };
+        if !n.awaiting.is_empty() {
+            return; // a batch is out: its reply or timeout polls again
+        }
+        let now = n.clock.local(t);
+        match core.poll_upstream(now) {
+            Some(batch) => self.send_batch(Node::Regional(r), Node::Global, batch),
+            None => {
+                let sleep = core
+                    .next_wakeup_ns()
+                    .saturating_sub(now)
+                    .clamp(1_000_000, interval.max(1_000_000));
+                self.regional_wake(r, t + sleep);
+            }
+        }
+    }
+
+    /// Make sure regional `r` polls no later than `at`.
+    fn regional_wake(&mut self, r: u16, at: u64) {
+        let n = &mut self.regionals[r as usize];
+        if n.core.is_none() || !n.awaiting.is_empty() || n.poll_at <= at {
+            return;
+        }
+        n.poll_at = at;
+        self.schedule(at, Event::Tick(Node::Regional(r)));
     }
 
     fn agent_poll(&mut self, i: u32) {
@@ -645,6 +683,7 @@ impl World {
     /// number, like the production drivers.
     fn send_batch(&mut self, from: Node, to: Node, batch: LeaseBatch) {
         let seq = batch.header.as_ref().map(|h| h.seq).unwrap_or(0);
+
         self.count_message(from, &batch);
         self.transmit(from, to, Msg::Batch(batch.clone()));
         if let Some(aw) = self.awaiting(from) {
@@ -763,6 +802,7 @@ impl World {
                 if let Some(core) = n.core.as_mut() {
                     core.upstream_failed(n.clock.local(t), seq);
                 }
+                self.regional_poll(r);
             }
             Node::Global => {}
         }
@@ -784,13 +824,18 @@ impl World {
                 let Some(core) = n.core.as_mut() else { return };
                 let now = n.clock.local(t);
                 let reply = core.handle(now, &batch);
-                if let Err(why) = core.check_i2(now) {
+                if let Err(why) = core.check_i2_batch(now, &batch) {
                     if self.i2_violations.len() < 10 {
                         self.i2_violations
                             .push(format!("region {r} at t={t} ns: {why}"));
                     }
                 }
+                let dry = reply.grants.iter().any(|g| g.retry_after_ms > 0);
                 self.transmit(to, from, Msg::Reply(reply));
+                if dry {
+                    // A pool ran dry: the upstream loop looks now.
+                    self.regional_wake(r, t);
+                }
             }
             (Node::Regional(r), Msg::Reply(reply)) => {
                 let n = &mut self.regionals[r as usize];
@@ -798,6 +843,14 @@ impl World {
                 n.awaiting.remove(&reply.seq);
                 let now = n.clock.local(t);
                 core.handle_upstream_reply(now, &reply);
+                if let Err(why) = core.check_i2(now) {
+                    if self.i2_violations.len() < 10 {
+                        self.i2_violations.push(format!(
+                            "region {r} at t={t} ns after a parent reply: {why}"
+                        ));
+                    }
+                }
+                self.regional_poll(r);
             }
             (Node::Agent(i), Msg::Reply(reply)) => {
                 let n = &mut self.agents[i as usize];

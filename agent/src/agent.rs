@@ -20,7 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use quotalease_allocator::bucket::TokenBucket;
-use quotalease_allocator::clock::BootClock;
+use quotalease_allocator::clock::{BootClock, Clock};
 use quotalease_allocator::core::RHO_PPM;
 use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
 use quotalease_proto::lease::{
@@ -38,13 +38,26 @@ use crate::transport::Transport;
 
 /// Where the agent reads time. Production reads `CLOCK_BOOTTIME`; a driver
 /// that owns time (the simulator) sets the reading before each call.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub enum AgentClock {
     /// `CLOCK_BOOTTIME`.
     #[default]
     Boot,
     /// A reading in nanoseconds set by the driver.
     Manual(Arc<AtomicU64>),
+    /// Any other source, read on every call (`tests/turmoil_net.rs` reads
+    /// turmoil's simulated time, shared with the allocators).
+    Custom(Arc<dyn Clock>),
+}
+
+impl std::fmt::Debug for AgentClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentClock::Boot => f.write_str("Boot"),
+            AgentClock::Manual(t) => f.debug_tuple("Manual").field(t).finish(),
+            AgentClock::Custom(_) => f.write_str("Custom"),
+        }
+    }
 }
 
 impl AgentClock {
@@ -54,6 +67,7 @@ impl AgentClock {
         match self {
             AgentClock::Boot => BootClock::now(),
             AgentClock::Manual(t) => t.load(Ordering::Acquire),
+            AgentClock::Custom(c) => c.now_ns(),
         }
     }
 }

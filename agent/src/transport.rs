@@ -36,25 +36,47 @@ impl GrpcTransport {
         if urls.is_empty() {
             return Err("--allocator: at least one URL is needed".into());
         }
-        let mut clients = Vec::new();
+        let mut channels = Vec::new();
         for url in urls {
-            let ep = Endpoint::from_shared(url.clone())
-                .map_err(|e| format!("--allocator: {url:?} is not a valid URL: {e}"))?
-                .connect_timeout(timeout)
-                .timeout(timeout)
-                .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_while_idle(true);
-            let client = AllocatorClient::new(ep.connect_lazy())
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES);
-            clients.push((url.clone(), client));
+            channels.push((url.clone(), endpoint(url, timeout)?.connect_lazy()));
         }
+        Self::from_channels(channels)
+    }
+
+    /// Clients over ready-made channels, each named by its URL (for logs).
+    /// A test builds them from [`endpoint`] over its own network
+    /// (`Endpoint::connect_with_connector_lazy`).
+    pub fn from_channels(channels: Vec<(String, Channel)>) -> Result<Self, String> {
+        if channels.is_empty() {
+            return Err("--allocator: at least one URL is needed".into());
+        }
+        let clients = channels
+            .into_iter()
+            .map(|(url, channel)| {
+                let client = AllocatorClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                (url, client)
+            })
+            .collect();
         Ok(Self {
             clients,
             current: AtomicUsize::new(0),
         })
     }
+}
+
+/// The endpoint settings the agent uses for the allocator at `url`:
+/// connect and call timeouts of `timeout`, HTTP/2 keep-alive pings every
+/// 10 s (also while idle).
+pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
+    Ok(Endpoint::from_shared(url.to_string())
+        .map_err(|e| format!("--allocator: {url:?} is not a valid URL: {e}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_while_idle(true))
 }
 
 impl Transport for GrpcTransport {

@@ -21,7 +21,7 @@ use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::clock::BootClock;
+use crate::clock::{BootClock, Clock};
 use crate::core::{AllocatorCore, CoreConfig, KeyId};
 use crate::regional::{RegionalConfig, RegionalCore};
 use crate::rules::RuleSet;
@@ -74,41 +74,115 @@ pub struct Shared {
     /// the last good rules keep serving).
     last_reload_error: Mutex<Option<String>>,
     reload_failures: std::sync::atomic::AtomicU64,
+    /// Where the drivers read time (`BootClock` in production).
+    clock: DriverClock,
+}
+
+/// The clock a [`Shared`] reads: `CLOCK_BOOTTIME` unless a test driver
+/// (turmoil) supplies its own.
+#[derive(Clone)]
+enum DriverClock {
+    Boot,
+    Custom(Arc<dyn Clock>),
+}
+
+impl std::fmt::Debug for DriverClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DriverClock::Boot => "BootClock",
+            DriverClock::Custom(_) => "Custom",
+        })
+    }
+}
+
+impl DriverClock {
+    #[inline]
+    fn now(&self) -> u64 {
+        match self {
+            DriverClock::Boot => BootClock::now(),
+            DriverClock::Custom(c) => c.now_ns(),
+        }
+    }
 }
 
 impl Shared {
     /// A fresh allocator core started now.
     pub fn new(cfg: CoreConfig, rules: RuleSet, rules_path: Option<PathBuf>) -> Arc<Self> {
-        let core = AllocatorCore::new(cfg, rules, unix_ms(), unix_ns(), BootClock::now());
+        Self::build_global(cfg, rules, rules_path, DriverClock::Boot)
+    }
+
+    /// [`Shared::new`] reading time from `clock` instead of
+    /// `CLOCK_BOOTTIME` (tests that own time: `tests/turmoil_net.rs`).
+    pub fn new_with_clock(
+        cfg: CoreConfig,
+        rules: RuleSet,
+        rules_path: Option<PathBuf>,
+        clock: Arc<dyn Clock>,
+    ) -> Arc<Self> {
+        Self::build_global(cfg, rules, rules_path, DriverClock::Custom(clock))
+    }
+
+    fn build_global(
+        cfg: CoreConfig,
+        rules: RuleSet,
+        rules_path: Option<PathBuf>,
+        clock: DriverClock,
+    ) -> Arc<Self> {
+        let core = AllocatorCore::new(cfg, rules, unix_ms(), unix_ns(), clock.now());
         Arc::new(Self {
             core: Mutex::new(Node::Global(core)),
             upstream_wake: tokio::sync::Notify::new(),
             rules_path,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
+            clock,
         })
     }
 
     /// A regional allocator started now, with optional bootstrap rules
     /// (rules then come from the parent; no rules file is watched).
     pub fn new_regional(cfg: RegionalConfig, rules: Option<RuleSet>) -> Arc<Self> {
-        let core = RegionalCore::new(cfg, rules, unix_ns(), unix_ns(), BootClock::now());
+        Self::build_regional(cfg, rules, DriverClock::Boot)
+    }
+
+    /// [`Shared::new_regional`] reading time from `clock`.
+    pub fn new_regional_with_clock(
+        cfg: RegionalConfig,
+        rules: Option<RuleSet>,
+        clock: Arc<dyn Clock>,
+    ) -> Arc<Self> {
+        Self::build_regional(cfg, rules, DriverClock::Custom(clock))
+    }
+
+    fn build_regional(
+        cfg: RegionalConfig,
+        rules: Option<RuleSet>,
+        clock: DriverClock,
+    ) -> Arc<Self> {
+        let core = RegionalCore::new(cfg, rules, unix_ns(), unix_ns(), clock.now());
         Arc::new(Self {
             core: Mutex::new(Node::Regional(core)),
             upstream_wake: tokio::sync::Notify::new(),
             rules_path: None,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
+            clock,
         })
+    }
+
+    /// The drivers' clock reading, in nanoseconds.
+    #[inline]
+    pub fn now(&self) -> u64 {
+        self.clock.now()
     }
 
     /// Handle one batch now.
     pub fn handle(&self, batch: &LeaseBatch) -> LeaseReply {
         let mut node = self.core.lock();
         match &mut *node {
-            Node::Global(core) => core.handle(BootClock::now(), batch),
+            Node::Global(core) => core.handle(self.now(), batch),
             Node::Regional(r) => {
-                let reply = r.handle(BootClock::now(), batch);
+                let reply = r.handle(self.now(), batch);
                 drop(node);
                 if reply.grants.iter().any(|g| g.retry_after_ms > 0) {
                     // A pool ran dry: let the upstream loop look now.
@@ -154,7 +228,7 @@ impl Shared {
                     return;
                 }
                 tracing::info!(version, rules = rules.rules.len(), "rules reloaded");
-                core.set_rules(rules, BootClock::now());
+                core.set_rules(rules, self.now());
                 *self.last_reload_error.lock() = None;
             }
             Err(errs) => {
@@ -216,7 +290,7 @@ pub async fn housekeeping(shared: Arc<Shared>, every: Duration) {
                 shared.reload();
             }
         }
-        shared.with_core(|c| c.sweep(BootClock::now()));
+        shared.with_core(|c| c.sweep(shared.now()));
     }
 }
 
@@ -243,7 +317,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
         tenant: q.tenant.unwrap_or_default(),
         route: q.route.unwrap_or_default(),
     };
-    let now = BootClock::now();
+    let now = shared.now();
     let regional = shared.is_regional();
     let chain = shared
         .with_regional(|r| {
@@ -389,7 +463,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
             )
         };
     }
-    let now = BootClock::now();
+    let now = shared.now();
     let ready_at = shared.with_core(|c| c.ready_at_ns());
     if now >= ready_at {
         (StatusCode::OK, "ready\n".into())

@@ -13,27 +13,39 @@ use quotalease_proto::lease::LeaseBatch;
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::clock::BootClock;
 use crate::server::Shared;
 
 /// A lazily connecting client for the parent at `url` (the regional starts
 /// even if the parent does not answer yet). `timeout` bounds each call.
 pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, String> {
+    Ok(client_on(endpoint(url, timeout)?.connect_lazy()))
+}
+
+/// The endpoint settings used for the parent at `url`: connect and call
+/// timeouts of `timeout`, HTTP/2 keep-alive pings every 10 s (also while
+/// idle). A test connects it over its own network
+/// (`Endpoint::connect_with_connector_lazy`) and passes the channel to
+/// [`client_on`].
+pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(format!(
             "--parent: {url:?} is not a valid URL: expected http://HOST:PORT"
         ));
     }
-    let ep = Endpoint::from_shared(url.to_string())
+    Ok(Endpoint::from_shared(url.to_string())
         .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))?
         .connect_timeout(timeout)
         .timeout(timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_while_idle(true);
-    Ok(AllocatorClient::new(ep.connect_lazy())
+        .keep_alive_while_idle(true))
+}
+
+/// A client for the parent over `channel`, with the message size limits.
+pub fn client_on(channel: Channel) -> AllocatorClient<Channel> {
+    AllocatorClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 /// Send one batch and feed the outcome back to the core.
@@ -50,7 +62,7 @@ async fn exchange(
         .unwrap_or(false);
     let mut c = client.clone();
     let res = tokio::time::timeout(timeout, c.lease(batch)).await;
-    let now = BootClock::now();
+    let now = shared.now();
     match res {
         Ok(Ok(reply)) => {
             let reply = reply.into_inner();
@@ -90,7 +102,7 @@ pub async fn run(
         if *stop.borrow() {
             return;
         }
-        let now = BootClock::now();
+        let now = shared.now();
         let Some((batch, wake, tick)) = shared.with_regional(|r| {
             (
                 r.poll_upstream(now),
@@ -107,7 +119,7 @@ pub async fn run(
             }
             continue;
         }
-        let now = BootClock::now();
+        let now = shared.now();
         let sleep = Duration::from_nanos(
             wake.saturating_sub(now)
                 .clamp(1_000_000, tick.max(1_000_000)),
@@ -123,7 +135,7 @@ pub async fn run(
 /// At shutdown: stop sub-leasing and give the pools back to the parent
 /// (one batch, bounded by `timeout`).
 pub async fn shutdown(shared: &Shared, client: &AllocatorClient<Channel>, timeout: Duration) {
-    let now = BootClock::now();
+    let now = shared.now();
     let Some(Some(batch)) = shared.with_regional(|r| r.shutdown(now)) else {
         return;
     };

@@ -1,8 +1,9 @@
-//! `quotalease demo`: one allocator and six agents in one process, talking
-//! real gRPC over loopback, under a synthetic gateway load — one hot tenant
-//! at three times its rate and many cold ones. Ends with a table per rule,
-//! with I1 checked by an independent sliding-window counter of admissions
-//! (not the allocator's books).
+//! `quotalease demo`: one global allocator, two regional allocators and six
+//! agents (three per region) in one process, talking real gRPC over
+//! loopback, under a synthetic gateway load — one hot tenant at three times
+//! its rate and many cold ones. Ends with a table per rule, with I1 checked
+//! by an independent sliding-window counter of admissions (not the
+//! allocators' books).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,8 +15,10 @@ use quotalease_agent::agent::{Agent, AgentConfig, CheckInput};
 use quotalease_agent::transport::GrpcTransport;
 use quotalease_allocator::clock::BootClock;
 use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::regional::RegionalConfig;
 use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{LeaseService, Shared};
+use quotalease_allocator::upstream;
 use quotalease_proto::v1::Reason;
 use quotalease_sim::checker::worst_window;
 use tokio::net::TcpListener;
@@ -46,6 +49,7 @@ rules:
 "#;
 
 const AGENTS: usize = 6;
+const REGIONS: [&str; 2] = ["eu", "us"];
 const HOT_TENANT: &str = "acme";
 const COLD_TENANTS: usize = 300;
 
@@ -71,25 +75,51 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules.clone(), None);
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("binding the demo allocator")?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(LeaseService::new(shared.clone()).into_server())
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
+    let addr = serve(shared.clone()).await?;
+    // Two regional allocators take leases from the global one and
+    // sub-lease them to the agents of their region.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut regional_urls = Vec::new();
+    let mut regionals = Vec::new();
+    for region in REGIONS {
+        let rcfg = RegionalConfig {
+            core: CoreConfig {
+                ttl_max_ns: 1_000_000_000,
+                ..CoreConfig::default()
+            },
+            region: region.to_string(),
+            lease_ttl_ns: 1_000_000_000,
+            ..RegionalConfig::default()
+        };
+        let regional = Shared::new_regional(rcfg, None);
+        let raddr = serve(regional.clone()).await?;
+        let timeout = Duration::from_millis(500);
+        let client =
+            upstream::client(&format!("http://{addr}"), timeout).map_err(|e| anyhow::anyhow!(e))?;
+        tokio::spawn(upstream::run(
+            regional.clone(),
+            client,
+            timeout,
+            stop_rx.clone(),
+        ));
+        regional_urls.push(format!("http://{raddr}"));
+        regionals.push((region, raddr, regional));
+    }
     println!(
-        "quotalease demo: allocator on {addr}, {AGENTS} agents, {}s of load",
+        "quotalease demo: global allocator on {addr}; regional allocators {} on {} and {} on {}; {AGENTS} agents ({} per region); {}s of load",
+        regionals[0].0,
+        regionals[0].1,
+        regionals[1].0,
+        regionals[1].1,
+        AGENTS / REGIONS.len(),
         duration.as_secs()
     );
     println!("rules: orders 200/s burst 100 per tenant (hot tenant {HOT_TENANT} asks 600/s), search 10/s burst 20 per tenant ({COLD_TENANTS} cold tenants, ~1/s each),");
     println!("       login 5/m burst 5 per tenant ({HOT_TENANT} tries 1 every 2 s), tenant-total 1000/s burst 500 per tenant");
-    let url = format!("http://{addr}");
     let mut agents = Vec::new();
     for i in 0..AGENTS {
-        let t = GrpcTransport::new(std::slice::from_ref(&url), Duration::from_millis(250))
+        let url = &regional_urls[i * REGIONS.len() / AGENTS];
+        let t = GrpcTransport::new(std::slice::from_ref(url), Duration::from_millis(250))
             .map_err(|e| anyhow::anyhow!(e))?;
         let cfg = AgentConfig {
             agent_id: format!("demo-agent-{i}"),
@@ -160,7 +190,18 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     for a in &agents {
         a.shutdown().await;
     }
+    let _ = stop_tx.send(true);
     let violations: u64 = shared.with_core(|c| c.stats().shadow_violations.values().sum());
+    let upstream_msgs: Vec<(String, u64)> = regionals
+        .iter()
+        .map(|(name, _, r)| {
+            (
+                name.to_string(),
+                r.with_regional(|c| c.stats().upstream_messages)
+                    .unwrap_or(0),
+            )
+        })
+        .collect();
 
     // The table: per rule, the busiest key's bound and utilization, and
     // I1 over every window of every key.
@@ -223,7 +264,13 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     }
     println!();
     println!("T = {t_s:.1}s. For the busiest key of each rule: its admitted tokens, the bound B + R*T, and util % = admitted / (B + R*T).");
-    println!("chk/msg = checks matching the rule / allocator messages carrying any of its keys (a batch counts once); all rules: {checks} checks / {msgs} messages.");
+    println!("chk/msg = checks matching the rule / messages from agents to their regional allocator carrying any of its keys (a batch counts once); all rules: {checks} checks / {msgs} messages.");
+    for (name, n) in &upstream_msgs {
+        println!(
+            "regional allocator {name}: {n} messages to the global allocator ({:.0} checks per message overall)",
+            checks as f64 / REGIONS.len() as f64 / (*n).max(1) as f64
+        );
+    }
     if counts.unavailable > 0 {
         println!("{} checks were answered unavailable.", counts.unavailable);
     }
@@ -232,6 +279,20 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         anyhow::bail!("the bound B + R*T was broken");
     }
     Ok(())
+}
+
+/// Serve the Lease protocol of `shared` on an ephemeral loopback port.
+async fn serve(shared: Arc<Shared>) -> anyhow::Result<std::net::SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding a demo allocator")?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(LeaseService::new(shared).into_server())
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    Ok(addr)
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -258,13 +319,14 @@ async fn load(
     let (mut hot_due, mut cold_due, mut login_due) = (0.0f64, 0.0f64, 0.0f64);
     let mut n = 0u64;
     let rules = agent.rules().expect("agent is ready");
+    let mut inflight = tokio::task::JoinSet::new();
     while start.elapsed() < duration {
         tick.tick().await;
         let dt = 0.005;
         hot_due += hot_per_agent * dt;
         cold_due += cold_per_agent * dt;
         login_due += 0.5 * dt;
-        let mut batch: Vec<(String, &str)> = Vec::new();
+        let mut batch: Vec<(String, &'static str)> = Vec::new();
         while hot_due >= 1.0 {
             hot_due -= 1.0;
             batch.push((HOT_TENANT.to_string(), "/api/orders"));
@@ -279,42 +341,51 @@ async fn load(
             login_due -= 1.0;
             batch.push((HOT_TENANT.to_string(), "/api/login"));
         }
+        // A gateway does not wait for one request before taking the next:
+        // each check runs on its own task (a cold key's first check waits
+        // for its lease without holding up the others).
         for (tenant, route) in batch {
-            let input = CheckInput {
-                tenant: &tenant,
-                route,
-                cost: 1,
-                request_id: "",
-                domain: None,
-            };
-            let res = agent.check(input).await;
-            let t = BootClock::now();
-            let matched = rules.matching(None, &tenant, route);
-            let mut c = counts.lock();
-            for rule in &matched {
-                *c.checks.entry(rule.id.clone()).or_insert(0) += 1;
-            }
-            match res {
-                Ok(r) if r.allowed && r.reason != Reason::NoRule as i32 => {
-                    let mut l = log.lock();
-                    for rule in matched.iter().filter(|r| !r.shadow) {
-                        *c.admitted.entry(rule.id.clone()).or_insert(0) += 1;
-                        l.entry((
-                            rule.id.clone(),
-                            rule.tenant.key_part(&tenant).to_string(),
-                            rule.route.key_part(route).to_string(),
-                        ))
-                        .or_default()
-                        .push((t, 1));
-                    }
+            let (agent, rules, log, counts) =
+                (agent.clone(), rules.clone(), log.clone(), counts.clone());
+            inflight.spawn(async move {
+                let input = CheckInput {
+                    tenant: &tenant,
+                    route,
+                    cost: 1,
+                    request_id: "",
+                    domain: None,
+                };
+                let res = agent.check(input).await;
+                let t = BootClock::now();
+                let matched = rules.matching(None, &tenant, route);
+                let mut c = counts.lock();
+                for rule in &matched {
+                    *c.checks.entry(rule.id.clone()).or_insert(0) += 1;
                 }
-                Ok(_) => {
-                    for rule in &matched {
-                        *c.denied.entry(rule.id.clone()).or_insert(0) += 1;
+                match res {
+                    Ok(r) if r.allowed && r.reason != Reason::NoRule as i32 => {
+                        let mut l = log.lock();
+                        for rule in matched.iter().filter(|r| !r.shadow) {
+                            *c.admitted.entry(rule.id.clone()).or_insert(0) += 1;
+                            l.entry((
+                                rule.id.clone(),
+                                rule.tenant.key_part(&tenant).to_string(),
+                                rule.route.key_part(route).to_string(),
+                            ))
+                            .or_default()
+                            .push((t, 1));
+                        }
                     }
+                    Ok(_) => {
+                        for rule in &matched {
+                            *c.denied.entry(rule.id.clone()).or_insert(0) += 1;
+                        }
+                    }
+                    Err(_) => c.unavailable += 1,
                 }
-                Err(_) => c.unavailable += 1,
-            }
+            });
         }
+        while inflight.try_join_next().is_some() {}
     }
+    while inflight.join_next().await.is_some() {}
 }

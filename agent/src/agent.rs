@@ -200,6 +200,11 @@ pub struct CheckInput<'a> {
 // ---------------------------------------------------------------------------
 // Keys and slots
 
+/// Rounds a request waits for a grant before it is denied.
+const MAX_ATTEMPTS: u32 = 2;
+/// The same while the allocator is opening the key upstream.
+const MAX_ATTEMPTS_OPENING: u32 = 4;
+
 /// Most rules one request can match.
 pub const MAX_MATCHED: usize = 16;
 /// A key held in the lease table: rule id plus the tenant and route parts
@@ -315,6 +320,8 @@ pub struct Slot {
     /// planner's answer cannot change before then (see `plan_all`).
     quiet_until_ns: AtomicU64,
     seen_word: AtomicU64,
+    /// The allocator is still opening this (never leased) key upstream.
+    opening: AtomicBool,
     parked: Notify,
     st: Mutex<SlotState>,
 }
@@ -332,6 +339,7 @@ impl Slot {
             denied: AtomicU64::new(0),
             quiet_until_ns: AtomicU64::new(0),
             seen_word: AtomicU64::new(u64::MAX),
+            opening: AtomicBool::new(false),
             holders: AtomicU64::new(1),
             emergency: Mutex::new(None),
             parked: Notify::new(),
@@ -937,6 +945,20 @@ impl Agent {
                 let cut_off = parent_cut
                     || inner.down.load(Ordering::Acquire)
                     || (!inner.connected.load(Ordering::Acquire) && attempt > 0);
+                // A key the allocator is still fetching from its parent gets
+                // a few more rounds (each bounded by `fetch_timeout`).
+                let max_attempts = if slot.opening.load(Ordering::Acquire) {
+                    MAX_ATTEMPTS_OPENING
+                } else {
+                    MAX_ATTEMPTS
+                };
+                if dry_until > t
+                    && !parent_cut
+                    && max_attempts > MAX_ATTEMPTS
+                    && attempt < max_attempts
+                {
+                    return Step::Park { slot, rule_idx };
+                }
                 if dry_until > t && !parent_cut {
                     slot.denied.fetch_add(cost, Ordering::Relaxed);
                     inner.metrics.over_limit.add(1);
@@ -970,7 +992,7 @@ impl Agent {
                     }
                     return Step::Done(self.fail_policy(rule, rules, "allocator unreachable"));
                 }
-                if attempt >= 2 {
+                if attempt >= max_attempts {
                     slot.denied.fetch_add(cost, Ordering::Relaxed);
                     inner.metrics.over_limit.add(1);
                     let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
@@ -1825,6 +1847,13 @@ impl Agent {
             give_back(&mut st);
             return;
         }
+        // A regional allocator still opening the key upstream: the waiting
+        // requests keep waiting for the next ask (after the hint) instead
+        // of being denied — a cold key pays the round trip to the top, once.
+        let opening = g.opening
+            && g.tokens == 0
+            && g.retry_after_ms < inner.cfg.fetch_timeout.as_millis() as u64;
+        slot.opening.store(opening, Ordering::Release);
         let dry = if g.retry_after_ms > 0 {
             t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
         } else {

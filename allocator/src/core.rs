@@ -542,7 +542,11 @@ impl AllocatorCore {
         let ledger = self.keys.get_mut(&key).expect("inserted above");
         let mut ttl_ns = ttl_ns;
         let mut parent_unreachable = false;
+        let mut opening = false;
         if let (Some(mode), Some(pool)) = (self.pooled, ledger.pool()) {
+            // No parent lease yet, or the pool is short while the parent
+            // has tokens: the regional is fetching, the child should wait.
+            opening = (pool.deadline_ns <= now_ns || !pool.parent_dry) && !mode.parent_unreachable;
             // A sub-lease never outlives the parent lease: whole
             // milliseconds up to the pool's deadline, and nothing new from
             // the pool when that is too short to be of use (the ledger
@@ -590,6 +594,7 @@ impl AllocatorCore {
             parent_unreachable,
             detail: String::new(),
             holders: g.holders,
+            opening: opening && g.tokens == 0,
         }
     }
 

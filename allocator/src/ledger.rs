@@ -113,6 +113,10 @@ pub struct Pool {
     pub retry_ms: u64,
     /// Grant nothing new when the lease would live shorter than this.
     pub min_ttl_ns: u64,
+    /// The parent told the regional to wait before asking for more (its
+    /// bucket is dry): a child the pool cannot serve is denied, not told to
+    /// wait for the next upstream answer.
+    pub parent_dry: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -211,6 +215,7 @@ impl KeyLedger {
                 deadline_ns: 0,
                 retry_ms: 1,
                 min_ttl_ns: 0,
+                parent_dry: false,
             }),
         }
     }
@@ -247,6 +252,13 @@ impl KeyLedger {
     pub fn set_pool_min_ttl(&mut self, ns: u64) {
         if let Some(p) = self.pool.as_mut() {
             p.min_ttl_ns = ns;
+        }
+    }
+
+    /// Pooled mode: whether the parent's bucket is dry (see [`Pool::parent_dry`]).
+    pub fn set_pool_parent_dry(&mut self, dry: bool) {
+        if let Some(p) = self.pool.as_mut() {
+            p.parent_dry = dry;
         }
     }
 

@@ -621,6 +621,7 @@ impl RegionalCore {
                 cfg.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
             };
             ledger.set_pool_retry_ms(hint);
+            ledger.set_pool_parent_dry(!may_ask);
             let plan = match &ks.chain {
                 None if unmet > 0 && may_ask => Plan::Open {
                     want: want.max(1),

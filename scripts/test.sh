@@ -43,4 +43,26 @@ log "loom model of the lease word"
 RUSTFLAGS="--cfg quotalease_loom" CARGO_TARGET_DIR=target/loom \
   cargo test -p quotalease-agent --release --lib loom
 
+log "simulator: seed sweep of every scenario at reduced scale (release)"
+cargo build --release --bin quotalease
+sim=target/release/quotalease
+sweep() { # scenario scale seeds
+  "$sim" sim --scenario "sim/scenarios/$1.yaml" --scale "$2" --seeds "$3"
+}
+sweep hot-tenant   0.05 1..20
+sweep region-cut   0.1  1..20
+sweep global-crash 0.2  1..20
+sweep agent-crash  0.2  1..20
+sweep clock-skew   0.3  1..20
+sweep flash-crowd  0.2  1..20
+sweep zipf-100k    0.01 1..5
+
+log "simulator: same seed, same bytes"
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for run in a b; do
+  "$sim" sim --scenario sim/scenarios/region-cut.yaml --scale 0.05 --seed 42 --out "$out/$run" >/dev/null
+done
+diff -r "$out/a" "$out/b"
+
 log "all tests passed"

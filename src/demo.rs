@@ -29,7 +29,7 @@ rules:
   - id: orders
     match: { tenant: "*", route: /api/orders }
     rate: 200/s
-    burst: 100
+    burst: 200
     fail_policy: lease_only
   - id: search
     match: { tenant: "*", route: /api/search }
@@ -114,7 +114,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         AGENTS / REGIONS.len(),
         duration.as_secs()
     );
-    println!("rules: orders 200/s burst 100 per tenant (hot tenant {HOT_TENANT} asks 600/s), search 10/s burst 20 per tenant ({COLD_TENANTS} cold tenants, ~1/s each),");
+    println!("rules: orders 200/s burst 200 per tenant (hot tenant {HOT_TENANT} asks 600/s), search 10/s burst 20 per tenant ({COLD_TENANTS} cold tenants, ~1/s each),");
     println!("       login 5/m burst 5 per tenant ({HOT_TENANT} tries 1 every 2 s), tenant-total 1000/s burst 500 per tenant");
     let mut agents = Vec::new();
     for i in 0..AGENTS {

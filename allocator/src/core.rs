@@ -153,6 +153,8 @@ pub struct AllocatorCore {
     /// `Some` for the child-facing core of a regional allocator: ledgers
     /// are pooled (fed by parent leases), see [`AllocatorCore::new_pooled`].
     pooled: Option<PooledMode>,
+    /// Pooled mode: keys created since the last `take_new_keys`.
+    new_keys: Vec<KeyId>,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -193,6 +195,7 @@ impl AllocatorCore {
             next_holder: 0,
             stats: Stats::default(),
             pooled: None,
+            new_keys: Vec::new(),
         }
     }
 
@@ -239,6 +242,11 @@ impl AllocatorCore {
         let mut v: Vec<KeyId> = self.keys.keys().cloned().collect();
         v.sort();
         v
+    }
+
+    /// Pooled mode: the keys children created since the last call.
+    pub fn take_new_keys(&mut self) -> Vec<KeyId> {
+        std::mem::take(&mut self.new_keys)
     }
 
     /// Put `ledger` in place for `key` (a new chain of parent leases); the
@@ -537,6 +545,9 @@ impl AllocatorCore {
             } else {
                 KeyLedger::new(rate, burst, now_ns, self.ready_at_ns)
             };
+            if self.pooled.is_some() {
+                self.new_keys.push(key.clone());
+            }
             self.keys.insert(key.clone(), ledger);
         }
         let ledger = self.keys.get_mut(&key).expect("inserted above");

@@ -426,7 +426,7 @@ impl RegionalCore {
         self.core.set_parent_unreachable(!self.reachable);
         self.lapse_chains(now_ns);
         // Keys the children created since the last poll.
-        for key in self.core.key_ids() {
+        for key in self.core.take_new_keys() {
             self.keys.entry(key).or_insert_with(|| KeyState {
                 sample_ns: now_ns,
                 ..KeyState::default()

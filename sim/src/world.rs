@@ -299,7 +299,8 @@ pub struct World {
     /// the requests charge).
     tenants: BTreeMap<(u32, u16), (String, Vec<usize>)>,
     keys: Vec<KeyStats>,
-    key_index: BTreeMap<KeyId, usize>,
+    /// Only looked up, never iterated: hash order cannot leak out.
+    key_index: std::collections::HashMap<KeyId, usize>,
     checks: u64,
     msgs_agent_tier: u64,
     msgs_regional_tier: u64,
@@ -389,7 +390,7 @@ impl World {
             next_park: 0,
             tenants: BTreeMap::new(),
             keys: Vec::new(),
-            key_index: BTreeMap::new(),
+            key_index: std::collections::HashMap::new(),
             checks: 0,
             msgs_agent_tier: 0,
             msgs_regional_tier: 0,

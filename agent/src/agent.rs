@@ -529,6 +529,9 @@ struct Inner {
     last_sent_ns: AtomicU64,
     /// Rule set version of the last planning pass (a change visits every key).
     planned_version: AtomicU64,
+    /// Slots that requests wait for since the last pass (a wake-up pass
+    /// plans only these).
+    wanted: Mutex<Vec<Arc<Slot>>>,
     /// Batches sent and not yet answered, by sequence number.
     pending: Mutex<BTreeMap<u64, Pending>>,
     /// Emergency buckets opened (only with `record_emergency`).
@@ -543,6 +546,17 @@ struct Inner {
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
     metrics: AgentMetrics,
     admission_log: Option<Mutex<BufWriter<File>>>,
+}
+
+/// Working state of one planning pass.
+struct PlanCtx {
+    rules: Option<Arc<RuleSet>>,
+    rules_changed: bool,
+    idle_ns: u64,
+    lead_ns: u64,
+    releases: Vec<LeaseItem>,
+    renews: Vec<(LeaseItem, Arc<Slot>)>,
+    forget: Vec<SlotKey>,
 }
 
 /// A batch on its way to the allocator.
@@ -654,6 +668,7 @@ impl Agent {
             parent_down: AtomicBool::new(false),
             last_sent_ns: AtomicU64::new(0),
             planned_version: AtomicU64::new(0),
+            wanted: Mutex::new(Vec::new()),
             pending: Mutex::new(BTreeMap::new()),
             emergency_log: Mutex::new(Vec::new()),
             outage: AtomicU64::new(0),
@@ -1013,11 +1028,13 @@ impl Agent {
         input: &CheckInput<'_>,
         cost: u64,
         rule_idx: usize,
-        slot: &Slot,
+        slot: &Arc<Slot>,
         t: u64,
     ) {
         let inner = &*self.inner;
         slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
+        let mut wanted = inner.wanted.lock();
+        wanted.push(slot.clone());
         for &ri in &m.idx[..m.n] {
             let other = &rules.rules[ri as usize];
             if other.shadow || ri as usize == rule_idx {
@@ -1026,9 +1043,11 @@ impl Agent {
             if let Some(s) = self.slot_for(other, input.tenant, input.route) {
                 if s.word.peek(t).is_none_or(|held| held < cost) {
                     s.waiting_cost.fetch_add(cost, Ordering::AcqRel);
+                    wanted.push(s);
                 }
             }
         }
+        drop(wanted);
         inner.wake.notify_one();
         inner.metrics.waits.add(1);
     }
@@ -1274,6 +1293,7 @@ impl Agent {
                             self.inner.metrics.shadow_over_limit.add(1);
                         } else {
                             slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
+                            self.inner.wanted.lock().push(slot);
                             self.inner.wake.notify_one();
                         }
                     }
@@ -1374,12 +1394,12 @@ impl Agent {
         let mut tick = tokio::time::interval(inner.cfg.plan.renew_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !inner.stop.load(Ordering::Acquire) {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = inner.wake.notified() => {}
+            let woken = tokio::select! {
+                _ = tick.tick() => false,
+                _ = inner.wake.notified() => true,
                 _ = inner.stopped.notified() => break,
-            }
-            if let Some(batch) = self.poll_renewal(self.now()) {
+            };
+            if let Some(batch) = self.poll(self.now(), woken) {
                 let me = self.clone();
                 tokio::spawn(async move { me.send(batch).await });
             }
@@ -1390,8 +1410,19 @@ impl Agent {
     /// (renewals, releases, or a heartbeat). The driver delivers it and calls
     /// [`Agent::on_reply`] or [`Agent::on_failure`] with its sequence number.
     pub fn poll_renewal(&self, t: u64) -> Option<LeaseBatch> {
+        self.poll(t, false)
+    }
+
+    /// Sans-IO: like [`Agent::poll_renewal`] after a wake-up by waiting
+    /// requests: plans only the keys they wait for (O(waiting keys), not
+    /// O(keys held)); releases and refreshes wait for the next tick.
+    pub fn poll_renewal_woken(&self, t: u64) -> Option<LeaseBatch> {
+        self.poll(t, true)
+    }
+
+    fn poll(&self, t: u64, woken: bool) -> Option<LeaseBatch> {
         let inner = &*self.inner;
-        let (items, slots) = self.plan_all(t);
+        let (items, slots) = self.plan_all(t, woken);
         let mut pending = inner.pending.lock();
         // Forget abandoned batches whose grants have surely expired.
         let keep_ns = 2 * inner.cfg.lease_ttl.as_nanos() as u64;
@@ -1440,149 +1471,44 @@ impl Agent {
     }
 
     /// Plan every key at `t`: the items of the next batch and their slots.
-    fn plan_all(&self, t: u64) -> (Vec<LeaseItem>, Vec<Arc<Slot>>) {
+    fn plan_all(&self, t: u64, woken: bool) -> (Vec<LeaseItem>, Vec<Arc<Slot>>) {
         let inner = &*self.inner;
         let rules = inner.rules.load_full();
         let mut items = std::mem::take(&mut *inner.late_releases.lock());
-        let mut releases: Vec<LeaseItem> = Vec::new();
-        let mut renews: Vec<(LeaseItem, Arc<Slot>)> = Vec::new();
-        let mut forget: Vec<SlotKey> = Vec::new();
-        let table = inner.table.pin();
         let version = rules.as_ref().map_or(0, |r| r.version);
-        let rules_changed = inner.planned_version.swap(version, Ordering::AcqRel) != version;
-        let idle_ns = inner.cfg.plan.idle_release.as_nanos() as u64;
-        let lead_ns = (4 * inner.cfg.plan.renew_interval.as_nanos() as u64)
-            .max(inner.cfg.plan.low_water.as_nanos() as u64);
-        for (key, slot) in table.iter() {
-            // A quiet key (nothing spent, denied or waiting since the last
-            // visit) is skipped until the planner's answer can change: a
-            // tick costs O(active keys), not O(keys held).
-            let (gen, tokens) = slot.word.load();
-            let packed = crate::lease_table::pack(gen, tokens);
-            if !rules_changed
-                && t < slot.quiet_until_ns.load(Ordering::Acquire)
-                && slot.seen_word.load(Ordering::Acquire) == packed
-                && slot.waiting_cost.load(Ordering::Acquire) == 0
-                && slot.denied.load(Ordering::Relaxed) == 0
-            {
-                continue;
-            }
-            let mut st = slot.st.lock();
-            if gen == st.generation {
-                let consumed = st.baseline.saturating_sub(tokens);
-                st.usage.since_tick += consumed;
-            }
-            // Demand, not just admissions, sizes the next lease.
-            st.usage.denied_since_tick += slot.denied.swap(0, Ordering::Relaxed);
-            st.baseline = tokens;
-            st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
-            let waiting = slot.waiting_cost.load(Ordering::Acquire);
-            if waiting > 0 {
-                st.usage.last_active_ns = t;
-            }
-            let rule = rules.as_ref().and_then(|r| r.get(&slot.rule_id));
-            let deadline = slot.word.deadline_ns();
-            let decision = match rule {
-                None => Plan::Release,
-                Some(rule) => plan(
-                    &inner.cfg.plan,
-                    &st.usage,
-                    KeyNow {
-                        held: if t < deadline { tokens } else { 0 },
-                        valid: t < deadline && st.lease_id != 0,
-                        deadline_ns: deadline,
-                        burst: rule.burst,
-                        waiting_cost: waiting,
-                        dry_until_ns: slot.dry_until_ns.load(Ordering::Acquire),
-                        in_flight: st.in_flight.is_some(),
-                    },
-                    t,
-                ),
-            };
-            // Until when this key's plan cannot change without activity: its
-            // idle release, the end of a dry spell, its refresh lead, its
-            // deadline (each only if still ahead).
-            let quiet_until = if matches!(decision, Plan::Wait) && st.in_flight.is_none() {
-                let dry = slot.dry_until_ns.load(Ordering::Acquire);
-                [
-                    st.usage.last_active_ns.saturating_add(idle_ns + 1),
-                    dry,
-                    deadline.saturating_sub(lead_ns),
-                    deadline,
-                ]
-                .into_iter()
-                .filter(|&x| x > t)
-                .min()
-                .unwrap_or(0)
-            } else {
-                0
-            };
-            slot.quiet_until_ns.store(quiet_until, Ordering::Release);
-            slot.seen_word.store(packed, Ordering::Release);
-            match decision {
-                Plan::Wait => {}
-                Plan::Renew { want } => {
-                    // Cut a new generation at the report: a refund of a
-                    // charge taken before it must not come back after the
-                    // allocator counted that charge as spent.
-                    let (at_cut, new_gen) = slot.word.cut();
-                    let spent = if gen == st.generation {
-                        st.usage.since_tick += tokens.saturating_sub(at_cut);
-                        st.granted.saturating_sub(at_cut)
-                    } else {
-                        0
-                    };
-                    st.generation = new_gen;
-                    st.baseline = at_cut;
-                    let item = LeaseItem {
-                        rule_id: slot.rule_id.clone(),
-                        tenant: slot.tenant.clone(),
-                        route: slot.route.clone(),
-                        kind: ItemKind::Renew as i32,
-                        lease_id: st.lease_id,
-                        spent,
-                        want,
-                    };
-                    st.in_flight = Some(InFlight {
-                        seq: 0,
-                        generation: new_gen,
-                        tokens_at_send: at_cut,
-                        kind: ItemKind::Renew,
-                    });
-                    renews.push((item, slot.clone()));
+        let mut ctx = PlanCtx {
+            rules_changed: !woken
+                && inner.planned_version.swap(version, Ordering::AcqRel) != version,
+            rules,
+            idle_ns: inner.cfg.plan.idle_release.as_nanos() as u64,
+            lead_ns: (4 * inner.cfg.plan.renew_interval.as_nanos() as u64)
+                .max(inner.cfg.plan.low_water.as_nanos() as u64),
+            releases: Vec::new(),
+            renews: Vec::new(),
+            forget: Vec::new(),
+        };
+        let table = inner.table.pin();
+        if woken {
+            // Only the keys requests wait for (releases wait for a tick).
+            let wanted = std::mem::take(&mut *inner.wanted.lock());
+            let mut seen = std::collections::HashSet::with_capacity(wanted.len());
+            for slot in wanted {
+                if seen.insert(slot.id) {
+                    self.plan_slot(None, &slot, t, &mut ctx);
                 }
-                Plan::Release => {
-                    if st.in_flight.is_some() {
-                        continue;
-                    }
-                    // Keep a key whose emergency bucket serves the current
-                    // outage: dropping it would start a full bucket again.
-                    let outage = inner.outage.load(Ordering::Acquire);
-                    if inner.down.load(Ordering::Acquire)
-                        && slot
-                            .emergency
-                            .lock()
-                            .as_ref()
-                            .is_some_and(|(o, _)| *o == outage)
-                    {
-                        continue;
-                    }
-                    let (left, new_gen) = slot.word.retire();
-                    st.generation = new_gen;
-                    if st.lease_id != 0 {
-                        let spent = st.granted.saturating_sub(left);
-                        releases.push(slot.release_item(st.lease_id, spent));
-                        if deadline <= t {
-                            inner.metrics.tokens_expired_unused.add(left);
-                        } else {
-                            inner.metrics.tokens_released.add(left);
-                        }
-                    }
-                    st.lease_id = 0;
-                    forget.push(key.clone());
-                }
+            }
+        } else {
+            inner.wanted.lock().clear();
+            for (key, slot) in table.iter() {
+                self.plan_slot(Some(key), slot, t, &mut ctx);
             }
         }
+        let PlanCtx {
+            mut releases,
+            mut renews,
+            forget,
+            ..
+        } = ctx;
         for k in forget {
             table.remove(&k);
         }
@@ -1601,6 +1527,142 @@ impl Agent {
             slots.push(slot);
         }
         (items, slots)
+    }
+
+    /// Plan one key at `t` (see `plan_all`). `key` is `None` on a wake-up
+    /// pass, which never releases.
+    fn plan_slot(&self, key: Option<&SlotKey>, slot: &Arc<Slot>, t: u64, ctx: &mut PlanCtx) {
+        let inner = &*self.inner;
+        // A quiet key (nothing spent, denied or waiting since the last
+        // visit) is skipped until the planner's answer can change: a
+        // tick costs O(active keys), not O(keys held).
+        let (gen, tokens) = slot.word.load();
+        let packed = crate::lease_table::pack(gen, tokens);
+        if !ctx.rules_changed
+            && t < slot.quiet_until_ns.load(Ordering::Acquire)
+            && slot.seen_word.load(Ordering::Acquire) == packed
+            && slot.waiting_cost.load(Ordering::Acquire) == 0
+            && slot.denied.load(Ordering::Relaxed) == 0
+        {
+            return;
+        }
+        let mut st = slot.st.lock();
+        if gen == st.generation {
+            let consumed = st.baseline.saturating_sub(tokens);
+            st.usage.since_tick += consumed;
+        }
+        // Demand, not just admissions, sizes the next lease.
+        st.usage.denied_since_tick += slot.denied.swap(0, Ordering::Relaxed);
+        st.baseline = tokens;
+        st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
+        let waiting = slot.waiting_cost.load(Ordering::Acquire);
+        if waiting > 0 {
+            st.usage.last_active_ns = t;
+        }
+        let rule = ctx.rules.as_ref().and_then(|r| r.get(&slot.rule_id));
+        let deadline = slot.word.deadline_ns();
+        let decision = match rule {
+            None => Plan::Release,
+            Some(rule) => plan(
+                &inner.cfg.plan,
+                &st.usage,
+                KeyNow {
+                    held: if t < deadline { tokens } else { 0 },
+                    valid: t < deadline && st.lease_id != 0,
+                    deadline_ns: deadline,
+                    burst: rule.burst,
+                    waiting_cost: waiting,
+                    dry_until_ns: slot.dry_until_ns.load(Ordering::Acquire),
+                    in_flight: st.in_flight.is_some(),
+                },
+                t,
+            ),
+        };
+        // Until when this key's plan cannot change without activity: its
+        // idle release, the end of a dry spell, its refresh lead, its
+        // deadline (each only if still ahead).
+        let quiet_until = if matches!(decision, Plan::Wait) && st.in_flight.is_none() {
+            let dry = slot.dry_until_ns.load(Ordering::Acquire);
+            [
+                st.usage.last_active_ns.saturating_add(ctx.idle_ns + 1),
+                dry,
+                deadline.saturating_sub(ctx.lead_ns),
+                deadline,
+            ]
+            .into_iter()
+            .filter(|&x| x > t)
+            .min()
+            .unwrap_or(0)
+        } else {
+            0
+        };
+        slot.quiet_until_ns.store(quiet_until, Ordering::Release);
+        slot.seen_word.store(packed, Ordering::Release);
+        match decision {
+            Plan::Wait => {}
+            Plan::Renew { want } => {
+                // Cut a new generation at the report: a refund of a
+                // charge taken before it must not come back after the
+                // allocator counted that charge as spent.
+                let (at_cut, new_gen) = slot.word.cut();
+                let spent = if gen == st.generation {
+                    st.usage.since_tick += tokens.saturating_sub(at_cut);
+                    st.granted.saturating_sub(at_cut)
+                } else {
+                    0
+                };
+                st.generation = new_gen;
+                st.baseline = at_cut;
+                let item = LeaseItem {
+                    rule_id: slot.rule_id.clone(),
+                    tenant: slot.tenant.clone(),
+                    route: slot.route.clone(),
+                    kind: ItemKind::Renew as i32,
+                    lease_id: st.lease_id,
+                    spent,
+                    want,
+                };
+                st.in_flight = Some(InFlight {
+                    seq: 0,
+                    generation: new_gen,
+                    tokens_at_send: at_cut,
+                    kind: ItemKind::Renew,
+                });
+                ctx.renews.push((item, slot.clone()));
+            }
+            Plan::Release => {
+                // A wake-up pass never releases: the next tick does.
+                let Some(key) = key else { return };
+                if st.in_flight.is_some() {
+                    return;
+                }
+                // Keep a key whose emergency bucket serves the current
+                // outage: dropping it would start a full bucket again.
+                let outage = inner.outage.load(Ordering::Acquire);
+                if inner.down.load(Ordering::Acquire)
+                    && slot
+                        .emergency
+                        .lock()
+                        .as_ref()
+                        .is_some_and(|(o, _)| *o == outage)
+                {
+                    return;
+                }
+                let (left, new_gen) = slot.word.retire();
+                st.generation = new_gen;
+                if st.lease_id != 0 {
+                    let spent = st.granted.saturating_sub(left);
+                    ctx.releases.push(slot.release_item(st.lease_id, spent));
+                    if deadline <= t {
+                        inner.metrics.tokens_expired_unused.add(left);
+                    } else {
+                        inner.metrics.tokens_released.add(left);
+                    }
+                }
+                st.lease_id = 0;
+                ctx.forget.push(key.clone());
+            }
+        }
     }
 
     #[tracing::instrument(level = "debug", name = "renewal", skip_all, fields(seq, items = batch.items.len()))]

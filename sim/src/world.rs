@@ -548,7 +548,7 @@ impl World {
             Event::Tick(node) => self.tick(node),
             Event::Wake(i) => {
                 self.agents[i as usize].wake_pending = false;
-                self.agent_poll(i);
+                self.agent_poll(i, true);
             }
             Event::Deliver { from, to, msg } => self.deliver(from, to, *msg),
             Event::Timeout { node, seq, life } => self.timeout(node, seq, life),
@@ -600,7 +600,7 @@ impl World {
                 if self.agents[i as usize].agent.is_none() {
                     return;
                 }
-                self.agent_poll(i);
+                self.agent_poll(i, false);
             }
             Node::Regional(r) => {
                 if self.regionals[r as usize].poll_at != self.t {
@@ -650,7 +650,9 @@ impl World {
         self.schedule(at, Event::Tick(Node::Regional(r)));
     }
 
-    fn agent_poll(&mut self, i: u32) {
+    /// The agent's renewal task: a tick plans every key, a wake-up by
+    /// waiting requests only theirs (as `renewal_loop` does).
+    fn agent_poll(&mut self, i: u32, woken: bool) {
         let t = self.t;
         let node = &mut self.agents[i as usize];
         let Some(agent) = node.agent.as_ref() else {
@@ -658,7 +660,12 @@ impl World {
         };
         let now = node.clock.local(t);
         node.clock_cell.store(now, Ordering::Release);
-        if let Some(batch) = agent.poll_renewal(now) {
+        let batch = if woken {
+            agent.poll_renewal_woken(now)
+        } else {
+            agent.poll_renewal(now)
+        };
+        if let Some(batch) = batch {
             let parent = node.parent;
             self.send_batch(Node::Agent(i), parent, batch);
         }

@@ -115,7 +115,7 @@ pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
             fr = f.false_denied as f64 / f.requests as f64;
         }
     }
-    let agents = k.agents.len().max(1) as f64;
+    let agents = f64::from(k.agent_count.max(1));
     let economy_target = (k.burst as f64 / (2.0 * agents)).min(100.0);
     let per_msg = |m: u64| {
         if m == 0 {

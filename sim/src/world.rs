@@ -176,8 +176,10 @@ pub struct KeyStats {
     pub msgs_agent_tier: u64,
     /// Batches that carried this key, regional tier.
     pub msgs_regional_tier: u64,
-    /// Agents that charged this key.
-    pub agents: std::collections::BTreeSet<u32>,
+    /// Agents that charged this key (one flag per agent).
+    pub agents: Vec<bool>,
+    /// How many flags are set.
+    pub agent_count: u32,
     /// I1 checker.
     pub checker: StreamChecker,
     /// I3 allowance: sum over emergency buckets opened of `b_e + r_e * T`
@@ -848,10 +850,15 @@ impl World {
             (Node::Regional(r), Msg::Reply(reply)) => {
                 let n = &mut self.regionals[r as usize];
                 let Some(core) = n.core.as_mut() else { return };
-                n.awaiting.remove(&reply.seq);
+                let sent = n.awaiting.remove(&reply.seq);
                 let now = n.clock.local(t);
                 core.handle_upstream_reply(now, &reply);
-                if let Err(why) = core.check_i2(now) {
+                // The keys the reply can change are those of its batch.
+                let checked = match &sent {
+                    Some((batch, _)) => core.check_i2_batch(now, batch),
+                    None => Ok(()),
+                };
+                if let Err(why) = checked {
                     if self.i2_violations.len() < 10 {
                         self.i2_violations.push(format!(
                             "region {r} at t={t} ns after a parent reply: {why}"
@@ -932,7 +939,8 @@ impl World {
                         denied: 0,
                         msgs_agent_tier: 0,
                         msgs_regional_tier: 0,
-                        agents: Default::default(),
+                        agents: vec![false; self.agents.len()],
+                        agent_count: 0,
                         checker: StreamChecker::new(rule.rate, rule.burst),
                         i3_allowance: 0.0,
                         log: tracked.then(Vec::new),
@@ -1023,8 +1031,10 @@ impl World {
             let ks = &mut self.keys[k];
             ks.requests += 1;
             ks.per_region_requests[region] += 1;
-            if ks.agents.len() < 100_000 {
-                ks.agents.insert(a.agent);
+            let seen = &mut ks.agents[a.agent as usize];
+            if !*seen {
+                *seen = true;
+                ks.agent_count += 1;
             }
             if let Some(log) = ks.log.as_mut() {
                 log.push((t, u64::from(a.cost), allowed));

@@ -649,7 +649,9 @@ impl RegionalCore {
                     }
                 }
             };
-            out.push((key.clone(), plan));
+            if !matches!(plan, Plan::Nothing) {
+                out.push((key.clone(), plan));
+            }
         }
         out
     }

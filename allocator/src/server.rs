@@ -184,8 +184,11 @@ impl Shared {
             Node::Regional(r) => {
                 let reply = r.handle(self.now(), batch);
                 drop(node);
-                if reply.grants.iter().any(|g| g.retry_after_ms > 0) {
-                    // A pool ran dry: let the upstream loop look now.
+                if reply.grants.iter().any(|g| g.opening) {
+                    // A pool ran dry while the parent has tokens (or a key
+                    // has no parent lease yet): let the upstream loop look
+                    // now. A pool dry because the parent is dry waits for
+                    // the parent's hint (the loop's own wake-up).
                     self.upstream_wake.notify_one();
                 }
                 reply

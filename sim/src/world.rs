@@ -840,10 +840,11 @@ impl World {
                             .push(format!("region {r} at t={t} ns: {why}"));
                     }
                 }
-                let dry = reply.grants.iter().any(|g| g.retry_after_ms > 0);
+                let dry = reply.grants.iter().any(|g| g.opening);
                 self.transmit(to, from, Msg::Reply(reply));
                 if dry {
-                    // A pool ran dry: the upstream loop looks now.
+                    // A pool ran dry while the parent has tokens: the
+                    // upstream loop looks now (as `Shared::handle` wakes it).
                     self.regional_wake(r, t);
                 }
             }

@@ -56,6 +56,7 @@ sweep agent-crash  0.2  1..20
 sweep clock-skew   0.3  1..20
 sweep flash-crowd  0.2  1..20
 sweep zipf-100k    0.01 1..5
+sweep speed-hot-key 0.05 1..5
 
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)

@@ -10,9 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use quotalease_allocator::rules::Rate;
 use quotalease_proto::v1::CheckRequest;
-use quotalease_sim::checker::worst_window;
 
 const RULES: &str = r#"
 rules:
@@ -96,36 +94,14 @@ async fn hot_key_keeps_the_bound_with_high_utilization() {
         assert!(a.terminate().success());
     }
 
-    let adm = read_admissions(&logs);
-    let key = (
-        "hot".to_string(),
-        "acme".to_string(),
-        "/api/hot".to_string(),
-    );
-    let mut hot = adm.get(&key).cloned().unwrap_or_default();
-    let admitted: u64 = hot.iter().map(|a| a.1).sum();
-    assert_eq!(
-        admitted,
-        allowed.load(Ordering::Relaxed),
-        "admission logs and client answers disagree"
-    );
     assert_eq!(errors.load(Ordering::Relaxed), 0, "gRPC errors");
-    let rate = Rate {
-        tokens: 500,
-        period_s: 1,
-    };
-    let w = worst_window(&mut hot, rate, 100);
-    assert!(
-        w.held(),
-        "I1 broken: {} admitted in [{}, {}] ns, excess {}",
-        w.admitted,
-        w.from_ns,
-        w.to_ns,
-        w.excess
-    );
-    let t_s = (hot.last().unwrap().0 - hot.first().unwrap().0) as f64 / 1e9;
-    let bound = 100.0 + 500.0 * t_s;
-    let util = admitted as f64 / bound;
+    let key = ("hot", "acme", "/api/hot");
+    let KeyCheck {
+        admitted,
+        t_s,
+        bound,
+        util,
+    } = check_key_i1(&logs, key, 500, 100, allowed.load(Ordering::Relaxed));
     eprintln!(
         "hot key: sent {} admitted {admitted} over {t_s:.2}s, bound {bound:.0}, utilization {:.1}%",
         sent.load(Ordering::Relaxed),

@@ -177,41 +177,19 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
         "no release from the stopping regionals: {gm}"
     );
 
-    let adm = read_admissions(&logs);
-    let key = (
-        "hot".to_string(),
-        "acme".to_string(),
-        "/api/hot".to_string(),
-    );
-    let mut hot = adm.get(&key).cloned().unwrap_or_default();
-    let admitted: u64 = hot.iter().map(|a| a.1).sum();
-    assert_eq!(
-        admitted,
-        allowed.load(Ordering::Relaxed),
-        "logs and answers disagree"
-    );
     assert_eq!(errors.load(Ordering::Relaxed), 0, "gRPC errors");
-    let rate = Rate {
-        tokens: 500,
-        period_s: 1,
-    };
-    let w = worst_window(&mut hot, rate, 100);
-    assert!(
-        w.held(),
-        "I1 broken: {} admitted in [{}, {}] ns, excess {}",
-        w.admitted,
-        w.from_ns,
-        w.to_ns,
-        w.excess
-    );
-    let t_s = (hot.last().unwrap().0 - hot.first().unwrap().0) as f64 / 1e9;
-    let bound = 100.0 + 500.0 * t_s;
-    let util = admitted as f64 / bound;
+    let key = ("hot", "acme", "/api/hot");
+    let KeyCheck {
+        admitted,
+        t_s,
+        bound,
+        util,
+    } = check_key_i1(&logs, key, 500, 100, allowed.load(Ordering::Relaxed));
     let per_region: Vec<u64> = [&logs[..2], &logs[2..]]
         .iter()
         .map(|l| {
             read_admissions(l)
-                .get(&key)
+                .get(&(key.0.to_string(), key.1.to_string(), key.2.to_string()))
                 .map_or(0, |v| v.iter().map(|a| a.1).sum())
         })
         .collect();

@@ -281,3 +281,59 @@ pub fn metric(body: &str, name: &str) -> Option<f64> {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
 }
+
+/// What the admission logs say about one key.
+pub struct KeyCheck {
+    /// Tokens admitted.
+    pub admitted: u64,
+    /// Seconds from the first to the last admission.
+    pub t_s: f64,
+    /// `B + R*t_s`.
+    pub bound: f64,
+    /// `admitted / bound`.
+    pub util: f64,
+}
+
+/// Read the key (rule, tenant, route) from the agents' admission logs,
+/// check that the logs agree with the `allowed` answers the clients got,
+/// and assert I1 exactly over every window (`rate` per second, `burst`).
+pub fn check_key_i1(
+    logs: &[PathBuf],
+    key: (&str, &str, &str),
+    rate_per_s: u64,
+    burst: u64,
+    allowed: u64,
+) -> KeyCheck {
+    let adm = read_admissions(logs);
+    let k = (key.0.to_string(), key.1.to_string(), key.2.to_string());
+    let mut log = adm.get(&k).cloned().unwrap_or_default();
+    let admitted: u64 = log.iter().map(|a| a.1).sum();
+    assert_eq!(
+        admitted, allowed,
+        "admission logs and client answers disagree"
+    );
+    let rate = quotalease_allocator::rules::Rate {
+        tokens: rate_per_s,
+        period_s: 1,
+    };
+    let w = quotalease_sim::checker::worst_window(&mut log, rate, burst);
+    assert!(
+        w.held(),
+        "I1 broken: {} admitted in [{}, {}] ns, excess {}",
+        w.admitted,
+        w.from_ns,
+        w.to_ns,
+        w.excess
+    );
+    let t_s = match (log.first(), log.last()) {
+        (Some(a), Some(b)) => (b.0 - a.0) as f64 / 1e9,
+        _ => 0.0,
+    };
+    let bound = burst as f64 + rate_per_s as f64 * t_s;
+    KeyCheck {
+        admitted,
+        t_s,
+        bound,
+        util: admitted as f64 / bound,
+    }
+}

@@ -127,25 +127,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let mut rx2 = rx.clone();
-    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
-        .with_graceful_shutdown(async move {
-            let _ = rx2.wait_for(|s| *s).await;
-        });
-    let admin = tokio::spawn(async move { admin.await });
-    let mut rx3 = rx.clone();
-    let server = tonic::transport::Server::builder()
-        .add_service(LeaseService::new(shared).into_server())
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            async move {
-                let _ = rx3.wait_for(|s| *s).await;
-            },
-        );
-    let server = tokio::spawn(server);
+    let (server, admin) = serve_allocator(shared, grpc, http, rx);
     terminated().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
@@ -153,6 +135,40 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
     Ok(())
+}
+
+/// Serve an allocator's Lease service on `grpc` and its admin HTTP on
+/// `http` until `stop` turns true: (gRPC task, admin task).
+fn serve_allocator(
+    shared: Arc<Shared>,
+    grpc: TcpListener,
+    http: TcpListener,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> (
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let mut stop_admin = stop.clone();
+    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
+        .with_graceful_shutdown(async move {
+            let _ = stop_admin.wait_for(|s| *s).await;
+        });
+    let admin = tokio::spawn(async move { admin.await });
+    let mut stop_grpc = stop;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(LeaseService::new(shared).into_server())
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                async move {
+                    let _ = stop_grpc.wait_for(|s| *s).await;
+                },
+            ),
+    );
+    (server, admin)
 }
 
 /// `quotalease allocator --parent URL --region NAME`: a regional allocator.
@@ -206,26 +222,7 @@ async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
         args.upstream_timeout,
         rx.clone(),
     ));
-    let mut rx2 = rx.clone();
-    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let admin = axum::serve(http, alloc_server::admin_router(shared.clone()))
-        .with_graceful_shutdown(async move {
-            let _ = rx2.wait_for(|s| *s).await;
-        });
-    let admin = tokio::spawn(async move { admin.await });
-    let mut rx3 = rx.clone();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(LeaseService::new(shared.clone()).into_server())
-            .serve_with_incoming_shutdown(
-                TcpIncoming::from(grpc).with_nodelay(Some(true)),
-                async move {
-                    let _ = rx3.wait_for(|s| *s).await;
-                },
-            ),
-    );
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
     terminated().await;
     tracing::info!("stopping: giving unused pools back to the parent");
     let _ = tx.send(true);

@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
-use quotalease_proto::v1::CheckRequest;
 
 const RULES: &str = r#"
 rules:
@@ -38,41 +37,19 @@ async fn hot_key_keeps_the_bound_with_high_utilization() {
     let run = Duration::from_secs(10);
     let clients_per_agent = 8;
     let per_client_rate = 1500.0 / (3 * clients_per_agent) as f64; // 3x R in total
-    let allowed = Arc::new(AtomicU64::new(0));
-    let sent = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for a in &agents {
-        for _ in 0..clients_per_agent {
-            let mut c = client(a).await;
-            let (allowed, sent, errors) = (allowed.clone(), sent.clone(), errors.clone());
-            tasks.push(tokio::spawn(async move {
-                let period = Duration::from_secs_f64(1.0 / per_client_rate);
-                let mut tick = tokio::time::interval(period);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-                while start.elapsed() < run {
-                    tick.tick().await;
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    let req = CheckRequest {
-                        tenant_id: "acme".into(),
-                        route_id: "/api/hot".into(),
-                        cost: 1,
-                        ..Default::default()
-                    };
-                    match c.check(req).await {
-                        Ok(r) if r.get_ref().allowed => {
-                            allowed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(_) => {}
-                        Err(_) => {
-                            errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }));
-        }
-    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let refs: Vec<&Proc> = agents.iter().collect();
+    let (sent, allowed, errors, tasks) = load_checks(
+        &refs,
+        clients_per_agent,
+        per_client_rate,
+        "acme",
+        "/api/hot",
+        stop.clone(),
+    )
+    .await;
+    tokio::time::sleep(run).await;
+    stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.expect("client task");
     }

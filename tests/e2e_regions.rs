@@ -11,14 +11,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use quotalease_allocator::clock::BootClock;
 use quotalease_allocator::rules::Rate;
-use quotalease_proto::v1::CheckRequest;
 use quotalease_sim::checker::worst_window;
 
 const HOT_RULES: &str = r#"
@@ -29,58 +28,6 @@ rules:
     burst: 100
     fail_policy: lease_only
 "#;
-
-/// Drive `clients` clients per agent at `per_client` checks/s for tenant
-/// `tenant` until `stop`; returns (sent, allowed, errors) counters.
-async fn load(
-    agents: &[&Proc],
-    clients: usize,
-    per_client: f64,
-    tenant: &'static str,
-    route: &'static str,
-    stop: Arc<AtomicBool>,
-) -> (
-    Arc<AtomicU64>,
-    Arc<AtomicU64>,
-    Arc<AtomicU64>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    let sent = Arc::new(AtomicU64::new(0));
-    let allowed = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for a in agents {
-        for _ in 0..clients {
-            let mut c = client(a).await;
-            let (allowed, errors, stop, sent) =
-                (allowed.clone(), errors.clone(), stop.clone(), sent.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_client));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    let req = CheckRequest {
-                        tenant_id: tenant.into(),
-                        route_id: route.into(),
-                        cost: 1,
-                        ..Default::default()
-                    };
-                    match c.check(req).await {
-                        Ok(r) if r.get_ref().allowed => {
-                            allowed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(_) => {}
-                        Err(_) => {
-                            errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }));
-        }
-    }
-    (sent, allowed, errors, tasks)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_regions_share_a_hot_key_within_the_bound() {
@@ -109,7 +56,7 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
     let refs: Vec<&Proc> = agents.iter().collect();
     // 2x R in total: 1000/s over 4 agents x 5 clients.
     let (sent, allowed, errors, tasks) =
-        load(&refs, 5, 1000.0 / 20.0, "acme", "/api/hot", stop.clone()).await;
+        load_checks(&refs, 5, 1000.0 / 20.0, "acme", "/api/hot", stop.clone()).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
@@ -255,9 +202,9 @@ async fn a_region_cut_off_from_its_parent_keeps_serving_what_it_holds() {
     // "hot" asks 1.5x R (the bound is tested); "calm" asks R/2, so its
     // leases and the regional's pool hold spare tokens at the cut.
     let (_, hot_allowed, _, mut tasks) =
-        load(&refs, 3, 150.0 / 6.0, "hot", "/api/cut", stop.clone()).await;
+        load_checks(&refs, 3, 150.0 / 6.0, "hot", "/api/cut", stop.clone()).await;
     let (_, calm_allowed, _, calm_tasks) =
-        load(&refs, 2, 50.0 / 4.0, "calm", "/api/cut", stop.clone()).await;
+        load_checks(&refs, 2, 50.0 / 4.0, "calm", "/api/cut", stop.clone()).await;
     tasks.extend(calm_tasks);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (_, before) = http_get(eu.http, "/metrics");

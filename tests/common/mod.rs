@@ -337,3 +337,55 @@ pub fn check_key_i1(
         util: admitted as f64 / bound,
     }
 }
+
+/// Drive `clients` clients per agent at `per_client` checks/s for tenant
+/// `tenant` until `stop`; returns (sent, allowed, errors) counters.
+pub async fn load_checks(
+    agents: &[&Proc],
+    clients: usize,
+    per_client: f64,
+    tenant: &'static str,
+    route: &'static str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let allowed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let errors = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for a in agents {
+        for _ in 0..clients {
+            let mut c = client(a).await;
+            let (allowed, errors, stop, sent) =
+                (allowed.clone(), errors.clone(), stop.clone(), sent.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_client));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    tick.tick().await;
+                    sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let req = quotalease_proto::v1::CheckRequest {
+                        tenant_id: tenant.into(),
+                        route_id: route.into(),
+                        cost: 1,
+                        ..Default::default()
+                    };
+                    match c.check(req).await {
+                        Ok(r) if r.get_ref().allowed => {
+                            allowed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Ok(_) => {}
+                        Err(_) => {
+                            errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    (sent, allowed, errors, tasks)
+}

@@ -53,7 +53,11 @@ enum RulesCommand {
     },
 }
 
-/// Parse "250ms", "2s", "1m", "1h".
+/// The longest duration any flag accepts: longer ones are typos, and
+/// would overflow deadlines computed from them.
+pub const MAX_FLAG_DURATION: Duration = Duration::from_secs(24 * 3600);
+
+/// Parse "250ms", "2s", "1m", "1h" (at most [`MAX_FLAG_DURATION`]).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = s
@@ -63,15 +67,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let n: u64 = num
         .parse()
         .map_err(|_| format!("{s:?}: expected a whole number with a unit, like 250ms or 2s"))?;
-    let d = match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
+    let ms_per_unit: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
         _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
     };
+    let too_long = || format!("{s:?}: at most {}h", MAX_FLAG_DURATION.as_secs() / 3600);
+    let ms = n.checked_mul(ms_per_unit).ok_or_else(too_long)?;
+    let d = Duration::from_millis(ms);
     if d.is_zero() {
         return Err(format!("{s:?}: must be greater than zero"));
+    }
+    if d > MAX_FLAG_DURATION {
+        return Err(too_long());
     }
     Ok(d)
 }

@@ -352,6 +352,25 @@ fn bad_flags_give_one_line_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--lease-ttl"));
 }
 
+#[test]
+fn absurd_or_zero_durations_are_clear_errors_not_panics() {
+    for (flag, value) in [
+        ("--fetch-timeout", "18446744073709551615s"),
+        ("--fetch-timeout", "18446744073709551615m"),
+        ("--renew-interval", "0ms"),
+        ("--lease-ttl", "25h"),
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(["agent", "--allocator", "http://127.0.0.1:1", flag, value])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{flag} {value}: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocator_serves_a_keys_ledger() {
     let dir = tempdir("keys");

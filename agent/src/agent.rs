@@ -30,7 +30,7 @@ use quotalease_proto::v1::{CheckResponse, Reason};
 use quotalease_proto::PROTOCOL_VERSION;
 use tokio::sync::Notify;
 
-use crate::idempotency::ReplayCache;
+use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::{LeaseWord, Take};
 use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
@@ -101,6 +101,11 @@ pub struct AgentConfig {
     pub clock: AgentClock,
     /// Incarnation sent to the allocator; default: wall-clock ns at start.
     pub incarnation: Option<u64>,
+    /// Per-process nonce sent beside `agent_id` (SPEC §8): the allocator
+    /// keys holders by both, so processes sharing an id stay distinct.
+    /// `None` draws a random one (drivers that replay exactly, like the
+    /// simulator, pass their own).
+    pub instance: Option<u64>,
     /// Remember every emergency bucket opened (for the simulator's I3 check).
     pub record_emergency: bool,
 }
@@ -131,8 +136,73 @@ impl Default for AgentConfig {
             admission_log: None,
             clock: AgentClock::Boot,
             incarnation: None,
+            instance: None,
             record_emergency: false,
         }
+    }
+}
+
+/// The longest duration an agent setting accepts (longer ones would
+/// overflow deadlines computed from them).
+pub const MAX_SETTING: Duration = Duration::from_secs(24 * 3600);
+
+/// An agent setting out of range, naming it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {reason}")]
+pub struct ConfigError {
+    /// The setting (as its command-line flag).
+    pub setting: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+impl AgentConfig {
+    /// Check every setting: durations in `(0, MAX_SETTING]`, `epsilon` below
+    /// the lease TTL, capacities above zero.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let within = |setting: &'static str, d: Duration| {
+            if d.is_zero() {
+                Err(ConfigError {
+                    setting,
+                    reason: "must be greater than zero".into(),
+                })
+            } else if d > MAX_SETTING {
+                Err(ConfigError {
+                    setting,
+                    reason: format!("{d:?} is above the maximum {MAX_SETTING:?}"),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        within("--lease-ttl", self.lease_ttl)?;
+        within("--renew-interval", self.plan.renew_interval)?;
+        within("--low-water", self.plan.low_water)?;
+        within("--idle-release", self.plan.idle_release)?;
+        within("--fetch-timeout", self.fetch_timeout)?;
+        within("heartbeat", self.heartbeat)?;
+        if self.epsilon >= self.lease_ttl {
+            return Err(ConfigError {
+                setting: "epsilon",
+                reason: format!(
+                    "{:?} must be below the lease TTL {:?}",
+                    self.epsilon, self.lease_ttl
+                ),
+            });
+        }
+        if self.agent_id.is_empty() || self.agent_id.len() > MAX_ID_BYTES {
+            return Err(ConfigError {
+                setting: "--agent-id",
+                reason: format!("must be 1..={MAX_ID_BYTES} bytes"),
+            });
+        }
+        if self.max_keys == 0 {
+            return Err(ConfigError {
+                setting: "max_keys",
+                reason: "must be greater than zero".into(),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -310,6 +380,12 @@ pub struct Slot {
     waiting_cost: AtomicU64,
     /// Holders of this key at the allocator, as of the last grant.
     holders: AtomicU64,
+    /// This agent's recent admitted rate on the key (tokens/s, `f64`
+    /// bits), published by the renewal pass for the emergency bucket, so
+    /// that the request path never takes the renewal state's lock while
+    /// it holds the emergency bucket's (one lock at a time, by
+    /// construction).
+    admitted_rate_bits: AtomicU64,
     /// Fail-open emergency bucket of the current outage: (outage, bucket).
     emergency: Mutex<Option<(u64, TokenBucket)>>,
     /// Tokens asked for but denied since the last tick (demand the lease
@@ -341,6 +417,7 @@ impl Slot {
             seen_word: AtomicU64::new(u64::MAX),
             opening: AtomicBool::new(false),
             holders: AtomicU64::new(1),
+            admitted_rate_bits: AtomicU64::new(0f64.to_bits()),
             emergency: Mutex::new(None),
             parked: Notify::new(),
             st: Mutex::new(SlotState::default()),
@@ -362,9 +439,10 @@ impl Slot {
         t: u64,
         log: Option<&Mutex<Vec<EmergencyOpened>>>,
     ) -> Option<u64> {
+        // Only this lock is held here: never `st` (see `admitted_rate_bits`).
         let mut e = self.emergency.lock();
         if e.as_ref().is_none_or(|(o, _)| *o != outage) {
-            let recent_per_s = self.st.lock().usage.admitted_rate;
+            let recent_per_s = f64::from_bits(self.admitted_rate_bits.load(Ordering::Acquire));
             let holders = self.holders.load(Ordering::Acquire).max(1);
             let r = rule.rate;
             let tokens = match cfg.rate_fraction {
@@ -483,6 +561,18 @@ fn match_rules(
     Ok(m)
 }
 
+/// Whether an answer may be replayed to a retry of the same request id.
+/// Answers that only say the allocator was out of reach (`UNAVAILABLE`,
+/// `FAILURE_MODE_DENIED`) are not: a retry after the outage is decided
+/// again. Everything that charged tokens is.
+fn replayable(answer: &Result<CheckResponse, CheckError>) -> bool {
+    match answer {
+        Err(CheckError::Unavailable(_)) => false,
+        Err(CheckError::Invalid { .. }) => true,
+        Ok(r) => r.reason != Reason::FailureModeDenied as i32,
+    }
+}
+
 fn validate(input: &CheckInput<'_>) -> Result<u64, CheckError> {
     let check_id = |field: &'static str, v: &str, required: bool| {
         if required && v.is_empty() {
@@ -516,6 +606,11 @@ struct Inner {
     /// Grows only: wall-clock ns at start, raised above the allocator's
     /// record if that is higher (a clock stepped back across a restart).
     incarnation: AtomicU64,
+    /// Per-process nonce sent beside the agent id (SPEC §8).
+    instance: u64,
+    /// The renewal task died: the agent can no longer renew and is not
+    /// ready (`/readyz`), whatever else holds.
+    renewal_dead: AtomicBool,
     /// None when a driver moves the batches itself (the simulator).
     transport: Option<Arc<dyn Transport>>,
     rules: ArcSwapOption<RuleSet>,
@@ -563,6 +658,8 @@ struct PlanCtx {
 #[derive(Debug)]
 struct Pending {
     sent_ns: u64,
+    /// `request_digest` of the batch, to match its reply.
+    digest: u64,
     items: Vec<LeaseItem>,
     slots: Vec<Arc<Slot>>,
     /// The driver gave up on it; a late reply only releases what it granted.
@@ -633,8 +730,26 @@ impl Agent {
     ) -> std::io::Result<Agent> {
         let agent = Self::new(cfg, Some(transport), bootstrap)?;
         let bg = agent.clone();
-        tokio::spawn(async move { bg.renewal_loop().await });
+        let task = tokio::spawn(async move { bg.renewal_loop().await });
+        // A renewal loop that dies (a panic is a bug) must not leave an
+        // agent that looks healthy while its leases run dry.
+        let watcher = agent.clone();
+        tokio::spawn(async move {
+            if let Err(e) = task.await {
+                if e.is_panic() {
+                    watcher.renewal_died("the renewal loop panicked");
+                }
+            }
+        });
         Ok(agent)
+    }
+
+    /// The renewal side is gone: not ready from now on, counted and logged.
+    fn renewal_died(&self, why: &str) {
+        let inner = &*self.inner;
+        inner.metrics.renewal_task_failures.add(1);
+        inner.renewal_dead.store(true, Ordering::Release);
+        tracing::error!(%why, "renewal task died; the agent is not ready and serves only what it holds");
     }
 
     /// An agent without a renewal task: the driver calls
@@ -646,6 +761,8 @@ impl Agent {
         transport: Option<Arc<dyn Transport>>,
         bootstrap: Option<RuleSet>,
     ) -> std::io::Result<Agent> {
+        cfg.validate()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let admission_log = match &cfg.admission_log {
             Some(p) => Some(Mutex::new(BufWriter::new(File::create(p)?))),
             None => None,
@@ -656,10 +773,15 @@ impl Agent {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(1)
         });
+        let instance = cfg
+            .instance
+            .unwrap_or_else(quotalease_proto::random_instance);
         let inner = Arc::new(Inner {
             replays: ReplayCache::new(cfg.replay_capacity, 60_000_000_000),
             cfg,
             incarnation: AtomicU64::new(incarnation),
+            instance,
+            renewal_dead: AtomicBool::new(false),
             transport,
             rules: ArcSwapOption::new(bootstrap.map(Arc::new)),
             table: Table::with_hasher(foldhash::fast::RandomState::default()),
@@ -722,7 +844,14 @@ impl Agent {
 
     /// Whether the last allocator call succeeded and rules are known.
     pub fn is_ready(&self) -> bool {
-        self.inner.connected.load(Ordering::Acquire) && self.inner.rules.load().is_some()
+        self.inner.connected.load(Ordering::Acquire)
+            && self.inner.rules.load().is_some()
+            && !self.inner.renewal_dead.load(Ordering::Acquire)
+    }
+
+    /// The per-process nonce this agent sends beside its id.
+    pub fn instance(&self) -> u64 {
+        self.inner.instance
     }
 
     /// The rule set in force, if any.
@@ -750,26 +879,36 @@ impl Agent {
             }
         };
         if !input.request_id.is_empty() {
-            let t = self.now();
-            if let Some(first) = self.inner.replays.get(
-                input.request_id,
-                input.tenant,
-                input.route,
-                input.cost.max(1),
-                t,
-            ) {
-                self.inner.metrics.replays.add(1);
-                return first;
+            let replays = &self.inner.replays;
+            loop {
+                let claim = replays.claim(
+                    input.request_id,
+                    input.tenant,
+                    input.route,
+                    input.cost.max(1),
+                    self.now(),
+                );
+                match claim {
+                    Claim::Replay(first) => {
+                        self.inner.metrics.replays.add(1);
+                        return first;
+                    }
+                    // A retry of a request still being decided: its answer,
+                    // never a second charge.
+                    Claim::Wait(waiter) => {
+                        if let Some(first) = waiter.wait().await {
+                            replays.count_replay();
+                            self.inner.metrics.replays.add(1);
+                            return first;
+                        }
+                    }
+                    Claim::First(ticket) => {
+                        let answer = self.decide(&input, cost).await;
+                        let replayable = replayable(&answer);
+                        return ticket.finish(answer, replayable);
+                    }
+                }
             }
-            let answer = self.decide(&input, cost).await;
-            return self.inner.replays.put(
-                input.request_id,
-                input.tenant,
-                input.route,
-                input.cost.max(1),
-                t,
-                answer,
-            );
         }
         self.decide(&input, cost).await
     }
@@ -1393,17 +1532,43 @@ impl Agent {
         let inner = &*self.inner;
         let mut tick = tokio::time::interval(inner.cfg.plan.renew_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Each batch is sent on its own task; a task that dies (a panic
+        // in the transport) fails its batch and the renewal side.
+        let mut sends = tokio::task::JoinSet::new();
+        let mut seq_of = std::collections::HashMap::new();
         while !inner.stop.load(Ordering::Acquire) {
             let woken = tokio::select! {
                 _ = tick.tick() => false,
                 _ = inner.wake.notified() => true,
+                Some(done) = sends.join_next_with_id(), if !sends.is_empty() => {
+                    match done {
+                        Ok((id, ())) => {
+                            seq_of.remove(&id);
+                        }
+                        Err(e) => {
+                            let seq = seq_of.remove(&e.id());
+                            if e.is_panic() {
+                                if let Some(seq) = seq {
+                                    self.on_failure(self.now(), seq, "renewal task panicked");
+                                }
+                                self.renewal_died("a renewal send task panicked");
+                            }
+                        }
+                    }
+                    continue;
+                }
                 _ = inner.stopped.notified() => break,
             };
             if let Some(batch) = self.poll(self.now(), woken) {
+                let seq = batch.header.as_ref().map_or(0, |h| h.seq);
                 let me = self.clone();
-                tokio::spawn(async move { me.send(batch).await });
+                let handle = sends.spawn(async move { me.send(batch).await });
+                seq_of.insert(handle.id(), seq);
             }
         }
+        // Sends still in flight finish on their own (their replies settle
+        // their keys); shutdown releases what is held.
+        sends.detach_all();
     }
 
     /// Sans-IO: plan every key at `t` and return the batch to send, if any
@@ -1447,6 +1612,7 @@ impl Agent {
             seq,
             Pending {
                 sent_ns: t,
+                digest: quotalease_proto::request_digest(&batch),
                 items,
                 slots,
                 abandoned: false,
@@ -1464,6 +1630,7 @@ impl Agent {
                 seq,
                 protocol_version: PROTOCOL_VERSION,
                 rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
+                instance: inner.instance,
             }),
             ttl_ms,
             items,
@@ -1555,6 +1722,8 @@ impl Agent {
         st.usage.denied_since_tick += slot.denied.swap(0, Ordering::Relaxed);
         st.baseline = tokens;
         st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
+        slot.admitted_rate_bits
+            .store(st.usage.admitted_rate.to_bits(), Ordering::Release);
         let waiting = slot.waiting_cost.load(Ordering::Acquire);
         if waiting > 0 {
             st.usage.last_active_ns = t;
@@ -1700,24 +1869,38 @@ impl Agent {
     /// repeated reply is ignored.
     pub fn on_reply(&self, t: u64, seq: u64, reply: LeaseReply) {
         let inner = &*self.inner;
-        let Some(p) = inner.pending.lock().remove(&seq) else {
+        let mut pending = inner.pending.lock();
+        let Some(p) = pending.get(&seq) else {
             return;
         };
+        // A reply to another request (another seq, another grant count, or
+        // the digest of other content) is not applied: its grants belong to
+        // someone else's items (SPEC §2 "Messages"). The batch is given up
+        // on, as after a failure, but the allocator is not taken for down.
+        let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
+        if reply.seq != seq || reply.grants.len() != p.items.len() || !digest_ok {
+            let items = p.items.len();
+            drop(pending);
+            inner.metrics.mismatched_replies.add(1);
+            tracing::error!(
+                seq,
+                reply_seq = reply.seq,
+                items,
+                grants = reply.grants.len(),
+                digest_ok,
+                "allocator reply does not answer our request; ignored"
+            );
+            self.abandon(seq);
+            return;
+        }
+        let p = pending.remove(&seq).expect("looked up above");
+        drop(pending);
         inner
             .metrics
             .record_renewal(Duration::from_nanos(t.saturating_sub(p.sent_ns)));
         inner.down.store(false, Ordering::Release);
         if !inner.connected.swap(true, Ordering::AcqRel) {
             tracing::info!("allocator reachable");
-        }
-        if reply.grants.len() != p.items.len() || reply.seq != seq {
-            tracing::error!(
-                items = p.items.len(),
-                grants = reply.grants.len(),
-                seq,
-                reply_seq = reply.seq,
-                "allocator reply does not match the request; ignoring what does not"
-            );
         }
         self.apply_reply(reply, seq, &p.items, &p.slots, p.sent_ns, t);
         if !p.abandoned {
@@ -1730,12 +1913,28 @@ impl Agent {
     /// back to the queue, and fail policies apply until a call succeeds.
     pub fn on_failure(&self, _t: u64, seq: u64, why: &str) {
         let inner = &*self.inner;
+        if !self.abandon(seq) {
+            return;
+        }
+        inner.metrics.rpc_errors.add(1);
+        if !inner.down.swap(true, Ordering::AcqRel) {
+            inner.outage.fetch_add(1, Ordering::AcqRel);
+        }
+        if inner.connected.swap(false, Ordering::AcqRel) {
+            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
+        }
+    }
+
+    /// Give up on batch `seq`: its releases go back to the queue, its keys
+    /// may ask again, and a late reply only releases what it granted.
+    /// False if it was not pending (or given up on already).
+    fn abandon(&self, seq: u64) -> bool {
+        let inner = &*self.inner;
         let mut pending = inner.pending.lock();
         let Some(p) = pending.get_mut(&seq).filter(|p| !p.abandoned) else {
-            return;
+            return false;
         };
         p.abandoned = true;
-        // Releases that did not get through return to the queue.
         let releases: Vec<LeaseItem> = p
             .items
             .iter()
@@ -1744,15 +1943,9 @@ impl Agent {
             .collect();
         let slots = p.slots.clone();
         drop(pending);
-        inner.metrics.rpc_errors.add(1);
-        if !inner.down.swap(true, Ordering::AcqRel) {
-            inner.outage.fetch_add(1, Ordering::AcqRel);
-        }
-        if inner.connected.swap(false, Ordering::AcqRel) {
-            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
-        }
         inner.late_releases.lock().extend(releases);
         self.settle(seq, &slots);
+        true
     }
 
     /// Batch `seq` is answered or given up: its keys may ask again and the
@@ -1866,6 +2059,12 @@ impl Agent {
         match status {
             GrantStatus::Granted => {}
             GrantStatus::Stale | GrantStatus::Unsupported => return,
+            GrantStatus::SeqConflict => {
+                // Cannot happen with a unique (id, instance); if it does,
+                // nothing was applied: ask again in the next batch.
+                inner.metrics.seq_conflicts.add(1);
+                return;
+            }
             other => {
                 st.refused = Some((other, g.detail.clone()));
                 slot.dry_until_ns

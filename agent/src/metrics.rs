@@ -142,6 +142,14 @@ pub struct AgentMetrics {
     pub tokens_released: Counter,
     /// Tokens a lease still held when it ran out.
     pub tokens_expired_unused: Counter,
+    /// Allocator replies ignored because they do not answer the request
+    /// they came back for (sequence number, grant count or digest).
+    pub mismatched_replies: Counter,
+    /// Batches the allocator refused as a repeated sequence number with
+    /// other content.
+    pub seq_conflicts: Counter,
+    /// Renewal tasks that died (a panic); the agent is then not ready.
+    pub renewal_task_failures: Counter,
     renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
     /// Per rule: allocator messages that carried at least one of its keys.
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
@@ -268,6 +276,21 @@ impl AgentMetrics {
                 "tokens_released_total",
                 "unused tokens given back",
                 g(&self.tokens_released),
+            ),
+            (
+                "mismatched_replies_total",
+                "allocator replies ignored because they answer another request",
+                g(&self.mismatched_replies),
+            ),
+            (
+                "seq_conflicts_total",
+                "batches refused as a repeated sequence number with other content",
+                g(&self.seq_conflicts),
+            ),
+            (
+                "renewal_task_failures_total",
+                "renewal tasks that died; the agent is not ready after one",
+                g(&self.renewal_task_failures),
             ),
         ] {
             let _ = writeln!(s, "# HELP quotalease_agent_{name} {help}\n# TYPE quotalease_agent_{name} counter\nquotalease_agent_{name} {v}");

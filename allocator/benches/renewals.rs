@@ -77,6 +77,7 @@ impl Holder {
                     seq: 0,
                     protocol_version: PROTOCOL_VERSION,
                     rules_version: RULES_VERSION,
+                    instance: 0,
                 }),
                 items: (0..BATCH)
                     .map(|i| LeaseItem {

@@ -82,7 +82,9 @@ pub struct KeyId {
 struct Holder {
     id: HolderId,
     incarnation: u64,
-    replies: BTreeMap<u64, LeaseReply>,
+    /// Cached replies by seq, each with the digest of the request it
+    /// answered.
+    replies: BTreeMap<u64, (u64, LeaseReply)>,
     /// Every seq at or below this that is not cached is stale.
     floor: u64,
     rules_version: u64,
@@ -100,6 +102,9 @@ pub struct Stats {
     pub duplicates: u64,
     /// Batches answered `STALE`.
     pub stale: u64,
+    /// Batches that repeated a sequence number with other content
+    /// (refused `SEQ_CONFLICT`, never answered from the cache).
+    pub seq_conflicts: u64,
     /// Leases granted (with new tokens).
     pub grants: u64,
     /// New tokens leased out.
@@ -145,7 +150,8 @@ pub struct AllocatorCore {
     versions: Vec<u64>,
     keys: HashMap<KeyId, KeyLedger>,
     keys_per_rule: HashMap<String, u64>,
-    holders: HashMap<String, Holder>,
+    /// By (agent id, per-process instance nonce).
+    holders: HashMap<(String, u64), Holder>,
     holder_names: HashMap<HolderId, String>,
     next_lease_id: u64,
     next_holder: HolderId,
@@ -315,13 +321,14 @@ impl AllocatorCore {
         let mut out: Vec<(String, u64)> = self
             .holders
             .iter()
-            .map(|(name, h)| {
+            .map(|((agent_id, instance), h)| {
+                let name = holder_name(agent_id, *instance);
                 let lag = self
                     .versions
                     .iter()
                     .filter(|v| **v > h.rules_version)
                     .count() as u64;
-                (name.clone(), lag)
+                (name, lag)
             })
             .collect();
         out.sort();
@@ -353,22 +360,23 @@ impl AllocatorCore {
             );
         }
         // Holder, incarnation and duplicate suppression.
-        let holder = match self.holders.get_mut(&header.agent_id) {
+        let digest = quotalease_proto::request_digest(batch);
+        let holder_key = (header.agent_id.clone(), header.instance);
+        let holder = match self.holders.get_mut(&holder_key) {
             Some(h) => h,
             None => {
                 let id = self.next_holder;
                 self.next_holder = self.next_holder.wrapping_add(1);
-                self.holder_names.insert(id, header.agent_id.clone());
-                self.holders
-                    .entry(header.agent_id.clone())
-                    .or_insert(Holder {
-                        id,
-                        incarnation: header.incarnation,
-                        replies: BTreeMap::new(),
-                        floor: 0,
-                        rules_version: 0,
-                        last_seen_ns: now_ns,
-                    })
+                self.holder_names
+                    .insert(id, holder_name(&header.agent_id, header.instance));
+                self.holders.entry(holder_key.clone()).or_insert(Holder {
+                    id,
+                    incarnation: header.incarnation,
+                    replies: BTreeMap::new(),
+                    floor: 0,
+                    rules_version: 0,
+                    last_seen_ns: now_ns,
+                })
             }
         };
         if header.incarnation < holder.incarnation {
@@ -381,6 +389,7 @@ impl AllocatorCore {
                 "header.incarnation: older than the holder's current one",
             );
             reply.holder_incarnation = current;
+            reply.request_digest = digest;
             return reply;
         }
         if header.incarnation > holder.incarnation {
@@ -390,18 +399,42 @@ impl AllocatorCore {
         }
         holder.last_seen_ns = holder.last_seen_ns.max(now_ns);
         holder.rules_version = holder.rules_version.max(header.rules_version);
-        if let Some(cached) = holder.replies.get(&seq) {
-            self.stats.duplicates += 1;
-            return cached.clone();
+        if let Some((cached_digest, cached)) = holder.replies.get(&seq) {
+            if *cached_digest == digest {
+                self.stats.duplicates += 1;
+                return cached.clone();
+            }
+            // Same (agent, instance, incarnation, seq), other content: two
+            // processes share an identity, or a requester reuses sequence
+            // numbers. Answering from the cache would hand one lease to
+            // two spenders (SPEC §2 "Messages").
+            self.stats.seq_conflicts += 1;
+            tracing::warn!(
+                agent_id = %header.agent_id,
+                instance = header.instance,
+                incarnation = header.incarnation,
+                seq,
+                "lease request repeats a sequence number with other content; refused"
+            );
+            let mut reply = self.refuse(
+                batch,
+                seq,
+                GrantStatus::SeqConflict,
+                "header.seq: repeated with other content",
+            );
+            reply.request_digest = digest;
+            return reply;
         }
         if seq <= holder.floor {
             self.stats.stale += 1;
-            return self.refuse(
+            let mut reply = self.refuse(
                 batch,
                 seq,
                 GrantStatus::Stale,
                 "header.seq: older than the duplicate window",
             );
+            reply.request_digest = digest;
+            return reply;
         }
         let holder_id = holder.id;
         let ttl_ns = if batch.ttl_ms == 0 {
@@ -424,13 +457,14 @@ impl AllocatorCore {
             holder_incarnation: header.incarnation,
             grants,
             rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
+            request_digest: digest,
         };
         let cap = self.cfg.reply_cache.max(1);
         let holder = self
             .holders
-            .get_mut(&header.agent_id)
+            .get_mut(&holder_key)
             .expect("holder inserted above");
-        holder.replies.insert(seq, reply.clone());
+        holder.replies.insert(seq, (digest, reply.clone()));
         while holder.replies.len() > cap {
             let (old, _) = holder.replies.pop_first().expect("len > cap >= 1");
             holder.floor = holder.floor.max(old);
@@ -454,6 +488,7 @@ impl AllocatorCore {
                 .collect(),
             rules: None,
             holder_incarnation: 0,
+            request_digest: 0,
         }
     }
 
@@ -678,6 +713,16 @@ impl AllocatorCore {
     /// The rule set as sent on the wire.
     pub fn rules_proto(&self) -> PbRuleSet {
         self.rules.to_proto()
+    }
+}
+
+/// How a holder is named in views and logs: its agent id, and its
+/// instance nonce when it sent one.
+fn holder_name(agent_id: &str, instance: u64) -> String {
+    if instance == 0 {
+        agent_id.to_string()
+    } else {
+        format!("{agent_id}#{instance:016x}")
     }
 }
 

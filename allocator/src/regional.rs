@@ -68,6 +68,10 @@ pub struct RegionalConfig {
     pub lease_ttl_ns: u64,
     /// Clock granularity and stall allowance subtracted from `E`.
     pub epsilon_ns: u64,
+    /// Per-process random nonce sent to the parent beside the
+    /// `region/NAME` id (SPEC §8): two regional processes of one region
+    /// never share leases or sequence numbers. The driver draws it.
+    pub instance: u64,
 }
 
 impl Default for RegionalConfig {
@@ -80,6 +84,7 @@ impl Default for RegionalConfig {
             fetch_timeout_ns: 500 * MS,
             lease_ttl_ns: 2_000 * MS,
             epsilon_ns: 50 * MS,
+            instance: 0,
         }
     }
 }
@@ -117,6 +122,8 @@ pub struct RegionalStats {
     pub chains_lapsed: u64,
     /// Rule sets adopted from the parent.
     pub rules_adopted: u64,
+    /// Replies ignored because they answer another request (digest).
+    pub upstream_mismatched_replies: u64,
 }
 
 /// A key's chain of parent leases, as seen from outside (for `/v1/keys`).
@@ -161,6 +168,8 @@ struct SentItem {
 #[derive(Clone, Debug)]
 struct InFlight {
     seq: u64,
+    /// `request_digest` of the batch, to match the reply.
+    digest: u64,
     sent_ns: u64,
     items: Vec<SentItem>,
 }
@@ -316,6 +325,7 @@ impl RegionalCore {
                     .collect(),
                 rules: None,
                 holder_incarnation: 0,
+                request_digest: quotalease_proto::request_digest(batch),
             };
         }
         self.core.handle(now_ns, batch)
@@ -543,12 +553,7 @@ impl RegionalCore {
             self.stats.upstream_heartbeats += 1;
         }
         self.last_sent_ns = Some(now_ns);
-        self.in_flight = Some(InFlight {
-            seq: self.seq,
-            sent_ns: now_ns,
-            items: sent,
-        });
-        LeaseBatch {
+        let batch = LeaseBatch {
             header: Some(RequestHeader {
                 agent_id: self.agent_id.clone(),
                 incarnation: self.incarnation,
@@ -559,10 +564,18 @@ impl RegionalCore {
                 } else {
                     0
                 },
+                instance: self.cfg.instance,
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,
-        }
+        };
+        self.in_flight = Some(InFlight {
+            seq: self.seq,
+            digest: quotalease_proto::request_digest(&batch),
+            sent_ns: now_ns,
+            items: sent,
+        });
+        batch
     }
 
     fn holding(&mut self, now_ns: u64, key: &KeyId) -> u64 {
@@ -657,9 +670,19 @@ impl RegionalCore {
     }
 
     /// Apply the parent's reply to the in-flight batch (ignored if it
-    /// answers another one).
+    /// answers another one: another seq, or a digest that is not our
+    /// request's).
     pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
-        let Some(f) = self.in_flight.take_if(|f| f.seq == reply.seq) else {
+        let Some(f) = self.in_flight.take_if(|f| {
+            f.seq == reply.seq && (reply.request_digest == 0 || reply.request_digest == f.digest)
+        }) else {
+            if self.in_flight.as_ref().is_some_and(|f| f.seq == reply.seq) {
+                self.stats.upstream_mismatched_replies += 1;
+                tracing::error!(
+                    seq = reply.seq,
+                    "parent reply answers another request (digest differs); ignored"
+                );
+            }
             return;
         };
         if reply.holder_incarnation > self.incarnation {
@@ -667,7 +690,9 @@ impl RegionalCore {
             self.incarnation = reply.holder_incarnation + 1;
         }
         let refused = reply.grants.iter().any(|g| {
-            g.status == GrantStatus::Stale as i32 || g.status == GrantStatus::Unsupported as i32
+            g.status == GrantStatus::Stale as i32
+                || g.status == GrantStatus::Unsupported as i32
+                || g.status == GrantStatus::SeqConflict as i32
         });
         if refused || reply.grants.len() != f.items.len() {
             // Nothing was applied (or the reply is malformed: treat it so;

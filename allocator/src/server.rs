@@ -159,6 +159,10 @@ impl Shared {
         rules: Option<RuleSet>,
         clock: DriverClock,
     ) -> Arc<Self> {
+        let cfg = RegionalConfig {
+            instance: quotalease_proto::random_instance(),
+            ..cfg
+        };
         let core = RegionalCore::new(cfg, rules, unix_ns(), unix_ns(), clock.now());
         Arc::new(Self {
             core: Mutex::new(Node::Regional(core)),
@@ -402,6 +406,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> String {
                 ("chain_breaks_total", st.chain_breaks),
                 ("chains_lapsed_total", st.chains_lapsed),
                 ("rules_adopted_total", st.rules_adopted),
+                ("upstream_mismatched_replies_total", st.upstream_mismatched_replies),
             ] {
                 let _ = writeln!(s, "# TYPE quotalease_regional_{name} counter\nquotalease_regional_{name} {v}");
             }
@@ -421,6 +426,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> String {
             ("lease_items_total", st.items),
             ("duplicate_messages_total", st.duplicates),
             ("stale_messages_total", st.stale),
+            ("seq_conflict_messages_total", st.seq_conflicts),
             ("grants_total", st.grants),
             ("tokens_granted_total", st.tokens_granted),
             ("tokens_carried_total", st.tokens_carried),

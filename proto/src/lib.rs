@@ -59,7 +59,44 @@ pub mod envoy {
 
 /// Protocol version spoken by this build. Adjacent versions interoperate:
 /// an allocator accepts `PROTOCOL_VERSION - 1 ..= PROTOCOL_VERSION + 1`.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2 added `RequestHeader.instance`, `LeaseReply.request_digest`
+/// and `GrantStatus::SeqConflict`; version 1 peers leave them 0.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// A fresh random `RequestHeader.instance` (never 0): std's `RandomState`
+/// keys come from the operating system's random source, mixed with the
+/// process id and the wall clock so that even a failed random source
+/// gives processes distinct values.
+pub fn random_instance() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    h.write_u128(wall);
+    h.finish().max(1)
+}
+
+/// A digest of a whole lease batch (header included), the same on every
+/// process and every build: 64-bit FNV-1a over its protobuf encoding
+/// (prost encodes fields in tag order, so equal messages give equal
+/// bytes). The allocator keeps it beside each cached reply and refuses a
+/// repeated sequence number whose digest differs; replies echo it so an
+/// agent can tell a reply to its own request from any other. It guards
+/// against mistakes, not adversaries.
+pub fn request_digest(batch: &lease::LeaseBatch) -> u64 {
+    use prost::Message;
+    let bytes = batch.encode_to_vec();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // 0 means "no digest" on the wire.
+    h.max(1)
+}
 
 /// Largest gRPC message either side decodes (SPEC §8).
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;

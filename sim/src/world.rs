@@ -469,6 +469,8 @@ impl World {
             fetch_timeout_ns: self.sc.fetch_timeout_ms * 1_000_000,
             lease_ttl_ns: self.sc.lease_ttl_ms * 1_000_000,
             epsilon_ns: 10_000_000,
+            // A new process, a new instance (drawn deterministically).
+            instance: (u64::from(r) + 1) << 32 | u64::from(node.life),
         };
         let life = u64::from(node.life);
         node.core = Some(RegionalCore::new(
@@ -505,6 +507,8 @@ impl World {
             fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),
             clock: AgentClock::Manual(node.clock_cell.clone()),
             incarnation: Some(u64::from(node.life)),
+            // A new process, a new instance (drawn deterministically).
+            instance: Some((u64::from(i) + 1) << 32 | u64::from(node.life)),
             record_emergency: true,
             ..AgentConfig::default()
         };

@@ -252,16 +252,274 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
             seq: 1,
             protocol_version: quotalease_proto::PROTOCOL_VERSION,
             rules_version: 0,
+            instance: 0,
         }),
         items: vec![],
         ttl_ms: 0,
     });
+    // The same identity (id and instance 0, as a protocol-1 agent sends)
+    // catches up with the record.
+    let cfg = AgentConfig {
+        agent_id: "stepped".into(),
+        instance: Some(0),
+        ..AgentConfig::default()
+    };
+    let a =
+        Agent::start(cfg, Arc::new(InProcess::new(shared.clone())), None).expect("agent starts");
+    wait_ready(&a).await;
+    assert!(a.inner.incarnation.load(Ordering::Acquire) > future);
+    assert!(a.check(input("t", "/x")).await.unwrap().allowed);
+    // A new process draws a new instance: it is a holder of its own and
+    // needs no catching up.
     let cfg = AgentConfig {
         agent_id: "stepped".into(),
         ..AgentConfig::default()
     };
-    let a = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
+    let b = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
+    wait_ready(&b).await;
+    assert!(b.inner.incarnation.load(Ordering::Acquire) < future);
+    assert!(b.check(input("t", "/x")).await.unwrap().allowed);
+}
+
+/// The real allocator in process, behind a gate a test can slow down,
+/// cut or make panic.
+struct Gate {
+    inner: InProcess,
+    delay_ms: AtomicU64,
+    down: AtomicBool,
+    panic: AtomicBool,
+}
+
+impl Gate {
+    fn new(shared: Arc<Shared>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: InProcess::new(shared),
+            delay_ms: AtomicU64::new(0),
+            down: AtomicBool::new(false),
+            panic: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Transport for Gate {
+    fn lease(&self, batch: LeaseBatch) -> crate::transport::LeaseFuture<'_> {
+        Box::pin(async move {
+            if self.panic.load(Ordering::Acquire) {
+                panic!("test transport panics");
+            }
+            let d = self.delay_ms.load(Ordering::Acquire);
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+            if self.down.load(Ordering::Acquire) {
+                return Err("test: allocator down".into());
+            }
+            self.inner.lease(batch).await
+        })
+    }
+}
+
+fn gated(yaml: &str, bootstrap: bool) -> (Agent, Arc<Gate>) {
+    let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
+    let shared = Shared::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules.clone(),
+        None,
+    );
+    let gate = Gate::new(shared);
+    let agent = Agent::start(
+        AgentConfig::default(),
+        gate.clone(),
+        bootstrap.then_some(rules),
+    )
+    .expect("agent starts");
+    (agent, gate)
+}
+
+const SCARCE: &str = r#"
+rules:
+  - id: scarce
+    match: { tenant: "*" }
+    rate: 1/h
+    burst: 2
+    fail_policy: closed
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_request_still_waiting_is_answered_once_and_charged_once() {
+    let (a, gate) = gated(SCARCE, false);
     wait_ready(&a).await;
-    assert!(a.inner.incarnation.load(Ordering::Acquire) > future);
-    assert!(a.check(input("t", "/x")).await.unwrap().allowed);
+    // The cold fetch takes a while: the gateway's retry arrives meanwhile.
+    gate.delay_ms.store(100, Ordering::Release);
+    let req = |id: &'static str| CheckInput {
+        request_id: id,
+        ..input("t", "/x")
+    };
+    let (first, retry) = tokio::join!(a.check(req("r1")), async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        a.check(req("r1")).await
+    });
+    let (first, retry) = (first.unwrap(), retry.unwrap());
+    assert!(first.allowed, "{first:?}");
+    assert_eq!(first, retry, "the retry gets the first answer");
+    assert_eq!(a.metrics().replays.get(), 1);
+    // r1 was charged once: one of the two tokens is left for r2.
+    let other = a.check(req("r2")).await.unwrap();
+    assert!(
+        other.allowed,
+        "r1 must not have been charged twice: {other:?}"
+    );
+    let third = a.check(req("r3")).await.unwrap();
+    assert!(!third.allowed, "burst 2: {third:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_answer_is_not_replayed_after_the_allocator_is_back() {
+    let (a, gate) = gated(SCARCE, true);
+    gate.down.store(true, Ordering::Release);
+    let req = CheckInput {
+        request_id: "r1",
+        ..input("t", "/x")
+    };
+    let down = a.check(req).await;
+    assert!(matches!(down, Err(CheckError::Unavailable(_))), "{down:?}");
+    gate.down.store(false, Ordering::Release);
+    wait_ready(&a).await;
+    let back = a.check(req).await.expect("an answer");
+    assert!(back.allowed, "decided afresh, not the cached 503: {back:?}");
+    assert_eq!(a.metrics().replays.get(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_task_that_dies_makes_the_agent_not_ready() {
+    let (a, gate) = gated(BULK, true);
+    gate.panic.store(true, Ordering::Release);
+    for _ in 0..200 {
+        if a.metrics().renewal_task_failures.get() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(a.metrics().renewal_task_failures.get() >= 1);
+    gate.panic.store(false, Ordering::Release);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !a.is_ready(),
+        "an agent whose renewal side died is not ready"
+    );
+    let text = a.metrics().render(0, 1, a.is_ready());
+    let failures = a.metrics().renewal_task_failures.get();
+    assert!(failures >= 1);
+    assert!(text.contains(&format!(
+        "quotalease_agent_renewal_task_failures_total {failures}"
+    )));
+}
+
+#[test]
+fn the_emergency_bucket_never_waits_for_the_renewal_state() {
+    // Lock order by construction: `emergency_take` holds only the
+    // emergency lock. Before, it took `st` inside it, while the renewal
+    // pass takes `st` and then the emergency lock: a deadlock.
+    let rules = RuleSet::parse(RULES, "test", 1).expect("valid rules");
+    let rule = rules.get("wide").expect("rule").clone();
+    let slot = Arc::new(Slot::new("wide", "t", ""));
+    let st = slot.st.lock();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = slot.clone();
+    std::thread::spawn(move || {
+        let took = s2.emergency_take(&rule, &EmergencyConfig::default(), 1, 1, 0, None);
+        let _ = tx.send(took);
+    });
+    let took = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("emergency_take must not wait for the renewal state");
+    assert!(took.is_some());
+    drop(st);
+}
+
+#[test]
+fn bad_settings_are_errors_naming_the_setting() {
+    let zero = AgentConfig {
+        plan: PlanConfig {
+            renew_interval: Duration::ZERO,
+            ..PlanConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let e = Agent::new(zero, None, None).expect_err("zero renew interval");
+    assert!(e.to_string().contains("--renew-interval"), "{e}");
+    let absurd = AgentConfig {
+        fetch_timeout: Duration::from_secs(u64::MAX),
+        ..AgentConfig::default()
+    };
+    let e = Agent::new(absurd, None, None).expect_err("absurd fetch timeout");
+    assert!(e.to_string().contains("--fetch-timeout"), "{e}");
+}
+
+/// A sans-IO agent on a manual clock, a real allocator core, and the batch
+/// a cold check sends.
+fn cold_batch() -> (
+    Agent,
+    quotalease_allocator::core::AllocatorCore,
+    LeaseBatch,
+    u64,
+) {
+    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
+    let core = quotalease_allocator::core::AllocatorCore::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules.clone(),
+        1,
+        1,
+        0,
+    );
+    let clock = Arc::new(AtomicU64::new(1_000_000_000));
+    let cfg = AgentConfig {
+        clock: AgentClock::Manual(clock),
+        instance: Some(42),
+        ..AgentConfig::default()
+    };
+    let a = Agent::new(cfg, None, Some(rules)).expect("agent");
+    let t = a.now();
+    assert_eq!(a.check_at(&input("t", "/x"), 0, t), CheckStep::Wait);
+    let batch = a
+        .poll_renewal_woken(t)
+        .expect("a renewal for the waiting key");
+    assert_eq!(batch.header.as_ref().unwrap().instance, 42);
+    (a, core, batch, t)
+}
+
+#[test]
+fn a_reply_that_does_not_answer_the_request_is_ignored() {
+    // Grants for other items (more grants than items)...
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let mut reply = core.handle(t, &batch);
+    assert_eq!(reply.grants[0].status, GrantStatus::Granted as i32);
+    reply.grants.push(reply.grants[0].clone());
+    a.on_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 1);
+    assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
+    // ...or a reply to other content under the same seq (digest).
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let mut reply = core.handle(t, &batch);
+    reply.request_digest ^= 1;
+    a.on_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 1);
+    assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
+    // The key asks again (the batch was given up on).
+    assert!(a.poll_renewal(t + 2).is_some());
+    // And a matching reply is applied.
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let reply = core.handle(t, &batch);
+    a.on_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 0);
+    assert!(a.check_at(&input("t", "/x"), 1, t + 2) != CheckStep::Wait);
 }

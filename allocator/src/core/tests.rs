@@ -40,6 +40,7 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             seq,
             protocol_version: PROTOCOL_VERSION,
             rules_version: 7,
+            instance: 0,
         }),
         items,
         ttl_ms: 1000,
@@ -340,4 +341,83 @@ fn adjacent_protocol_versions_interoperate_and_others_are_refused() {
     let r = c.handle(T, &b);
     assert_eq!(r.grants[0].status, GrantStatus::Unsupported as i32);
     assert!(r.grants[0].detail.contains("protocol_version"));
+}
+
+#[test]
+fn a_repeated_seq_with_other_content_is_refused_never_answered_from_the_cache() {
+    let mut c = core_at(T, true);
+    let first = batch(
+        "a1",
+        1,
+        1,
+        vec![renew("orders", "t", "/api/orders", 0, 0, 5)],
+    );
+    let r1 = c.handle(T, &first);
+    assert_eq!(r1.grants[0].tokens, 5);
+    assert_eq!(r1.request_digest, quotalease_proto::request_digest(&first));
+    // A true duplicate: the cached reply, nothing granted twice.
+    let again = c.handle(T + MS, &first);
+    assert_eq!(again, r1);
+    assert_eq!(c.stats().duplicates, 1);
+    // Same (agent, incarnation, seq), other content: refused and counted.
+    let twin = batch(
+        "a1",
+        1,
+        1,
+        vec![renew("orders", "u", "/api/orders", 0, 0, 5)],
+    );
+    let r2 = c.handle(T + 2 * MS, &twin);
+    assert_eq!(r2.grants[0].status, GrantStatus::SeqConflict as i32);
+    assert_eq!(r2.grants[0].tokens, 0);
+    assert!(r2.grants[0].detail.contains("header.seq"));
+    assert_eq!(r2.request_digest, quotalease_proto::request_digest(&twin));
+    assert_eq!(c.stats().seq_conflicts, 1);
+    assert_eq!(c.stats().grants, 1, "nothing granted for the conflict");
+    // The key of the conflicting request was never touched.
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "u".into(),
+        route: "/api/orders".into(),
+    };
+    assert!(c.key_view(T + 2 * MS, &key).is_none());
+}
+
+#[test]
+fn processes_sharing_an_agent_id_are_distinct_holders_by_instance() {
+    let mut c = core_at(T, true);
+    let with_instance = |instance: u64, seq: u64, lease_id: u64, want: u64| {
+        let mut b = batch(
+            "agent-1",
+            1,
+            seq,
+            vec![renew("orders", "t", "/api/orders", lease_id, 0, want)],
+        );
+        b.header.as_mut().unwrap().instance = instance;
+        b
+    };
+    // Two processes, one id, one incarnation, the same seq: each gets
+    // its own lease (a reply cache keyed by id alone would hand the first
+    // lease to both).
+    let ra = c.handle(T, &with_instance(0xa, 1, 0, 4));
+    let rb = c.handle(T, &with_instance(0xb, 1, 0, 4));
+    assert_eq!(ra.grants[0].status, GrantStatus::Granted as i32);
+    assert_eq!(rb.grants[0].status, GrantStatus::Granted as i32);
+    assert_ne!(ra.grants[0].lease_id, rb.grants[0].lease_id);
+    assert_eq!(c.stats().duplicates, 0);
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "t".into(),
+        route: "/api/orders".into(),
+    };
+    let view = c.key_view(T, &key).expect("key held");
+    assert_eq!(view.outstanding, 8);
+    assert_eq!(view.holders.len(), 2);
+    assert!(view
+        .holders
+        .iter()
+        .all(|(name, _)| name.starts_with("agent-1#")));
+    // Neither can renew or release the other's lease.
+    let steal = c.handle(T + MS, &with_instance(0xb, 2, ra.grants[0].lease_id, 1));
+    assert_ne!(steal.grants[0].carried, 4, "b must not carry a's lease");
+    assert_eq!(c.key_view(T + MS, &key).unwrap().holders.len(), 3);
 }

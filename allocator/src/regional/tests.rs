@@ -68,6 +68,7 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             seq,
             protocol_version: PROTOCOL_VERSION,
             rules_version: 0,
+            instance: 0,
         }),
         items,
         ttl_ms: 2_000,

@@ -1,15 +1,22 @@
 //! The agent: answers checks from leased tokens and keeps leases topped up
 //! in the background.
 //!
-//! The request path ([`Agent::check`]) matches rules, looks up each key's
-//! [`Slot`] and takes tokens with one CAS per rule. Only when a lease is
-//! missing or short does it leave the fast path: it marks the key as
-//! waiting, wakes the renewal loop and waits (bounded by `fetch_timeout`)
-//! for the grant. The renewal loop ([`Agent::start`]) plans renewals
-//! with [`crate::renewal::plan`], batches every key due into one message,
-//! and installs grants.
+//! Three parts (docs/architecture.md, "The agent"):
+//!
+//! * the **lease table** ([`crate::lease_table`]): one [`Slot`] per key,
+//!   atomics only; the request fast path ([`Agent::check_fast`]) matches
+//!   rules and takes tokens with one CAS per rule, no lock;
+//! * the **core** ([`crate::core::AgentCore`]): a single-owner sans-IO state
+//!   machine for renewals, batches, retries, timeouts, outages and
+//!   emergency buckets, behind one mutex that the fast path never takes;
+//! * **drivers**: the tokio driver ([`crate::driver`], started by
+//!   [`Agent::start`]) and the simulator pump the same core.
+//!
+//! Only when a lease is missing or short does a request leave the fast
+//! path: under the core's lock it asks for the key in the next batch (or
+//! applies a fail policy), then waits (bounded by `fetch_timeout`) for the
+//! key's batch to settle and checks again.
 
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -18,22 +25,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
-use parking_lot::Mutex;
-use quotalease_allocator::bucket::TokenBucket;
+use parking_lot::{Mutex, MutexGuard};
 use quotalease_allocator::clock::{BootClock, Clock};
-use quotalease_allocator::core::RHO_PPM;
 use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
-use quotalease_proto::lease::{
-    Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
-};
 use quotalease_proto::v1::{CheckResponse, Reason};
-use quotalease_proto::PROTOCOL_VERSION;
 use tokio::sync::Notify;
 
+use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
-use crate::lease_table::{LeaseWord, Take};
+use crate::lease_table::Take;
+pub use crate::lease_table::{KeyRef, Slot, SlotKey, Table};
 use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
-use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
+use crate::renewal::PlanConfig;
 use crate::transport::Transport;
 
 /// Where the agent reads time. Production reads `CLOCK_BOOTTIME`; a driver
@@ -108,6 +111,9 @@ pub struct AgentConfig {
     pub instance: Option<u64>,
     /// Remember every emergency bucket opened (for the simulator's I3 check).
     pub record_emergency: bool,
+    /// Most lease batches in flight at once (backpressure: more keys wait
+    /// for the next batch instead of failing).
+    pub max_in_flight: usize,
 }
 
 /// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
@@ -138,6 +144,7 @@ impl Default for AgentConfig {
             incarnation: None,
             instance: None,
             record_emergency: false,
+            max_in_flight: 8,
         }
     }
 }
@@ -194,6 +201,12 @@ impl AgentConfig {
             return Err(ConfigError {
                 setting: "--agent-id",
                 reason: format!("must be 1..={MAX_ID_BYTES} bytes"),
+            });
+        }
+        if self.max_in_flight == 0 {
+            return Err(ConfigError {
+                setting: "max_in_flight",
+                reason: "must be greater than zero".into(),
             });
         }
         if self.max_keys == 0 {
@@ -277,233 +290,6 @@ const MAX_ATTEMPTS_OPENING: u32 = 4;
 
 /// Most rules one request can match.
 pub const MAX_MATCHED: usize = 16;
-/// A key held in the lease table: rule id plus the tenant and route parts
-/// the rule keys on ("" for a dimension it does not match on).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SlotKey {
-    rule: Box<str>,
-    tenant: Box<str>,
-    route: Box<str>,
-}
-
-impl std::hash::Hash for SlotKey {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        KeyRef::new(&self.rule, &self.tenant, &self.route).hash(h)
-    }
-}
-
-/// A borrowed key for lookups: hashes and compares like [`SlotKey`]
-/// without building anything. (`str` hashing ends each part with 0xff,
-/// which UTF-8 never contains, so the parts cannot run into each other.)
-#[derive(Clone, Copy, Debug, Hash)]
-pub struct KeyRef<'a> {
-    rule: &'a str,
-    tenant: &'a str,
-    route: &'a str,
-}
-
-impl<'a> KeyRef<'a> {
-    /// A key from its parts.
-    #[inline]
-    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
-        Self {
-            rule,
-            tenant,
-            route,
-        }
-    }
-
-    /// The key of `rule` for a request on (tenant, route).
-    #[inline]
-    pub fn of(rule: &'a Rule, tenant: &'a str, route: &'a str) -> Self {
-        Self::new(
-            &rule.id,
-            rule.tenant.key_part(tenant),
-            rule.route.key_part(route),
-        )
-    }
-
-    fn to_owned_key(self) -> SlotKey {
-        SlotKey {
-            rule: self.rule.into(),
-            tenant: self.tenant.into(),
-            route: self.route.into(),
-        }
-    }
-}
-
-impl papaya::Equivalent<SlotKey> for KeyRef<'_> {
-    #[inline]
-    fn equivalent(&self, k: &SlotKey) -> bool {
-        self.tenant == &*k.tenant && self.route == &*k.route && self.rule == &*k.rule
-    }
-}
-
-/// Renewal-side state of a key (never touched by the request fast path).
-#[derive(Debug, Default)]
-struct SlotState {
-    lease_id: u64,
-    /// Tokens of the lease as the allocator records them.
-    granted: u64,
-    generation: u64,
-    /// Tokens in the word at the last tick (for consumption accounting).
-    baseline: u64,
-    usage: Usage,
-    in_flight: Option<InFlight>,
-    /// Set when the allocator refused the key (unknown rule, key limit...).
-    refused: Option<(GrantStatus, String)>,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct InFlight {
-    seq: u64,
-    generation: u64,
-    tokens_at_send: u64,
-    kind: ItemKind,
-}
-
-/// Source of slot ids: a slot removed from the table and created again for
-/// the same key is a different slot, so a late refund cannot land in it.
-static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// One key held by the agent.
-#[derive(Debug)]
-pub struct Slot {
-    /// The lease word (hot path).
-    pub word: LeaseWord,
-    id: u64,
-    rule_id: String,
-    tenant: String,
-    route: String,
-    dry_until_ns: AtomicU64,
-    /// Sum of the costs of requests waiting for this key's next grant.
-    waiting_cost: AtomicU64,
-    /// Holders of this key at the allocator, as of the last grant.
-    holders: AtomicU64,
-    /// This agent's recent admitted rate on the key (tokens/s, `f64`
-    /// bits), published by the renewal pass for the emergency bucket, so
-    /// that the request path never takes the renewal state's lock while
-    /// it holds the emergency bucket's (one lock at a time, by
-    /// construction).
-    admitted_rate_bits: AtomicU64,
-    /// Fail-open emergency bucket of the current outage: (outage, bucket).
-    emergency: Mutex<Option<(u64, TokenBucket)>>,
-    /// Tokens asked for but denied since the last tick (demand the lease
-    /// could not serve; counted off the fast path).
-    denied: AtomicU64,
-    /// The renewal loop may skip this key before this instant if its lease
-    /// word still reads `seen_word` and nothing waits or was denied: the
-    /// planner's answer cannot change before then (see `plan_all`).
-    quiet_until_ns: AtomicU64,
-    seen_word: AtomicU64,
-    /// The allocator is still opening this (never leased) key upstream.
-    opening: AtomicBool,
-    parked: Notify,
-    st: Mutex<SlotState>,
-}
-
-impl Slot {
-    fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
-        Self {
-            word: LeaseWord::new(),
-            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
-            rule_id: rule_id.to_string(),
-            tenant: tenant.to_string(),
-            route: route.to_string(),
-            dry_until_ns: AtomicU64::new(0),
-            waiting_cost: AtomicU64::new(0),
-            denied: AtomicU64::new(0),
-            quiet_until_ns: AtomicU64::new(0),
-            seen_word: AtomicU64::new(u64::MAX),
-            opening: AtomicBool::new(false),
-            holders: AtomicU64::new(1),
-            admitted_rate_bits: AtomicU64::new(0f64.to_bits()),
-            emergency: Mutex::new(None),
-            parked: Notify::new(),
-            st: Mutex::new(SlotState::default()),
-        }
-    }
-}
-
-impl Slot {
-    /// Take `cost` from this key's emergency bucket for outage `outage`,
-    /// creating it on first use: rate `r_e = max(this agent's recent
-    /// consumption, R / holders)`, burst `b_e = max(1, B / holders)` (SPEC §2
-    /// I3, §6). Returns the tokens left, or None when it is empty.
-    fn emergency_take(
-        &self,
-        rule: &Rule,
-        cfg: &EmergencyConfig,
-        outage: u64,
-        cost: u64,
-        t: u64,
-        log: Option<&Mutex<Vec<EmergencyOpened>>>,
-    ) -> Option<u64> {
-        // Only this lock is held here: never `st` (see `admitted_rate_bits`).
-        let mut e = self.emergency.lock();
-        if e.as_ref().is_none_or(|(o, _)| *o != outage) {
-            let recent_per_s = f64::from_bits(self.admitted_rate_bits.load(Ordering::Acquire));
-            let holders = self.holders.load(Ordering::Acquire).max(1);
-            let r = rule.rate;
-            let tokens = match cfg.rate_fraction {
-                Some(f) => (r.tokens as f64 * f).ceil() as u64,
-                None => {
-                    let recent = (recent_per_s * r.period_s as f64).ceil() as u64;
-                    recent.max(r.tokens / holders)
-                }
-            }
-            .clamp(1, r.tokens);
-            let burst = match cfg.burst_fraction {
-                Some(f) => (rule.burst as f64 * f).ceil() as u64,
-                None => rule.burst / holders,
-            }
-            .clamp(1, rule.burst);
-            let rate = quotalease_allocator::rules::Rate {
-                tokens,
-                period_s: r.period_s,
-            };
-            if let Some(log) = log {
-                log.lock().push(EmergencyOpened {
-                    at_ns: t,
-                    rule_id: self.rule_id.clone(),
-                    tenant: self.tenant.clone(),
-                    route: self.route.clone(),
-                    rate,
-                    burst,
-                });
-            }
-            *e = Some((outage, TokenBucket::new_full(rate, burst, t)));
-        }
-        let (_, bucket) = e.as_mut().expect("created above");
-        bucket.try_acquire(cost, t).ok()
-    }
-
-    fn emergency_refund(&self, cost: u64, t: u64) {
-        if let Some((_, bucket)) = self.emergency.lock().as_mut() {
-            bucket.refund(cost, t);
-        }
-    }
-
-    /// A RELEASE item for this key.
-    fn release_item(&self, lease_id: u64, spent: u64) -> LeaseItem {
-        LeaseItem {
-            rule_id: self.rule_id.clone(),
-            tenant: self.tenant.clone(),
-            route: self.route.clone(),
-            kind: ItemKind::Release as i32,
-            lease_id,
-            spent,
-            want: 0,
-        }
-    }
-}
-
-/// The lease table: key bytes to slot. A lock-free map (reads pin an epoch
-/// guard, which writes only thread-local state), so concurrent checks on
-/// one hot key share no written cache line except the lease word itself.
-/// The hasher is seeded per process.
-type Table = papaya::HashMap<SlotKey, Arc<Slot>, foldhash::fast::RandomState>;
-
 /// Indices of the rules a request matched, overrides applied.
 struct Matched {
     idx: [u32; MAX_MATCHED],
@@ -603,9 +389,6 @@ fn validate(input: &CheckInput<'_>) -> Result<u64, CheckError> {
 
 struct Inner {
     cfg: AgentConfig,
-    /// Grows only: wall-clock ns at start, raised above the allocator's
-    /// record if that is higher (a clock stepped back across a restart).
-    incarnation: AtomicU64,
     /// Per-process nonce sent beside the agent id (SPEC §8).
     instance: u64,
     /// The renewal task died: the agent can no longer renew and is not
@@ -613,57 +396,20 @@ struct Inner {
     renewal_dead: AtomicBool,
     /// None when a driver moves the batches itself (the simulator).
     transport: Option<Arc<dyn Transport>>,
-    rules: ArcSwapOption<RuleSet>,
-    table: Table,
-    connected: AtomicBool,
-    /// The last allocator call failed (as opposed to: none made yet).
-    down: AtomicBool,
-    /// The allocator (a regional one) reports its own parent unreachable.
-    parent_down: AtomicBool,
-    /// When the last batch was sent (for heartbeats).
-    last_sent_ns: AtomicU64,
-    /// Rule set version of the last planning pass (a change visits every key).
-    planned_version: AtomicU64,
-    /// Slots that requests wait for since the last pass (a wake-up pass
-    /// plans only these).
-    wanted: Mutex<Vec<Arc<Slot>>>,
-    /// Batches sent and not yet answered, by sequence number.
-    pending: Mutex<BTreeMap<u64, Pending>>,
-    /// Emergency buckets opened (only with `record_emergency`).
-    emergency_log: Mutex<Vec<EmergencyOpened>>,
-    /// Counts outages; an emergency bucket belongs to one outage.
-    outage: AtomicU64,
-    seq: AtomicU64,
+    rules: Arc<ArcSwapOption<RuleSet>>,
+    table: Arc<Table>,
+    metrics: Arc<AgentMetrics>,
+    /// The single-owner core; the fast path never takes this lock.
+    core: Mutex<AgentCore>,
+    /// Wakes the tokio driver (a request waits for a key).
     wake: Notify,
     stop: AtomicBool,
     stopped: Notify,
-    late_releases: Mutex<Vec<LeaseItem>>,
+    /// Emergency buckets opened (only with `record_emergency`), collected
+    /// from the core's events by the tokio driver.
+    emergency_log: Mutex<Vec<EmergencyOpened>>,
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
-    metrics: AgentMetrics,
     admission_log: Option<Mutex<BufWriter<File>>>,
-}
-
-/// Working state of one planning pass.
-struct PlanCtx {
-    rules: Option<Arc<RuleSet>>,
-    rules_changed: bool,
-    idle_ns: u64,
-    lead_ns: u64,
-    releases: Vec<LeaseItem>,
-    renews: Vec<(LeaseItem, Arc<Slot>)>,
-    forget: Vec<SlotKey>,
-}
-
-/// A batch on its way to the allocator.
-#[derive(Debug)]
-struct Pending {
-    sent_ns: u64,
-    /// `request_digest` of the batch, to match its reply.
-    digest: u64,
-    items: Vec<LeaseItem>,
-    slots: Vec<Arc<Slot>>,
-    /// The driver gave up on it; a late reply only releases what it granted.
-    abandoned: bool,
 }
 
 /// An emergency bucket opened for a fail-open key (SPEC §2 I3).
@@ -686,9 +432,11 @@ pub struct EmergencyOpened {
 /// One step of the slow path.
 enum Step {
     Done(Result<CheckResponse, CheckError>),
-    /// Wait for the next grant of `slot` (rule `rule_idx` could not pay).
+    /// Registered with the core: wait for the next grant of `slot` (rule
+    /// `rule_idx` could not pay).
     Park {
         slot: Arc<Slot>,
+        #[allow(dead_code)]
         rule_idx: usize,
     },
 }
@@ -698,9 +446,10 @@ enum Step {
 pub enum CheckStep {
     /// The answer.
     Answer(Result<CheckResponse, CheckError>),
-    /// The request waits for a grant: the driver sends what
-    /// [`Agent::poll_renewal`] returns and calls `check_at` again with
-    /// `attempt + 1` once a reply arrived or `fetch_timeout` passed.
+    /// The request waits for a grant: the driver pumps the core (see
+    /// [`Agent::core`]) and calls `check_at` again with `attempt + 1` once
+    /// the core reported the key settled ([`Event::Settled`]) or
+    /// `fetch_timeout` passed.
     Wait,
 }
 
@@ -720,7 +469,7 @@ impl std::fmt::Debug for Agent {
 }
 
 impl Agent {
-    /// Start an agent and its renewal loop on the current tokio runtime.
+    /// Start an agent and its tokio driver on the current runtime.
     /// `bootstrap` rules (e.g. from `--rules`) are used until the
     /// allocator sends its own.
     pub fn start(
@@ -728,16 +477,16 @@ impl Agent {
         transport: Arc<dyn Transport>,
         bootstrap: Option<RuleSet>,
     ) -> std::io::Result<Agent> {
-        let agent = Self::new(cfg, Some(transport), bootstrap)?;
+        let agent = Self::new(cfg, Some(transport.clone()), bootstrap)?;
         let bg = agent.clone();
-        let task = tokio::spawn(async move { bg.renewal_loop().await });
-        // A renewal loop that dies (a panic is a bug) must not leave an
-        // agent that looks healthy while its leases run dry.
+        let task = tokio::spawn(async move { crate::driver::run(bg, transport).await });
+        // A driver that dies (a panic is a bug) must not leave an agent that
+        // looks healthy while its leases run dry.
         let watcher = agent.clone();
         tokio::spawn(async move {
             if let Err(e) = task.await {
                 if e.is_panic() {
-                    watcher.renewal_died("the renewal loop panicked");
+                    watcher.renewal_died("the renewal driver panicked");
                 }
             }
         });
@@ -745,17 +494,15 @@ impl Agent {
     }
 
     /// The renewal side is gone: not ready from now on, counted and logged.
-    fn renewal_died(&self, why: &str) {
+    pub(crate) fn renewal_died(&self, why: &str) {
         let inner = &*self.inner;
         inner.metrics.renewal_task_failures.add(1);
         inner.renewal_dead.store(true, Ordering::Release);
         tracing::error!(%why, "renewal task died; the agent is not ready and serves only what it holds");
     }
 
-    /// An agent without a renewal task: the driver calls
-    /// [`Agent::poll_renewal`], carries the batch, and feeds back
-    /// [`Agent::on_reply`] or [`Agent::on_failure`] (the simulator does;
-    /// [`Agent::start`] runs the tokio driver).
+    /// An agent without a driver: the caller pumps [`Agent::core`] (the
+    /// simulator does; [`Agent::start`] runs the tokio driver).
     pub fn new(
         cfg: AgentConfig,
         transport: Option<Arc<dyn Transport>>,
@@ -776,48 +523,82 @@ impl Agent {
         let instance = cfg
             .instance
             .unwrap_or_else(quotalease_proto::random_instance);
+        let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+        let rules = Arc::new(ArcSwapOption::new(bootstrap.map(Arc::new)));
+        let metrics = Arc::new(AgentMetrics::default());
+        if let Some(rules) = rules.load_full() {
+            metrics.by_rule.store(Arc::new(RuleCounterSet::for_rules(
+                &rules,
+                &RuleCounterSet::default(),
+            )));
+        }
+        let core = AgentCore::new(
+            CoreConfig {
+                agent_id: cfg.agent_id.clone(),
+                instance,
+                incarnation,
+                lease_ttl: cfg.lease_ttl,
+                plan: cfg.plan,
+                fetch_timeout: cfg.fetch_timeout,
+                epsilon: cfg.epsilon,
+                heartbeat: cfg.heartbeat,
+                emergency: cfg.emergency,
+                record_emergency: cfg.record_emergency,
+                max_in_flight: cfg.max_in_flight,
+                max_keys: cfg.max_keys,
+            },
+            table.clone(),
+            rules.clone(),
+            metrics.clone(),
+            cfg.clock.now(),
+        );
         let inner = Arc::new(Inner {
             replays: ReplayCache::new(cfg.replay_capacity, 60_000_000_000),
             cfg,
-            incarnation: AtomicU64::new(incarnation),
             instance,
             renewal_dead: AtomicBool::new(false),
             transport,
-            rules: ArcSwapOption::new(bootstrap.map(Arc::new)),
-            table: Table::with_hasher(foldhash::fast::RandomState::default()),
-            connected: AtomicBool::new(false),
-            down: AtomicBool::new(false),
-            parent_down: AtomicBool::new(false),
-            last_sent_ns: AtomicU64::new(0),
-            planned_version: AtomicU64::new(0),
-            wanted: Mutex::new(Vec::new()),
-            pending: Mutex::new(BTreeMap::new()),
-            emergency_log: Mutex::new(Vec::new()),
-            outage: AtomicU64::new(0),
-            seq: AtomicU64::new(0),
+            rules,
+            table,
+            metrics,
+            core: Mutex::new(core),
             wake: Notify::new(),
             stop: AtomicBool::new(false),
             stopped: Notify::new(),
-            late_releases: Mutex::new(Vec::new()),
-            metrics: AgentMetrics::default(),
+            emergency_log: Mutex::new(Vec::new()),
             admission_log,
         });
-        if let Some(rules) = inner.rules.load_full() {
-            inner
-                .metrics
-                .by_rule
-                .store(Arc::new(RuleCounterSet::for_rules(
-                    &rules,
-                    &RuleCounterSet::default(),
-                )));
-        }
         Ok(Agent { inner })
     }
 
-    /// The emergency buckets opened since the last call (only recorded
-    /// with `record_emergency`).
+    /// The core, locked: drivers pump it (`handle_*`, then `poll_*`).
+    pub fn core(&self) -> MutexGuard<'_, AgentCore> {
+        self.inner.core.lock()
+    }
+
+    /// The emergency buckets opened since the last call, as the tokio
+    /// driver collected them (only with `record_emergency`).
     pub fn take_emergency_opened(&self) -> Vec<EmergencyOpened> {
         std::mem::take(&mut *self.inner.emergency_log.lock())
+    }
+
+    pub(crate) fn note_event(&self, ev: Event) {
+        match ev {
+            Event::Settled(slot) => slot.parked.notify_waiters(),
+            Event::EmergencyOpened(e) => self.inner.emergency_log.lock().push(e),
+        }
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.inner.stop.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn wake_and_stop(&self) -> (&Notify, &Notify) {
+        (&self.inner.wake, &self.inner.stopped)
+    }
+
+    pub(crate) fn config(&self) -> &AgentConfig {
+        &self.inner.cfg
     }
 
     /// The indices (in `rules`) of the non-shadow rules a request on
@@ -842,16 +623,22 @@ impl Agent {
         self.inner.cfg.clock.now()
     }
 
-    /// Whether the last allocator call succeeded and rules are known.
+    /// Whether the last allocator call succeeded, rules are known and the
+    /// renewal side is alive.
     pub fn is_ready(&self) -> bool {
-        self.inner.connected.load(Ordering::Acquire)
-            && self.inner.rules.load().is_some()
+        self.inner.rules.load().is_some()
             && !self.inner.renewal_dead.load(Ordering::Acquire)
+            && self.inner.core.lock().reach().connected
     }
 
     /// The per-process nonce this agent sends beside its id.
     pub fn instance(&self) -> u64 {
         self.inner.instance
+    }
+
+    /// The incarnation it sends now.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.core.lock().incarnation()
     }
 
     /// The rule set in force, if any.
@@ -975,12 +762,18 @@ impl Agent {
         loop {
             match self.decide_step(&rules, &m, input, cost, attempt, self.now()) {
                 Step::Done(answer) => return answer,
-                Step::Park { slot, rule_idx } => {
+                Step::Park { slot, .. } => {
+                    // Registered with the core already (in decide_step);
+                    // wait for the key's batch to settle.
                     attempt += 1;
                     let parked = slot.parked.notified();
                     tokio::pin!(parked);
                     parked.as_mut().enable();
-                    self.register_wait(&rules, &m, input, cost, rule_idx, &slot, self.now());
+                    // The batch may have settled between the registration
+                    // and `enable`: the core re-plans a key whose settle
+                    // came early (its waiting cost is cleared), and the
+                    // timeout bounds the wait either way.
+                    inner.wake.notify_one();
                     let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
                 }
             }
@@ -1009,10 +802,7 @@ impl Agent {
         };
         match self.decide_step(&rules, &m, input, cost, attempt, t) {
             Step::Done(answer) => CheckStep::Answer(answer),
-            Step::Park { slot, rule_idx } => {
-                self.register_wait(&rules, &m, input, cost, rule_idx, &slot, t);
-                CheckStep::Wait
-            }
+            Step::Park { .. } => CheckStep::Wait,
         }
     }
 
@@ -1077,31 +867,32 @@ impl Agent {
             }
             Err(rule_idx) => {
                 let rule = &rules.rules[rule_idx];
-                let slot = self.slot_for(rule, input.tenant, input.route);
+                let mut core = inner.core.lock();
+                let slot = core.slot_for(rule, input.tenant, input.route);
                 let Some(slot) = slot else {
+                    drop(core);
                     return Step::Done(self.fail_policy(
                         rule,
                         rules,
                         "the agent holds max_keys keys",
                     ));
                 };
-                if let Some((status, why)) = slot.st.lock().refused.clone() {
+                if let Some((status, why)) = core.refused(&slot) {
+                    drop(core);
                     inner.metrics.over_limit.add(1);
                     tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
                     return Step::Done(Ok(self.over_limit(rule, rules, 1_000)));
                 }
-                let dry_until = slot.dry_until_ns.load(Ordering::Acquire);
+                let dry_until = slot.dry_until();
+                let reach = core.reach();
                 // Behind a regional allocator whose parent is unreachable the
                 // regional's pool still counts as leased: ask it once; when
                 // it is dry, the fail policy applies (SPEC §2 I3, §6).
-                let parent_cut =
-                    inner.parent_down.load(Ordering::Acquire) && (attempt > 0 || dry_until > t);
-                let cut_off = parent_cut
-                    || inner.down.load(Ordering::Acquire)
-                    || (!inner.connected.load(Ordering::Acquire) && attempt > 0);
+                let parent_cut = reach.parent_down && (attempt > 0 || dry_until > t);
+                let cut_off = parent_cut || reach.down || (!reach.connected && attempt > 0);
                 // A key the allocator is still fetching from its parent gets
                 // a few more rounds (each bounded by `fetch_timeout`).
-                let max_attempts = if slot.opening.load(Ordering::Acquire) {
+                let max_attempts = if slot.opening() {
                     MAX_ATTEMPTS_OPENING
                 } else {
                     MAX_ATTEMPTS
@@ -1111,10 +902,12 @@ impl Agent {
                     && max_attempts > MAX_ATTEMPTS
                     && attempt < max_attempts
                 {
+                    self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
                     return Step::Park { slot, rule_idx };
                 }
                 if dry_until > t && !parent_cut {
-                    slot.denied.fetch_add(cost, Ordering::Relaxed);
+                    drop(core);
+                    slot.add_denied(cost);
                     inner.metrics.over_limit.add(1);
                     // The answer names the denying rule with the largest retry.
                     let (ms, idx) =
@@ -1123,45 +916,49 @@ impl Agent {
                 }
                 if cut_off {
                     if rule.fail_policy == FailPolicy::Open {
-                        return Step::Done(
-                            match self.try_charge_emergency(rules, m, input, cost, t) {
-                                Ok((remaining, idx)) => {
-                                    inner.metrics.failure_mode_allowed.add(1);
-                                    self.count_rule(&rule.id, |c| &c.failure_mode_allowed);
-                                    Ok(FastAdmit {
-                                        remaining,
-                                        rule_index: Some(idx),
-                                        rule_version: rules.version,
-                                        reason: Reason::FailureModeAllowed,
-                                    }
-                                    .to_response(rules))
+                        let paid = self.try_charge_emergency(&mut core, rules, m, input, cost, t);
+                        drop(core);
+                        return Step::Done(match paid {
+                            Ok((remaining, idx)) => {
+                                inner.metrics.failure_mode_allowed.add(1);
+                                self.count_rule(&rule.id, |c| &c.failure_mode_allowed);
+                                Ok(FastAdmit {
+                                    remaining,
+                                    rule_index: Some(idx),
+                                    rule_version: rules.version,
+                                    reason: Reason::FailureModeAllowed,
                                 }
-                                Err(k) => self.fail_policy(
-                                    &rules.rules[k],
-                                    rules,
-                                    "allocator unreachable; emergency bucket empty",
-                                ),
-                            },
-                        );
+                                .to_response(rules))
+                            }
+                            Err(k) => self.fail_policy(
+                                &rules.rules[k],
+                                rules,
+                                "allocator unreachable; emergency bucket empty",
+                            ),
+                        });
                     }
+                    drop(core);
                     return Step::Done(self.fail_policy(rule, rules, "allocator unreachable"));
                 }
                 if attempt >= max_attempts {
-                    slot.denied.fetch_add(cost, Ordering::Relaxed);
+                    drop(core);
+                    slot.add_denied(cost);
                     inner.metrics.over_limit.add(1);
                     let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
                     return Step::Done(Ok(self.over_limit(rule, rules, ms.max(1))));
                 }
+                self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
                 Step::Park { slot, rule_idx }
             }
         }
     }
 
-    /// Register a parked request: every rule of it that cannot pay asks in
-    /// the next batch; wake the renewal loop.
+    /// Register a parked request with the core: every rule of it that
+    /// cannot pay asks in the next batch; wake the driver.
     #[allow(clippy::too_many_arguments)]
     fn register_wait(
         &self,
+        core: &mut AgentCore,
         rules: &RuleSet,
         m: &Matched,
         input: &CheckInput<'_>,
@@ -1170,25 +967,19 @@ impl Agent {
         slot: &Arc<Slot>,
         t: u64,
     ) {
-        let inner = &*self.inner;
-        slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
-        let mut wanted = inner.wanted.lock();
-        wanted.push(slot.clone());
+        core.want(slot.clone(), cost);
         for &ri in &m.idx[..m.n] {
             let other = &rules.rules[ri as usize];
             if other.shadow || ri as usize == rule_idx {
                 continue;
             }
-            if let Some(s) = self.slot_for(other, input.tenant, input.route) {
+            if let Some(s) = core.slot_for(other, input.tenant, input.route) {
                 if s.word.peek(t).is_none_or(|held| held < cost) {
-                    s.waiting_cost.fetch_add(cost, Ordering::AcqRel);
-                    wanted.push(s);
+                    core.want(s, cost);
                 }
             }
         }
-        drop(wanted);
-        inner.wake.notify_one();
-        inner.metrics.waits.add(1);
+        self.inner.wake.notify_one();
     }
 
     /// The lease charge behind `check_fast` and `decide`: charge every
@@ -1215,7 +1006,7 @@ impl Agent {
             }
             let key = KeyRef::of(r, input.tenant, input.route);
             let (slot_id, take) = match table.get(&key) {
-                Some(slot) => (slot.id, slot.word.try_take(cost, t)),
+                Some(slot) => (slot.id(), slot.word.try_take(cost, t)),
                 None => (0, Take::NoLease),
             };
             match take {
@@ -1238,7 +1029,7 @@ impl Agent {
                         }
                         let key = KeyRef::of(rk, input.tenant, input.route);
                         if let Some(slot) = table.get(&key) {
-                            if slot.id == slot_id {
+                            if slot.id() == slot_id {
                                 slot.word.refund(generation, cost);
                             }
                         }
@@ -1282,7 +1073,7 @@ impl Agent {
             let Some(slot) = table.get(&KeyRef::of(r, input.tenant, input.route)) else {
                 continue;
             };
-            let dry = slot.dry_until_ns.load(Ordering::Acquire);
+            let dry = slot.dry_until();
             let short = slot.word.peek(t).is_none_or(|held| held < cost);
             if short && dry > t && dry - t > best.0 {
                 best = (dry - t, ri as usize);
@@ -1325,6 +1116,7 @@ impl Agent {
     /// could not pay)`.
     fn try_charge_emergency(
         &self,
+        core: &mut AgentCore,
         rules: &RuleSet,
         m: &Matched,
         input: &CheckInput<'_>,
@@ -1335,7 +1127,6 @@ impl Agent {
             Lease(Arc<Slot>, u64),
             Emergency(Arc<Slot>),
         }
-        let outage = self.inner.outage.load(Ordering::Acquire);
         let mut paid: Vec<Paid> = Vec::with_capacity(m.n);
         let mut min = (u64::MAX, m.idx[0] as usize);
         let mut failed = None;
@@ -1344,7 +1135,7 @@ impl Agent {
             if r.shadow {
                 continue;
             }
-            let Some(slot) = self.slot_for(r, input.tenant, input.route) else {
+            let Some(slot) = core.slot_for(r, input.tenant, input.route) else {
                 failed = Some(ri as usize);
                 break;
             };
@@ -1363,12 +1154,7 @@ impl Agent {
                 failed = Some(ri as usize);
                 break;
             }
-            let log = self
-                .inner
-                .cfg
-                .record_emergency
-                .then_some(&self.inner.emergency_log);
-            let took = slot.emergency_take(r, &self.inner.cfg.emergency, outage, cost, t, log);
+            let took = core.emergency_take(&slot, r, cost, t);
             match took {
                 Some(remaining) => {
                     if remaining < min.0 {
@@ -1388,7 +1174,7 @@ impl Agent {
                     Paid::Lease(slot, generation) => {
                         slot.word.refund(generation, cost);
                     }
-                    Paid::Emergency(slot) => slot.emergency_refund(cost, t),
+                    Paid::Emergency(slot) => core.emergency_refund(&slot, cost, t),
                 }
             }
             return Err(ri);
@@ -1425,14 +1211,15 @@ impl Agent {
             match take {
                 Some(Take::Taken { .. }) => {}
                 other => {
-                    if let Some(slot) = self.slot_for(r, input.tenant, input.route) {
-                        let dry = slot.dry_until_ns.load(Ordering::Acquire) > t;
+                    let mut core = self.inner.core.lock();
+                    if let Some(slot) = core.slot_for(r, input.tenant, input.route) {
+                        let dry = slot.dry_until() > t;
                         if dry && matches!(other, Some(Take::Short { .. })) {
                             reason = Reason::ShadowOverLimit;
                             self.inner.metrics.shadow_over_limit.add(1);
                         } else {
-                            slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
-                            self.inner.wanted.lock().push(slot);
+                            core.want(slot, cost);
+                            drop(core);
                             self.inner.wake.notify_one();
                         }
                     }
@@ -1506,697 +1293,20 @@ impl Agent {
         }
     }
 
-    /// The slot of a rule's key, created if missing (None when the table is full).
-    fn slot_for(&self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
-        let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
-        let key = KeyRef::new(&rule.id, tp, rp);
-        let table = self.inner.table.pin();
-        if let Some(s) = table.get(&key) {
-            return Some(s.clone());
-        }
-        if table.len() >= self.inner.cfg.max_keys {
-            return None;
-        }
-        let slot = table
-            .get_or_insert_with(key.to_owned_key(), || Arc::new(Slot::new(&rule.id, tp, rp)))
-            .clone();
-        Some(slot)
-    }
-
-    // -----------------------------------------------------------------------
-    // Renewal loop
-
-    /// The tokio driver of the renewal side: plan at every tick or wake,
-    /// send each batch on its own task, feed the outcome back.
-    async fn renewal_loop(self) {
-        let inner = &*self.inner;
-        let mut tick = tokio::time::interval(inner.cfg.plan.renew_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Each batch is sent on its own task; a task that dies (a panic
-        // in the transport) fails its batch and the renewal side.
-        let mut sends = tokio::task::JoinSet::new();
-        let mut seq_of = std::collections::HashMap::new();
-        while !inner.stop.load(Ordering::Acquire) {
-            let woken = tokio::select! {
-                _ = tick.tick() => false,
-                _ = inner.wake.notified() => true,
-                Some(done) = sends.join_next_with_id(), if !sends.is_empty() => {
-                    match done {
-                        Ok((id, ())) => {
-                            seq_of.remove(&id);
-                        }
-                        Err(e) => {
-                            let seq = seq_of.remove(&e.id());
-                            if e.is_panic() {
-                                if let Some(seq) = seq {
-                                    self.on_failure(self.now(), seq, "renewal task panicked");
-                                }
-                                self.renewal_died("a renewal send task panicked");
-                            }
-                        }
-                    }
-                    continue;
-                }
-                _ = inner.stopped.notified() => break,
-            };
-            if let Some(batch) = self.poll(self.now(), woken) {
-                let seq = batch.header.as_ref().map_or(0, |h| h.seq);
-                let me = self.clone();
-                let handle = sends.spawn(async move { me.send(batch).await });
-                seq_of.insert(handle.id(), seq);
-            }
-        }
-        // Sends still in flight finish on their own (their replies settle
-        // their keys); shutdown releases what is held.
-        sends.detach_all();
-    }
-
-    /// Sans-IO: plan every key at `t` and return the batch to send, if any
-    /// (renewals, releases, or a heartbeat). The driver delivers it and calls
-    /// [`Agent::on_reply`] or [`Agent::on_failure`] with its sequence number.
-    pub fn poll_renewal(&self, t: u64) -> Option<LeaseBatch> {
-        self.poll(t, false)
-    }
-
-    /// Sans-IO: like [`Agent::poll_renewal`] after a wake-up by waiting
-    /// requests: plans only the keys they wait for (O(waiting keys), not
-    /// O(keys held)); releases and refreshes wait for the next tick.
-    pub fn poll_renewal_woken(&self, t: u64) -> Option<LeaseBatch> {
-        self.poll(t, true)
-    }
-
-    fn poll(&self, t: u64, woken: bool) -> Option<LeaseBatch> {
-        let inner = &*self.inner;
-        let (items, slots) = self.plan_all(t, woken);
-        let mut pending = inner.pending.lock();
-        // Forget abandoned batches whose grants have surely expired.
-        let keep_ns = 2 * inner.cfg.lease_ttl.as_nanos() as u64;
-        pending.retain(|_, p| !p.abandoned || p.sent_ns.saturating_add(keep_ns) > t);
-        let heartbeat_due = (t.saturating_sub(inner.last_sent_ns.load(Ordering::Acquire))
-            >= inner.cfg.heartbeat.as_nanos() as u64
-            || inner.rules.load().is_none()
-            || !inner.connected.load(Ordering::Acquire))
-            && pending.values().all(|p| p.abandoned);
-        if items.is_empty() && !heartbeat_due {
-            return None;
-        }
-        inner.last_sent_ns.store(t, Ordering::Release);
-        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        for s in &slots {
-            if let Some(f) = s.st.lock().in_flight.as_mut() {
-                f.seq = seq;
-            }
-        }
-        let batch = self.batch(seq, items.clone(), inner.cfg.lease_ttl.as_millis() as u64);
-        pending.insert(
-            seq,
-            Pending {
-                sent_ns: t,
-                digest: quotalease_proto::request_digest(&batch),
-                items,
-                slots,
-                abandoned: false,
-            },
-        );
-        Some(batch)
-    }
-
-    fn batch(&self, seq: u64, items: Vec<LeaseItem>, ttl_ms: u64) -> LeaseBatch {
-        let inner = &*self.inner;
-        LeaseBatch {
-            header: Some(RequestHeader {
-                agent_id: inner.cfg.agent_id.clone(),
-                incarnation: inner.incarnation.load(Ordering::Acquire),
-                seq,
-                protocol_version: PROTOCOL_VERSION,
-                rules_version: inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0),
-                instance: inner.instance,
-            }),
-            ttl_ms,
-            items,
-        }
-    }
-
-    /// Plan every key at `t`: the items of the next batch and their slots.
-    fn plan_all(&self, t: u64, woken: bool) -> (Vec<LeaseItem>, Vec<Arc<Slot>>) {
-        let inner = &*self.inner;
-        let rules = inner.rules.load_full();
-        let mut items = std::mem::take(&mut *inner.late_releases.lock());
-        let version = rules.as_ref().map_or(0, |r| r.version);
-        let mut ctx = PlanCtx {
-            rules_changed: !woken
-                && inner.planned_version.swap(version, Ordering::AcqRel) != version,
-            rules,
-            idle_ns: inner.cfg.plan.idle_release.as_nanos() as u64,
-            lead_ns: (4 * inner.cfg.plan.renew_interval.as_nanos() as u64)
-                .max(inner.cfg.plan.low_water.as_nanos() as u64),
-            releases: Vec::new(),
-            renews: Vec::new(),
-            forget: Vec::new(),
-        };
-        let table = inner.table.pin();
-        if woken {
-            // Only the keys requests wait for (releases wait for a tick).
-            let wanted = std::mem::take(&mut *inner.wanted.lock());
-            let mut seen = std::collections::HashSet::with_capacity(wanted.len());
-            for slot in wanted {
-                if seen.insert(slot.id) {
-                    self.plan_slot(None, &slot, t, &mut ctx);
-                }
-            }
-        } else {
-            inner.wanted.lock().clear();
-            for (key, slot) in table.iter() {
-                self.plan_slot(Some(key), slot, t, &mut ctx);
-            }
-        }
-        let PlanCtx {
-            mut releases,
-            mut renews,
-            forget,
-            ..
-        } = ctx;
-        for k in forget {
-            table.remove(&k);
-        }
-        // Items in key order, whatever the table's hash order: the
-        // allocator's fair shares then do not depend on a per-process seed
-        // (the simulator replays exactly).
-        let order = |a: &LeaseItem, b: &LeaseItem| {
-            (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
-        };
-        releases.sort_by(order);
-        items.extend(releases);
-        renews.sort_by(|(a, _), (b, _)| order(a, b));
-        let mut slots = Vec::with_capacity(renews.len());
-        for (item, slot) in renews {
-            items.push(item);
-            slots.push(slot);
-        }
-        (items, slots)
-    }
-
-    /// Plan one key at `t` (see `plan_all`). `key` is `None` on a wake-up
-    /// pass, which never releases.
-    fn plan_slot(&self, key: Option<&SlotKey>, slot: &Arc<Slot>, t: u64, ctx: &mut PlanCtx) {
-        let inner = &*self.inner;
-        // A quiet key (nothing spent, denied or waiting since the last
-        // visit) is skipped until the planner's answer can change: a
-        // tick costs O(active keys), not O(keys held).
-        let (gen, tokens) = slot.word.load();
-        let packed = crate::lease_table::pack(gen, tokens);
-        if !ctx.rules_changed
-            && t < slot.quiet_until_ns.load(Ordering::Acquire)
-            && slot.seen_word.load(Ordering::Acquire) == packed
-            && slot.waiting_cost.load(Ordering::Acquire) == 0
-            && slot.denied.load(Ordering::Relaxed) == 0
-        {
-            return;
-        }
-        let mut st = slot.st.lock();
-        if gen == st.generation {
-            let consumed = st.baseline.saturating_sub(tokens);
-            st.usage.since_tick += consumed;
-        }
-        // Demand, not just admissions, sizes the next lease.
-        st.usage.denied_since_tick += slot.denied.swap(0, Ordering::Relaxed);
-        st.baseline = tokens;
-        st.usage.tick(0, t, inner.cfg.plan.ewma_tau);
-        slot.admitted_rate_bits
-            .store(st.usage.admitted_rate.to_bits(), Ordering::Release);
-        let waiting = slot.waiting_cost.load(Ordering::Acquire);
-        if waiting > 0 {
-            st.usage.last_active_ns = t;
-        }
-        let rule = ctx.rules.as_ref().and_then(|r| r.get(&slot.rule_id));
-        let deadline = slot.word.deadline_ns();
-        let decision = match rule {
-            None => Plan::Release,
-            Some(rule) => plan(
-                &inner.cfg.plan,
-                &st.usage,
-                KeyNow {
-                    held: if t < deadline { tokens } else { 0 },
-                    valid: t < deadline && st.lease_id != 0,
-                    deadline_ns: deadline,
-                    burst: rule.burst,
-                    waiting_cost: waiting,
-                    dry_until_ns: slot.dry_until_ns.load(Ordering::Acquire),
-                    in_flight: st.in_flight.is_some(),
-                },
-                t,
-            ),
-        };
-        // Until when this key's plan cannot change without activity: its
-        // idle release, the end of a dry spell, its refresh lead, its
-        // deadline (each only if still ahead).
-        let quiet_until = if matches!(decision, Plan::Wait) && st.in_flight.is_none() {
-            let dry = slot.dry_until_ns.load(Ordering::Acquire);
-            [
-                st.usage.last_active_ns.saturating_add(ctx.idle_ns + 1),
-                dry,
-                deadline.saturating_sub(ctx.lead_ns),
-                deadline,
-            ]
-            .into_iter()
-            .filter(|&x| x > t)
-            .min()
-            .unwrap_or(0)
-        } else {
-            0
-        };
-        slot.quiet_until_ns.store(quiet_until, Ordering::Release);
-        slot.seen_word.store(packed, Ordering::Release);
-        match decision {
-            Plan::Wait => {}
-            Plan::Renew { want } => {
-                // Cut a new generation at the report: a refund of a
-                // charge taken before it must not come back after the
-                // allocator counted that charge as spent.
-                let (at_cut, new_gen) = slot.word.cut();
-                let spent = if gen == st.generation {
-                    st.usage.since_tick += tokens.saturating_sub(at_cut);
-                    st.granted.saturating_sub(at_cut)
-                } else {
-                    0
-                };
-                st.generation = new_gen;
-                st.baseline = at_cut;
-                let item = LeaseItem {
-                    rule_id: slot.rule_id.clone(),
-                    tenant: slot.tenant.clone(),
-                    route: slot.route.clone(),
-                    kind: ItemKind::Renew as i32,
-                    lease_id: st.lease_id,
-                    spent,
-                    want,
-                };
-                st.in_flight = Some(InFlight {
-                    seq: 0,
-                    generation: new_gen,
-                    tokens_at_send: at_cut,
-                    kind: ItemKind::Renew,
-                });
-                ctx.renews.push((item, slot.clone()));
-            }
-            Plan::Release => {
-                // A wake-up pass never releases: the next tick does.
-                let Some(key) = key else { return };
-                if st.in_flight.is_some() {
-                    return;
-                }
-                // Keep a key whose emergency bucket serves the current
-                // outage: dropping it would start a full bucket again.
-                let outage = inner.outage.load(Ordering::Acquire);
-                if inner.down.load(Ordering::Acquire)
-                    && slot
-                        .emergency
-                        .lock()
-                        .as_ref()
-                        .is_some_and(|(o, _)| *o == outage)
-                {
-                    return;
-                }
-                let (left, new_gen) = slot.word.retire();
-                st.generation = new_gen;
-                if st.lease_id != 0 {
-                    let spent = st.granted.saturating_sub(left);
-                    ctx.releases.push(slot.release_item(st.lease_id, spent));
-                    if deadline <= t {
-                        inner.metrics.tokens_expired_unused.add(left);
-                    } else {
-                        inner.metrics.tokens_released.add(left);
-                    }
-                }
-                st.lease_id = 0;
-                ctx.forget.push(key.clone());
-            }
-        }
-    }
-
-    #[tracing::instrument(level = "debug", name = "renewal", skip_all, fields(seq, items = batch.items.len()))]
-    async fn send(&self, batch: LeaseBatch) {
-        let inner = &*self.inner;
-        let Some(transport) = inner.transport.as_ref() else {
-            return;
-        };
-        let seq = batch.header.as_ref().map(|h| h.seq).unwrap_or(0);
-        let mut result = Err(String::new());
-        // Retries reuse the sequence number: the allocator answers a
-        // duplicate from its cache and never grants twice.
-        for _ in 0..2 {
-            inner.metrics.messages.add(1);
-            inner
-                .metrics
-                .record_message_rules(batch.items.iter().map(|i| i.rule_id.as_str()));
-            let call = transport.lease(batch.clone());
-            result = match tokio::time::timeout(inner.cfg.fetch_timeout, call).await {
-                Ok(r) => r,
-                Err(_) => Err("allocator call timed out".into()),
-            };
-            if result.is_ok() || inner.stop.load(Ordering::Acquire) {
-                break;
-            }
-        }
-        match result {
-            Ok(reply) => self.on_reply(self.now(), seq, reply),
-            Err(why) => self.on_failure(self.now(), seq, &why),
-        }
-    }
-
-    /// Sans-IO: the reply to batch `seq` arrived at `t`. A reply to a batch
-    /// given up on only releases the fresh tokens it granted; an unknown or
-    /// repeated reply is ignored.
-    pub fn on_reply(&self, t: u64, seq: u64, reply: LeaseReply) {
-        let inner = &*self.inner;
-        let mut pending = inner.pending.lock();
-        let Some(p) = pending.get(&seq) else {
-            return;
-        };
-        // A reply to another request (another seq, another grant count, or
-        // the digest of other content) is not applied: its grants belong to
-        // someone else's items (SPEC §2 "Messages"). The batch is given up
-        // on, as after a failure, but the allocator is not taken for down.
-        let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
-        if reply.seq != seq || reply.grants.len() != p.items.len() || !digest_ok {
-            let items = p.items.len();
-            drop(pending);
-            inner.metrics.mismatched_replies.add(1);
-            tracing::error!(
-                seq,
-                reply_seq = reply.seq,
-                items,
-                grants = reply.grants.len(),
-                digest_ok,
-                "allocator reply does not answer our request; ignored"
-            );
-            self.abandon(seq);
-            return;
-        }
-        let p = pending.remove(&seq).expect("looked up above");
-        drop(pending);
-        inner
-            .metrics
-            .record_renewal(Duration::from_nanos(t.saturating_sub(p.sent_ns)));
-        inner.down.store(false, Ordering::Release);
-        if !inner.connected.swap(true, Ordering::AcqRel) {
-            tracing::info!("allocator reachable");
-        }
-        self.apply_reply(reply, seq, &p.items, &p.slots, p.sent_ns, t);
-        if !p.abandoned {
-            self.settle(seq, &p.slots);
-        }
-    }
-
-    /// Sans-IO: batch `seq` failed (an error, or no reply within
-    /// `fetch_timeout`) at `t`. The keys are free to ask again, releases go
-    /// back to the queue, and fail policies apply until a call succeeds.
-    pub fn on_failure(&self, _t: u64, seq: u64, why: &str) {
-        let inner = &*self.inner;
-        if !self.abandon(seq) {
-            return;
-        }
-        inner.metrics.rpc_errors.add(1);
-        if !inner.down.swap(true, Ordering::AcqRel) {
-            inner.outage.fetch_add(1, Ordering::AcqRel);
-        }
-        if inner.connected.swap(false, Ordering::AcqRel) {
-            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
-        }
-    }
-
-    /// Give up on batch `seq`: its releases go back to the queue, its keys
-    /// may ask again, and a late reply only releases what it granted.
-    /// False if it was not pending (or given up on already).
-    fn abandon(&self, seq: u64) -> bool {
-        let inner = &*self.inner;
-        let mut pending = inner.pending.lock();
-        let Some(p) = pending.get_mut(&seq).filter(|p| !p.abandoned) else {
-            return false;
-        };
-        p.abandoned = true;
-        let releases: Vec<LeaseItem> = p
-            .items
-            .iter()
-            .filter(|i| i.kind == ItemKind::Release as i32)
-            .cloned()
-            .collect();
-        let slots = p.slots.clone();
-        drop(pending);
-        inner.late_releases.lock().extend(releases);
-        self.settle(seq, &slots);
-        true
-    }
-
-    /// Batch `seq` is answered or given up: its keys may ask again and the
-    /// requests parked on them re-check.
-    fn settle(&self, seq: u64, slots: &[Arc<Slot>]) {
-        for s in slots {
-            let mut st = s.st.lock();
-            if st.in_flight.is_some_and(|f| f.seq == seq) {
-                st.in_flight = None;
-            }
-            drop(st);
-            s.quiet_until_ns.store(0, Ordering::Release);
-            s.waiting_cost.store(0, Ordering::Release);
-            s.parked.notify_waiters();
-        }
-    }
-
-    fn apply_reply(
-        &self,
-        reply: LeaseReply,
-        seq: u64,
-        items: &[LeaseItem],
-        slots: &[Arc<Slot>],
-        sent_ns: u64,
-        t: u64,
-    ) {
-        let inner = &*self.inner;
-        let mine = inner.incarnation.load(Ordering::Acquire);
-        if reply.holder_incarnation > mine {
-            // The allocator knows this agent id under a higher incarnation
-            // (our clock stepped back across a restart): take a higher one,
-            // so our batches are not refused as stale.
-            let next = reply.holder_incarnation + 1;
-            if inner
-                .incarnation
-                .compare_exchange(mine, next, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                tracing::warn!(
-                    from = mine,
-                    to = next,
-                    "raised the agent incarnation above the allocator's record"
-                );
-            }
-        }
-        if let Some(pb) = &reply.rules {
-            let current = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
-            if pb.version > current {
-                match RuleSet::from_proto(pb) {
-                    Ok(rs) => {
-                        tracing::info!(
-                            version = rs.version,
-                            rules = rs.rules.len(),
-                            "adopted rules from the allocator"
-                        );
-                        let counters =
-                            RuleCounterSet::for_rules(&rs, &inner.metrics.by_rule.load());
-                        inner.metrics.by_rule.store(Arc::new(counters));
-                        inner.rules.store(Some(Arc::new(rs)));
-                    }
-                    Err(errs) => {
-                        tracing::error!(errors = errs.len(), first = %errs[0], "allocator sent invalid rules; keeping the last good ones")
-                    }
-                }
-            }
-        }
-        let version = inner.rules.load().as_ref().map(|r| r.version).unwrap_or(0);
-        let renews = items
-            .iter()
-            .zip(reply.grants.iter())
-            .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
-            .map(|(_, g)| g);
-        for (grant, slot) in renews.zip(slots) {
-            self.install(slot, grant, seq, sent_ns, version, t);
-        }
-    }
-
-    fn install(&self, slot: &Slot, g: &Grant, seq: u64, sent_ns: u64, version: u64, t: u64) {
-        let inner = &*self.inner;
-        let mut st = slot.st.lock();
-        let release = |lease_id: u64, spent: u64| {
-            if lease_id != 0 {
-                inner
-                    .late_releases
-                    .lock()
-                    .push(slot.release_item(lease_id, spent));
-            }
-        };
-        let Some(f) = st
-            .in_flight
-            .filter(|f| f.seq == seq && f.kind == ItemKind::Renew)
-        else {
-            // A grant for a request we gave up on. Fresh tokens go back; a
-            // grant that carried our old lease is left to expire, because
-            // the old lease may still be spending that part.
-            if g.carried == 0 {
-                release(g.lease_id, 0);
-            }
-            return;
-        };
-        st.in_flight = None;
-        if g.carried > g.tokens {
-            tracing::error!(rule = %slot.rule_id, tokens = g.tokens, carried = g.carried, "malformed grant ignored");
-            return;
-        }
-        if inner.stop.load(Ordering::Acquire) {
-            // Shutting down: the lease word is retired; the grant expires.
-            return;
-        }
-        let status = GrantStatus::try_from(g.status).unwrap_or(GrantStatus::BadItem);
-        match status {
-            GrantStatus::Granted => {}
-            GrantStatus::Stale | GrantStatus::Unsupported => return,
-            GrantStatus::SeqConflict => {
-                // Cannot happen with a unique (id, instance); if it does,
-                // nothing was applied: ask again in the next batch.
-                inner.metrics.seq_conflicts.add(1);
-                return;
-            }
-            other => {
-                st.refused = Some((other, g.detail.clone()));
-                slot.dry_until_ns
-                    .store(t + 1_000_000_000, Ordering::Release);
-                return;
-            }
-        }
-        st.refused = None;
-        // A regional allocator tells whether its own parent is reachable; a
-        // cut-off region's agents apply fail policies once its pool is dry.
-        if g.parent_unreachable {
-            if !inner.parent_down.swap(true, Ordering::AcqRel) {
-                inner.outage.fetch_add(1, Ordering::AcqRel);
-                tracing::warn!("the regional allocator reports its parent unreachable");
-            }
-        } else if inner.parent_down.swap(false, Ordering::AcqRel) {
-            tracing::info!("the regional allocator reaches its parent again");
-        }
-        slot.holders
-            .store(u64::from(g.holders.max(1)), Ordering::Release);
-        // A grant we cannot use: give it back. If it carried the old lease,
-        // retire that lease first, so that what we report as spent is final.
-        let give_back = |st: &mut SlotState| {
-            if g.carried == 0 {
-                release(g.lease_id, 0);
-            } else if st.generation == f.generation {
-                let (left, new_gen) = slot.word.retire();
-                let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
-                release(g.lease_id, spent_since);
-                st.generation = new_gen;
-                st.baseline = 0;
-                st.lease_id = 0;
-                st.granted = 0;
-            } else {
-                // The generation the carry came from is already dead.
-                release(g.lease_id, g.carried);
-            }
-        };
-        if g.rule_version > version {
-            // Never spend a grant stamped with a rule version we do not enforce.
-            give_back(&mut st);
-            return;
-        }
-        // A regional allocator still opening the key upstream: the waiting
-        // requests keep waiting for the next ask (after the hint) instead
-        // of being denied — a cold key pays the round trip to the top, once.
-        let opening = g.opening
-            && g.tokens == 0
-            && g.retry_after_ms < inner.cfg.fetch_timeout.as_millis() as u64;
-        slot.opening.store(opening, Ordering::Release);
-        let dry = if g.retry_after_ms > 0 {
-            t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
-        } else {
-            0
-        };
-        slot.dry_until_ns.store(dry, Ordering::Release);
-        if g.lease_id == 0 {
-            // Nothing leased and nothing carried: the lease we named is
-            // unknown to the allocator (rolled by a lost reply, expired, or
-            // a predecessor's); it stays usable under its own deadline.
-            return;
-        }
-        // deadline = first send + TTL * (1 - 2 rho) - epsilon
-        let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
-        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM) + inner.cfg.epsilon.as_nanos() as u64;
-        let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
-        if t >= deadline {
-            give_back(&mut st);
-            return;
-        }
-        let same_lease = st.generation == f.generation;
-        let old_deadline = slot.word.deadline_ns();
-        let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
-            if same_lease {
-                // Carried = what the lease held at the cut; what was spent
-                // since then comes out of the new lease.
-                let spent_since = f.tokens_at_send.saturating_sub(cur);
-                g.tokens.saturating_sub(spent_since.min(g.carried))
-            } else {
-                // The generation the carry came from is dead: keep only the
-                // fresh tokens.
-                g.tokens - g.carried
-            }
-        });
-        if same_lease {
-            st.usage.since_tick += st.baseline.saturating_sub(old_seen);
-        }
-        if g.carried == 0 && old_deadline <= t && st.lease_id != 0 {
-            // The old lease ran out before it was renewed: what it still held
-            // is lost.
-            inner.metrics.tokens_expired_unused.add(old_seen);
-        }
-        st.lease_id = g.lease_id;
-        st.granted = g.tokens;
-        st.generation = new_gen;
-        st.baseline = new_tokens;
-        inner.metrics.tokens_leased.add(g.tokens - g.carried);
-    }
-
-    /// Stop the renewal loop, retire every lease and release the unused
-    /// tokens to the allocator (bounded by `fetch_timeout`).
+    /// Stop the driver, retire every lease and release the unused tokens
+    /// to the allocator (bounded by `fetch_timeout`).
     pub async fn shutdown(&self) {
         let inner = &*self.inner;
         inner.stop.store(true, Ordering::Release);
         inner.stopped.notify_waiters();
-        let mut items = std::mem::take(&mut *inner.late_releases.lock());
-        let mut released = 0;
-        for (_, slot) in inner.table.pin().iter() {
-            let mut st = slot.st.lock();
-            let (left, new_gen) = slot.word.retire();
-            st.generation = new_gen;
-            if st.lease_id != 0 {
-                released += left;
-                items.push(slot.release_item(st.lease_id, st.granted.saturating_sub(left)));
-            }
-        }
-        if let Some(log) = &inner.admission_log {
-            let _ = log.lock().flush();
-        }
-        if items.is_empty() {
-            return;
-        }
-        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        let n = items.len();
-        let batch = self.batch(seq, items, 0);
-        let Some(transport) = inner.transport.as_ref() else {
+        let batch = inner.core.lock().shutdown();
+        self.flush_admission_log();
+        let (Some(batch), Some(transport)) = (batch, inner.transport.as_ref()) else {
             return;
         };
+        let n = batch.items.len();
         match tokio::time::timeout(inner.cfg.fetch_timeout, transport.lease(batch)).await {
-            Ok(Ok(_)) => {
-                tracing::info!(leases = n, tokens = released, "released leases on shutdown")
-            }
+            Ok(Ok(_)) => tracing::info!(leases = n, "released leases on shutdown"),
             Ok(Err(e)) => {
                 tracing::warn!(%e, "could not release leases on shutdown; they expire on their own")
             }

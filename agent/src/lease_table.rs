@@ -212,6 +212,202 @@ impl LeaseWord {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Keys and slots
+
+/// A key held in the lease table: rule id plus the tenant and route parts
+/// the rule keys on ("" for a dimension it does not match on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotKey {
+    rule: Box<str>,
+    tenant: Box<str>,
+    route: Box<str>,
+}
+
+impl std::hash::Hash for SlotKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        KeyRef::new(&self.rule, &self.tenant, &self.route).hash(h)
+    }
+}
+
+/// A borrowed key for lookups: hashes and compares like [`SlotKey`]
+/// without building anything. (`str` hashing ends each part with 0xff,
+/// which UTF-8 never contains, so the parts cannot run into each other.)
+#[derive(Clone, Copy, Debug, Hash)]
+pub struct KeyRef<'a> {
+    rule: &'a str,
+    tenant: &'a str,
+    route: &'a str,
+}
+
+impl<'a> KeyRef<'a> {
+    /// A key from its parts.
+    #[inline]
+    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
+        Self {
+            rule,
+            tenant,
+            route,
+        }
+    }
+
+    /// The key of `rule` for a request on (tenant, route).
+    #[inline]
+    pub fn of(
+        rule: &'a quotalease_allocator::rules::Rule,
+        tenant: &'a str,
+        route: &'a str,
+    ) -> Self {
+        Self::new(
+            &rule.id,
+            rule.tenant.key_part(tenant),
+            rule.route.key_part(route),
+        )
+    }
+
+    /// The owned key.
+    pub fn to_owned_key(self) -> SlotKey {
+        SlotKey {
+            rule: self.rule.into(),
+            tenant: self.tenant.into(),
+            route: self.route.into(),
+        }
+    }
+}
+
+impl papaya::Equivalent<SlotKey> for KeyRef<'_> {
+    #[inline]
+    fn equivalent(&self, k: &SlotKey) -> bool {
+        self.tenant == &*k.tenant && self.route == &*k.route && self.rule == &*k.rule
+    }
+}
+
+/// Source of slot ids: a slot removed from the table and created again for
+/// the same key is a different slot, so a late refund cannot land in it.
+static NEXT_SLOT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// One key held by the agent: what the request path reads and writes,
+/// atomics only. The renewal side of the key lives in the agent core
+/// ([`crate::core`]), which alone installs, cuts and retires the word.
+#[derive(Debug)]
+pub struct Slot {
+    /// The lease word (hot path).
+    pub word: LeaseWord,
+    id: u64,
+    rule_id: String,
+    tenant: String,
+    route: String,
+    /// The allocator said the bucket is dry until then.
+    dry_until_ns: std::sync::atomic::AtomicU64,
+    /// Sum of the costs of requests waiting for this key's next grant.
+    waiting_cost: std::sync::atomic::AtomicU64,
+    /// Tokens asked for but denied since the last visit (demand the lease
+    /// could not serve).
+    denied: std::sync::atomic::AtomicU64,
+    /// The allocator is still opening this (never leased) key upstream.
+    opening: std::sync::atomic::AtomicBool,
+    /// Requests of the tokio driver parked on this key's next grant.
+    pub parked: tokio::sync::Notify,
+}
+
+impl PartialEq for Slot {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Slot {
+    /// An empty slot for a key.
+    pub fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        Self {
+            word: LeaseWord::new(),
+            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
+            rule_id: rule_id.to_string(),
+            tenant: tenant.to_string(),
+            route: route.to_string(),
+            dry_until_ns: AtomicU64::new(0),
+            waiting_cost: AtomicU64::new(0),
+            denied: AtomicU64::new(0),
+            opening: AtomicBool::new(false),
+            parked: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Unique per slot ever created in this process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// The rule id of the key.
+    pub fn rule_id(&self) -> &str {
+        &self.rule_id
+    }
+    /// The tenant part of the key.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+    /// The route part of the key.
+    pub fn route(&self) -> &str {
+        &self.route
+    }
+    /// Until when the allocator said the bucket is dry.
+    pub fn dry_until(&self) -> u64 {
+        self.dry_until_ns.load(Ordering::Acquire)
+    }
+    pub(crate) fn set_dry_until(&self, t: u64) {
+        self.dry_until_ns.store(t, Ordering::Release)
+    }
+    /// Whether the allocator is still opening the key upstream.
+    pub fn opening(&self) -> bool {
+        self.opening.load(Ordering::Acquire)
+    }
+    pub(crate) fn set_opening(&self, v: bool) {
+        self.opening.store(v, Ordering::Release)
+    }
+    pub(crate) fn add_waiting(&self, cost: u64) {
+        self.waiting_cost.fetch_add(cost, Ordering::AcqRel);
+    }
+    pub(crate) fn waiting(&self) -> u64 {
+        self.waiting_cost.load(Ordering::Acquire)
+    }
+    pub(crate) fn clear_waiting(&self) {
+        self.waiting_cost.store(0, Ordering::Release)
+    }
+    pub(crate) fn add_denied(&self, cost: u64) {
+        self.denied.fetch_add(cost, Ordering::Relaxed);
+    }
+    pub(crate) fn denied_peek(&self) -> u64 {
+        self.denied.load(Ordering::Relaxed)
+    }
+    pub(crate) fn take_denied(&self) -> u64 {
+        self.denied.swap(0, Ordering::Relaxed)
+    }
+
+    /// A RELEASE item for this key.
+    pub(crate) fn release_item(
+        &self,
+        lease_id: u64,
+        spent: u64,
+    ) -> quotalease_proto::lease::LeaseItem {
+        use quotalease_proto::lease::{ItemKind, LeaseItem};
+        LeaseItem {
+            rule_id: self.rule_id.clone(),
+            tenant: self.tenant.clone(),
+            route: self.route.clone(),
+            kind: ItemKind::Release as i32,
+            lease_id,
+            spent,
+            want: 0,
+        }
+    }
+}
+
+/// The lease table: key bytes to slot. A lock-free map (reads pin an epoch
+/// guard, which writes only thread-local state), so concurrent checks on
+/// one hot key share no written cache line except the lease word itself.
+/// The hasher is seeded per process.
+pub type Table = papaya::HashMap<SlotKey, std::sync::Arc<Slot>, foldhash::fast::RandomState>;
+
 #[cfg(all(test, not(quotalease_loom)))]
 mod tests {
     use super::*;

@@ -6,6 +6,8 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod core;
+pub(crate) mod driver;
 pub mod envoy;
 pub mod headers;
 pub mod http_api;

@@ -135,7 +135,18 @@ pub struct KeyView {
     /// Burst.
     pub burst: u64,
     /// Leases: (holder name, lease).
-    pub holders: Vec<(String, Lease)>,
+    pub holders: Vec<(HolderName, Lease)>,
+}
+
+/// Who holds a lease: the agent id and the per-process instance nonce it
+/// sent (0 from protocol-1 agents, regional allocators in tests, and the
+/// phantom of a predecessor).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HolderName {
+    /// The agent id (`--agent-id`, `region/NAME`, or "(predecessor)").
+    pub agent_id: String,
+    /// The instance nonce.
+    pub instance: u64,
 }
 
 /// The allocator's state machine.
@@ -152,7 +163,7 @@ pub struct AllocatorCore {
     keys_per_rule: HashMap<String, u64>,
     /// By (agent id, per-process instance nonce).
     holders: HashMap<(String, u64), Holder>,
-    holder_names: HashMap<HolderId, String>,
+    holder_names: HashMap<HolderId, HolderName>,
     next_lease_id: u64,
     next_holder: HolderId,
     stats: Stats,
@@ -316,23 +327,23 @@ impl AllocatorCore {
         self.rules = rules;
     }
 
-    /// How many published versions each holder is behind.
+    /// How many published versions each agent id is behind (the most over
+    /// its instances).
     pub fn rule_lag(&self) -> Vec<(String, u64)> {
-        let mut out: Vec<(String, u64)> = self
-            .holders
-            .iter()
-            .map(|((agent_id, instance), h)| {
-                let name = holder_name(agent_id, *instance);
-                let lag = self
-                    .versions
-                    .iter()
-                    .filter(|v| **v > h.rules_version)
-                    .count() as u64;
-                (name, lag)
-            })
-            .collect();
-        out.sort();
-        out
+        let mut by_id: BTreeMap<&str, u64> = BTreeMap::new();
+        for ((agent_id, _), h) in &self.holders {
+            let lag = self
+                .versions
+                .iter()
+                .filter(|v| **v > h.rules_version)
+                .count() as u64;
+            let e = by_id.entry(agent_id).or_default();
+            *e = (*e).max(lag);
+        }
+        by_id
+            .into_iter()
+            .map(|(id, lag)| (id.to_string(), lag))
+            .collect()
     }
 
     /// Handle one batch at `now_ns`.
@@ -367,8 +378,13 @@ impl AllocatorCore {
             None => {
                 let id = self.next_holder;
                 self.next_holder = self.next_holder.wrapping_add(1);
-                self.holder_names
-                    .insert(id, holder_name(&header.agent_id, header.instance));
+                self.holder_names.insert(
+                    id,
+                    HolderName {
+                        agent_id: header.agent_id.clone(),
+                        instance: header.instance,
+                    },
+                );
                 self.holders.entry(holder_key.clone()).or_insert(Holder {
                     id,
                     incarnation: header.incarnation,
@@ -654,12 +670,18 @@ impl AllocatorCore {
             .iter()
             .map(|l| {
                 let name = if l.holder == PHANTOM {
-                    "(predecessor)".to_string()
+                    HolderName {
+                        agent_id: "(predecessor)".into(),
+                        instance: 0,
+                    }
                 } else {
                     self.holder_names
                         .get(&l.holder)
                         .cloned()
-                        .unwrap_or_else(|| format!("holder-{}", l.holder))
+                        .unwrap_or_else(|| HolderName {
+                            agent_id: format!("holder-{}", l.holder),
+                            instance: 0,
+                        })
                 };
                 (name, l.clone())
             })
@@ -713,16 +735,6 @@ impl AllocatorCore {
     /// The rule set as sent on the wire.
     pub fn rules_proto(&self) -> PbRuleSet {
         self.rules.to_proto()
-    }
-}
-
-/// How a holder is named in views and logs: its agent id, and its
-/// instance nonce when it sent one.
-fn holder_name(agent_id: &str, instance: u64) -> String {
-    if instance == 0 {
-        agent_id.to_string()
-    } else {
-        format!("{agent_id}#{instance:016x}")
     }
 }
 

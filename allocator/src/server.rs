@@ -357,7 +357,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "available": v.available, "outstanding": v.outstanding, "burst": v.burst,
                 "rate": rule.rate.to_string(),
                 "holders": v.holders.iter().map(|(name, l)| serde_json::json!({
-                    "holder": name, "lease_id": l.id, "granted": l.granted, "spent": l.spent,
+                    "holder": name.agent_id, "instance": format!("{:016x}", name.instance), "lease_id": l.id, "granted": l.granted, "spent": l.spent,
                     "expires_in_ms": l.expires_ns.saturating_sub(now) / 1_000_000,
                 })).collect::<Vec<_>>(),
             }),

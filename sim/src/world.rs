@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quotalease_agent::agent::{Agent, AgentClock, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::core::Event as CoreEvent;
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_allocator::core::{AllocatorCore, CoreConfig, KeyId};
 use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
@@ -63,8 +64,6 @@ enum Msg {
 enum Event {
     /// Renewal tick of an agent or a regional allocator.
     Tick(Node),
-    /// An agent's renewal task wakes (a request waits for a lease).
-    Wake(u32),
     /// A message arrives.
     Deliver {
         from: Node,
@@ -120,6 +119,22 @@ impl NodeClock {
         let d = (i128::from(t) * i128::from(self.drift_ppb)) / 1_000_000_000;
         (i128::from(CLOCK_BASE_NS) + i128::from(t) + d) as u64
     }
+
+    /// The first true time at which the reading is at least `local`.
+    fn global(&self, local: u64) -> u64 {
+        let x = i128::from(local) - i128::from(CLOCK_BASE_NS);
+        if x <= 0 {
+            return 0;
+        }
+        let mut t = (x * 1_000_000_000 / (1_000_000_000 + i128::from(self.drift_ppb))) as u64;
+        while self.local(t) < local {
+            t += 1;
+        }
+        while t > 0 && self.local(t - 1) >= local {
+            t -= 1;
+        }
+        t
+    }
 }
 
 /// Outstanding calls of one node: seq -> (batch, attempts so far).
@@ -132,8 +147,9 @@ struct AgentNode {
     parent: Node,
     region: u16,
     life: u32,
-    awaiting: Awaiting,
-    wake_pending: bool,
+    /// True time of the pending core timer (a `Tick` at another time is
+    /// stale).
+    timer_at: u64,
     /// Parked requests: park id -> (arrival, attempt).
     parked: BTreeMap<u64, (Arrival, u32)>,
 }
@@ -353,8 +369,7 @@ impl World {
                     parent: sc.parent_of(i),
                     region,
                     life: 0,
-                    awaiting: BTreeMap::new(),
-                    wake_pending: false,
+                    timer_at: u64::MAX,
                     parked: BTreeMap::new(),
                 }
             })
@@ -491,9 +506,7 @@ impl World {
         let sc = &self.sc;
         let node = &mut self.agents[i as usize];
         node.life += 1;
-        node.awaiting.clear();
         node.parked.clear();
-        node.wake_pending = false;
         node.clock_cell
             .store(node.clock.local(self.t), Ordering::Release);
         let cfg = AgentConfig {
@@ -515,7 +528,9 @@ impl World {
         let agent = Agent::new(cfg, None, Some(self.rules.clone()))
             .expect("an agent without an admission log cannot fail to start");
         node.agent = Some(agent);
+        // Stagger the first ticks deterministically.
         let first = self.t + (u64::from(i) * 104_729) % interval;
+        node.timer_at = first;
         self.schedule(first, Event::Tick(Node::Agent(i)));
     }
 
@@ -552,10 +567,6 @@ impl World {
     fn handle(&mut self, ev: Event) {
         match ev {
             Event::Tick(node) => self.tick(node),
-            Event::Wake(i) => {
-                self.agents[i as usize].wake_pending = false;
-                self.agent_poll(i, true);
-            }
             Event::Deliver { from, to, msg } => self.deliver(from, to, *msg),
             Event::Timeout { node, seq, life } => self.timeout(node, seq, life),
             Event::Recheck { agent, park, life } => {
@@ -592,7 +603,7 @@ impl World {
                 let n = &mut self.agents[i as usize];
                 n.agent = None;
                 n.life += 1;
-                n.awaiting.clear();
+                n.timer_at = u64::MAX;
                 let parked = std::mem::take(&mut n.parked);
                 self.unavailable += parked.len() as u64;
             }
@@ -600,13 +611,21 @@ impl World {
     }
 
     fn tick(&mut self, node: Node) {
-        let interval = self.renew_interval_ns();
         match node {
             Node::Agent(i) => {
-                if self.agents[i as usize].agent.is_none() {
-                    return;
+                let t = self.t;
+                let n = &mut self.agents[i as usize];
+                if n.timer_at != t {
+                    return; // superseded by an earlier timer
                 }
-                self.agent_poll(i, false);
+                n.timer_at = u64::MAX;
+                let Some(agent) = n.agent.as_ref() else {
+                    return;
+                };
+                let now = n.clock.local(t);
+                n.clock_cell.store(now, Ordering::Release);
+                agent.core().handle_timeout(now);
+                self.agent_pump(i);
             }
             Node::Regional(r) => {
                 if self.regionals[r as usize].poll_at != self.t {
@@ -614,11 +633,9 @@ impl World {
                 }
                 self.regionals[r as usize].poll_at = u64::MAX;
                 self.regional_poll(r);
-                return;
             }
-            Node::Global => return,
+            Node::Global => {}
         }
-        self.schedule(self.t + interval, Event::Tick(node));
     }
 
     /// The upstream loop of a regional allocator, as `upstream::run` does
@@ -656,24 +673,55 @@ impl World {
         self.schedule(at, Event::Tick(Node::Regional(r)));
     }
 
-    /// The agent's renewal task: a tick plans every key, a wake-up by
-    /// waiting requests only theirs (as `renewal_loop` does).
-    fn agent_poll(&mut self, i: u32, woken: bool) {
+    /// Pump agent `i`'s core, as the tokio driver does: send what it
+    /// transmits, act on its events (re-check parked requests, note
+    /// emergency buckets), and set its timer to `poll_timeout` (a timer due
+    /// now fires after the driver's wake-up latency).
+    fn agent_pump(&mut self, i: u32) {
         let t = self.t;
         let node = &mut self.agents[i as usize];
         let Some(agent) = node.agent.as_ref() else {
             return;
         };
-        let now = node.clock.local(t);
-        node.clock_cell.store(now, Ordering::Release);
-        let batch = if woken {
-            agent.poll_renewal_woken(now)
-        } else {
-            agent.poll_renewal(now)
+        let (transmits, events, timeout) = {
+            let mut core = agent.core();
+            let transmits: Vec<_> = std::iter::from_fn(|| core.poll_transmit()).collect();
+            let events: Vec<_> = std::iter::from_fn(|| core.poll_event()).collect();
+            (transmits, events, core.poll_timeout())
         };
-        if let Some(batch) = batch {
-            let parent = node.parent;
-            self.send_batch(Node::Agent(i), parent, batch);
+        let now = node.clock.local(t);
+        let parent = node.parent;
+        if let Some(at) = timeout {
+            let at = if at <= now {
+                t + WAKE_DELAY_NS
+            } else {
+                node.clock.global(at).max(t + 1)
+            };
+            if at < node.timer_at || node.timer_at < t {
+                node.timer_at = at;
+                self.schedule(at, Event::Tick(Node::Agent(i)));
+            }
+        }
+        for tx in transmits {
+            self.count_message(Node::Agent(i), &tx.batch);
+            self.transmit(Node::Agent(i), parent, Msg::Batch(tx.batch));
+        }
+        let mut settled = false;
+        for ev in events {
+            match ev {
+                CoreEvent::Settled(_) => settled = true,
+                CoreEvent::EmergencyOpened(e) => {
+                    let key = KeyId {
+                        rule: e.rule_id,
+                        tenant: e.tenant,
+                        route: e.route,
+                    };
+                    self.note_emergency(&key, e.rate, e.burst);
+                }
+            }
+        }
+        if settled {
+            self.recheck_parked(i);
         }
     }
 
@@ -689,7 +737,7 @@ impl World {
         match node {
             Node::Global => None,
             Node::Regional(r) => Some(&mut self.regionals[r as usize].awaiting),
-            Node::Agent(i) => Some(&mut self.agents[i as usize].awaiting),
+            Node::Agent(_) => None,
         }
     }
 
@@ -790,27 +838,10 @@ impl World {
         let Some((batch, attempts)) = aw.remove(&seq) else {
             return;
         };
-        if attempts < 2 && matches!(node, Node::Agent(_)) {
-            // The agent driver's retry: same batch, same sequence number.
-            let again = batch.clone();
-            aw.insert(seq, (batch, attempts + 1));
-            self.count_message(node, &again);
-            self.transmit(node, parent, Msg::Batch(again));
-            let at = self.t + self.fetch_timeout_ns();
-            self.schedule(at, Event::Timeout { node, seq, life });
-            return;
-        }
+        let _ = (batch, attempts, parent);
         let t = self.t;
         match node {
-            Node::Agent(i) => {
-                let n = &mut self.agents[i as usize];
-                if let Some(agent) = n.agent.as_ref() {
-                    let now = n.clock.local(t);
-                    n.clock_cell.store(now, Ordering::Release);
-                    agent.on_failure(now, seq, "timed out");
-                }
-                self.recheck_parked(i);
-            }
+            Node::Agent(_) => {}
             Node::Regional(r) => {
                 let n = &mut self.regionals[r as usize];
                 if let Some(core) = n.core.as_mut() {
@@ -877,20 +908,10 @@ impl World {
                 let Some(agent) = n.agent.as_ref() else {
                     return;
                 };
-                let seq = reply.seq;
-                n.awaiting.remove(&seq);
                 let now = n.clock.local(t);
                 n.clock_cell.store(now, Ordering::Release);
-                agent.on_reply(now, seq, reply);
-                for e in agent.take_emergency_opened() {
-                    let key = KeyId {
-                        rule: e.rule_id,
-                        tenant: e.tenant,
-                        route: e.route,
-                    };
-                    self.note_emergency(&key, e.rate, e.burst);
-                }
-                self.recheck_parked(i);
+                agent.core().handle_reply(now, reply.seq, reply);
+                self.agent_pump(i);
             }
             // Agents receive no batches; the global allocator no replies.
             _ => {}
@@ -984,7 +1005,9 @@ impl World {
         if attempt == 0 {
             self.checks += 1;
         }
-        let answer = match agent.check_fast(&input) {
+        let fast = agent.check_fast(&input);
+        let slow = fast.is_none();
+        let answer = match fast {
             Some(_) => Some((true, false)),
             None => match agent.check_at(&input, attempt, now) {
                 CheckStep::Answer(Ok(resp)) => Some((
@@ -1004,10 +1027,6 @@ impl World {
             let park = self.next_park;
             let life = node.life;
             node.parked.insert(park, (a, attempt));
-            if !node.wake_pending {
-                node.wake_pending = true;
-                self.schedule(t + WAKE_DELAY_NS, Event::Wake(a.agent));
-            }
             let at = t + self.fetch_timeout_ns();
             self.schedule(
                 at,
@@ -1017,18 +1036,15 @@ impl World {
                     life,
                 },
             );
+            // The core plans the key now (as the tokio driver is woken).
+            self.agent_pump(a.agent);
             return;
         };
-        if emergency {
-            for e in agent.take_emergency_opened() {
-                let key = KeyId {
-                    rule: e.rule_id,
-                    tenant: e.tenant,
-                    route: e.route,
-                };
-                self.note_emergency(&key, e.rate, e.burst);
-            }
+        if slow {
+            // Emergency buckets opened, keys asked for.
+            self.agent_pump(a.agent);
         }
+        let _ = emergency;
         let region = self.agents[a.agent as usize].region as usize;
         let sec = (t / SEC) as usize;
         let regions = usize::from(self.sc.regions.max(1));
@@ -1062,23 +1078,7 @@ impl World {
         }
     }
 
-    fn finish(mut self) -> Outcome {
-        // Drain what is left of the emergency logs.
-        for i in 0..self.agents.len() {
-            let opened = self.agents[i]
-                .agent
-                .as_ref()
-                .map(|a| a.take_emergency_opened())
-                .unwrap_or_default();
-            for e in opened {
-                let key = KeyId {
-                    rule: e.rule_id,
-                    tenant: e.tenant,
-                    route: e.route,
-                };
-                self.note_emergency(&key, e.rate, e.burst);
-            }
-        }
+    fn finish(self) -> Outcome {
         let shadow_violations = self
             .global
             .core

@@ -5,6 +5,7 @@ use super::*;
 use crate::transport::InProcess;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::server::Shared;
+use quotalease_proto::lease::{GrantStatus, LeaseBatch};
 
 const RULES: &str = r#"
 rules:
@@ -267,7 +268,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
     let a =
         Agent::start(cfg, Arc::new(InProcess::new(shared.clone())), None).expect("agent starts");
     wait_ready(&a).await;
-    assert!(a.inner.incarnation.load(Ordering::Acquire) > future);
+    assert!(a.incarnation() > future);
     assert!(a.check(input("t", "/x")).await.unwrap().allowed);
     // A new process draws a new instance: it is a holder of its own and
     // needs no catching up.
@@ -277,7 +278,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
     };
     let b = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
     wait_ready(&b).await;
-    assert!(b.inner.incarnation.load(Ordering::Acquire) < future);
+    assert!(b.incarnation() < future);
     assert!(b.check(input("t", "/x")).await.unwrap().allowed);
 }
 
@@ -418,26 +419,50 @@ async fn a_renewal_task_that_dies_makes_the_agent_not_ready() {
     )));
 }
 
-#[test]
-fn the_emergency_bucket_never_waits_for_the_renewal_state() {
-    // Lock order by construction: `emergency_take` holds only the
-    // emergency lock. Before, it took `st` inside it, while the renewal
-    // pass takes `st` and then the emergency lock: a deadlock.
-    let rules = RuleSet::parse(RULES, "test", 1).expect("valid rules");
-    let rule = rules.get("wide").expect("rule").clone();
-    let slot = Arc::new(Slot::new("wide", "t", ""));
-    let st = slot.st.lock();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let s2 = slot.clone();
-    std::thread::spawn(move || {
-        let took = s2.emergency_take(&rule, &EmergencyConfig::default(), 1, 1, 0, None);
-        let _ = tx.send(took);
-    });
-    let took = rx
-        .recv_timeout(Duration::from_secs(5))
-        .expect("emergency_take must not wait for the renewal state");
-    assert!(took.is_some());
-    drop(st);
+const OPEN: &str = r#"
+rules:
+  - id: open
+    match: { tenant: "*" }
+    rate: 100/s
+    burst: 100
+    fail_policy: open
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_checks_of_new_keys_race_the_renewal_side_without_deadlock() {
+    // Before, the first fail-open check of a new key during an outage took
+    // the emergency lock and then the renewal state's, while the renewal
+    // tick took them in the other order. Now the slow path has one lock
+    // (the core's); this races the two for a while and must finish.
+    let (a, gate) = gated(OPEN, true);
+    gate.down.store(true, Ordering::Release);
+    let tasks: Vec<_> = (0..4)
+        .map(|w| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let mut allowed = 0;
+                for i in 0..300 {
+                    let tenant = format!("w{w}-t{i}");
+                    if a.check(input(&tenant, "/x")).await.unwrap().allowed {
+                        allowed += 1;
+                    }
+                }
+                allowed
+            })
+        })
+        .collect();
+    let all = async {
+        let mut n = 0;
+        for t in tasks {
+            n += t.await.unwrap();
+        }
+        n
+    };
+    let allowed = tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("no deadlock between fail-open checks and the renewal side");
+    assert_eq!(allowed, 1200, "every new key opens its emergency bucket");
+    assert!(a.metrics().failure_mode_allowed.get() >= 1200);
 }
 
 #[test]
@@ -487,11 +512,18 @@ fn cold_batch() -> (
     let a = Agent::new(cfg, None, Some(rules)).expect("agent");
     let t = a.now();
     assert_eq!(a.check_at(&input("t", "/x"), 0, t), CheckStep::Wait);
-    let batch = a
-        .poll_renewal_woken(t)
-        .expect("a renewal for the waiting key");
+    let batch = next_batch(&a, t).expect("a renewal for the waiting key");
     assert_eq!(batch.header.as_ref().unwrap().instance, 42);
     (a, core, batch, t)
+}
+
+/// Pump the core at `t` as a driver would: the batch it sends, if any.
+fn next_batch(a: &Agent, t: u64) -> Option<LeaseBatch> {
+    let mut core = a.core();
+    if core.poll_timeout().is_some_and(|at| at <= t) {
+        core.handle_timeout(t);
+    }
+    core.poll_transmit().map(|tx| tx.batch)
 }
 
 #[test]
@@ -502,7 +534,7 @@ fn a_reply_that_does_not_answer_the_request_is_ignored() {
     let mut reply = core.handle(t, &batch);
     assert_eq!(reply.grants[0].status, GrantStatus::Granted as i32);
     reply.grants.push(reply.grants[0].clone());
-    a.on_reply(t + 1, seq, reply);
+    a.core().handle_reply(t + 1, seq, reply);
     assert_eq!(a.metrics().mismatched_replies.get(), 1);
     assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
     // ...or a reply to other content under the same seq (digest).
@@ -510,16 +542,19 @@ fn a_reply_that_does_not_answer_the_request_is_ignored() {
     let seq = batch.header.as_ref().unwrap().seq;
     let mut reply = core.handle(t, &batch);
     reply.request_digest ^= 1;
-    a.on_reply(t + 1, seq, reply);
+    a.core().handle_reply(t + 1, seq, reply);
     assert_eq!(a.metrics().mismatched_replies.get(), 1);
     assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
-    // The key asks again (the batch was given up on).
-    assert!(a.poll_renewal(t + 2).is_some());
+    // The batch was given up on: the request parks again and the key is
+    // asked for in a new batch.
+    assert_eq!(a.check_at(&input("t", "/x"), 0, t + 2), CheckStep::Wait);
+    let again = next_batch(&a, t + 2).expect("asked again");
+    assert!(again.header.as_ref().unwrap().seq > seq);
     // And a matching reply is applied.
     let (a, mut core, batch, t) = cold_batch();
     let seq = batch.header.as_ref().unwrap().seq;
     let reply = core.handle(t, &batch);
-    a.on_reply(t + 1, seq, reply);
+    a.core().handle_reply(t + 1, seq, reply);
     assert_eq!(a.metrics().mismatched_replies.get(), 0);
     assert!(a.check_at(&input("t", "/x"), 1, t + 2) != CheckStep::Wait);
 }

@@ -415,7 +415,7 @@ fn processes_sharing_an_agent_id_are_distinct_holders_by_instance() {
     assert!(view
         .holders
         .iter()
-        .all(|(name, _)| name.starts_with("agent-1#")));
+        .all(|(name, _)| name.agent_id == "agent-1"));
     // Neither can renew or release the other's lease.
     let steal = c.handle(T + MS, &with_instance(0xb, 2, ra.grants[0].lease_id, 1));
     assert_ne!(steal.grants[0].carried, 4, "b must not carry a's lease");

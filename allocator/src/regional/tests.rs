@@ -103,7 +103,7 @@ fn parent_region_outstanding(parent: &mut AllocatorCore, now: u64) -> u64 {
     parent.key_view(now, &key()).map_or(0, |v| {
         v.holders
             .iter()
-            .filter(|(n, _)| n == "region/eu")
+            .filter(|(n, _)| n.agent_id == "region/eu")
             .map(|(_, l)| l.granted - l.spent)
             .sum()
     })

@@ -1,0 +1,1035 @@
+//! The agent core: the single-owner, sans-IO state machine of everything
+//! but the hot path (ENGINEERING §1, §8).
+//!
+//! It owns, per key, the renewal state (lease id, what was granted, the
+//! generation last cut, consumption history, the item in flight, a refusal),
+//! the fail-open emergency bucket, and, for the agent, the batches in
+//! flight, their retries and timeouts, the outage state and the sequence
+//! numbers. It never reads a clock, spawns, sleeps or touches a socket:
+//! time comes in as an argument (`now` on the agent clock, ns), messages
+//! come in through `handle_*`, and what to do comes out through `poll_*`:
+//!
+//! * [`AgentCore::poll_transmit`]: a batch to send (a new one, or a retry
+//!   of one in flight under the same sequence number);
+//! * [`AgentCore::poll_event`]: keys whose waiting requests may re-check,
+//!   emergency buckets opened, reachability changes;
+//! * [`AgentCore::poll_timeout`]: when to call
+//!   [`AgentCore::handle_timeout`] next (the renew tick, a batch's fetch
+//!   timeout, or now when requests wait for a key).
+//!
+//! Retries, timeouts, backpressure (at most `max_in_flight` batches out)
+//! and wake-ups live here, once; the tokio driver ([`crate::driver`]) and
+//! the simulator only pump. The lease words themselves are in the shared
+//! [`crate::lease_table`]; the core cuts, retires and installs them.
+//!
+//! Overload is not an outage: a batch given up on marks the allocator
+//! unreachable only if no reply at all came back since it was first sent.
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_allocator::bucket::TokenBucket;
+use quotalease_allocator::core::RHO_PPM;
+use quotalease_allocator::rules::{Rate, Rule, RuleSet};
+use quotalease_proto::lease::{
+    Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+};
+use quotalease_proto::PROTOCOL_VERSION;
+
+use crate::agent::{EmergencyConfig, EmergencyOpened};
+use crate::lease_table::{pack, Slot, SlotKey, Table};
+use crate::metrics::{AgentMetrics, RuleCounterSet};
+use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
+
+/// Attempts of one batch (the first send and its retries, each bounded by
+/// `fetch_timeout`, all under the same sequence number).
+pub const SEND_ATTEMPTS: u32 = 2;
+
+/// The core's settings (a subset of [`crate::AgentConfig`]).
+#[derive(Clone, Debug)]
+pub struct CoreConfig {
+    /// Identity sent to the allocator.
+    pub agent_id: String,
+    /// Per-process nonce sent beside the id.
+    pub instance: u64,
+    /// First incarnation.
+    pub incarnation: u64,
+    /// Lease lifetime asked for.
+    pub lease_ttl: Duration,
+    /// Renewal planning.
+    pub plan: PlanConfig,
+    /// Bound of one allocator call.
+    pub fetch_timeout: Duration,
+    /// Stall allowance subtracted from every lease deadline.
+    pub epsilon: Duration,
+    /// Heartbeat to the allocator when nothing else is sent.
+    pub heartbeat: Duration,
+    /// Fail-open emergency bucket sizes.
+    pub emergency: EmergencyConfig,
+    /// Report every emergency bucket opened as an [`Event`].
+    pub record_emergency: bool,
+    /// Most batches in flight at once; more wanted keys wait for the next
+    /// batch (backpressure instead of errors).
+    pub max_in_flight: usize,
+    /// Largest number of keys held.
+    pub max_keys: usize,
+}
+
+/// What the driver must act on.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The key's batch was answered or given up on: requests waiting for
+    /// it re-check.
+    Settled(Arc<Slot>),
+    /// An emergency bucket was opened (only with `record_emergency`).
+    EmergencyOpened(EmergencyOpened),
+}
+
+/// A batch to send. A retry has the same `seq` and content and a higher
+/// `attempt`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transmit {
+    /// Sequence number.
+    pub seq: u64,
+    /// 1 for the first send.
+    pub attempt: u32,
+    /// The batch.
+    pub batch: LeaseBatch,
+}
+
+/// Renewal-side state of one key (never touched by the request fast path).
+#[derive(Debug)]
+struct KeyState {
+    slot: Arc<Slot>,
+    key: SlotKey,
+    lease_id: u64,
+    /// Tokens of the lease as the allocator records them.
+    granted: u64,
+    generation: u64,
+    /// Tokens in the word at the last visit (for consumption accounting).
+    baseline: u64,
+    usage: Usage,
+    in_flight: Option<InFlight>,
+    /// Set when the allocator refused the key (unknown rule, key limit...).
+    refused: Option<(GrantStatus, String)>,
+    /// Holders of this key at the allocator, as of the last grant.
+    holders: u64,
+    /// Fail-open emergency bucket of the current outage: (outage, bucket).
+    emergency: Option<(u64, TokenBucket)>,
+    /// The tick may skip this key before this instant if its word still
+    /// reads `seen_word` and nothing waits or was denied.
+    quiet_until_ns: u64,
+    seen_word: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    seq: u64,
+    generation: u64,
+    tokens_at_send: u64,
+}
+
+/// A batch on its way to the allocator.
+#[derive(Debug)]
+struct Pending {
+    batch: LeaseBatch,
+    first_sent_ns: u64,
+    attempt: u32,
+    /// When the current attempt times out.
+    deadline_ns: u64,
+    digest: u64,
+    /// Slot ids of the RENEW items, in item order.
+    renews: Vec<u64>,
+    /// Given up on: a late reply only releases what it granted.
+    abandoned: bool,
+}
+
+/// The agent's single-owner core. See the module docs.
+#[derive(Debug)]
+pub struct AgentCore {
+    cfg: CoreConfig,
+    incarnation: u64,
+    seq: u64,
+    table: Arc<Table>,
+    rules: Arc<arc_swap::ArcSwapOption<RuleSet>>,
+    metrics: Arc<AgentMetrics>,
+    keys: HashMap<u64, KeyState, foldhash::fast::FixedState>,
+    /// Slots requests wait for since the last pass.
+    wanted: Vec<Arc<Slot>>,
+    pending: BTreeMap<u64, Pending>,
+    late_releases: Vec<LeaseItem>,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<Event>,
+    /// The last allocator call succeeded.
+    connected: bool,
+    /// The allocator is taken for unreachable (fail policies apply).
+    down: bool,
+    /// A regional allocator reports its own parent unreachable.
+    parent_down: bool,
+    /// Counts outages; an emergency bucket belongs to one outage.
+    outage: u64,
+    last_sent_ns: u64,
+    last_reply_ns: Option<u64>,
+    next_tick_ns: u64,
+    planned_version: u64,
+    stopping: bool,
+}
+
+/// Where a request stands with the core, for the slow path.
+#[derive(Clone, Copy, Debug)]
+pub struct Reach {
+    /// The allocator is taken for unreachable.
+    pub down: bool,
+    /// The last call succeeded.
+    pub connected: bool,
+    /// The (regional) allocator reports its parent unreachable.
+    pub parent_down: bool,
+}
+
+impl AgentCore {
+    /// A core at `now` over the shared lease table, rule cell and metrics.
+    pub fn new(
+        cfg: CoreConfig,
+        table: Arc<Table>,
+        rules: Arc<arc_swap::ArcSwapOption<RuleSet>>,
+        metrics: Arc<AgentMetrics>,
+        now: u64,
+    ) -> Self {
+        Self {
+            incarnation: cfg.incarnation,
+            cfg,
+            seq: 0,
+            table,
+            rules,
+            metrics,
+            keys: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
+            wanted: Vec::new(),
+            pending: BTreeMap::new(),
+            late_releases: Vec::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            connected: false,
+            down: false,
+            parent_down: false,
+            outage: 0,
+            last_sent_ns: 0,
+            last_reply_ns: None,
+            next_tick_ns: now,
+            planned_version: 0,
+            stopping: false,
+        }
+    }
+
+    /// The incarnation sent now.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// Reachability, for the slow path and readiness.
+    pub fn reach(&self) -> Reach {
+        Reach {
+            down: self.down,
+            connected: self.connected,
+            parent_down: self.parent_down,
+        }
+    }
+
+    /// Number of keys with renewal state.
+    pub fn key_count(&self) -> usize {
+        self.keys.len()
+    }
+
+    // -- the slow path's entry points (called under the driver's lock) --
+
+    /// The slot of a rule's key, created (in the table and here) if
+    /// missing; `None` when `max_keys` keys are held.
+    pub fn slot_for(&mut self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
+        let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
+        let key = crate::lease_table::KeyRef::new(&rule.id, tp, rp);
+        let table = self.table.pin();
+        let slot = match table.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                if table.len() >= self.cfg.max_keys {
+                    return None;
+                }
+                table
+                    .get_or_insert_with(key.to_owned_key(), || {
+                        Arc::new(Slot::new(&rule.id, tp, rp))
+                    })
+                    .clone()
+            }
+        };
+        self.keys.entry(slot.id()).or_insert_with(|| KeyState {
+            slot: slot.clone(),
+            key: key.to_owned_key(),
+            lease_id: 0,
+            granted: 0,
+            generation: 0,
+            baseline: 0,
+            usage: Usage::default(),
+            in_flight: None,
+            refused: None,
+            holders: 1,
+            emergency: None,
+            quiet_until_ns: 0,
+            seen_word: u64::MAX,
+        });
+        Some(slot)
+    }
+
+    /// Why the allocator refused this key, if it did.
+    pub fn refused(&self, slot: &Slot) -> Option<(GrantStatus, String)> {
+        self.keys.get(&slot.id()).and_then(|k| k.refused.clone())
+    }
+
+    /// A request waits for `slot`'s next grant (`cost` more tokens): it
+    /// goes into the next batch, planned at once (see `poll_timeout`).
+    pub fn want(&mut self, slot: Arc<Slot>, cost: u64) {
+        slot.add_waiting(cost);
+        self.wanted.push(slot);
+        self.metrics.waits.add(1);
+    }
+
+    /// Take `cost` from the key's emergency bucket for the current outage,
+    /// creating it on first use: rate `r_e = max(this agent's recent
+    /// consumption, R / holders)`, burst `b_e = max(1, B / holders)` (SPEC §2
+    /// I3, §6). The tokens left, or `None` when it is empty.
+    pub fn emergency_take(&mut self, slot: &Slot, rule: &Rule, cost: u64, t: u64) -> Option<u64> {
+        let outage = self.outage;
+        let cfg = self.cfg.emergency;
+        let record = self.cfg.record_emergency;
+        let k = self.keys.get_mut(&slot.id())?;
+        if k.emergency.as_ref().is_none_or(|(o, _)| *o != outage) {
+            let (rate, burst) = emergency_size(&cfg, rule, k.usage.admitted_rate, k.holders);
+            if record {
+                self.events
+                    .push_back(Event::EmergencyOpened(EmergencyOpened {
+                        at_ns: t,
+                        rule_id: slot.rule_id().to_string(),
+                        tenant: slot.tenant().to_string(),
+                        route: slot.route().to_string(),
+                        rate,
+                        burst,
+                    }));
+            }
+            k.emergency = Some((outage, TokenBucket::new_full(rate, burst, t)));
+        }
+        let (_, bucket) = k.emergency.as_mut().expect("created above");
+        bucket.try_acquire(cost, t).ok()
+    }
+
+    /// Give back an emergency charge of an all-or-none request that failed.
+    pub fn emergency_refund(&mut self, slot: &Slot, cost: u64, t: u64) {
+        if let Some((_, bucket)) = self
+            .keys
+            .get_mut(&slot.id())
+            .and_then(|k| k.emergency.as_mut())
+        {
+            bucket.refund(cost, t);
+        }
+    }
+
+    // -- the driver's entry points --
+
+    /// When to call [`AgentCore::handle_timeout`] next (agent clock, ns):
+    /// now if requests wait for keys, else the earliest of the next tick
+    /// and the deadline of the current attempt of every batch in flight.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.stopping {
+            return None;
+        }
+        if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
+            return Some(0);
+        }
+        let retry = self
+            .pending
+            .values()
+            .filter(|p| !p.abandoned)
+            .map(|p| p.deadline_ns)
+            .min();
+        Some(retry.map_or(self.next_tick_ns, |r| r.min(self.next_tick_ns)))
+    }
+
+    /// Time passed to `now`: give up on or retry batches whose attempt
+    /// timed out, plan the keys requests wait for, and, when the tick is
+    /// due, plan every key.
+    pub fn handle_timeout(&mut self, now: u64) {
+        if self.stopping {
+            return;
+        }
+        let timed_out: Vec<(u64, u32)> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.abandoned && p.deadline_ns <= now)
+            .map(|(&seq, p)| (seq, p.attempt))
+            .collect();
+        for (seq, attempt) in timed_out {
+            self.attempt_failed(now, seq, attempt, "allocator call timed out");
+        }
+        if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
+            self.poll(now, true);
+        }
+        if now >= self.next_tick_ns {
+            let interval = self.cfg.plan.renew_interval.as_nanos() as u64;
+            self.next_tick_ns = now.saturating_add(interval.max(1));
+            if self.in_flight() < self.cfg.max_in_flight {
+                self.poll(now, false);
+            }
+        }
+    }
+
+    /// The next batch to send, if any.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event to act on, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Attempt `attempt` of batch `seq` failed at `now` (an error from the
+    /// transport): retry at once, or give up after [`SEND_ATTEMPTS`].
+    pub fn handle_failure(&mut self, now: u64, seq: u64, attempt: u32, why: &str) {
+        self.attempt_failed(now, seq, attempt, why);
+    }
+
+    /// The reply to batch `seq` arrived at `now`. A reply that does not
+    /// answer the request (seq, grant count, digest) is ignored and the
+    /// batch given up on; a reply to a batch given up on only releases the
+    /// fresh tokens it granted; a repeated reply is ignored.
+    pub fn handle_reply(&mut self, now: u64, seq: u64, reply: LeaseReply) {
+        let Some(p) = self.pending.get(&seq) else {
+            return;
+        };
+        let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
+        if reply.seq != seq || reply.grants.len() != p.batch.items.len() || !digest_ok {
+            self.metrics.mismatched_replies.add(1);
+            tracing::error!(
+                seq,
+                reply_seq = reply.seq,
+                items = p.batch.items.len(),
+                grants = reply.grants.len(),
+                digest_ok,
+                "allocator reply does not answer our request; ignored"
+            );
+            self.abandon(seq);
+            return;
+        }
+        let p = self.pending.remove(&seq).expect("looked up above");
+        self.last_reply_ns = Some(now);
+        self.metrics
+            .record_renewal(Duration::from_nanos(now.saturating_sub(p.first_sent_ns)));
+        self.down = false;
+        if !self.connected {
+            self.connected = true;
+            tracing::info!("allocator reachable");
+        }
+        self.apply_reply(reply, seq, &p, now);
+        if !p.abandoned {
+            self.settle(seq, &p.renews);
+        }
+    }
+
+    /// Stop: retire every lease and return the batch that releases their
+    /// unused tokens (sent once, best effort), if anything is held.
+    pub fn shutdown(&mut self) -> Option<LeaseBatch> {
+        self.stopping = true;
+        let mut items = std::mem::take(&mut self.late_releases);
+        let mut released = 0;
+        for k in self.keys.values_mut() {
+            let (left, new_gen) = k.slot.word.retire();
+            k.generation = new_gen;
+            if k.lease_id != 0 {
+                released += left;
+                items.push(
+                    k.slot
+                        .release_item(k.lease_id, k.granted.saturating_sub(left)),
+                );
+            }
+        }
+        self.metrics.tokens_released.add(released);
+        if items.is_empty() {
+            return None;
+        }
+        self.seq += 1;
+        Some(self.batch(self.seq, items, 0))
+    }
+
+    // -- internals --
+
+    fn in_flight(&self) -> usize {
+        self.pending.values().filter(|p| !p.abandoned).count()
+    }
+
+    fn attempt_failed(&mut self, now: u64, seq: u64, attempt: u32, why: &str) {
+        let Some(p) = self.pending.get_mut(&seq) else {
+            return;
+        };
+        if p.abandoned || p.attempt != attempt {
+            return;
+        }
+        self.metrics.rpc_errors.add(1);
+        if p.attempt < SEND_ATTEMPTS {
+            // The same batch, the same sequence number: the allocator
+            // answers a duplicate from its cache and never grants twice.
+            p.attempt += 1;
+            p.deadline_ns = now.saturating_add(self.cfg.fetch_timeout.as_nanos() as u64);
+            let t = Transmit {
+                seq,
+                attempt: p.attempt,
+                batch: p.batch.clone(),
+            };
+            self.transmits.push_back(t);
+            return;
+        }
+        // Overload is not an outage: only a batch that saw no reply at all
+        // since it was first sent makes the allocator unreachable.
+        let first_sent = p.first_sent_ns;
+        self.abandon(seq);
+        let heard_since = self.last_reply_ns.is_some_and(|r| r >= first_sent);
+        if heard_since {
+            tracing::debug!(seq, %why, "batch given up on; the allocator answers others (overload, not an outage)");
+            return;
+        }
+        if !self.down {
+            self.down = true;
+            self.outage += 1;
+        }
+        if self.connected {
+            self.connected = false;
+            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
+        }
+    }
+
+    /// Give up on batch `seq`: its releases go back to the queue, its keys
+    /// may ask again, and a late reply only releases what it granted.
+    fn abandon(&mut self, seq: u64) {
+        let Some(p) = self.pending.get_mut(&seq).filter(|p| !p.abandoned) else {
+            return;
+        };
+        p.abandoned = true;
+        let releases: Vec<LeaseItem> = p
+            .batch
+            .items
+            .iter()
+            .filter(|i| i.kind == ItemKind::Release as i32)
+            .cloned()
+            .collect();
+        let renews = p.renews.clone();
+        self.late_releases.extend(releases);
+        self.settle(seq, &renews);
+    }
+
+    /// Batch `seq` is answered or given up: its keys may ask again and the
+    /// requests parked on them re-check.
+    fn settle(&mut self, seq: u64, renews: &[u64]) {
+        for id in renews {
+            let Some(k) = self.keys.get_mut(id) else {
+                continue;
+            };
+            if k.in_flight.is_some_and(|f| f.seq == seq) {
+                k.in_flight = None;
+            }
+            k.quiet_until_ns = 0;
+            k.slot.clear_waiting();
+            self.events.push_back(Event::Settled(k.slot.clone()));
+        }
+    }
+
+    /// Plan and queue the next batch at `t` (renewals, releases, or a
+    /// heartbeat); a wake-up pass (`woken`) plans only the wanted keys.
+    fn poll(&mut self, t: u64, woken: bool) {
+        // Forget abandoned batches whose grants have surely expired.
+        let keep_ns = 2 * self.cfg.lease_ttl.as_nanos() as u64;
+        self.pending
+            .retain(|_, p| !p.abandoned || p.first_sent_ns.saturating_add(keep_ns) > t);
+        let (items, renews) = self.plan_all(t, woken);
+        let heartbeat_due = (t.saturating_sub(self.last_sent_ns)
+            >= self.cfg.heartbeat.as_nanos() as u64
+            || self.rules.load().is_none()
+            || !self.connected)
+            && self.in_flight() == 0;
+        if items.is_empty() && !heartbeat_due {
+            return;
+        }
+        self.last_sent_ns = t;
+        self.seq += 1;
+        let seq = self.seq;
+        for id in &renews {
+            if let Some(f) = self.keys.get_mut(id).and_then(|k| k.in_flight.as_mut()) {
+                f.seq = seq;
+            }
+        }
+        let batch = self.batch(seq, items, self.cfg.lease_ttl.as_millis() as u64);
+        let digest = quotalease_proto::request_digest(&batch);
+        self.transmits.push_back(Transmit {
+            seq,
+            attempt: 1,
+            batch: batch.clone(),
+        });
+        self.pending.insert(
+            seq,
+            Pending {
+                batch,
+                first_sent_ns: t,
+                attempt: 1,
+                deadline_ns: t.saturating_add(self.cfg.fetch_timeout.as_nanos() as u64),
+                digest,
+                renews,
+                abandoned: false,
+            },
+        );
+    }
+
+    fn batch(&self, seq: u64, items: Vec<LeaseItem>, ttl_ms: u64) -> LeaseBatch {
+        LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: self.cfg.agent_id.clone(),
+                incarnation: self.incarnation,
+                seq,
+                protocol_version: PROTOCOL_VERSION,
+                rules_version: self.rules.load().as_ref().map_or(0, |r| r.version),
+                instance: self.cfg.instance,
+            }),
+            ttl_ms,
+            items,
+        }
+    }
+
+    /// Plan keys at `t`: the items of the next batch and the slot ids of
+    /// its renewals (in item order).
+    fn plan_all(&mut self, t: u64, woken: bool) -> (Vec<LeaseItem>, Vec<u64>) {
+        let rules = self.rules.load_full();
+        let mut items = std::mem::take(&mut self.late_releases);
+        let version = rules.as_ref().map_or(0, |r| r.version);
+        let rules_changed =
+            !woken && std::mem::replace(&mut self.planned_version, version) != version;
+        let mut ctx = PlanCtx {
+            rules,
+            rules_changed,
+            idle_ns: self.cfg.plan.idle_release.as_nanos() as u64,
+            lead_ns: (4 * self.cfg.plan.renew_interval.as_nanos() as u64)
+                .max(self.cfg.plan.low_water.as_nanos() as u64),
+            down: self.down,
+            outage: self.outage,
+            releases: Vec::new(),
+            renews: Vec::new(),
+            forget: Vec::new(),
+        };
+        if woken {
+            // Only the keys requests wait for (releases wait for a tick).
+            let wanted = std::mem::take(&mut self.wanted);
+            let mut seen = std::collections::HashSet::with_capacity(wanted.len());
+            for slot in wanted {
+                if seen.insert(slot.id()) {
+                    if let Some(k) = self.keys.get_mut(&slot.id()) {
+                        plan_key(&self.cfg, &self.metrics, k, t, false, &mut ctx);
+                    }
+                }
+            }
+        } else {
+            self.wanted.clear();
+            for k in self.keys.values_mut() {
+                plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
+            }
+        }
+        let PlanCtx {
+            mut releases,
+            mut renews,
+            forget,
+            ..
+        } = ctx;
+        let table = self.table.pin();
+        for id in forget {
+            if let Some(k) = self.keys.remove(&id) {
+                table.remove(&k.key);
+            }
+        }
+        // Items in key order, whatever the hash order: the allocator's fair
+        // shares then do not depend on a per-process seed (the simulator
+        // replays exactly).
+        let order = |a: &LeaseItem, b: &LeaseItem| {
+            (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
+        };
+        releases.sort_by(order);
+        items.extend(releases);
+        renews.sort_by(|(a, _), (b, _)| order(a, b));
+        let mut ids = Vec::with_capacity(renews.len());
+        for (item, id) in renews {
+            items.push(item);
+            ids.push(id);
+        }
+        (items, ids)
+    }
+
+    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) {
+        if reply.holder_incarnation > self.incarnation {
+            // The allocator knows this identity under a higher incarnation
+            // (our clock stepped back across a restart): take a higher one,
+            // so our batches are not refused as stale.
+            let next = reply.holder_incarnation + 1;
+            tracing::warn!(
+                from = self.incarnation,
+                to = next,
+                "raised the agent incarnation above the allocator's record"
+            );
+            self.incarnation = next;
+        }
+        if let Some(pb) = &reply.rules {
+            let current = self.rules.load().as_ref().map_or(0, |r| r.version);
+            if pb.version > current {
+                match RuleSet::from_proto(pb) {
+                    Ok(rs) => {
+                        tracing::info!(
+                            version = rs.version,
+                            rules = rs.rules.len(),
+                            "adopted rules from the allocator"
+                        );
+                        let counters = RuleCounterSet::for_rules(&rs, &self.metrics.by_rule.load());
+                        self.metrics.by_rule.store(Arc::new(counters));
+                        self.rules.store(Some(Arc::new(rs)));
+                    }
+                    Err(errs) => {
+                        tracing::error!(errors = errs.len(), first = %errs[0], "allocator sent invalid rules; keeping the last good ones")
+                    }
+                }
+            }
+        }
+        let version = self.rules.load().as_ref().map_or(0, |r| r.version);
+        let renews = p
+            .batch
+            .items
+            .iter()
+            .zip(reply.grants.iter())
+            .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
+            .map(|(_, g)| g);
+        let sent_ns = p.first_sent_ns;
+        for (grant, id) in renews.zip(p.renews.iter()) {
+            self.install(*id, grant, seq, sent_ns, version, t);
+        }
+    }
+
+    fn install(&mut self, id: u64, g: &Grant, seq: u64, sent_ns: u64, version: u64, t: u64) {
+        let metrics = &self.metrics;
+        let late = &mut self.late_releases;
+        let Some(k) = self.keys.get_mut(&id) else {
+            // The key was forgotten meanwhile: give fresh tokens back.
+            if g.carried == 0 && g.lease_id != 0 {
+                tracing::debug!(lease = g.lease_id, "grant for a forgotten key; released");
+            }
+            return;
+        };
+        let slot = k.slot.clone();
+        let mut release = |lease_id: u64, spent: u64| {
+            if lease_id != 0 {
+                late.push(slot.release_item(lease_id, spent));
+            }
+        };
+        let Some(f) = k.in_flight.filter(|f| f.seq == seq) else {
+            // A grant for a request we gave up on. Fresh tokens go back; a
+            // grant that carried our old lease is left to expire, because
+            // the old lease may still be spending that part.
+            if g.carried == 0 {
+                release(g.lease_id, 0);
+            }
+            return;
+        };
+        k.in_flight = None;
+        if g.carried > g.tokens {
+            tracing::error!(rule = %slot.rule_id(), tokens = g.tokens, carried = g.carried, "malformed grant ignored");
+            return;
+        }
+        if self.stopping {
+            // Shutting down: the lease word is retired; the grant expires.
+            return;
+        }
+        let status = GrantStatus::try_from(g.status).unwrap_or(GrantStatus::BadItem);
+        match status {
+            GrantStatus::Granted => {}
+            GrantStatus::Stale | GrantStatus::Unsupported => return,
+            GrantStatus::SeqConflict => {
+                // Cannot happen with a unique (id, instance); if it does,
+                // nothing was applied: ask again in the next batch.
+                metrics.seq_conflicts.add(1);
+                return;
+            }
+            other => {
+                k.refused = Some((other, g.detail.clone()));
+                slot.set_dry_until(t + 1_000_000_000);
+                return;
+            }
+        }
+        k.refused = None;
+        // A regional allocator tells whether its own parent is reachable; a
+        // cut-off region's agents apply fail policies once its pool is dry.
+        if g.parent_unreachable {
+            if !self.parent_down {
+                self.parent_down = true;
+                self.outage += 1;
+                tracing::warn!("the regional allocator reports its parent unreachable");
+            }
+        } else if self.parent_down {
+            self.parent_down = false;
+            tracing::info!("the regional allocator reaches its parent again");
+        }
+        k.holders = u64::from(g.holders.max(1));
+        // A grant we cannot use: give it back. If it carried the old lease,
+        // retire that lease first, so that what we report as spent is final.
+        let give_back = |k: &mut KeyState, release: &mut dyn FnMut(u64, u64)| {
+            if g.carried == 0 {
+                release(g.lease_id, 0);
+            } else if k.generation == f.generation {
+                let (left, new_gen) = k.slot.word.retire();
+                let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
+                release(g.lease_id, spent_since);
+                k.generation = new_gen;
+                k.baseline = 0;
+                k.lease_id = 0;
+                k.granted = 0;
+            } else {
+                // The generation the carry came from is already dead.
+                release(g.lease_id, g.carried);
+            }
+        };
+        if g.rule_version > version {
+            // Never spend a grant stamped with a rule version we do not enforce.
+            give_back(k, &mut release);
+            return;
+        }
+        // A regional allocator still opening the key upstream: the waiting
+        // requests keep waiting for the next ask (after the hint) instead
+        // of being denied — a cold key pays the round trip to the top, once.
+        let opening = g.opening
+            && g.tokens == 0
+            && g.retry_after_ms < self.cfg.fetch_timeout.as_millis() as u64;
+        slot.set_opening(opening);
+        let dry = if g.retry_after_ms > 0 {
+            t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
+        } else {
+            0
+        };
+        slot.set_dry_until(dry);
+        if g.lease_id == 0 {
+            // Nothing leased and nothing carried: the lease we named is
+            // unknown to the allocator (rolled by a lost reply, expired, or
+            // a predecessor's); it stays usable under its own deadline.
+            return;
+        }
+        // deadline = first send + TTL * (1 - 2 rho) - epsilon
+        let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
+        let margin = (ttl_ns / 1_000_000)
+            .saturating_mul(2 * RHO_PPM)
+            .saturating_add(self.cfg.epsilon.as_nanos() as u64);
+        let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
+        if t >= deadline {
+            give_back(k, &mut release);
+            return;
+        }
+        let same_lease = k.generation == f.generation;
+        let old_deadline = slot.word.deadline_ns();
+        let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
+            if same_lease {
+                // Carried = what the lease held at the cut; what was spent
+                // since then comes out of the new lease.
+                let spent_since = f.tokens_at_send.saturating_sub(cur);
+                g.tokens.saturating_sub(spent_since.min(g.carried))
+            } else {
+                // The generation the carry came from is dead: keep only the
+                // fresh tokens.
+                g.tokens - g.carried
+            }
+        });
+        if same_lease {
+            k.usage.since_tick += k.baseline.saturating_sub(old_seen);
+        }
+        if g.carried == 0 && old_deadline <= t && k.lease_id != 0 {
+            // The old lease ran out before it was renewed: what it still held
+            // is lost.
+            metrics.tokens_expired_unused.add(old_seen);
+        }
+        k.lease_id = g.lease_id;
+        k.granted = g.tokens;
+        k.generation = new_gen;
+        k.baseline = new_tokens;
+        metrics.tokens_leased.add(g.tokens - g.carried);
+    }
+}
+
+/// `(r_e, b_e)` of an emergency bucket: rate `max(recent admitted rate,
+/// R / holders)`, burst `B / holders`, each at least 1 and at most the
+/// rule's, unless the configuration fixes fractions.
+fn emergency_size(
+    cfg: &EmergencyConfig,
+    rule: &Rule,
+    recent_per_s: f64,
+    holders: u64,
+) -> (Rate, u64) {
+    let holders = holders.max(1);
+    let r = rule.rate;
+    let tokens = match cfg.rate_fraction {
+        Some(f) => (r.tokens as f64 * f).ceil() as u64,
+        None => {
+            let recent = (recent_per_s * r.period_s as f64).ceil() as u64;
+            recent.max(r.tokens / holders)
+        }
+    }
+    .clamp(1, r.tokens);
+    let burst = match cfg.burst_fraction {
+        Some(f) => (rule.burst as f64 * f).ceil() as u64,
+        None => rule.burst / holders,
+    }
+    .clamp(1, rule.burst);
+    (
+        Rate {
+            tokens,
+            period_s: r.period_s,
+        },
+        burst,
+    )
+}
+
+/// Working state of one planning pass.
+struct PlanCtx {
+    rules: Option<Arc<RuleSet>>,
+    rules_changed: bool,
+    idle_ns: u64,
+    lead_ns: u64,
+    down: bool,
+    outage: u64,
+    releases: Vec<LeaseItem>,
+    renews: Vec<(LeaseItem, u64)>,
+    forget: Vec<u64>,
+}
+
+/// Plan one key at `t`. `may_release` is false on a wake-up pass.
+fn plan_key(
+    cfg: &CoreConfig,
+    metrics: &AgentMetrics,
+    k: &mut KeyState,
+    t: u64,
+    may_release: bool,
+    ctx: &mut PlanCtx,
+) {
+    let slot = k.slot.clone();
+    // A quiet key (nothing spent, denied or waiting since the last visit)
+    // is skipped until the planner's answer can change: a tick costs
+    // O(active keys) of work, not O(keys held).
+    let (gen, tokens) = slot.word.load();
+    let packed = pack(gen, tokens);
+    if !ctx.rules_changed
+        && t < k.quiet_until_ns
+        && k.seen_word == packed
+        && slot.waiting() == 0
+        && slot.denied_peek() == 0
+    {
+        return;
+    }
+    if gen == k.generation {
+        let consumed = k.baseline.saturating_sub(tokens);
+        k.usage.since_tick += consumed;
+    }
+    // Demand, not just admissions, sizes the next lease.
+    k.usage.denied_since_tick += slot.take_denied();
+    k.baseline = tokens;
+    k.usage.tick(0, t, cfg.plan.ewma_tau);
+    let waiting = slot.waiting();
+    if waiting > 0 {
+        k.usage.last_active_ns = t;
+    }
+    let rule = ctx.rules.as_ref().and_then(|r| r.get(slot.rule_id()));
+    let deadline = slot.word.deadline_ns();
+    let decision = match rule {
+        None => Plan::Release,
+        Some(rule) => plan(
+            &cfg.plan,
+            &k.usage,
+            KeyNow {
+                held: if t < deadline { tokens } else { 0 },
+                valid: t < deadline && k.lease_id != 0,
+                deadline_ns: deadline,
+                burst: rule.burst,
+                waiting_cost: waiting,
+                dry_until_ns: slot.dry_until(),
+                in_flight: k.in_flight.is_some(),
+            },
+            t,
+        ),
+    };
+    // Until when this key's plan cannot change without activity: its idle
+    // release, the end of a dry spell, its refresh lead, its deadline (each
+    // only if still ahead).
+    k.quiet_until_ns = if matches!(decision, Plan::Wait) && k.in_flight.is_none() {
+        [
+            k.usage.last_active_ns.saturating_add(ctx.idle_ns + 1),
+            slot.dry_until(),
+            deadline.saturating_sub(ctx.lead_ns),
+            deadline,
+        ]
+        .into_iter()
+        .filter(|&x| x > t)
+        .min()
+        .unwrap_or(0)
+    } else {
+        0
+    };
+    k.seen_word = packed;
+    match decision {
+        Plan::Wait => {}
+        Plan::Renew { want } => {
+            // Cut a new generation at the report: a refund of a charge taken
+            // before it must not come back after the allocator counted that
+            // charge as spent.
+            let (at_cut, new_gen) = slot.word.cut();
+            let spent = if gen == k.generation {
+                k.usage.since_tick += tokens.saturating_sub(at_cut);
+                k.granted.saturating_sub(at_cut)
+            } else {
+                0
+            };
+            k.generation = new_gen;
+            k.baseline = at_cut;
+            let item = LeaseItem {
+                rule_id: slot.rule_id().to_string(),
+                tenant: slot.tenant().to_string(),
+                route: slot.route().to_string(),
+                kind: ItemKind::Renew as i32,
+                lease_id: k.lease_id,
+                spent,
+                want,
+            };
+            k.in_flight = Some(InFlight {
+                seq: 0,
+                generation: new_gen,
+                tokens_at_send: at_cut,
+            });
+            ctx.renews.push((item, slot.id()));
+        }
+        Plan::Release => {
+            if !may_release || k.in_flight.is_some() {
+                return;
+            }
+            // Keep a key whose emergency bucket serves the current outage:
+            // dropping it would start a full bucket again.
+            if ctx.down && k.emergency.as_ref().is_some_and(|(o, _)| *o == ctx.outage) {
+                return;
+            }
+            let (left, new_gen) = slot.word.retire();
+            k.generation = new_gen;
+            if k.lease_id != 0 {
+                let spent = k.granted.saturating_sub(left);
+                ctx.releases.push(slot.release_item(k.lease_id, spent));
+                if deadline <= t {
+                    metrics.tokens_expired_unused.add(left);
+                } else {
+                    metrics.tokens_released.add(left);
+                }
+            }
+            k.lease_id = 0;
+            ctx.forget.push(slot.id());
+        }
+    }
+}

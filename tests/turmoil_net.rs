@@ -20,15 +20,14 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
-use quotalease_agent::agent::AgentClock;
 use quotalease_agent::transport::{self, GrpcTransport, LeaseFuture, Transport};
 use quotalease_agent::{Agent, AgentConfig, CheckInput};
-use quotalease_allocator::clock::Clock;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::regional::RegionalConfig;
-use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{housekeeping, LeaseService, Shared};
 use quotalease_allocator::upstream;
+use quotalease_model::clock::{Clock, ClockSource};
+use quotalease_model::rules::RuleSet;
 use quotalease_proto::lease::{GrantStatus, LeaseBatch};
 use quotalease_proto::v1::Reason;
 use quotalease_sim::checker::worst_window;
@@ -235,7 +234,7 @@ fn agent_host(
             agent_id: name.into(),
             lease_ttl: Duration::from_nanos(TTL_NS),
             fetch_timeout: AGENT_FETCH,
-            clock: AgentClock::Custom(Arc::new(SimClock)),
+            clock: ClockSource::Other(Arc::new(SimClock)),
             incarnation: Some(1),
             ..AgentConfig::default()
         };

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion};
 use quotalease_agent::agent::FastAdmit;
 use quotalease_agent::{transport::InProcess, Agent, AgentConfig, CheckInput};
-use quotalease_allocator::{core::CoreConfig, rules::RuleSet, server::Shared};
+use quotalease_allocator::{core::CoreConfig, server::Shared};
+use quotalease_model::rules::RuleSet;
 
 const RULES: &str = r#"
 rules:
@@ -78,7 +79,7 @@ impl Bench {
             .block_on(async {
                 Agent::start(
                     AgentConfig::default(),
-                    Arc::new(InProcess::new(shared)),
+                    Arc::new(InProcess::new(move |b| shared.handle(b))),
                     None,
                 )
             })

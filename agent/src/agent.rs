@@ -19,10 +19,12 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
-use quotalease_allocator::bucket::TokenBucket;
-use quotalease_allocator::clock::{BootClock, Clock};
-use quotalease_allocator::core::RHO_PPM;
-use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
+use quotalease_model::bucket::TokenBucket;
+use quotalease_model::clock::ClockSource;
+use quotalease_model::key::{KeyId, KeyRef};
+use quotalease_model::matching::{Matched, TooManyMatches, MAX_MATCHED};
+use quotalease_model::protocol::{use_by_ns, MAX_ID_BYTES};
+use quotalease_model::rules::{FailPolicy, Rate, Rule, RuleSet};
 use quotalease_proto::lease::{
     Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };
@@ -35,42 +37,6 @@ use crate::lease_table::{LeaseWord, Take};
 use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::transport::Transport;
-
-/// Where the agent reads time. Production reads `CLOCK_BOOTTIME`; a driver
-/// that owns time (the simulator) sets the reading before each call.
-#[derive(Clone, Default)]
-pub enum AgentClock {
-    /// `CLOCK_BOOTTIME`.
-    #[default]
-    Boot,
-    /// A reading in nanoseconds set by the driver.
-    Manual(Arc<AtomicU64>),
-    /// Any other source, read on every call (`tests/turmoil_net.rs` reads
-    /// turmoil's simulated time, shared with the allocators).
-    Custom(Arc<dyn Clock>),
-}
-
-impl std::fmt::Debug for AgentClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            AgentClock::Boot => f.write_str("Boot"),
-            AgentClock::Manual(t) => f.debug_tuple("Manual").field(t).finish(),
-            AgentClock::Custom(_) => f.write_str("Custom"),
-        }
-    }
-}
-
-impl AgentClock {
-    /// The current reading.
-    #[inline]
-    pub fn now(&self) -> u64 {
-        match self {
-            AgentClock::Boot => BootClock::now(),
-            AgentClock::Manual(t) => t.load(Ordering::Acquire),
-            AgentClock::Custom(c) => c.now_ns(),
-        }
-    }
-}
 
 /// Agent settings. Defaults are documented in docs/operations.md.
 #[derive(Clone, Debug)]
@@ -97,8 +63,10 @@ pub struct AgentConfig {
     pub emergency: EmergencyConfig,
     /// Test-only: append every admission (time, key, cost) to this file.
     pub admission_log: Option<PathBuf>,
-    /// Time source.
-    pub clock: AgentClock,
+    /// Where the agent reads time: `CLOCK_BOOTTIME` by default; a driver
+    /// that owns time (the simulator) sets a [`quotalease_model::clock::ManualClock`]
+    /// before each call; `tests/turmoil_net.rs` reads turmoil's time.
+    pub clock: ClockSource,
     /// Incarnation sent to the allocator; default: wall-clock ns at start.
     pub incarnation: Option<u64>,
     /// Remember every emergency bucket opened (for the simulator's I3 check).
@@ -129,7 +97,7 @@ impl Default for AgentConfig {
             heartbeat: Duration::from_secs(1),
             emergency: EmergencyConfig::default(),
             admission_log: None,
-            clock: AgentClock::Boot,
+            clock: ClockSource::Boot,
             incarnation: None,
             record_emergency: false,
         }
@@ -205,67 +173,24 @@ const MAX_ATTEMPTS: u32 = 2;
 /// The same while the allocator is opening the key upstream.
 const MAX_ATTEMPTS_OPENING: u32 = 4;
 
-/// Most rules one request can match.
-pub const MAX_MATCHED: usize = 16;
-/// A key held in the lease table: rule id plus the tenant and route parts
-/// the rule keys on ("" for a dimension it does not match on).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SlotKey {
-    rule: Box<str>,
-    tenant: Box<str>,
-    route: Box<str>,
-}
-
-impl std::hash::Hash for SlotKey {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        KeyRef::new(&self.rule, &self.tenant, &self.route).hash(h)
-    }
-}
-
-/// A borrowed key for lookups: hashes and compares like [`SlotKey`]
-/// without building anything. (`str` hashing ends each part with 0xff,
-/// which UTF-8 never contains, so the parts cannot run into each other.)
+/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`KeyId`]
+/// keys and compares part by part, so a lookup builds nothing. (papaya's
+/// `Equivalent` and both key types are foreign here, hence the wrapper.)
 #[derive(Clone, Copy, Debug, Hash)]
-pub struct KeyRef<'a> {
-    rule: &'a str,
-    tenant: &'a str,
-    route: &'a str,
-}
+struct Lookup<'a>(KeyRef<'a>);
 
-impl<'a> KeyRef<'a> {
-    /// A key from its parts.
-    #[inline]
-    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
-        Self {
-            rule,
-            tenant,
-            route,
-        }
-    }
-
+impl<'a> Lookup<'a> {
     /// The key of `rule` for a request on (tenant, route).
     #[inline]
-    pub fn of(rule: &'a Rule, tenant: &'a str, route: &'a str) -> Self {
-        Self::new(
-            &rule.id,
-            rule.tenant.key_part(tenant),
-            rule.route.key_part(route),
-        )
-    }
-
-    fn to_owned_key(self) -> SlotKey {
-        SlotKey {
-            rule: self.rule.into(),
-            tenant: self.tenant.into(),
-            route: self.route.into(),
-        }
+    fn of(rule: &'a Rule, tenant: &'a str, route: &'a str) -> Self {
+        Self(KeyRef::of(rule, tenant, route))
     }
 }
 
-impl papaya::Equivalent<SlotKey> for KeyRef<'_> {
+impl papaya::Equivalent<KeyId> for Lookup<'_> {
     #[inline]
-    fn equivalent(&self, k: &SlotKey) -> bool {
-        self.tenant == &*k.tenant && self.route == &*k.route && self.rule == &*k.rule
+    fn equivalent(&self, k: &KeyId) -> bool {
+        self.0 == *k
     }
 }
 
@@ -380,7 +305,7 @@ impl Slot {
                 None => rule.burst / holders,
             }
             .clamp(1, rule.burst);
-            let rate = quotalease_allocator::rules::Rate {
+            let rate = Rate {
                 tokens,
                 period_s: r.period_s,
             };
@@ -424,63 +349,23 @@ impl Slot {
 /// guard, which writes only thread-local state), so concurrent checks on
 /// one hot key share no written cache line except the lease word itself.
 /// The hasher is seeded per process.
-type Table = papaya::HashMap<SlotKey, Arc<Slot>, foldhash::fast::RandomState>;
+type Table = papaya::HashMap<KeyId, Arc<Slot>, foldhash::fast::RandomState>;
 
-/// Indices of the rules a request matched, overrides applied.
-struct Matched {
-    idx: [u32; MAX_MATCHED],
-    n: usize,
-    any_shadow: bool,
-}
-
+/// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
+/// too many is an invalid `tenant_id`.
+#[inline]
 fn match_rules(
     rules: &RuleSet,
     domain: Option<&str>,
     tenant: &str,
     route: &str,
 ) -> Result<Matched, CheckError> {
-    let mut m = Matched {
-        idx: [0; MAX_MATCHED],
-        n: 0,
-        any_shadow: false,
-    };
-    let mut any_override = false;
-    for (i, r) in rules.rules.iter().enumerate() {
-        let domain_ok = match (&r.domain, domain) {
-            (None, _) => true,
-            (Some(d), Some(q)) => d == q,
-            (Some(_), None) => false,
-        };
-        if domain_ok && r.tenant.matches(tenant) && r.route.matches(route) {
-            if m.n == MAX_MATCHED {
-                return Err(CheckError::Invalid {
-                    field: "tenant_id",
-                    reason: format!("matches more than {MAX_MATCHED} rules"),
-                });
-            }
-            m.idx[m.n] = i as u32;
-            m.n += 1;
-            any_override |= !r.overrides.is_empty();
-            m.any_shadow |= r.shadow;
-        }
-    }
-    if any_override {
-        let all = m.idx;
-        let n = m.n;
-        let mut kept = 0;
-        for j in 0..n {
-            let id = &rules.rules[all[j] as usize].id;
-            let overridden = all[..n]
-                .iter()
-                .any(|&o| rules.rules[o as usize].overrides.iter().any(|x| x == id));
-            if !overridden {
-                m.idx[kept] = all[j];
-                kept += 1;
-            }
-        }
-        m.n = kept;
-    }
-    Ok(m)
+    rules
+        .match_rules(domain, tenant, route)
+        .map_err(|e: TooManyMatches| CheckError::Invalid {
+            field: TooManyMatches::FIELD,
+            reason: e.to_string(),
+        })
 }
 
 fn validate(input: &CheckInput<'_>) -> Result<u64, CheckError> {
@@ -556,7 +441,7 @@ struct PlanCtx {
     lead_ns: u64,
     releases: Vec<LeaseItem>,
     renews: Vec<(LeaseItem, Arc<Slot>)>,
-    forget: Vec<SlotKey>,
+    forget: Vec<KeyId>,
 }
 
 /// A batch on its way to the allocator.
@@ -581,7 +466,7 @@ pub struct EmergencyOpened {
     /// Route part of the key.
     pub route: String,
     /// `r_e`.
-    pub rate: quotalease_allocator::rules::Rate,
+    pub rate: Rate,
     /// `b_e`.
     pub burst: u64,
 }
@@ -707,7 +592,7 @@ impl Agent {
         route: &str,
     ) -> Result<Vec<usize>, CheckError> {
         let m = match_rules(rules, domain, tenant, route)?;
-        Ok(m.idx[..m.n]
+        Ok(m.indices()
             .iter()
             .map(|&i| i as usize)
             .filter(|&i| !rules.rules[i].shadow)
@@ -797,7 +682,7 @@ impl Agent {
     ) -> Option<FastAdmit> {
         let inner = &*self.inner;
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
-        if m.n == 0 {
+        if m.is_empty() {
             inner.metrics.no_rule.add(1);
             return Some(FastAdmit {
                 remaining: 0,
@@ -806,7 +691,7 @@ impl Agent {
                 reason: Reason::NoRule,
             });
         }
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
                 return None;
@@ -898,7 +783,7 @@ impl Agent {
             return Ok(Ok(a.to_response(&rules)));
         }
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
                 inner.metrics.invalid.add(1);
@@ -1035,7 +920,7 @@ impl Agent {
         slot.waiting_cost.fetch_add(cost, Ordering::AcqRel);
         let mut wanted = inner.wanted.lock();
         wanted.push(slot.clone());
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let other = &rules.rules[ri as usize];
             if other.shadow || ri as usize == rule_idx {
                 continue;
@@ -1067,14 +952,14 @@ impl Agent {
         // (slot id, generation) of each charge, for an all-or-none refund.
         let mut taken: [(u64, u64); MAX_MATCHED] = [(0, 0); MAX_MATCHED];
         let mut min_remaining = u64::MAX;
-        let mut min_rule = m.idx[0] as usize;
-        for j in 0..m.n {
-            let ri = m.idx[j] as usize;
+        let mut min_rule = m.indices()[0] as usize;
+        for j in 0..m.len() {
+            let ri = m.indices()[j] as usize;
             let r = &rules.rules[ri];
             if r.shadow {
                 continue;
             }
-            let key = KeyRef::of(r, input.tenant, input.route);
+            let key = Lookup::of(r, input.tenant, input.route);
             let (slot_id, take) = match table.get(&key) {
                 Some(slot) => (slot.id, slot.word.try_take(cost, t)),
                 None => (0, Take::NoLease),
@@ -1092,12 +977,14 @@ impl Agent {
                 }
                 Take::Short { .. } | Take::NoLease => {
                     // All or none: give back what this request took.
-                    for (&rk_idx, &(slot_id, generation)) in m.idx[..j].iter().zip(&taken[..j]) {
+                    for (&rk_idx, &(slot_id, generation)) in
+                        m.indices()[..j].iter().zip(&taken[..j])
+                    {
                         let rk = &rules.rules[rk_idx as usize];
                         if rk.shadow {
                             continue;
                         }
-                        let key = KeyRef::of(rk, input.tenant, input.route);
+                        let key = Lookup::of(rk, input.tenant, input.route);
                         if let Some(slot) = table.get(&key) {
                             if slot.id == slot_id {
                                 slot.word.refund(generation, cost);
@@ -1135,12 +1022,12 @@ impl Agent {
     ) -> (u64, usize) {
         let table = self.inner.table.pin();
         let mut best = (first_wait_ns, first);
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if r.shadow || ri as usize == first {
                 continue;
             }
-            let Some(slot) = table.get(&KeyRef::of(r, input.tenant, input.route)) else {
+            let Some(slot) = table.get(&Lookup::of(r, input.tenant, input.route)) else {
                 continue;
             };
             let dry = slot.dry_until_ns.load(Ordering::Acquire);
@@ -1165,7 +1052,7 @@ impl Agent {
             return;
         };
         let mut w = log.lock();
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if !r.shadow {
                 let _ = writeln!(
@@ -1197,10 +1084,10 @@ impl Agent {
             Emergency(Arc<Slot>),
         }
         let outage = self.inner.outage.load(Ordering::Acquire);
-        let mut paid: Vec<Paid> = Vec::with_capacity(m.n);
-        let mut min = (u64::MAX, m.idx[0] as usize);
+        let mut paid: Vec<Paid> = Vec::with_capacity(m.len());
+        let mut min = (u64::MAX, m.indices()[0] as usize);
         let mut failed = None;
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if r.shadow {
                 continue;
@@ -1268,15 +1155,15 @@ impl Agent {
         t: u64,
     ) -> Reason {
         let mut reason = Reason::Ok;
-        if !m.any_shadow {
+        if !m.any_shadow() {
             return reason;
         }
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if !r.shadow {
                 continue;
             }
-            let key = KeyRef::of(r, input.tenant, input.route);
+            let key = Lookup::of(r, input.tenant, input.route);
             let take = self
                 .inner
                 .table
@@ -1310,7 +1197,7 @@ impl Agent {
         if counters.version != rules.version {
             return;
         }
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             if let Some((_, c)) = counters.rules.get(i as usize) {
                 c.allowed.add(1);
             }
@@ -1370,7 +1257,7 @@ impl Agent {
     /// The slot of a rule's key, created if missing (None when the table is full).
     fn slot_for(&self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
         let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
-        let key = KeyRef::new(&rule.id, tp, rp);
+        let key = Lookup(KeyRef::new(&rule.id, tp, rp));
         let table = self.inner.table.pin();
         if let Some(s) = table.get(&key) {
             return Some(s.clone());
@@ -1379,7 +1266,7 @@ impl Agent {
             return None;
         }
         let slot = table
-            .get_or_insert_with(key.to_owned_key(), || Arc::new(Slot::new(&rule.id, tp, rp)))
+            .get_or_insert_with(key.0.to_key_id(), || Arc::new(Slot::new(&rule.id, tp, rp)))
             .clone();
         Some(slot)
     }
@@ -1531,7 +1418,7 @@ impl Agent {
 
     /// Plan one key at `t` (see `plan_all`). `key` is `None` on a wake-up
     /// pass, which never releases.
-    fn plan_slot(&self, key: Option<&SlotKey>, slot: &Arc<Slot>, t: u64, ctx: &mut PlanCtx) {
+    fn plan_slot(&self, key: Option<&KeyId>, slot: &Arc<Slot>, t: u64, ctx: &mut PlanCtx) {
         let inner = &*self.inner;
         // A quiet key (nothing spent, denied or waiting since the last
         // visit) is skipped until the planner's answer can change: a
@@ -1930,8 +1817,7 @@ impl Agent {
         }
         // deadline = first send + TTL * (1 - 2 rho) - epsilon
         let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
-        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM) + inner.cfg.epsilon.as_nanos() as u64;
-        let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
+        let deadline = use_by_ns(sent_ns, ttl_ns, inner.cfg.epsilon.as_nanos() as u64);
         if t >= deadline {
             give_back(&mut st);
             return;

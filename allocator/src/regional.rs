@@ -33,9 +33,12 @@ use quotalease_proto::lease::{
 };
 use quotalease_proto::PROTOCOL_VERSION;
 
-use crate::core::{AllocatorCore, CoreConfig, KeyId, KeyView, Stats, RHO_PPM};
+use quotalease_model::key::KeyId;
+use quotalease_model::protocol::use_by_ns;
+use quotalease_model::rules::RuleSet;
+
+use crate::core::{AllocatorCore, CoreConfig, KeyView, Stats};
 use crate::ledger::KeyLedger;
-use crate::rules::RuleSet;
 
 const MS: u64 = 1_000_000;
 /// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
@@ -392,10 +395,7 @@ impl RegionalCore {
     /// `sent_ns`: `sent + TTL*(1 - 2 rho) - epsilon` (as an agent installs).
     fn deadline(&self, sent_ns: u64, ttl_ms: u64) -> u64 {
         let ttl_ns = ttl_ms.saturating_mul(MS);
-        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM)
-            + (ttl_ns % 1_000_000) * (2 * RHO_PPM) / 1_000_000
-            + self.cfg.epsilon_ns;
-        sent_ns.saturating_add(ttl_ns).saturating_sub(margin)
+        use_by_ns(sent_ns, ttl_ns, self.cfg.epsilon_ns)
     }
 
     /// Drop chains whose deadline passed (their pools are destroyed; their

@@ -21,9 +21,9 @@ pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, 
     Ok(client_on(endpoint(url, timeout)?.connect_lazy()))
 }
 
-/// The endpoint settings used for the parent at `url`: connect and call
-/// timeouts of `timeout`, HTTP/2 keep-alive pings every 10 s (also while
-/// idle). A test connects it over its own network
+/// The endpoint for the parent at `url`: the common allocator client
+/// settings ([`quotalease_model::endpoint::settings`]) with connect and call
+/// timeouts of `timeout`. A test connects it over its own network
 /// (`Endpoint::connect_with_connector_lazy`) and passes the channel to
 /// [`client_on`].
 pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
@@ -32,17 +32,8 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
             "--parent: {url:?} is not a valid URL: expected http://HOST:PORT"
         ));
     }
-    Ok(Endpoint::from_shared(url.to_string())
-        .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))?
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        .tcp_nodelay(true)
-        // A connection whose pings go unanswered is dropped and the next
-        // call reconnects: a healed partition is noticed within about
-        // 1 s + 4 timeouts instead of HTTP/2's default 20 s ping wait.
-        .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout((timeout * 4).max(Duration::from_secs(1)))
-        .keep_alive_while_idle(true))
+    quotalease_proto::endpoint(url, &quotalease_model::endpoint::settings(timeout))
+        .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))
 }
 
 /// A client for the parent over `channel`, with the message size limits.

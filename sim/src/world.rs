@@ -26,15 +26,15 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use quotalease_agent::agent::{Agent, AgentClock, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, CheckStep};
 use quotalease_agent::renewal::PlanConfig;
-use quotalease_allocator::core::{AllocatorCore, CoreConfig, KeyId};
+use quotalease_allocator::core::{AllocatorCore, CoreConfig};
 use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
-use quotalease_allocator::rules::{FailPolicy, Rate, RuleSet};
+use quotalease_model::clock::{ClockSource, ManualClock};
+use quotalease_model::key::KeyId;
+use quotalease_model::rules::{FailPolicy, Rate, RuleSet};
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::v1::Reason;
 
@@ -127,7 +127,7 @@ type Awaiting = BTreeMap<u64, (LeaseBatch, u32)>;
 
 struct AgentNode {
     agent: Option<Agent>,
-    clock_cell: Arc<AtomicU64>,
+    clock_cell: ManualClock,
     clock: NodeClock,
     parent: Node,
     region: u16,
@@ -348,7 +348,7 @@ impl World {
                 let region = sc.region_of(i).unwrap_or(0);
                 AgentNode {
                     agent: None,
-                    clock_cell: Arc::new(AtomicU64::new(CLOCK_BASE_NS)),
+                    clock_cell: ManualClock::new(CLOCK_BASE_NS),
                     clock: draw_clock(Node::Agent(i)),
                     parent: sc.parent_of(i),
                     region,
@@ -492,8 +492,7 @@ impl World {
         node.awaiting.clear();
         node.parked.clear();
         node.wake_pending = false;
-        node.clock_cell
-            .store(node.clock.local(self.t), Ordering::Release);
+        node.clock_cell.set(node.clock.local(self.t));
         let cfg = AgentConfig {
             agent_id: format!("agent-{i}"),
             lease_ttl: Duration::from_millis(sc.lease_ttl_ms),
@@ -503,7 +502,7 @@ impl World {
                 ..PlanConfig::default()
             },
             fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),
-            clock: AgentClock::Manual(node.clock_cell.clone()),
+            clock: ClockSource::Manual(node.clock_cell.clone()),
             incarnation: Some(u64::from(node.life)),
             record_emergency: true,
             ..AgentConfig::default()
@@ -661,7 +660,7 @@ impl World {
             return;
         };
         let now = node.clock.local(t);
-        node.clock_cell.store(now, Ordering::Release);
+        node.clock_cell.set(now);
         let batch = if woken {
             agent.poll_renewal_woken(now)
         } else {
@@ -802,7 +801,7 @@ impl World {
                 let n = &mut self.agents[i as usize];
                 if let Some(agent) = n.agent.as_ref() {
                     let now = n.clock.local(t);
-                    n.clock_cell.store(now, Ordering::Release);
+                    n.clock_cell.set(now);
                     agent.on_failure(now, seq, "timed out");
                 }
                 self.recheck_parked(i);
@@ -876,7 +875,7 @@ impl World {
                 let seq = reply.seq;
                 n.awaiting.remove(&seq);
                 let now = n.clock.local(t);
-                n.clock_cell.store(now, Ordering::Release);
+                n.clock_cell.set(now);
                 agent.on_reply(now, seq, reply);
                 for e in agent.take_emergency_opened() {
                     let key = KeyId {
@@ -968,7 +967,7 @@ impl World {
             return;
         };
         let now = node.clock.local(t);
-        node.clock_cell.store(now, Ordering::Release);
+        node.clock_cell.set(now);
         let (name, keys) = &self.tenants[&(a.tenant, a.route)];
         let input = CheckInput {
             tenant: name,

@@ -6,6 +6,12 @@ use crate::transport::InProcess;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::server::Shared;
 
+/// The in-process transport to `shared`.
+fn in_process(shared: &Arc<Shared>) -> InProcess {
+    let shared = shared.clone();
+    InProcess::new(move |b| shared.handle(b))
+}
+
 const RULES: &str = r#"
 rules:
   - id: wide
@@ -49,12 +55,8 @@ fn start_with(yaml: &str) -> (Agent, Arc<Shared>) {
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, None);
-    let agent = Agent::start(
-        AgentConfig::default(),
-        Arc::new(InProcess::new(shared.clone())),
-        None,
-    )
-    .expect("agent starts");
+    let agent = Agent::start(AgentConfig::default(), Arc::new(in_process(&shared)), None)
+        .expect("agent starts");
     (agent, shared)
 }
 
@@ -154,12 +156,12 @@ async fn fast_path_needs_a_lease_and_charges_nothing_without_one() {
 fn keys_are_unambiguous() {
     use std::hash::BuildHasher;
     let h = foldhash::fast::FixedState::with_seed(7);
-    let a = KeyRef::new("r", "ab", "c");
-    let b = KeyRef::new("r", "a", "bc");
+    let a = Lookup(KeyRef::new("r", "ab", "c"));
+    let b = Lookup(KeyRef::new("r", "a", "bc"));
     assert_ne!(h.hash_one(a), h.hash_one(b));
-    assert!(!papaya::Equivalent::equivalent(&a, &b.to_owned_key()));
-    assert!(papaya::Equivalent::equivalent(&a, &a.to_owned_key()));
-    assert_eq!(h.hash_one(a), h.hash_one(a.to_owned_key()));
+    assert!(!papaya::Equivalent::equivalent(&a, &b.0.to_key_id()));
+    assert!(papaya::Equivalent::equivalent(&a, &a.0.to_key_id()));
+    assert_eq!(h.hash_one(a), h.hash_one(a.0.to_key_id()));
 }
 
 #[test]
@@ -260,7 +262,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
         agent_id: "stepped".into(),
         ..AgentConfig::default()
     };
-    let a = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
+    let a = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
     wait_ready(&a).await;
     assert!(a.inner.incarnation.load(Ordering::Acquire) > future);
     assert!(a.check(input("t", "/x")).await.unwrap().allowed);

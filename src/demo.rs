@@ -13,12 +13,12 @@ use anyhow::Context;
 use parking_lot::Mutex;
 use quotalease_agent::agent::{Agent, AgentConfig, CheckInput};
 use quotalease_agent::transport::GrpcTransport;
-use quotalease_allocator::clock::BootClock;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::regional::RegionalConfig;
-use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{LeaseService, Shared};
 use quotalease_allocator::upstream;
+use quotalease_model::clock::BootClock;
+use quotalease_model::rules::RuleSet;
 use quotalease_proto::v1::Reason;
 use quotalease_sim::checker::worst_window;
 use tokio::net::TcpListener;
@@ -96,12 +96,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         let timeout = Duration::from_millis(500);
         let client =
             upstream::client(&format!("http://{addr}"), timeout).map_err(|e| anyhow::anyhow!(e))?;
-        tokio::spawn(upstream::run(
-            regional.clone(),
-            client,
-            timeout,
-            stop_rx.clone(),
-        ));
+        tokio::spawn(upstream::run(regional.clone(), client, stop_rx.clone()));
         regional_urls.push(format!("http://{raddr}"));
         regionals.push((region, raddr, regional));
     }
@@ -357,7 +352,7 @@ async fn load(
                 };
                 let res = agent.check(input).await;
                 let t = BootClock::now();
-                let matched = rules.matching(None, &tenant, route);
+                let matched = rules.matching(None, &tenant, route).unwrap_or_default();
                 let mut c = counts.lock();
                 for rule in &matched {
                     *c.checks.entry(rule.id.clone()).or_insert(0) += 1;

@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use quotalease_agent::agent::{Agent, AgentConfig, EmergencyConfig};
-use quotalease_agent::envoy::EnvoyService;
 use quotalease_agent::renewal::PlanConfig;
-use quotalease_agent::service::{self, CheckService};
 use quotalease_agent::transport::GrpcTransport;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::regional::RegionalConfig;
-use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
 use quotalease_allocator::upstream;
+use quotalease_gateway::envoy::EnvoyService;
+use quotalease_gateway::service::{self, CheckService};
+use quotalease_model::rules::RuleSet;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
@@ -216,12 +216,7 @@ async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let up = tokio::spawn(upstream::run(
-        shared.clone(),
-        client.clone(),
-        args.upstream_timeout,
-        rx.clone(),
-    ));
+    let up = tokio::spawn(upstream::run(shared.clone(), client.clone(), rx.clone()));
     let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
     terminated().await;
     tracing::info!("stopping: giving unused pools back to the parent");

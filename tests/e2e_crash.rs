@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use quotalease_allocator::rules::Rate;
+use quotalease_model::rules::Rate;
 use quotalease_proto::v1::{CheckRequest, Reason};
 use quotalease_sim::checker::worst_window;
 
@@ -227,7 +227,7 @@ async fn fail_open_after_the_allocator_dies_stays_within_i3() {
         }
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let t_kill = quotalease_allocator::clock::BootClock::now();
+    let t_kill = quotalease_model::clock::BootClock::now();
     alloc.kill9();
     cut.store(true, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -235,7 +235,7 @@ async fn fail_open_after_the_allocator_dies_stays_within_i3() {
     for t in tasks {
         t.await.expect("client");
     }
-    let t_end = quotalease_allocator::clock::BootClock::now();
+    let t_end = quotalease_model::clock::BootClock::now();
     let mut fma = 0u64;
     for a in agents {
         let (_, m) = http_get(a.http, "/metrics");

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use quotalease_allocator::clock::BootClock;
-use quotalease_allocator::rules::Rate;
+use quotalease_model::clock::BootClock;
+use quotalease_model::rules::Rate;
 use quotalease_sim::checker::worst_window;
 
 const HOT_RULES: &str = r#"

@@ -20,15 +20,14 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
-use quotalease_agent::agent::AgentClock;
 use quotalease_agent::transport::{self, GrpcTransport, LeaseFuture, Transport};
 use quotalease_agent::{Agent, AgentConfig, CheckInput};
-use quotalease_allocator::clock::Clock;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::regional::RegionalConfig;
-use quotalease_allocator::rules::RuleSet;
 use quotalease_allocator::server::{housekeeping, LeaseService, Shared};
 use quotalease_allocator::upstream;
+use quotalease_model::clock::{Clock, ClockSource};
+use quotalease_model::rules::RuleSet;
 use quotalease_proto::lease::{GrantStatus, LeaseBatch};
 use quotalease_proto::v1::Reason;
 use quotalease_sim::checker::worst_window;
@@ -235,7 +234,7 @@ fn agent_host(
             agent_id: name.into(),
             lease_ttl: Duration::from_nanos(TTL_NS),
             fetch_timeout: AGENT_FETCH,
-            clock: AgentClock::Custom(Arc::new(SimClock)),
+            clock: ClockSource::Other(Arc::new(SimClock)),
             incarnation: Some(1),
             ..AgentConfig::default()
         };
@@ -336,12 +335,7 @@ fn real_tonic_code_over_a_partitioned_and_crashing_network() {
                 let client = upstream::client_on(channel(ep, "global", connects));
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
                 tokio::spawn(housekeeping(shared.clone(), Duration::from_millis(500)));
-                tokio::spawn(upstream::run(
-                    shared.clone(),
-                    client,
-                    UPSTREAM_FETCH,
-                    stop_rx,
-                ));
+                tokio::spawn(upstream::run(shared.clone(), client, stop_rx));
                 let r = serve(shared).await;
                 drop(stop_tx);
                 r

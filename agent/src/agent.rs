@@ -20,60 +20,26 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, MutexGuard};
-use quotalease_allocator::clock::{BootClock, Clock};
-use quotalease_allocator::rules::{FailPolicy, Rule, RuleSet, MAX_ID_BYTES};
+use quotalease_model::clock::ClockSource;
+use quotalease_model::matching::{Matched, TooManyMatches, MAX_MATCHED};
+use quotalease_model::protocol::MAX_ID_BYTES;
+use quotalease_model::rules::{FailPolicy, Rate, Rule, RuleSet};
 use quotalease_proto::v1::{CheckResponse, Reason};
 use tokio::sync::Notify;
 
 use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
-pub use crate::lease_table::{KeyRef, Slot, SlotKey, Table};
+pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, Table};
 use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
 use crate::transport::Transport;
-
-/// Where the agent reads time. Production reads `CLOCK_BOOTTIME`; a driver
-/// that owns time (the simulator) sets the reading before each call.
-#[derive(Clone, Default)]
-pub enum AgentClock {
-    /// `CLOCK_BOOTTIME`.
-    #[default]
-    Boot,
-    /// A reading in nanoseconds set by the driver.
-    Manual(Arc<AtomicU64>),
-    /// Any other source, read on every call (`tests/turmoil_net.rs` reads
-    /// turmoil's simulated time, shared with the allocators).
-    Custom(Arc<dyn Clock>),
-}
-
-impl std::fmt::Debug for AgentClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            AgentClock::Boot => f.write_str("Boot"),
-            AgentClock::Manual(t) => f.debug_tuple("Manual").field(t).finish(),
-            AgentClock::Custom(_) => f.write_str("Custom"),
-        }
-    }
-}
-
-impl AgentClock {
-    /// The current reading.
-    #[inline]
-    pub fn now(&self) -> u64 {
-        match self {
-            AgentClock::Boot => BootClock::now(),
-            AgentClock::Manual(t) => t.load(Ordering::Acquire),
-            AgentClock::Custom(c) => c.now_ns(),
-        }
-    }
-}
 
 /// Agent settings. Defaults are documented in docs/operations.md.
 #[derive(Clone, Debug)]
@@ -100,8 +66,10 @@ pub struct AgentConfig {
     pub emergency: EmergencyConfig,
     /// Test-only: append every admission (time, key, cost) to this file.
     pub admission_log: Option<PathBuf>,
-    /// Time source.
-    pub clock: AgentClock,
+    /// Where the agent reads time: `CLOCK_BOOTTIME` by default; a driver
+    /// that owns time (the simulator) sets a [`quotalease_model::clock::ManualClock`]
+    /// before each call; `tests/turmoil_net.rs` reads turmoil's time.
+    pub clock: ClockSource,
     /// Incarnation sent to the allocator; default: wall-clock ns at start.
     pub incarnation: Option<u64>,
     /// Per-process nonce sent beside `agent_id` (SPEC §8): the allocator
@@ -140,7 +108,7 @@ impl Default for AgentConfig {
             heartbeat: Duration::from_secs(1),
             emergency: EmergencyConfig::default(),
             admission_log: None,
-            clock: AgentClock::Boot,
+            clock: ClockSource::Boot,
             incarnation: None,
             instance: None,
             record_emergency: false,
@@ -288,63 +256,21 @@ const MAX_ATTEMPTS: u32 = 2;
 /// The same while the allocator is opening the key upstream.
 const MAX_ATTEMPTS_OPENING: u32 = 4;
 
-/// Most rules one request can match.
-pub const MAX_MATCHED: usize = 16;
-/// Indices of the rules a request matched, overrides applied.
-struct Matched {
-    idx: [u32; MAX_MATCHED],
-    n: usize,
-    any_shadow: bool,
-}
-
+/// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
+/// too many is an invalid `tenant_id`.
+#[inline]
 fn match_rules(
     rules: &RuleSet,
     domain: Option<&str>,
     tenant: &str,
     route: &str,
 ) -> Result<Matched, CheckError> {
-    let mut m = Matched {
-        idx: [0; MAX_MATCHED],
-        n: 0,
-        any_shadow: false,
-    };
-    let mut any_override = false;
-    for (i, r) in rules.rules.iter().enumerate() {
-        let domain_ok = match (&r.domain, domain) {
-            (None, _) => true,
-            (Some(d), Some(q)) => d == q,
-            (Some(_), None) => false,
-        };
-        if domain_ok && r.tenant.matches(tenant) && r.route.matches(route) {
-            if m.n == MAX_MATCHED {
-                return Err(CheckError::Invalid {
-                    field: "tenant_id",
-                    reason: format!("matches more than {MAX_MATCHED} rules"),
-                });
-            }
-            m.idx[m.n] = i as u32;
-            m.n += 1;
-            any_override |= !r.overrides.is_empty();
-            m.any_shadow |= r.shadow;
-        }
-    }
-    if any_override {
-        let all = m.idx;
-        let n = m.n;
-        let mut kept = 0;
-        for j in 0..n {
-            let id = &rules.rules[all[j] as usize].id;
-            let overridden = all[..n]
-                .iter()
-                .any(|&o| rules.rules[o as usize].overrides.iter().any(|x| x == id));
-            if !overridden {
-                m.idx[kept] = all[j];
-                kept += 1;
-            }
-        }
-        m.n = kept;
-    }
-    Ok(m)
+    rules
+        .match_rules(domain, tenant, route)
+        .map_err(|e: TooManyMatches| CheckError::Invalid {
+            field: TooManyMatches::FIELD,
+            reason: e.to_string(),
+        })
 }
 
 /// Whether an answer may be replayed to a retry of the same request id.
@@ -424,7 +350,7 @@ pub struct EmergencyOpened {
     /// Route part of the key.
     pub route: String,
     /// `r_e`.
-    pub rate: quotalease_allocator::rules::Rate,
+    pub rate: Rate,
     /// `b_e`.
     pub burst: u64,
 }
@@ -610,7 +536,7 @@ impl Agent {
         route: &str,
     ) -> Result<Vec<usize>, CheckError> {
         let m = match_rules(rules, domain, tenant, route)?;
-        Ok(m.idx[..m.n]
+        Ok(m.indices()
             .iter()
             .map(|&i| i as usize)
             .filter(|&i| !rules.rules[i].shadow)
@@ -723,7 +649,7 @@ impl Agent {
     ) -> Option<FastAdmit> {
         let inner = &*self.inner;
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
-        if m.n == 0 {
+        if m.is_empty() {
             inner.metrics.no_rule.add(1);
             return Some(FastAdmit {
                 remaining: 0,
@@ -732,7 +658,7 @@ impl Agent {
                 reason: Reason::NoRule,
             });
         }
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
                 return None;
@@ -827,7 +753,7 @@ impl Agent {
             return Ok(Ok(a.to_response(&rules)));
         }
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
                 inner.metrics.invalid.add(1);
@@ -968,7 +894,7 @@ impl Agent {
         t: u64,
     ) {
         core.want(slot.clone(), cost);
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let other = &rules.rules[ri as usize];
             if other.shadow || ri as usize == rule_idx {
                 continue;
@@ -997,14 +923,14 @@ impl Agent {
         // (slot id, generation) of each charge, for an all-or-none refund.
         let mut taken: [(u64, u64); MAX_MATCHED] = [(0, 0); MAX_MATCHED];
         let mut min_remaining = u64::MAX;
-        let mut min_rule = m.idx[0] as usize;
-        for j in 0..m.n {
-            let ri = m.idx[j] as usize;
+        let mut min_rule = m.indices()[0] as usize;
+        for j in 0..m.len() {
+            let ri = m.indices()[j] as usize;
             let r = &rules.rules[ri];
             if r.shadow {
                 continue;
             }
-            let key = KeyRef::of(r, input.tenant, input.route);
+            let key = Lookup::of(r, input.tenant, input.route);
             let (slot_id, take) = match table.get(&key) {
                 Some(slot) => (slot.id(), slot.word.try_take(cost, t)),
                 None => (0, Take::NoLease),
@@ -1022,12 +948,14 @@ impl Agent {
                 }
                 Take::Short { .. } | Take::NoLease => {
                     // All or none: give back what this request took.
-                    for (&rk_idx, &(slot_id, generation)) in m.idx[..j].iter().zip(&taken[..j]) {
+                    for (&rk_idx, &(slot_id, generation)) in
+                        m.indices()[..j].iter().zip(&taken[..j])
+                    {
                         let rk = &rules.rules[rk_idx as usize];
                         if rk.shadow {
                             continue;
                         }
-                        let key = KeyRef::of(rk, input.tenant, input.route);
+                        let key = Lookup::of(rk, input.tenant, input.route);
                         if let Some(slot) = table.get(&key) {
                             if slot.id() == slot_id {
                                 slot.word.refund(generation, cost);
@@ -1065,12 +993,12 @@ impl Agent {
     ) -> (u64, usize) {
         let table = self.inner.table.pin();
         let mut best = (first_wait_ns, first);
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if r.shadow || ri as usize == first {
                 continue;
             }
-            let Some(slot) = table.get(&KeyRef::of(r, input.tenant, input.route)) else {
+            let Some(slot) = table.get(&Lookup::of(r, input.tenant, input.route)) else {
                 continue;
             };
             let dry = slot.dry_until();
@@ -1095,7 +1023,7 @@ impl Agent {
             return;
         };
         let mut w = log.lock();
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if !r.shadow {
                 let _ = writeln!(
@@ -1127,10 +1055,10 @@ impl Agent {
             Lease(Arc<Slot>, u64),
             Emergency(Arc<Slot>),
         }
-        let mut paid: Vec<Paid> = Vec::with_capacity(m.n);
-        let mut min = (u64::MAX, m.idx[0] as usize);
+        let mut paid: Vec<Paid> = Vec::with_capacity(m.len());
+        let mut min = (u64::MAX, m.indices()[0] as usize);
         let mut failed = None;
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if r.shadow {
                 continue;
@@ -1193,15 +1121,15 @@ impl Agent {
         t: u64,
     ) -> Reason {
         let mut reason = Reason::Ok;
-        if !m.any_shadow {
+        if !m.any_shadow() {
             return reason;
         }
-        for &ri in &m.idx[..m.n] {
+        for &ri in m.indices() {
             let r = &rules.rules[ri as usize];
             if !r.shadow {
                 continue;
             }
-            let key = KeyRef::of(r, input.tenant, input.route);
+            let key = Lookup::of(r, input.tenant, input.route);
             let take = self
                 .inner
                 .table
@@ -1236,7 +1164,7 @@ impl Agent {
         if counters.version != rules.version {
             return;
         }
-        for &i in &m.idx[..m.n] {
+        for &i in m.indices() {
             if let Some((_, c)) = counters.rules.get(i as usize) {
                 c.allowed.add(1);
             }

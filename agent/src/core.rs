@@ -30,16 +30,16 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use quotalease_allocator::bucket::TokenBucket;
-use quotalease_allocator::core::RHO_PPM;
-use quotalease_allocator::rules::{Rate, Rule, RuleSet};
+use quotalease_model::bucket::TokenBucket;
+use quotalease_model::protocol::use_by_ns;
+use quotalease_model::rules::{Rate, Rule, RuleSet};
 use quotalease_proto::lease::{
     Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, Slot, SlotKey, Table};
+use crate::lease_table::{pack, KeyId, Lookup, Slot, Table};
 use crate::metrics::{AgentMetrics, RuleCounterSet};
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 
@@ -103,7 +103,7 @@ pub struct Transmit {
 #[derive(Debug)]
 struct KeyState {
     slot: Arc<Slot>,
-    key: SlotKey,
+    key: KeyId,
     lease_id: u64,
     /// Tokens of the lease as the allocator records them.
     granted: u64,
@@ -247,7 +247,7 @@ impl AgentCore {
     /// missing; `None` when `max_keys` keys are held.
     pub fn slot_for(&mut self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
         let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
-        let key = crate::lease_table::KeyRef::new(&rule.id, tp, rp);
+        let key = Lookup(crate::lease_table::KeyRef::new(&rule.id, tp, rp));
         let table = self.table.pin();
         let slot = match table.get(&key) {
             Some(s) => s.clone(),
@@ -256,15 +256,13 @@ impl AgentCore {
                     return None;
                 }
                 table
-                    .get_or_insert_with(key.to_owned_key(), || {
-                        Arc::new(Slot::new(&rule.id, tp, rp))
-                    })
+                    .get_or_insert_with(key.0.to_key_id(), || Arc::new(Slot::new(&rule.id, tp, rp)))
                     .clone()
             }
         };
         self.keys.entry(slot.id()).or_insert_with(|| KeyState {
             slot: slot.clone(),
-            key: key.to_owned_key(),
+            key: key.0.to_key_id(),
             lease_id: 0,
             granted: 0,
             generation: 0,
@@ -821,10 +819,7 @@ impl AgentCore {
         }
         // deadline = first send + TTL * (1 - 2 rho) - epsilon
         let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
-        let margin = (ttl_ns / 1_000_000)
-            .saturating_mul(2 * RHO_PPM)
-            .saturating_add(self.cfg.epsilon.as_nanos() as u64);
-        let deadline = sent_ns.saturating_add(ttl_ns).saturating_sub(margin);
+        let deadline = use_by_ns(sent_ns, ttl_ns, self.cfg.epsilon.as_nanos() as u64);
         if t >= deadline {
             give_back(k, &mut release);
             return;

@@ -215,70 +215,26 @@ impl LeaseWord {
 // ---------------------------------------------------------------------------
 // Keys and slots
 
-/// A key held in the lease table: rule id plus the tenant and route parts
-/// the rule keys on ("" for a dimension it does not match on).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SlotKey {
-    rule: Box<str>,
-    tenant: Box<str>,
-    route: Box<str>,
-}
+pub use quotalease_model::key::{KeyId, KeyRef};
 
-impl std::hash::Hash for SlotKey {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        KeyRef::new(&self.rule, &self.tenant, &self.route).hash(h)
-    }
-}
-
-/// A borrowed key for lookups: hashes and compares like [`SlotKey`]
-/// without building anything. (`str` hashing ends each part with 0xff,
-/// which UTF-8 never contains, so the parts cannot run into each other.)
+/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`KeyId`]
+/// keys and compares part by part, so a lookup builds nothing. (papaya's
+/// `Equivalent` and both key types are foreign here, hence the wrapper.)
 #[derive(Clone, Copy, Debug, Hash)]
-pub struct KeyRef<'a> {
-    rule: &'a str,
-    tenant: &'a str,
-    route: &'a str,
-}
+pub struct Lookup<'a>(pub KeyRef<'a>);
 
-impl<'a> KeyRef<'a> {
-    /// A key from its parts.
-    #[inline]
-    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
-        Self {
-            rule,
-            tenant,
-            route,
-        }
-    }
-
+impl<'a> Lookup<'a> {
     /// The key of `rule` for a request on (tenant, route).
     #[inline]
-    pub fn of(
-        rule: &'a quotalease_allocator::rules::Rule,
-        tenant: &'a str,
-        route: &'a str,
-    ) -> Self {
-        Self::new(
-            &rule.id,
-            rule.tenant.key_part(tenant),
-            rule.route.key_part(route),
-        )
-    }
-
-    /// The owned key.
-    pub fn to_owned_key(self) -> SlotKey {
-        SlotKey {
-            rule: self.rule.into(),
-            tenant: self.tenant.into(),
-            route: self.route.into(),
-        }
+    pub fn of(rule: &'a quotalease_model::rules::Rule, tenant: &'a str, route: &'a str) -> Self {
+        Self(KeyRef::of(rule, tenant, route))
     }
 }
 
-impl papaya::Equivalent<SlotKey> for KeyRef<'_> {
+impl papaya::Equivalent<KeyId> for Lookup<'_> {
     #[inline]
-    fn equivalent(&self, k: &SlotKey) -> bool {
-        self.tenant == &*k.tenant && self.route == &*k.route && self.rule == &*k.rule
+    fn equivalent(&self, k: &KeyId) -> bool {
+        self.0 == *k
     }
 }
 
@@ -406,7 +362,7 @@ impl Slot {
 /// guard, which writes only thread-local state), so concurrent checks on
 /// one hot key share no written cache line except the lease word itself.
 /// The hasher is seeded per process.
-pub type Table = papaya::HashMap<SlotKey, std::sync::Arc<Slot>, foldhash::fast::RandomState>;
+pub type Table = papaya::HashMap<KeyId, std::sync::Arc<Slot>, foldhash::fast::RandomState>;
 
 #[cfg(all(test, not(quotalease_loom)))]
 mod tests {

@@ -78,10 +78,7 @@ pub struct RuleCounterSet {
 
 impl RuleCounterSet {
     /// Counters for `rules`, keeping those of rules that already had some.
-    pub fn for_rules(
-        rules: &quotalease_allocator::rules::RuleSet,
-        previous: &RuleCounterSet,
-    ) -> Self {
+    pub fn for_rules(rules: &quotalease_model::rules::RuleSet, previous: &RuleCounterSet) -> Self {
         Self {
             version: rules.version,
             rules: rules

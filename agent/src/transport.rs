@@ -66,21 +66,12 @@ impl GrpcTransport {
     }
 }
 
-/// The endpoint settings the agent uses for the allocator at `url`:
-/// connect and call timeouts of `timeout`, HTTP/2 keep-alive pings every
-/// 10 s (also while idle).
+/// The endpoint for the allocator at `url`: the common allocator client
+/// settings ([`quotalease_model::endpoint::settings`]) with connect and call
+/// timeouts of `timeout`.
 pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
-    Ok(Endpoint::from_shared(url.to_string())
-        .map_err(|e| format!("--allocator: {url:?} is not a valid URL: {e}"))?
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        .tcp_nodelay(true)
-        // A connection whose pings go unanswered is dropped and the next
-        // call reconnects: a healed partition is noticed within about
-        // 1 s + 4 timeouts instead of HTTP/2's default 20 s ping wait.
-        .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout((timeout * 4).max(Duration::from_secs(1)))
-        .keep_alive_while_idle(true))
+    quotalease_proto::endpoint(url, &quotalease_model::endpoint::settings(timeout))
+        .map_err(|e| format!("--allocator: {url:?} is not a valid URL: {e}"))
 }
 
 impl Transport for GrpcTransport {
@@ -100,24 +91,38 @@ impl Transport for GrpcTransport {
     }
 }
 
+/// The handler of an [`InProcess`] transport: one batch in, its reply out
+/// (e.g. `move |b| shared.handle(b)` over a `quotalease_allocator::server::Shared`).
+pub type Handler = dyn Fn(&LeaseBatch) -> LeaseReply + Send + Sync;
+
 /// Calls an allocator running in the same process directly (benchmarks,
 /// the library use of both halves in one binary). The allocator is the real
-/// one; only the network is skipped.
-#[derive(Debug, Clone)]
+/// one, reached through a handler function (the agent does not depend on
+/// the allocator crate); only the network is skipped.
+#[derive(Clone)]
 pub struct InProcess {
-    shared: std::sync::Arc<quotalease_allocator::server::Shared>,
+    handle: std::sync::Arc<Handler>,
+}
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InProcess")
+    }
 }
 
 impl InProcess {
-    /// Talk to `shared`.
-    pub fn new(shared: std::sync::Arc<quotalease_allocator::server::Shared>) -> Self {
-        Self { shared }
+    /// Hand every batch to `handle` (for the real allocator:
+    /// `InProcess::new(move |b| shared.handle(b))`).
+    pub fn new(handle: impl Fn(&LeaseBatch) -> LeaseReply + Send + Sync + 'static) -> Self {
+        Self {
+            handle: std::sync::Arc::new(handle),
+        }
     }
 }
 
 impl Transport for InProcess {
     fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
-        let reply = self.shared.handle(&batch);
+        let reply = (self.handle)(&batch);
         Box::pin(async move { Ok(reply) })
     }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use quotalease_allocator::core::{AllocatorCore, CoreConfig};
-use quotalease_allocator::rules::RuleSet;
+use quotalease_model::rules::RuleSet;
 use quotalease_proto::lease::{
     GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };

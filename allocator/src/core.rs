@@ -16,11 +16,11 @@ use quotalease_proto::lease::{
 };
 use quotalease_proto::PROTOCOL_VERSION;
 
-use crate::ledger::{HolderId, KeyLedger, Lease, Renewal, PHANTOM};
-use crate::rules::{Pattern, Rule, RuleSet, MAX_ID_BYTES};
+use quotalease_model::key::KeyId;
+use quotalease_model::protocol::{drift_margin_ns, MAX_ID_BYTES};
+use quotalease_model::rules::{Pattern, Rule, RuleSet};
 
-/// Drift allowance per tier: 1000 ppm (SPEC §2 "Clocks").
-pub const RHO_PPM: u64 = 1_000;
+use crate::ledger::{HolderId, KeyLedger, Lease, Renewal, PHANTOM};
 
 /// Allocator configuration.
 #[derive(Clone, Debug)]
@@ -60,22 +60,8 @@ impl CoreConfig {
     /// How long after start an allocator must treat every key as fully
     /// leased out: `TTL_max * (1 + 2 rho) + epsilon`.
     pub fn restart_wait_ns(&self) -> u64 {
-        let drift = self.ttl_max_ns / 1_000_000 * (2 * RHO_PPM)
-            + (self.ttl_max_ns % 1_000_000) * (2 * RHO_PPM) / 1_000_000;
-        self.ttl_max_ns + drift + 1 + self.epsilon_ns
+        self.ttl_max_ns + drift_margin_ns(self.ttl_max_ns) + 1 + self.epsilon_ns
     }
-}
-
-/// Identity of one bucket: rule id plus the tenant and route parts the rule
-/// keys on ("" for a dimension the rule does not match on).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
-pub struct KeyId {
-    /// Rule id.
-    pub rule: String,
-    /// Tenant part.
-    pub tenant: String,
-    /// Route part.
-    pub route: String,
 }
 
 #[derive(Debug)]

@@ -32,8 +32,8 @@
 //! ([`KeyLedger::drain_pool`]), and every lease it grants expires no later
 //! than the pool's deadline (the parent lease's deadline on this clock).
 
-use crate::bucket::{Level, TokenBucket};
-use crate::rules::Rate;
+use quotalease_model::bucket::{Level, TokenBucket};
+use quotalease_model::rules::Rate;
 
 /// Index of a holder (an agent or a child allocator) in the allocator.
 pub type HolderId = u32;

@@ -33,9 +33,12 @@ use quotalease_proto::lease::{
 };
 use quotalease_proto::PROTOCOL_VERSION;
 
-use crate::core::{AllocatorCore, CoreConfig, KeyId, KeyView, Stats, RHO_PPM};
+use quotalease_model::key::KeyId;
+use quotalease_model::protocol::use_by_ns;
+use quotalease_model::rules::RuleSet;
+
+use crate::core::{AllocatorCore, CoreConfig, KeyView, Stats};
 use crate::ledger::KeyLedger;
-use crate::rules::RuleSet;
 
 const MS: u64 = 1_000_000;
 /// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
@@ -398,14 +401,39 @@ impl RegionalCore {
         t
     }
 
+    /// When the upstream driver next looks (calls `handle_upstream_timeout`
+    /// and `poll_upstream`): [`RegionalCore::next_wakeup_ns`] kept within
+    /// 1 ms and one renew interval from `now_ns`. Both drivers (the tokio
+    /// `upstream::run` and the simulator) sleep until this instant, so the
+    /// policy exists once.
+    pub fn upstream_timeout(&self, now_ns: u64) -> u64 {
+        let interval = self.cfg.renew_interval_ns.max(MS);
+        self.next_wakeup_ns()
+            .clamp(now_ns.saturating_add(MS), now_ns.saturating_add(interval))
+    }
+
+    /// Until when the batch in flight may still be answered (its send plus
+    /// `fetch_timeout`); `None` when nothing is in flight.
+    pub fn upstream_deadline(&self) -> Option<u64> {
+        self.in_flight
+            .as_ref()
+            .map(|f| f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns))
+    }
+
+    /// Time passed to `now_ns`: a batch in flight past its deadline failed.
+    pub fn handle_upstream_timeout(&mut self, now_ns: u64) {
+        let Some(f) = &self.in_flight else { return };
+        if now_ns >= f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns) {
+            let seq = f.seq;
+            self.upstream_failed(now_ns, seq);
+        }
+    }
+
     /// The chain's deadline for a parent lease of `ttl_ms` asked at
     /// `sent_ns`: `sent + TTL*(1 - 2 rho) - epsilon` (as an agent installs).
     fn deadline(&self, sent_ns: u64, ttl_ms: u64) -> u64 {
         let ttl_ns = ttl_ms.saturating_mul(MS);
-        let margin = ttl_ns / 1_000_000 * (2 * RHO_PPM)
-            + (ttl_ns % 1_000_000) * (2 * RHO_PPM) / 1_000_000
-            + self.cfg.epsilon_ns;
-        sent_ns.saturating_add(ttl_ns).saturating_sub(margin)
+        use_by_ns(sent_ns, ttl_ns, self.cfg.epsilon_ns)
     }
 
     /// Drop chains whose deadline passed (their pools are destroyed; their

@@ -21,10 +21,12 @@ use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::clock::{BootClock, Clock};
-use crate::core::{AllocatorCore, CoreConfig, KeyId};
+use quotalease_model::clock::{Clock, ClockSource};
+use quotalease_model::key::KeyId;
+use quotalease_model::rules::RuleSet;
+
+use crate::core::{AllocatorCore, CoreConfig};
 use crate::regional::{RegionalConfig, RegionalCore};
-use crate::rules::RuleSet;
 
 /// Wall-clock milliseconds since the Unix epoch (only for versions and
 /// epochs, never for refill arithmetic).
@@ -74,41 +76,15 @@ pub struct Shared {
     /// the last good rules keep serving).
     last_reload_error: Mutex<Option<String>>,
     reload_failures: std::sync::atomic::AtomicU64,
-    /// Where the drivers read time (`BootClock` in production).
-    clock: DriverClock,
-}
-
-/// The clock a [`Shared`] reads: `CLOCK_BOOTTIME` unless a test driver
-/// (turmoil) supplies its own.
-#[derive(Clone)]
-enum DriverClock {
-    Boot,
-    Custom(Arc<dyn Clock>),
-}
-
-impl std::fmt::Debug for DriverClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DriverClock::Boot => "BootClock",
-            DriverClock::Custom(_) => "Custom",
-        })
-    }
-}
-
-impl DriverClock {
-    #[inline]
-    fn now(&self) -> u64 {
-        match self {
-            DriverClock::Boot => BootClock::now(),
-            DriverClock::Custom(c) => c.now_ns(),
-        }
-    }
+    /// Where the drivers read time: `CLOCK_BOOTTIME` unless a test driver
+    /// (turmoil) supplies its own.
+    clock: ClockSource,
 }
 
 impl Shared {
     /// A fresh allocator core started now.
     pub fn new(cfg: CoreConfig, rules: RuleSet, rules_path: Option<PathBuf>) -> Arc<Self> {
-        Self::build_global(cfg, rules, rules_path, DriverClock::Boot)
+        Self::build_global(cfg, rules, rules_path, ClockSource::Boot)
     }
 
     /// [`Shared::new`] reading time from `clock` instead of
@@ -119,14 +95,14 @@ impl Shared {
         rules_path: Option<PathBuf>,
         clock: Arc<dyn Clock>,
     ) -> Arc<Self> {
-        Self::build_global(cfg, rules, rules_path, DriverClock::Custom(clock))
+        Self::build_global(cfg, rules, rules_path, ClockSource::Other(clock))
     }
 
     fn build_global(
         cfg: CoreConfig,
         rules: RuleSet,
         rules_path: Option<PathBuf>,
-        clock: DriverClock,
+        clock: ClockSource,
     ) -> Arc<Self> {
         let core = AllocatorCore::new(cfg, rules, unix_ms(), unix_ns(), clock.now());
         Arc::new(Self {
@@ -142,7 +118,7 @@ impl Shared {
     /// A regional allocator started now, with optional bootstrap rules
     /// (rules then come from the parent; no rules file is watched).
     pub fn new_regional(cfg: RegionalConfig, rules: Option<RuleSet>) -> Arc<Self> {
-        Self::build_regional(cfg, rules, DriverClock::Boot)
+        Self::build_regional(cfg, rules, ClockSource::Boot)
     }
 
     /// [`Shared::new_regional`] reading time from `clock`.
@@ -151,13 +127,13 @@ impl Shared {
         rules: Option<RuleSet>,
         clock: Arc<dyn Clock>,
     ) -> Arc<Self> {
-        Self::build_regional(cfg, rules, DriverClock::Custom(clock))
+        Self::build_regional(cfg, rules, ClockSource::Other(clock))
     }
 
     fn build_regional(
         cfg: RegionalConfig,
         rules: Option<RuleSet>,
-        clock: DriverClock,
+        clock: ClockSource,
     ) -> Arc<Self> {
         let cfg = RegionalConfig {
             instance: quotalease_proto::random_instance(),

@@ -21,9 +21,9 @@ pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, 
     Ok(client_on(endpoint(url, timeout)?.connect_lazy()))
 }
 
-/// The endpoint settings used for the parent at `url`: connect and call
-/// timeouts of `timeout`, HTTP/2 keep-alive pings every 10 s (also while
-/// idle). A test connects it over its own network
+/// The endpoint for the parent at `url`: the common allocator client
+/// settings ([`quotalease_model::endpoint::settings`]) with connect and call
+/// timeouts of `timeout`. A test connects it over its own network
 /// (`Endpoint::connect_with_connector_lazy`) and passes the channel to
 /// [`client_on`].
 pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
@@ -32,17 +32,8 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
             "--parent: {url:?} is not a valid URL: expected http://HOST:PORT"
         ));
     }
-    Ok(Endpoint::from_shared(url.to_string())
-        .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))?
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        .tcp_nodelay(true)
-        // A connection whose pings go unanswered is dropped and the next
-        // call reconnects: a healed partition is noticed within about
-        // 1 s + 4 timeouts instead of HTTP/2's default 20 s ping wait.
-        .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout((timeout * 4).max(Duration::from_secs(1)))
-        .keep_alive_while_idle(true))
+    quotalease_proto::endpoint(url, &quotalease_model::endpoint::settings(timeout))
+        .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))
 }
 
 /// A client for the parent over `channel`, with the message size limits.
@@ -52,12 +43,13 @@ pub fn client_on(channel: Channel) -> AllocatorClient<Channel> {
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-/// Send one batch and feed the outcome back to the core.
+/// Send one batch and feed the outcome back to the core, waiting at most
+/// `wait`.
 async fn exchange(
     shared: &Shared,
     client: &AllocatorClient<Channel>,
-    timeout: Duration,
     batch: LeaseBatch,
+    wait: Duration,
 ) {
     let seq = batch.header.as_ref().map_or(0, |h| h.seq);
     // Log the first failure after a success at warn, repeats at debug.
@@ -65,7 +57,7 @@ async fn exchange(
         .with_regional(|r| r.parent_reachable())
         .unwrap_or(false);
     let mut c = client.clone();
-    let res = tokio::time::timeout(timeout, c.lease(batch)).await;
+    let res = tokio::time::timeout(wait, c.lease(batch)).await;
     let now = shared.now();
     match res {
         Ok(Ok(reply)) => {
@@ -85,21 +77,22 @@ async fn exchange(
         }
         Err(_) => {
             if was_reachable {
-                tracing::warn!(seq, ?timeout, "parent allocator call timed out");
+                tracing::warn!(seq, ?wait, "parent allocator call timed out");
             } else {
-                tracing::debug!(seq, ?timeout, "parent allocator call timed out");
+                tracing::debug!(seq, ?wait, "parent allocator call timed out");
             }
-            shared.with_regional(|r| r.upstream_failed(now, seq));
+            shared.with_regional(|r| r.handle_upstream_timeout(now));
         }
     }
 }
 
-/// The upstream loop; returns when `stop` turns true (or at once for a
-/// global allocator).
+/// The upstream loop, a pump of the regional core: poll; a batch goes out
+/// and the next poll follows its outcome; otherwise sleep until the
+/// core's `upstream_timeout` or until a child finds a pool dry. Returns
+/// when `stop` turns true (or at once for a global allocator).
 pub async fn run(
     shared: Arc<Shared>,
     client: AllocatorClient<Channel>,
-    timeout: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -107,27 +100,22 @@ pub async fn run(
             return;
         }
         let now = shared.now();
-        let Some((batch, wake, tick)) = shared.with_regional(|r| {
-            (
-                r.poll_upstream(now),
-                r.next_wakeup_ns(),
-                r.config().renew_interval_ns,
-            )
-        }) else {
+        let Some((batch, wake)) =
+            shared.with_regional(|r| (r.poll_upstream(now), r.upstream_timeout(now)))
+        else {
             return;
         };
         if let Some(batch) = batch {
+            // The core's deadline for the batch bounds the wait.
+            let deadline = shared.with_regional(|r| r.upstream_deadline()).flatten();
+            let wait = Duration::from_nanos(deadline.unwrap_or(0).saturating_sub(shared.now()));
             tokio::select! {
-                _ = exchange(&shared, &client, timeout, batch) => {}
+                _ = exchange(&shared, &client, batch, wait) => {}
                 _ = stop.wait_for(|s| *s) => return,
             }
             continue;
         }
-        let now = shared.now();
-        let sleep = Duration::from_nanos(
-            wake.saturating_sub(now)
-                .clamp(1_000_000, tick.max(1_000_000)),
-        );
+        let sleep = Duration::from_nanos(wake.saturating_sub(shared.now()));
         tokio::select! {
             _ = tokio::time::sleep(sleep) => {}
             _ = shared.upstream_wanted() => {}
@@ -144,6 +132,6 @@ pub async fn shutdown(shared: &Shared, client: &AllocatorClient<Channel>, timeou
         return;
     };
     let items = batch.items.len();
-    exchange(shared, client, timeout, batch).await;
+    exchange(shared, client, batch, timeout).await;
     tracing::info!(items, "gave the unused pools back to the parent");
 }

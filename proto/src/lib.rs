@@ -100,3 +100,34 @@ pub fn request_digest(batch: &lease::LeaseBatch) -> u64 {
 
 /// Largest gRPC message either side decodes (SPEC §8).
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// The settings of a client endpoint for an allocator; the numbers live in
+/// `quotalease_model::endpoint::settings`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointSettings {
+    /// Bound of establishing the connection.
+    pub connect_timeout: std::time::Duration,
+    /// Bound of one call.
+    pub call_timeout: std::time::Duration,
+    /// HTTP/2 keep-alive ping interval (pings also while idle).
+    pub keep_alive_interval: std::time::Duration,
+    /// A connection whose ping is unanswered this long is dropped.
+    pub keep_alive_timeout: std::time::Duration,
+}
+
+/// The one builder of the tonic endpoint every quotalease client uses for
+/// an allocator at `url` (the agent's and the regional upstream's), lazily
+/// connected by the caller, with TCP_NODELAY set. Errs when `url` is not a
+/// valid URI.
+pub fn endpoint(
+    url: &str,
+    s: &EndpointSettings,
+) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::from_shared(url.to_string())?
+        .connect_timeout(s.connect_timeout)
+        .timeout(s.call_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(s.keep_alive_interval)
+        .keep_alive_timeout(s.keep_alive_timeout)
+        .keep_alive_while_idle(true))
+}

@@ -9,7 +9,7 @@
 //! `(A_j - A_{i-1}) * P - N * (t_j - t_i) - B * P`, maximised over `i <= j`
 //! with a running minimum: O(n).
 
-use quotalease_allocator::rules::Rate;
+use quotalease_model::rules::Rate;
 
 /// The worst window found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

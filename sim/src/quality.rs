@@ -3,7 +3,7 @@
 //! simulator: the event loop records `(time, cost, admitted)` per key and
 //! calls these at the end of a run.
 
-use quotalease_allocator::rules::Rate;
+use quotalease_model::rules::Rate;
 
 /// Result of [`false_rejects`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,7 +37,7 @@ impl FalseRejects {
 ///
 /// The reference is one ideal token bucket (rate `rate`, burst `burst`,
 /// exact integer fixed-point arithmetic as in
-/// `quotalease_allocator::bucket`, full at the first request) that sees
+/// `quotalease_model::bucket`, full at the first request) that sees
 /// every request, in time order (ties in input order), and admits or
 /// denies each on its own, greedily. Its level `L(t)` after its own
 /// decisions is known at every instant. A request we denied at `t` with
@@ -321,7 +321,7 @@ mod tests {
         // 100/s offered at 10/s burst 10, we admit exactly what the ideal
         // bucket admits: no false denials.
         let rate = per_s(10);
-        let mut ideal = quotalease_allocator::bucket::TokenBucket::new_full(rate, 10, 0);
+        let mut ideal = quotalease_model::bucket::TokenBucket::new_full(rate, 10, 0);
         let reqs: Vec<_> = (0..1000u64)
             .map(|i| {
                 let t = i * 10 * MS;

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use quotalease_allocator::rules::FailPolicy;
+use quotalease_model::rules::FailPolicy;
 
 use crate::quality;
 use crate::report::{LinePlot, Report, Section, Table};

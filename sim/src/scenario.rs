@@ -13,7 +13,7 @@
 use crate::net::{Cut, CutKind, NetConfig, Node};
 use crate::rng::SimRng;
 use crate::workload::WorkloadSpec;
-use quotalease_allocator::rules::{FailPolicy, RuleSet};
+use quotalease_model::rules::{FailPolicy, RuleSet};
 use serde::Deserialize;
 use std::path::Path;
 

@@ -26,16 +26,16 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use quotalease_agent::agent::{Agent, AgentClock, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, CheckStep};
 use quotalease_agent::core::Event as CoreEvent;
 use quotalease_agent::renewal::PlanConfig;
-use quotalease_allocator::core::{AllocatorCore, CoreConfig, KeyId};
+use quotalease_allocator::core::{AllocatorCore, CoreConfig};
 use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
-use quotalease_allocator::rules::{FailPolicy, Rate, RuleSet};
+use quotalease_model::clock::{ClockSource, ManualClock};
+use quotalease_model::key::KeyId;
+use quotalease_model::rules::{FailPolicy, Rate, RuleSet};
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::v1::Reason;
 
@@ -137,12 +137,12 @@ impl NodeClock {
     }
 }
 
-/// Outstanding calls of one node: seq -> (batch, attempts so far).
-type Awaiting = BTreeMap<u64, (LeaseBatch, u32)>;
+/// A regional's upstream batch in flight: seq -> batch.
+type Awaiting = BTreeMap<u64, LeaseBatch>;
 
 struct AgentNode {
     agent: Option<Agent>,
-    clock_cell: Arc<AtomicU64>,
+    clock_cell: ManualClock,
     clock: NodeClock,
     parent: Node,
     region: u16,
@@ -364,7 +364,7 @@ impl World {
                 let region = sc.region_of(i).unwrap_or(0);
                 AgentNode {
                     agent: None,
-                    clock_cell: Arc::new(AtomicU64::new(CLOCK_BASE_NS)),
+                    clock_cell: ManualClock::new(CLOCK_BASE_NS),
                     clock: draw_clock(Node::Agent(i)),
                     parent: sc.parent_of(i),
                     region,
@@ -507,8 +507,7 @@ impl World {
         let node = &mut self.agents[i as usize];
         node.life += 1;
         node.parked.clear();
-        node.clock_cell
-            .store(node.clock.local(self.t), Ordering::Release);
+        node.clock_cell.set(node.clock.local(self.t));
         let cfg = AgentConfig {
             agent_id: format!("agent-{i}"),
             lease_ttl: Duration::from_millis(sc.lease_ttl_ms),
@@ -518,7 +517,7 @@ impl World {
                 ..PlanConfig::default()
             },
             fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),
-            clock: AgentClock::Manual(node.clock_cell.clone()),
+            clock: ClockSource::Manual(node.clock_cell.clone()),
             incarnation: Some(u64::from(node.life)),
             // A new process, a new instance (drawn deterministically).
             instance: Some((u64::from(i) + 1) << 32 | u64::from(node.life)),
@@ -623,7 +622,7 @@ impl World {
                     return;
                 };
                 let now = n.clock.local(t);
-                n.clock_cell.store(now, Ordering::Release);
+                n.clock_cell.set(now);
                 agent.core().handle_timeout(now);
                 self.agent_pump(i);
             }
@@ -638,13 +637,12 @@ impl World {
         }
     }
 
-    /// The upstream loop of a regional allocator, as `upstream::run` does
-    /// it: poll; a batch goes out and the next poll follows its outcome;
-    /// otherwise sleep until the core's next wake-up (1 ms ..= one renew
-    /// interval) or until a child finds a pool dry.
+    /// Pump regional `r`'s upstream side, as `upstream::run` does: poll; a
+    /// batch goes out and the next poll follows its outcome (reply, or the
+    /// core's deadline for it); otherwise sleep until the core's
+    /// `upstream_timeout` or until a child finds a pool dry.
     fn regional_poll(&mut self, r: u16) {
         let t = self.t;
-        let interval = self.renew_interval_ns();
         let n = &mut self.regionals[r as usize];
         let Some(core) = n.core.as_mut() else { return };
         if !n.awaiting.is_empty() {
@@ -652,13 +650,14 @@ impl World {
         }
         let now = n.clock.local(t);
         match core.poll_upstream(now) {
-            Some(batch) => self.send_batch(Node::Regional(r), Node::Global, batch),
+            Some(batch) => {
+                let deadline = core.upstream_deadline().unwrap_or(now);
+                let at = n.clock.global(deadline).max(t);
+                self.send_batch(Node::Regional(r), Node::Global, batch, at);
+            }
             None => {
-                let sleep = core
-                    .next_wakeup_ns()
-                    .saturating_sub(now)
-                    .clamp(1_000_000, interval.max(1_000_000));
-                self.regional_wake(r, t + sleep);
+                let at = n.clock.global(core.upstream_timeout(now)).max(t + 1);
+                self.regional_wake(r, at);
             }
         }
     }
@@ -743,16 +742,17 @@ impl World {
 
     /// Send a batch with a fetch timeout; one retry with the same sequence
     /// number, like the production drivers.
-    fn send_batch(&mut self, from: Node, to: Node, batch: LeaseBatch) {
+    /// Send a regional's upstream batch; at `timeout_at` (true time) the
+    /// core's deadline for it has passed.
+    fn send_batch(&mut self, from: Node, to: Node, batch: LeaseBatch, timeout_at: u64) {
         let seq = batch.header.as_ref().map(|h| h.seq).unwrap_or(0);
-
         self.count_message(from, &batch);
         self.transmit(from, to, Msg::Batch(batch.clone()));
         if let Some(aw) = self.awaiting(from) {
-            aw.insert(seq, (batch, 1));
+            aw.insert(seq, batch);
         }
         let life = self.life_of(from);
-        let at = self.t + self.fetch_timeout_ns();
+        let at = timeout_at;
         self.schedule(
             at,
             Event::Timeout {
@@ -828,28 +828,19 @@ impl World {
         if self.life_of(node) != life {
             return;
         }
-        let parent = match node {
-            Node::Agent(i) => self.agents[i as usize].parent,
-            _ => Node::Global,
-        };
         let Some(aw) = self.awaiting(node) else {
             return;
         };
-        let Some((batch, attempts)) = aw.remove(&seq) else {
+        if aw.remove(&seq).is_none() {
             return;
-        };
-        let _ = (batch, attempts, parent);
+        }
         let t = self.t;
-        match node {
-            Node::Agent(_) => {}
-            Node::Regional(r) => {
-                let n = &mut self.regionals[r as usize];
-                if let Some(core) = n.core.as_mut() {
-                    core.upstream_failed(n.clock.local(t), seq);
-                }
-                self.regional_poll(r);
+        if let Node::Regional(r) = node {
+            let n = &mut self.regionals[r as usize];
+            if let Some(core) = n.core.as_mut() {
+                core.handle_upstream_timeout(n.clock.local(t));
             }
-            Node::Global => {}
+            self.regional_poll(r);
         }
     }
 
@@ -891,7 +882,7 @@ impl World {
                 core.handle_upstream_reply(now, &reply);
                 // The keys the reply can change are those of its batch.
                 let checked = match &sent {
-                    Some((batch, _)) => core.check_i2_batch(now, batch),
+                    Some(batch) => core.check_i2_batch(now, batch),
                     None => Ok(()),
                 };
                 if let Err(why) = checked {
@@ -909,7 +900,7 @@ impl World {
                     return;
                 };
                 let now = n.clock.local(t);
-                n.clock_cell.store(now, Ordering::Release);
+                n.clock_cell.set(now);
                 agent.core().handle_reply(now, reply.seq, reply);
                 self.agent_pump(i);
             }
@@ -993,7 +984,7 @@ impl World {
             return;
         };
         let now = node.clock.local(t);
-        node.clock_cell.store(now, Ordering::Release);
+        node.clock_cell.set(now);
         let (name, keys) = &self.tenants[&(a.tenant, a.route)];
         let input = CheckInput {
             tenant: name,

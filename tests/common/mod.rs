@@ -312,7 +312,7 @@ pub fn check_key_i1(
         admitted, allowed,
         "admission logs and client answers disagree"
     );
-    let rate = quotalease_allocator::rules::Rate {
+    let rate = quotalease_model::rules::Rate {
         tokens: rate_per_s,
         period_s: 1,
     };

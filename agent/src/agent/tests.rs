@@ -6,6 +6,13 @@ use crate::transport::InProcess;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::server::Shared;
 use quotalease_proto::lease::{GrantStatus, LeaseBatch};
+use std::sync::atomic::AtomicU64;
+
+/// The in-process transport to `shared`.
+fn in_process(shared: &Arc<Shared>) -> InProcess {
+    let shared = shared.clone();
+    InProcess::new(move |b| shared.handle(b))
+}
 
 const RULES: &str = r#"
 rules:
@@ -50,12 +57,8 @@ fn start_with(yaml: &str) -> (Agent, Arc<Shared>) {
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, None);
-    let agent = Agent::start(
-        AgentConfig::default(),
-        Arc::new(InProcess::new(shared.clone())),
-        None,
-    )
-    .expect("agent starts");
+    let agent = Agent::start(AgentConfig::default(), Arc::new(in_process(&shared)), None)
+        .expect("agent starts");
     (agent, shared)
 }
 
@@ -155,12 +158,12 @@ async fn fast_path_needs_a_lease_and_charges_nothing_without_one() {
 fn keys_are_unambiguous() {
     use std::hash::BuildHasher;
     let h = foldhash::fast::FixedState::with_seed(7);
-    let a = KeyRef::new("r", "ab", "c");
-    let b = KeyRef::new("r", "a", "bc");
+    let a = Lookup(KeyRef::new("r", "ab", "c"));
+    let b = Lookup(KeyRef::new("r", "a", "bc"));
     assert_ne!(h.hash_one(a), h.hash_one(b));
-    assert!(!papaya::Equivalent::equivalent(&a, &b.to_owned_key()));
-    assert!(papaya::Equivalent::equivalent(&a, &a.to_owned_key()));
-    assert_eq!(h.hash_one(a), h.hash_one(a.to_owned_key()));
+    assert!(!papaya::Equivalent::equivalent(&a, &b.0.to_key_id()));
+    assert!(papaya::Equivalent::equivalent(&a, &a.0.to_key_id()));
+    assert_eq!(h.hash_one(a), h.hash_one(a.0.to_key_id()));
 }
 
 #[test]
@@ -265,8 +268,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
         instance: Some(0),
         ..AgentConfig::default()
     };
-    let a =
-        Agent::start(cfg, Arc::new(InProcess::new(shared.clone())), None).expect("agent starts");
+    let a = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
     wait_ready(&a).await;
     assert!(a.incarnation() > future);
     assert!(a.check(input("t", "/x")).await.unwrap().allowed);
@@ -276,7 +278,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
         agent_id: "stepped".into(),
         ..AgentConfig::default()
     };
-    let b = Agent::start(cfg, Arc::new(InProcess::new(shared)), None).expect("agent starts");
+    let b = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
     wait_ready(&b).await;
     assert!(b.incarnation() < future);
     assert!(b.check(input("t", "/x")).await.unwrap().allowed);
@@ -294,7 +296,7 @@ struct Gate {
 impl Gate {
     fn new(shared: Arc<Shared>) -> Arc<Self> {
         Arc::new(Self {
-            inner: InProcess::new(shared),
+            inner: in_process(&shared),
             delay_ms: AtomicU64::new(0),
             down: AtomicBool::new(false),
             panic: AtomicBool::new(false),
@@ -503,9 +505,9 @@ fn cold_batch() -> (
         1,
         0,
     );
-    let clock = Arc::new(AtomicU64::new(1_000_000_000));
+    let clock = quotalease_model::clock::ManualClock::new(1_000_000_000);
     let cfg = AgentConfig {
-        clock: AgentClock::Manual(clock),
+        clock: ClockSource::Manual(clock),
         instance: Some(42),
         ..AgentConfig::default()
     };

@@ -431,7 +431,7 @@ impl Child {
             return; // the named lease stays usable under its own deadline
         }
         let ttl = g.ttl_ms * MS;
-        let deadline = (now + ttl).saturating_sub(ttl / 1_000_000 * 2 * RHO_PPM + CHILD_EPS);
+        let deadline = use_by_ns(now, ttl, CHILD_EPS);
         if deadline <= now {
             // Unusable: retire the old lease; the grant expires at the regional.
             self.lease_id = 0;

@@ -50,12 +50,12 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use quotalease_allocator::rules::Rule;
+use quotalease_model::rules::Rule;
 use quotalease_proto::v1::{CheckResponse, Reason};
 use serde_json::{json, Map, Value};
 
-use crate::agent::{Agent, CheckError, CheckInput};
 use crate::headers::{retry_after_secs, LimitInfo};
+use quotalease_agent::agent::{Agent, CheckError, CheckInput};
 
 /// Largest request body accepted; a larger one is answered with 413.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -469,7 +469,7 @@ fn decision_headers(rule: Option<&Rule>, resp: &CheckResponse) -> HeaderMap {
 mod tests {
     use super::*;
 
-    use quotalease_allocator::rules::RuleSet;
+    use quotalease_model::rules::RuleSet;
 
     const RULES: &str = "rules:
   - id: login

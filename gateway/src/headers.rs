@@ -3,7 +3,7 @@
 //! `RateLimit`), the legacy `RateLimit-Limit/Remaining/Reset`, and
 //! `Retry-After`.
 
-use quotalease_allocator::rules::Rule;
+use quotalease_model::rules::Rule;
 
 /// What the headers describe: one rule's bucket as seen by this answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

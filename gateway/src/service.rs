@@ -12,7 +12,7 @@ use quotalease_proto::v1::{CheckRequest, CheckResponse, Reason};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{Agent, CheckError, CheckInput};
+use quotalease_agent::agent::{Agent, CheckError, CheckInput};
 
 /// The gRPC service.
 #[derive(Clone, Debug)]

@@ -11,7 +11,7 @@
 //! descriptor admitted before another one is denied stays charged.
 //! Fail-closed without a lease answers gRPC `UNAVAILABLE`.
 
-use quotalease_allocator::rules::RuleSet;
+use quotalease_model::rules::RuleSet;
 use quotalease_proto::envoy::config::core::v3::HeaderValue;
 use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -25,8 +25,8 @@ use quotalease_proto::v1::{CheckResponse, Reason};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{Agent, CheckError, CheckInput};
 use crate::headers::LimitInfo;
+use quotalease_agent::agent::{Agent, CheckError, CheckInput};
 
 /// Most descriptors in one request (SPEC §8).
 pub const MAX_DESCRIPTORS: usize = 16;

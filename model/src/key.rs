@@ -1,0 +1,109 @@
+//! Key ids: which bucket a request draws from — the rule id plus the tenant
+//! and route parts the rule keys on ("" for a dimension it does not match
+//! on). [`KeyId`] is the owned form (allocator ledgers, the agent's lease
+//! table, the simulator); [`KeyRef`] the borrowed lookup form, built on the
+//! request path without allocating.
+//!
+//! Both hash alike (the three parts in order; `str` hashing ends each part
+//! with 0xff, which UTF-8 never contains, so the parts cannot run into each
+//! other) and compare equal part by part, so a map keyed by [`KeyId`] can
+//! be searched with a [`KeyRef`] (the agent implements papaya's
+//! `Equivalent` on top of this).
+
+use crate::rules::Rule;
+
+/// Identity of one bucket (owned).
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KeyId {
+    /// Rule id.
+    pub rule: String,
+    /// Tenant part.
+    pub tenant: String,
+    /// Route part.
+    pub route: String,
+}
+
+impl KeyId {
+    /// The borrowed form.
+    #[inline]
+    pub fn as_key_ref(&self) -> KeyRef<'_> {
+        KeyRef::new(&self.rule, &self.tenant, &self.route)
+    }
+}
+
+/// Identity of one bucket (borrowed): hashes and compares like [`KeyId`]
+/// without building anything.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KeyRef<'a> {
+    /// Rule id.
+    pub rule: &'a str,
+    /// Tenant part.
+    pub tenant: &'a str,
+    /// Route part.
+    pub route: &'a str,
+}
+
+impl<'a> KeyRef<'a> {
+    /// A key from its parts.
+    #[inline]
+    pub fn new(rule: &'a str, tenant: &'a str, route: &'a str) -> Self {
+        Self {
+            rule,
+            tenant,
+            route,
+        }
+    }
+
+    /// The key of `rule` for a request on (tenant, route).
+    #[inline]
+    pub fn of(rule: &'a Rule, tenant: &'a str, route: &'a str) -> Self {
+        Self::new(
+            &rule.id,
+            rule.tenant.key_part(tenant),
+            rule.route.key_part(route),
+        )
+    }
+
+    /// The owned form.
+    pub fn to_key_id(self) -> KeyId {
+        KeyId {
+            rule: self.rule.into(),
+            tenant: self.tenant.into(),
+            route: self.route.into(),
+        }
+    }
+}
+
+impl PartialEq<KeyId> for KeyRef<'_> {
+    /// Part by part, the part most likely to differ first.
+    #[inline]
+    fn eq(&self, k: &KeyId) -> bool {
+        self.tenant == k.tenant && self.route == k.route && self.rule == k.rule
+    }
+}
+
+impl From<KeyRef<'_>> for KeyId {
+    fn from(k: KeyRef<'_>) -> Self {
+        k.to_key_id()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+
+    #[test]
+    fn owned_and_borrowed_keys_hash_and_compare_alike() {
+        let h = BuildHasherDefault::<DefaultHasher>::default();
+        let a = KeyRef::new("r", "ab", "c");
+        let b = KeyRef::new("r", "a", "bc");
+        assert_ne!(h.hash_one(a), h.hash_one(b));
+        assert_ne!(a, b.to_key_id());
+        assert_eq!(a, a.to_key_id());
+        assert_eq!(h.hash_one(a), h.hash_one(a.to_key_id()));
+        let owned = KeyId::from(b);
+        assert_eq!(owned.as_key_ref(), b);
+        assert_eq!(h.hash_one(owned.as_key_ref()), h.hash_one(&owned));
+    }
+}

@@ -18,8 +18,6 @@
 //!   reported time is wall time per iteration with both working, so the
 //!   throughput is `2 / time` decisions per unit of time for either row and
 //!   the SPEC ratio is `time(bare_cas) / time(agent_check_fast)`.
-// A driver of the agent core, not the core: clocks are fine here.
-#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,0 +1,517 @@
+//! The agent library against a real allocator core in the same process
+//! (the in-process transport skips only the network), through the agent's
+//! public API: checks, idempotent retries, fail policies, the core's
+//! sans-IO face, identities and replies. (Moved out of the agent crate so
+//! that it needs the allocator not even as a dev-dependency.)
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_agent::agent::{Agent, AgentConfig, CheckError, CheckInput, CheckStep};
+use quotalease_agent::renewal::PlanConfig;
+use quotalease_agent::transport::{InProcess, LeaseFuture, Transport};
+use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::server::Shared;
+use quotalease_model::clock::ClockSource;
+use quotalease_model::rules::RuleSet;
+use quotalease_proto::lease::{GrantStatus, LeaseBatch};
+use quotalease_proto::v1::Reason;
+
+/// The in-process transport to `shared`.
+fn in_process(shared: &Arc<Shared>) -> InProcess {
+    let shared = shared.clone();
+    InProcess::new(move |b| shared.handle(b))
+}
+
+const RULES: &str = r#"
+rules:
+  - id: wide
+    match: { tenant: "*" }
+    rate: 1/m
+    burst: 5
+    fail_policy: lease_only
+  - id: narrow
+    match: { tenant: "*", route: /narrow }
+    rate: 1/m
+    burst: 2
+    fail_policy: lease_only
+  - id: vip
+    match: { tenant: vip, route: /narrow }
+    rate: 1/m
+    burst: 4
+    overrides: [narrow]
+  - id: watch
+    match: { tenant: "*", route: /watched }
+    rate: 1/m
+    burst: 1
+    shadow: true
+"#;
+
+const BULK: &str = r#"
+rules:
+  - id: bulk
+    match: { tenant: "*" }
+    rate: 1000/s
+    burst: 1000
+"#;
+
+fn start() -> (Agent, Arc<Shared>) {
+    start_with(RULES)
+}
+
+fn start_with(yaml: &str) -> (Agent, Arc<Shared>) {
+    let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
+    let cfg = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(cfg, rules, None);
+    let agent = Agent::start(AgentConfig::default(), Arc::new(in_process(&shared)), None)
+        .expect("agent starts");
+    (agent, shared)
+}
+
+fn input<'a>(tenant: &'a str, route: &'a str) -> CheckInput<'a> {
+    CheckInput {
+        tenant,
+        route,
+        cost: 1,
+        request_id: "",
+        domain: None,
+    }
+}
+
+async fn wait_ready(a: &Agent) {
+    for _ in 0..200 {
+        if a.is_ready() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("agent not ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_rules_charge_all_or_none() {
+    let (a, shared) = start();
+    wait_ready(&a).await;
+    // "narrow" (burst 2) and "wide" (burst 5) both match /narrow.
+    for _ in 0..2 {
+        let r = a.check(input("t", "/narrow")).await.unwrap();
+        assert!(r.allowed);
+    }
+    let r = a.check(input("t", "/narrow")).await.unwrap();
+    assert!(!r.allowed);
+    assert_eq!(r.rule_id, "narrow");
+    // The denial did not charge "wide": 3 of its 5 tokens are left.
+    let mut ok = 0;
+    for _ in 0..5 {
+        ok += u32::from(a.check(input("t", "/other")).await.unwrap().allowed);
+    }
+    assert_eq!(ok, 3);
+    let v = shared.with_core(|c| c.stats().shadow_violations.len());
+    assert_eq!(v, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_replace_a_rule_and_shadow_rules_never_deny() {
+    let (a, _) = start();
+    wait_ready(&a).await;
+    // vip overrides narrow: 4 pass (wide allows 5).
+    let mut ok = 0;
+    for _ in 0..6 {
+        ok += u32::from(a.check(input("vip", "/narrow")).await.unwrap().allowed);
+    }
+    assert_eq!(ok, 4);
+    // watch is shadow with burst 1: never denies, reports SHADOW_OVER_LIMIT
+    // once it is dry; wide still limits to 5.
+    let mut reasons = Vec::new();
+    let mut allowed = 0;
+    for _ in 0..6 {
+        let r = a.check(input("w", "/watched")).await.unwrap();
+        allowed += u32::from(r.allowed);
+        reasons.push(r.reason);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+    }
+    assert_eq!(allowed, 5, "{reasons:?}");
+    assert!(
+        reasons.contains(&(Reason::ShadowOverLimit as i32)),
+        "{reasons:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_path_needs_a_lease_and_charges_nothing_without_one() {
+    let (a, _) = start_with(BULK);
+    wait_ready(&a).await;
+    let i = input("f", "/other");
+    assert_eq!(a.check_fast(&i), None, "cold key: no lease yet");
+    assert!(a.check(i).await.unwrap().allowed);
+    // Once a lease is held the fast path admits, naming the rule charged.
+    let mut fast = None;
+    for _ in 0..100 {
+        fast = a.check_fast(&i);
+        if fast.is_some() {
+            break;
+        }
+        let _ = a.check(i).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let fast = fast.expect("the fast path admits once a lease is held");
+    let rules = a.rules().unwrap();
+    assert_eq!(rules.rules[fast.rule_index.unwrap()].id, "bulk");
+    assert_eq!(fast.reason, Reason::Ok);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_names_the_rule_with_the_largest_retry() {
+    let yaml = r#"
+rules:
+  - id: per-second
+    match: { tenant: "*", route: /both }
+    rate: 1/s
+    burst: 1
+  - id: per-minute
+    match: { tenant: "*" }
+    rate: 1/m
+    burst: 1
+"#;
+    let (a, _) = start_with(yaml);
+    wait_ready(&a).await;
+    assert!(a.check(input("t", "/both")).await.unwrap().allowed);
+    let r = a.check(input("t", "/both")).await.unwrap();
+    assert!(!r.allowed);
+    assert_eq!(r.rule_id, "per-minute", "{r:?}");
+    assert!(
+        r.retry_after_ms > 50_000 && r.retry_after_ms <= 60_000,
+        "{r:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
+    use quotalease_proto::lease::{LeaseBatch, RequestHeader};
+    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
+    let shared = Shared::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules,
+        None,
+    );
+    // The allocator saw this agent id with an incarnation from the future
+    // (the agent's clock stepped back across a restart).
+    let future = u64::MAX / 2;
+    shared.handle(&LeaseBatch {
+        header: Some(RequestHeader {
+            agent_id: "stepped".into(),
+            incarnation: future,
+            seq: 1,
+            protocol_version: quotalease_proto::PROTOCOL_VERSION,
+            rules_version: 0,
+            instance: 0,
+        }),
+        items: vec![],
+        ttl_ms: 0,
+    });
+    // The same identity (id and instance 0, as a protocol-1 agent sends)
+    // catches up with the record.
+    let cfg = AgentConfig {
+        agent_id: "stepped".into(),
+        instance: Some(0),
+        ..AgentConfig::default()
+    };
+    let a = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
+    wait_ready(&a).await;
+    assert!(a.incarnation() > future);
+    assert!(a.check(input("t", "/x")).await.unwrap().allowed);
+    // A new process draws a new instance: it is a holder of its own and
+    // needs no catching up.
+    let cfg = AgentConfig {
+        agent_id: "stepped".into(),
+        ..AgentConfig::default()
+    };
+    let b = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
+    wait_ready(&b).await;
+    assert!(b.incarnation() < future);
+    assert!(b.check(input("t", "/x")).await.unwrap().allowed);
+}
+
+/// The real allocator in process, behind a gate a test can slow down,
+/// cut or make panic.
+struct Gate {
+    inner: InProcess,
+    delay_ms: AtomicU64,
+    down: AtomicBool,
+    panic: AtomicBool,
+}
+
+impl Gate {
+    fn new(shared: Arc<Shared>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: in_process(&shared),
+            delay_ms: AtomicU64::new(0),
+            down: AtomicBool::new(false),
+            panic: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Transport for Gate {
+    fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
+        Box::pin(async move {
+            if self.panic.load(Ordering::Acquire) {
+                panic!("test transport panics");
+            }
+            let d = self.delay_ms.load(Ordering::Acquire);
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+            if self.down.load(Ordering::Acquire) {
+                return Err("test: allocator down".into());
+            }
+            self.inner.lease(batch).await
+        })
+    }
+}
+
+fn gated(yaml: &str, bootstrap: bool) -> (Agent, Arc<Gate>) {
+    let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
+    let shared = Shared::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules.clone(),
+        None,
+    );
+    let gate = Gate::new(shared);
+    let agent = Agent::start(
+        AgentConfig::default(),
+        gate.clone(),
+        bootstrap.then_some(rules),
+    )
+    .expect("agent starts");
+    (agent, gate)
+}
+
+const SCARCE: &str = r#"
+rules:
+  - id: scarce
+    match: { tenant: "*" }
+    rate: 1/h
+    burst: 2
+    fail_policy: closed
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_request_still_waiting_is_answered_once_and_charged_once() {
+    let (a, gate) = gated(SCARCE, false);
+    wait_ready(&a).await;
+    // The cold fetch takes a while: the gateway's retry arrives meanwhile.
+    gate.delay_ms.store(100, Ordering::Release);
+    let req = |id: &'static str| CheckInput {
+        request_id: id,
+        ..input("t", "/x")
+    };
+    let (first, retry) = tokio::join!(a.check(req("r1")), async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        a.check(req("r1")).await
+    });
+    let (first, retry) = (first.unwrap(), retry.unwrap());
+    assert!(first.allowed, "{first:?}");
+    assert_eq!(first, retry, "the retry gets the first answer");
+    assert_eq!(a.metrics().replays.get(), 1);
+    // r1 was charged once: one of the two tokens is left for r2.
+    let other = a.check(req("r2")).await.unwrap();
+    assert!(
+        other.allowed,
+        "r1 must not have been charged twice: {other:?}"
+    );
+    let third = a.check(req("r3")).await.unwrap();
+    assert!(!third.allowed, "burst 2: {third:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_answer_is_not_replayed_after_the_allocator_is_back() {
+    let (a, gate) = gated(SCARCE, true);
+    gate.down.store(true, Ordering::Release);
+    let req = CheckInput {
+        request_id: "r1",
+        ..input("t", "/x")
+    };
+    let down = a.check(req).await;
+    assert!(matches!(down, Err(CheckError::Unavailable(_))), "{down:?}");
+    gate.down.store(false, Ordering::Release);
+    wait_ready(&a).await;
+    let back = a.check(req).await.expect("an answer");
+    assert!(back.allowed, "decided afresh, not the cached 503: {back:?}");
+    assert_eq!(a.metrics().replays.get(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_task_that_dies_makes_the_agent_not_ready() {
+    let (a, gate) = gated(BULK, true);
+    gate.panic.store(true, Ordering::Release);
+    for _ in 0..200 {
+        if a.metrics().renewal_task_failures.get() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(a.metrics().renewal_task_failures.get() >= 1);
+    gate.panic.store(false, Ordering::Release);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !a.is_ready(),
+        "an agent whose renewal side died is not ready"
+    );
+    let text = a.metrics().render(0, 1, a.is_ready());
+    let failures = a.metrics().renewal_task_failures.get();
+    assert!(failures >= 1);
+    assert!(text.contains(&format!(
+        "quotalease_agent_renewal_task_failures_total {failures}"
+    )));
+}
+
+const OPEN: &str = r#"
+rules:
+  - id: open
+    match: { tenant: "*" }
+    rate: 100/s
+    burst: 100
+    fail_policy: open
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_checks_of_new_keys_race_the_renewal_side_without_deadlock() {
+    // Before, the first fail-open check of a new key during an outage took
+    // the emergency lock and then the renewal state's, while the renewal
+    // tick took them in the other order. Now the slow path has one lock
+    // (the core's); this races the two for a while and must finish.
+    let (a, gate) = gated(OPEN, true);
+    gate.down.store(true, Ordering::Release);
+    let tasks: Vec<_> = (0..4)
+        .map(|w| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let mut allowed = 0;
+                for i in 0..300 {
+                    let tenant = format!("w{w}-t{i}");
+                    if a.check(input(&tenant, "/x")).await.unwrap().allowed {
+                        allowed += 1;
+                    }
+                }
+                allowed
+            })
+        })
+        .collect();
+    let all = async {
+        let mut n = 0;
+        for t in tasks {
+            n += t.await.unwrap();
+        }
+        n
+    };
+    let allowed = tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("no deadlock between fail-open checks and the renewal side");
+    assert_eq!(allowed, 1200, "every new key opens its emergency bucket");
+    assert!(a.metrics().failure_mode_allowed.get() >= 1200);
+}
+
+#[test]
+fn bad_settings_are_errors_naming_the_setting() {
+    let zero = AgentConfig {
+        plan: PlanConfig {
+            renew_interval: Duration::ZERO,
+            ..PlanConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let e = Agent::new(zero, None, None).expect_err("zero renew interval");
+    assert!(e.to_string().contains("--renew-interval"), "{e}");
+    let absurd = AgentConfig {
+        fetch_timeout: Duration::from_secs(u64::MAX),
+        ..AgentConfig::default()
+    };
+    let e = Agent::new(absurd, None, None).expect_err("absurd fetch timeout");
+    assert!(e.to_string().contains("--fetch-timeout"), "{e}");
+}
+
+/// A sans-IO agent on a manual clock, a real allocator core, and the batch
+/// a cold check sends.
+fn cold_batch() -> (
+    Agent,
+    quotalease_allocator::core::AllocatorCore,
+    LeaseBatch,
+    u64,
+) {
+    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
+    let core = quotalease_allocator::core::AllocatorCore::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules.clone(),
+        1,
+        1,
+        0,
+    );
+    let clock = quotalease_model::clock::ManualClock::new(1_000_000_000);
+    let cfg = AgentConfig {
+        clock: ClockSource::Manual(clock),
+        instance: Some(42),
+        ..AgentConfig::default()
+    };
+    let a = Agent::new(cfg, None, Some(rules)).expect("agent");
+    let t = a.now();
+    assert_eq!(a.check_at(&input("t", "/x"), 0, t), CheckStep::Wait);
+    let batch = next_batch(&a, t).expect("a renewal for the waiting key");
+    assert_eq!(batch.header.as_ref().unwrap().instance, 42);
+    (a, core, batch, t)
+}
+
+/// Pump the core at `t` as a driver would: the batch it sends, if any.
+fn next_batch(a: &Agent, t: u64) -> Option<LeaseBatch> {
+    let mut core = a.core();
+    if core.poll_timeout().is_some_and(|at| at <= t) {
+        core.handle_timeout(t);
+    }
+    core.poll_transmit().map(|tx| tx.batch)
+}
+
+#[test]
+fn a_reply_that_does_not_answer_the_request_is_ignored() {
+    // Grants for other items (more grants than items)...
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let mut reply = core.handle(t, &batch);
+    assert_eq!(reply.grants[0].status, GrantStatus::Granted as i32);
+    reply.grants.push(reply.grants[0].clone());
+    a.core().handle_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 1);
+    assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
+    // ...or a reply to other content under the same seq (digest).
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let mut reply = core.handle(t, &batch);
+    reply.request_digest ^= 1;
+    a.core().handle_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 1);
+    assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
+    // The batch was given up on: the request parks again and the key is
+    // asked for in a new batch.
+    assert_eq!(a.check_at(&input("t", "/x"), 0, t + 2), CheckStep::Wait);
+    let again = next_batch(&a, t + 2).expect("asked again");
+    assert!(again.header.as_ref().unwrap().seq > seq);
+    // And a matching reply is applied.
+    let (a, mut core, batch, t) = cold_batch();
+    let seq = batch.header.as_ref().unwrap().seq;
+    let reply = core.handle(t, &batch);
+    a.core().handle_reply(t + 1, seq, reply);
+    assert_eq!(a.metrics().mismatched_replies.get(), 0);
+    assert!(a.check_at(&input("t", "/x"), 1, t + 2) != CheckStep::Wait);
+}

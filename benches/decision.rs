@@ -124,6 +124,20 @@ impl Bench {
         });
     }
 
+    /// `iters` timed decisions through a resolved key handle at a time read
+    /// once per batch of iterations (the caller-supplied time).
+    #[inline(never)]
+    fn run_handle(&self, h: &quotalease_agent::KeyHandle, iters: u64) -> (Duration, u64) {
+        let mut nones = 0u64;
+        let t0 = Instant::now();
+        let now = self.agent.now();
+        for _ in 0..iters {
+            let r = black_box(self.agent.check_handle(black_box(h), 1, now));
+            nones += u64::from(r.is_none());
+        }
+        (t0.elapsed(), nones)
+    }
+
     /// `iters` timed fast-path decisions on this thread; returns the
     /// elapsed time and how many answered `None`.
     #[inline(never)]
@@ -195,6 +209,7 @@ fn decision(c: &mut Criterion) {
         g.bench_function("bare_cas", |b| {
             b.iter(|| black_box(bare_take(black_box(&word))))
         });
+        g.bench_function("clock_read", |b| b.iter(|| black_box(bench.agent.now())));
         bench.prime(1, Duration::from_secs(2));
         g.bench_function("agent_check_fast", |b| {
             b.iter_custom(|iters| {
@@ -203,9 +218,19 @@ fn decision(c: &mut Criterion) {
                 d
             })
         });
+        report_nones(&bench, "decision/1_thread/agent_check_fast");
+        let handle = bench.agent.resolve(&INPUT).expect("the bench key resolves");
+        bench.prime(1, Duration::from_secs(2));
+        g.bench_function("agent_key_handle", |b| {
+            b.iter_custom(|iters| {
+                let (d, nones) = bench.run_handle(&handle, iters);
+                bench.tally(iters, nones);
+                d
+            })
+        });
         g.finish();
     }
-    report_nones(&bench, "decision/1_thread/agent_check_fast");
+    report_nones(&bench, "decision/1_thread/agent_key_handle");
 
     {
         let mut g = c.benchmark_group("decision/2_threads_same_key");

@@ -24,7 +24,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, MutexGuard};
 use quotalease_model::clock::ClockSource;
 use quotalease_model::matching::{Matched, TooManyMatches, MAX_MATCHED};
@@ -39,6 +38,7 @@ use crate::lease_table::Take;
 pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, Table};
 use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
+use crate::snapshot::{RulesCell, Snapshot};
 use crate::transport::Transport;
 
 /// Agent settings. Defaults are documented in docs/operations.md.
@@ -273,6 +273,39 @@ fn match_rules(
         })
 }
 
+/// A resolved request shape: see [`Agent::resolve`] and
+/// [`Agent::check_handle`].
+#[derive(Debug, Clone)]
+pub struct KeyHandle {
+    /// The rules' generation at resolve time.
+    generation: u64,
+    snap: Arc<Snapshot>,
+    /// (rule index, slot) of each non-shadow matched rule.
+    slots: Vec<(u32, Arc<Slot>)>,
+    any_shadow: bool,
+    no_rule: bool,
+}
+
+impl KeyHandle {
+    fn matched(&self) -> impl Iterator<Item = u32> + '_ {
+        self.slots.iter().map(|(ri, _)| *ri)
+    }
+}
+
+/// Count an admission for every rule (by index) a request matched.
+#[inline]
+fn count_admitted(
+    counters: &RuleCounterSet,
+    matched: impl IntoIterator<Item = impl std::borrow::Borrow<u32>>,
+) {
+    for i in matched {
+        let i = *i.borrow();
+        if let Some((_, c)) = counters.rules.get(i as usize) {
+            c.allowed.add(1);
+        }
+    }
+}
+
 /// Whether an answer may be replayed to a retry of the same request id.
 /// Answers that only say the allocator was out of reach (`UNAVAILABLE`,
 /// `FAILURE_MODE_DENIED`) are not: a retry after the outage is decided
@@ -322,7 +355,7 @@ struct Inner {
     renewal_dead: AtomicBool,
     /// None when a driver moves the batches itself (the simulator).
     transport: Option<Arc<dyn Transport>>,
-    rules: Arc<ArcSwapOption<RuleSet>>,
+    rules: Arc<RulesCell>,
     table: Arc<Table>,
     metrics: Arc<AgentMetrics>,
     /// The single-owner core; the fast path never takes this lock.
@@ -362,8 +395,9 @@ enum Step {
     /// `rule_idx` could not pay).
     Park {
         slot: Arc<Slot>,
-        #[allow(dead_code)]
-        rule_idx: usize,
+        /// `slot.settles()` when the request registered (under the core's
+        /// lock): it waits until the count moves on.
+        seen: u64,
     },
 }
 
@@ -450,14 +484,8 @@ impl Agent {
             .instance
             .unwrap_or_else(quotalease_proto::random_instance);
         let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
-        let rules = Arc::new(ArcSwapOption::new(bootstrap.map(Arc::new)));
         let metrics = Arc::new(AgentMetrics::default());
-        if let Some(rules) = rules.load_full() {
-            metrics.by_rule.store(Arc::new(RuleCounterSet::for_rules(
-                &rules,
-                &RuleCounterSet::default(),
-            )));
-        }
+        let rules = Arc::new(RulesCell::new(bootstrap, &metrics));
         let core = AgentCore::new(
             CoreConfig {
                 agent_id: cfg.agent_id.clone(),
@@ -552,7 +580,7 @@ impl Agent {
     /// Whether the last allocator call succeeded, rules are known and the
     /// renewal side is alive.
     pub fn is_ready(&self) -> bool {
-        self.inner.rules.load().is_some()
+        self.inner.rules.has_rules()
             && !self.inner.renewal_dead.load(Ordering::Acquire)
             && self.inner.core.lock().reach().connected
     }
@@ -569,7 +597,7 @@ impl Agent {
 
     /// The rule set in force, if any.
     pub fn rules(&self) -> Option<Arc<RuleSet>> {
-        self.inner.rules.load_full()
+        self.inner.rules.rules()
     }
 
     /// Counters.
@@ -633,21 +661,145 @@ impl Agent {
     /// allocation, no await: one CAS per matched rule.
     #[inline]
     pub fn check_fast(&self, input: &CheckInput<'_>) -> Option<FastAdmit> {
+        self.check_fast_at(input, self.now())
+    }
+
+    /// [`Agent::check_fast`] at a time the caller read from [`Agent::now`]
+    /// during this request (a gateway that reads the clock once per
+    /// request). The reading's age counts against `epsilon` like the stall
+    /// between reading the clock and charging (docs/protocol.md,
+    /// "Clocks"): pass a reading taken for this request, never one cached
+    /// across requests.
+    #[inline]
+    pub fn check_fast_at(&self, input: &CheckInput<'_>, now: u64) -> Option<FastAdmit> {
         let cost = validate(input).ok()?;
-        let guard = self.inner.rules.load();
-        let rules = guard.as_ref()?;
-        self.fast_with(rules, input, cost, self.now())
+        self.inner
+            .rules
+            .with(|snap| self.fast_with(snap?, input, cost, now))
+    }
+
+    /// Resolve a request shape (tenant, route, domain) once, for
+    /// [`Agent::check_handle`]: the rules it matches and their keys' slots,
+    /// created if new. Embedders that see the same shape often (a gateway
+    /// route bound to a tenant) skip rule matching and key lookup per
+    /// request. Errors as [`Agent::check`] would (invalid input, no rules).
+    pub fn resolve(&self, input: &CheckInput<'_>) -> Result<KeyHandle, CheckError> {
+        validate(input)?;
+        let Some(snap) = self.inner.rules.load_full() else {
+            return Err(CheckError::Unavailable(
+                "no rules yet: the allocator has not been reached".into(),
+            ));
+        };
+        let m = match_rules(&snap.rules, input.domain, input.tenant, input.route)?;
+        let mut slots = Vec::with_capacity(m.len());
+        let mut core = self.inner.core.lock();
+        for &ri in m.indices() {
+            let rule = &snap.rules.rules[ri as usize];
+            if rule.shadow {
+                continue;
+            }
+            let Some(slot) = core.slot_for(rule, input.tenant, input.route) else {
+                return Err(CheckError::Unavailable(
+                    "the agent holds max_keys keys".into(),
+                ));
+            };
+            slots.push((ri, slot));
+        }
+        drop(core);
+        Ok(KeyHandle {
+            generation: self.inner.rules.generation(),
+            any_shadow: m.any_shadow(),
+            no_rule: m.is_empty(),
+            snap,
+            slots,
+        })
+    }
+
+    /// The fast path for a resolved shape at a caller-read time (see
+    /// [`Agent::check_fast_at`] for `now`): one CAS per charged rule, no
+    /// matching, no lookup. `None` when the slow path is needed — no lease
+    /// or a short one, a cost above a burst, rules changed since
+    /// [`Agent::resolve`], or a key the agent has forgotten meanwhile (its
+    /// lease word is retired): then nothing was charged; call
+    /// [`Agent::check`] and, if rules changed, resolve again. Shapes that
+    /// match shadow rules always take the slow path.
+    #[inline]
+    pub fn check_handle(&self, h: &KeyHandle, cost: u32, now: u64) -> Option<FastAdmit> {
+        let inner = &*self.inner;
+        if h.any_shadow || h.generation != inner.rules.generation() {
+            return None;
+        }
+        let rules = &*h.snap.rules;
+        let cost = u64::from(cost.max(1));
+        if h.no_rule {
+            inner.metrics.no_rule.add(1);
+            return Some(FastAdmit {
+                remaining: 0,
+                rule_index: None,
+                rule_version: rules.version,
+                reason: Reason::NoRule,
+            });
+        }
+        if h.slots
+            .iter()
+            .any(|(ri, _)| cost > rules.rules[*ri as usize].burst)
+        {
+            return None;
+        }
+        let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
+        let mut min = (u64::MAX, h.slots.first().map_or(0, |s| s.0 as usize));
+        for (j, (ri, slot)) in h.slots.iter().enumerate() {
+            match slot.word.try_take(cost, now) {
+                Take::Taken {
+                    generation,
+                    remaining,
+                } => {
+                    taken[j] = generation;
+                    if remaining < min.0 {
+                        min = (remaining, *ri as usize);
+                    }
+                }
+                Take::Short { .. } | Take::NoLease => {
+                    // All or none.
+                    for ((_, s), &generation) in h.slots[..j].iter().zip(&taken[..j]) {
+                        s.word.refund(generation, cost);
+                    }
+                    return None;
+                }
+            }
+        }
+        if let Some(log) = &inner.admission_log {
+            let mut w = log.lock();
+            for (_, slot) in &h.slots {
+                let _ = writeln!(
+                    w,
+                    "{now}\t{}\t{}\t{}\t{cost}",
+                    slot.rule_id(),
+                    slot.tenant(),
+                    slot.route()
+                );
+            }
+        }
+        inner.metrics.allowed.add(1);
+        count_admitted(&h.snap.counters, h.matched());
+        Some(FastAdmit {
+            remaining: if min.0 == u64::MAX { 0 } else { min.0 },
+            rule_index: Some(min.1),
+            rule_version: rules.version,
+            reason: Reason::Ok,
+        })
     }
 
     #[inline]
     fn fast_with(
         &self,
-        rules: &RuleSet,
+        snap: &Snapshot,
         input: &CheckInput<'_>,
         cost: u64,
         t: u64,
     ) -> Option<FastAdmit> {
         let inner = &*self.inner;
+        let rules = &*snap.rules;
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
         if m.is_empty() {
             inner.metrics.no_rule.add(1);
@@ -667,7 +819,7 @@ impl Agent {
         let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
         let reason = self.charge_shadow(rules, &m, input, cost, t);
         inner.metrics.allowed.add(1);
-        self.count_admitted(rules, &m);
+        count_admitted(&snap.counters, m.indices());
         Some(FastAdmit {
             remaining,
             rule_index: Some(rule_idx),
@@ -688,19 +840,24 @@ impl Agent {
         loop {
             match self.decide_step(&rules, &m, input, cost, attempt, self.now()) {
                 Step::Done(answer) => return answer,
-                Step::Park { slot, .. } => {
-                    // Registered with the core already (in decide_step);
-                    // wait for the key's batch to settle.
+                Step::Park { slot, seen } => {
+                    // Registered with the core already (in decide_step):
+                    // wait until the key's batch settles (its count moves
+                    // past `seen`; checked after `enable`, so a settle in
+                    // between is not missed), at most `fetch_timeout`.
                     attempt += 1;
-                    let parked = slot.parked.notified();
-                    tokio::pin!(parked);
-                    parked.as_mut().enable();
-                    // The batch may have settled between the registration
-                    // and `enable`: the core re-plans a key whose settle
-                    // came early (its waiting cost is cleared), and the
-                    // timeout bounds the wait either way.
-                    inner.wake.notify_one();
-                    let _ = tokio::time::timeout(inner.cfg.fetch_timeout, parked).await;
+                    let until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
+                    loop {
+                        let parked = slot.parked.notified();
+                        tokio::pin!(parked);
+                        parked.as_mut().enable();
+                        if slot.settles() != seen {
+                            break;
+                        }
+                        if tokio::time::timeout_at(until, parked).await.is_err() {
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -743,15 +900,16 @@ impl Agent {
         t: u64,
     ) -> Result<Result<CheckResponse, Arc<RuleSet>>, CheckError> {
         let inner = &*self.inner;
-        let Some(rules) = inner.rules.load_full() else {
+        let Some(snap) = inner.rules.load_full() else {
             inner.metrics.unavailable.add(1);
             return Err(CheckError::Unavailable(
                 "no rules yet: the allocator has not been reached".into(),
             ));
         };
-        if let Some(a) = self.fast_with(&rules, input, cost, t) {
-            return Ok(Ok(a.to_response(&rules)));
+        if let Some(a) = self.fast_with(&snap, input, cost, t) {
+            return Ok(Ok(a.to_response(&snap.rules)));
         }
+        let rules = snap.rules.clone();
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
         for &i in m.indices() {
             let r = &rules.rules[i as usize];
@@ -829,7 +987,8 @@ impl Agent {
                     && attempt < max_attempts
                 {
                     self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
-                    return Step::Park { slot, rule_idx };
+                    let seen = slot.settles();
+                    return Step::Park { slot, seen };
                 }
                 if dry_until > t && !parent_cut {
                     drop(core);
@@ -874,7 +1033,8 @@ impl Agent {
                     return Step::Done(Ok(self.over_limit(rule, rules, ms.max(1))));
                 }
                 self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
-                Step::Park { slot, rule_idx }
+                let seen = slot.settles();
+                Step::Park { slot, seen }
             }
         }
     }
@@ -1157,17 +1317,12 @@ impl Agent {
         reason
     }
 
-    /// Count an admission for every rule the request matched.
-    #[inline]
+    /// Count an admission for every rule the request matched (slow path:
+    /// the counters in force, if they belong to `rules`).
     fn count_admitted(&self, rules: &RuleSet, m: &Matched) {
         let counters = self.inner.metrics.by_rule.load();
-        if counters.version != rules.version {
-            return;
-        }
-        for &i in m.indices() {
-            if let Some((_, c)) = counters.rules.get(i as usize) {
-                c.allowed.add(1);
-            }
+        if counters.version == rules.version {
+            count_admitted(&counters, m.indices());
         }
     }
 

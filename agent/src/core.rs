@@ -40,8 +40,9 @@ use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
 use crate::lease_table::{pack, KeyId, Lookup, Slot, Table};
-use crate::metrics::{AgentMetrics, RuleCounterSet};
+use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
+use crate::snapshot::RulesCell;
 
 /// Attempts of one batch (the first send and its retries, each bounded by
 /// `fetch_timeout`, all under the same sequence number).
@@ -153,7 +154,7 @@ pub struct AgentCore {
     incarnation: u64,
     seq: u64,
     table: Arc<Table>,
-    rules: Arc<arc_swap::ArcSwapOption<RuleSet>>,
+    rules: Arc<RulesCell>,
     metrics: Arc<AgentMetrics>,
     keys: HashMap<u64, KeyState, foldhash::fast::FixedState>,
     /// Slots requests wait for since the last pass.
@@ -193,7 +194,7 @@ impl AgentCore {
     pub fn new(
         cfg: CoreConfig,
         table: Arc<Table>,
-        rules: Arc<arc_swap::ArcSwapOption<RuleSet>>,
+        rules: Arc<RulesCell>,
         metrics: Arc<AgentMetrics>,
         now: u64,
     ) -> Self {
@@ -534,6 +535,7 @@ impl AgentCore {
             }
             k.quiet_until_ns = 0;
             k.slot.clear_waiting();
+            k.slot.note_settled();
             self.events.push_back(Event::Settled(k.slot.clone()));
         }
     }
@@ -548,7 +550,7 @@ impl AgentCore {
         let (items, renews) = self.plan_all(t, woken);
         let heartbeat_due = (t.saturating_sub(self.last_sent_ns)
             >= self.cfg.heartbeat.as_nanos() as u64
-            || self.rules.load().is_none()
+            || !self.rules.has_rules()
             || !self.connected)
             && self.in_flight() == 0;
         if items.is_empty() && !heartbeat_due {
@@ -590,7 +592,7 @@ impl AgentCore {
                 incarnation: self.incarnation,
                 seq,
                 protocol_version: PROTOCOL_VERSION,
-                rules_version: self.rules.load().as_ref().map_or(0, |r| r.version),
+                rules_version: self.rules.version(),
                 instance: self.cfg.instance,
             }),
             ttl_ms,
@@ -601,7 +603,7 @@ impl AgentCore {
     /// Plan keys at `t`: the items of the next batch and the slot ids of
     /// its renewals (in item order).
     fn plan_all(&mut self, t: u64, woken: bool) -> (Vec<LeaseItem>, Vec<u64>) {
-        let rules = self.rules.load_full();
+        let rules = self.rules.rules();
         let mut items = std::mem::take(&mut self.late_releases);
         let version = rules.as_ref().map_or(0, |r| r.version);
         let rules_changed =
@@ -678,7 +680,7 @@ impl AgentCore {
             self.incarnation = next;
         }
         if let Some(pb) = &reply.rules {
-            let current = self.rules.load().as_ref().map_or(0, |r| r.version);
+            let current = self.rules.version();
             if pb.version > current {
                 match RuleSet::from_proto(pb) {
                     Ok(rs) => {
@@ -687,9 +689,7 @@ impl AgentCore {
                             rules = rs.rules.len(),
                             "adopted rules from the allocator"
                         );
-                        let counters = RuleCounterSet::for_rules(&rs, &self.metrics.by_rule.load());
-                        self.metrics.by_rule.store(Arc::new(counters));
-                        self.rules.store(Some(Arc::new(rs)));
+                        self.rules.publish(rs, &self.metrics);
                     }
                     Err(errs) => {
                         tracing::error!(errors = errs.len(), first = %errs[0], "allocator sent invalid rules; keeping the last good ones")
@@ -697,7 +697,7 @@ impl AgentCore {
                 }
             }
         }
-        let version = self.rules.load().as_ref().map_or(0, |r| r.version);
+        let version = self.rules.version();
         let renews = p
             .batch
             .items

@@ -262,6 +262,9 @@ pub struct Slot {
     denied: std::sync::atomic::AtomicU64,
     /// The allocator is still opening this (never leased) key upstream.
     opening: std::sync::atomic::AtomicBool,
+    /// Counts the key's batches settled (answered or given up on): a parked
+    /// request waits until it moves past what it saw when it registered.
+    settles: std::sync::atomic::AtomicU64,
     /// Requests of the tokio driver parked on this key's next grant.
     pub parked: tokio::sync::Notify,
 }
@@ -286,6 +289,7 @@ impl Slot {
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
             opening: AtomicBool::new(false),
+            settles: AtomicU64::new(0),
             parked: tokio::sync::Notify::new(),
         }
     }
@@ -319,6 +323,13 @@ impl Slot {
     }
     pub(crate) fn set_opening(&self, v: bool) {
         self.opening.store(v, Ordering::Release)
+    }
+    /// How many of the key's batches have settled.
+    pub fn settles(&self) -> u64 {
+        self.settles.load(Ordering::Acquire)
+    }
+    pub(crate) fn note_settled(&self) {
+        self.settles.fetch_add(1, Ordering::AcqRel);
     }
     pub(crate) fn add_waiting(&self, cost: u64) {
         self.waiting_cost.fetch_add(cost, Ordering::AcqRel);

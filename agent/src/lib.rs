@@ -16,6 +16,7 @@ pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;
 pub mod renewal;
+pub mod snapshot;
 pub mod transport;
 
-pub use agent::{Agent, AgentConfig, CheckError, CheckInput};
+pub use agent::{Agent, AgentConfig, CheckError, CheckInput, KeyHandle};

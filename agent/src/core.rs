@@ -1028,3 +1028,6 @@ fn plan_key(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,165 @@
+//! The agent core alone, sans-IO: time and replies are made up here, the
+//! allocator is not involved. Driver policy — retries, backpressure, what
+//! counts as an outage — is the core's, so it is tested here once.
+
+use super::*;
+use quotalease_proto::lease::{FailPolicy as PbFailPolicy, Rule as PbRule, RuleSet as PbRuleSet};
+
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_000_000 * MS;
+
+fn rules() -> RuleSet {
+    RuleSet::from_proto(&PbRuleSet {
+        version: 1,
+        rules: vec![PbRule {
+            id: "r".into(),
+            tenant: "*".into(),
+            route: String::new(),
+            rate_tokens: 100,
+            rate_period_s: 1,
+            burst: 100,
+            fail_policy: PbFailPolicy::LeaseOnly as i32,
+            ..PbRule::default()
+        }],
+    })
+    .expect("valid rules")
+}
+
+fn core(max_in_flight: usize) -> (AgentCore, RuleSet) {
+    let metrics = Arc::new(AgentMetrics::default());
+    let rules = rules();
+    let cell = Arc::new(RulesCell::new(Some(rules.clone()), &metrics));
+    let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+    let cfg = CoreConfig {
+        agent_id: "a".into(),
+        instance: 7,
+        incarnation: 1,
+        lease_ttl: Duration::from_secs(2),
+        plan: PlanConfig::default(),
+        fetch_timeout: Duration::from_millis(250),
+        epsilon: Duration::from_millis(50),
+        heartbeat: Duration::from_secs(1),
+        emergency: EmergencyConfig::default(),
+        record_emergency: false,
+        max_in_flight,
+        max_keys: 1000,
+    };
+    (AgentCore::new(cfg, table, cell, metrics, T0), rules)
+}
+
+/// A request on `tenant` waits; the core is pumped at `now`.
+fn want(c: &mut AgentCore, rules: &RuleSet, tenant: &str, now: u64) -> Vec<Transmit> {
+    let slot = c.slot_for(&rules.rules[0], tenant, "").expect("room");
+    c.want(slot, 1);
+    pump(c, now)
+}
+
+fn pump(c: &mut AgentCore, now: u64) -> Vec<Transmit> {
+    if c.poll_timeout().is_some_and(|t| t <= now) {
+        c.handle_timeout(now);
+    }
+    std::iter::from_fn(|| c.poll_transmit()).collect()
+}
+
+/// The allocator's answer granting what every renew item wants.
+fn grant_all(tx: &Transmit) -> LeaseReply {
+    LeaseReply {
+        seq: tx.seq,
+        grants: tx
+            .batch
+            .items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| Grant {
+                status: GrantStatus::Granted as i32,
+                lease_id: 1000 + tx.seq * 100 + i as u64,
+                tokens: item.want,
+                ttl_ms: 2000,
+                rule_version: 1,
+                holders: 1,
+                ..Grant::default()
+            })
+            .collect(),
+        request_digest: quotalease_proto::request_digest(&tx.batch),
+        ..LeaseReply::default()
+    }
+}
+
+fn renew_keys(tx: &Transmit) -> Vec<String> {
+    tx.batch
+        .items
+        .iter()
+        .filter(|i| i.kind == ItemKind::Renew as i32)
+        .map(|i| i.tenant.clone())
+        .collect()
+}
+
+#[test]
+fn backpressure_holds_wanted_keys_for_the_next_batch_instead_of_failing_them() {
+    let (mut c, rules) = core(1);
+    let first = want(&mut c, &rules, "k1", T0);
+    assert_eq!(first.len(), 1);
+    assert_eq!(renew_keys(&first[0]), ["k1"]);
+    // One batch in flight, the cap: more wanted keys wait.
+    assert!(want(&mut c, &rules, "k2", T0 + MS).is_empty());
+    assert!(want(&mut c, &rules, "k3", T0 + 2 * MS).is_empty());
+    // The reply frees the slot: the waiting keys go out together.
+    c.handle_reply(T0 + 3 * MS, first[0].seq, grant_all(&first[0]));
+    let next = pump(&mut c, T0 + 3 * MS);
+    assert_eq!(next.len(), 1);
+    assert_eq!(renew_keys(&next[0]), ["k2", "k3"]);
+    assert!(!c.reach().down);
+}
+
+#[test]
+fn a_retry_reuses_the_sequence_number_and_content() {
+    let (mut c, rules) = core(8);
+    let first = want(&mut c, &rules, "k1", T0);
+    let t = T0 + 250 * MS;
+    let retry = pump(&mut c, t);
+    assert_eq!(retry.len(), 1);
+    assert_eq!(retry[0].seq, first[0].seq);
+    assert_eq!(retry[0].attempt, 2);
+    assert_eq!(retry[0].batch, first[0].batch);
+    // A failure of the old attempt changes nothing now.
+    c.handle_failure(t + MS, first[0].seq, 1, "late error of attempt 1");
+    assert!(c.poll_transmit().is_none());
+}
+
+#[test]
+fn overload_is_not_an_outage_but_silence_is() {
+    // A batch given up on while other batches are answered: overload.
+    let (mut c, rules) = core(8);
+    let slow = want(&mut c, &rules, "slow", T0);
+    let fast = want(&mut c, &rules, "fast", T0 + MS);
+    c.handle_reply(T0 + 2 * MS, fast[0].seq, grant_all(&fast[0]));
+    assert!(c.reach().connected);
+    let retry = pump(&mut c, T0 + 250 * MS);
+    assert_eq!(retry.len(), 1, "the slow batch is retried once");
+    assert_eq!(retry[0].seq, slow[0].seq);
+    pump(&mut c, T0 + 500 * MS);
+    let reach = c.reach();
+    assert!(!reach.down, "replies kept coming: not unreachable");
+    assert!(reach.connected);
+    // Nothing answered at all: unreachable, fail policies apply.
+    let (mut c, rules) = core(8);
+    want(&mut c, &rules, "k", T0);
+    pump(&mut c, T0 + 250 * MS);
+    pump(&mut c, T0 + 500 * MS);
+    assert!(c.reach().down);
+}
+
+#[test]
+fn poll_timeout_is_now_when_requests_wait_else_the_tick_or_a_deadline() {
+    let (mut c, rules) = core(8);
+    // Fresh: the first tick is due at once (a heartbeat fetches rules).
+    assert_eq!(c.poll_timeout(), Some(T0));
+    c.handle_timeout(T0);
+    let hb = std::iter::from_fn(|| c.poll_transmit()).count();
+    assert_eq!(hb, 1, "a heartbeat: not connected yet");
+    let next = c.poll_timeout().expect("a timeout");
+    assert!(next > T0 && next <= T0 + 250 * MS, "{next}");
+    let slot = c.slot_for(&rules.rules[0], "k", "").unwrap();
+    c.want(slot, 1);
+    assert_eq!(c.poll_timeout(), Some(0), "requests wait: now");
+}

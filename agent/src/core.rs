@@ -353,8 +353,8 @@ impl AgentCore {
     }
 
     /// Time passed to `now`: give up on or retry batches whose attempt
-    /// timed out, plan the keys requests wait for, and, when the tick is
-    /// due, plan every key.
+    /// timed out; when the tick is due, plan every key; else plan the keys
+    /// requests wait for, if fewer than `max_in_flight` batches are out.
     pub fn handle_timeout(&mut self, now: u64) {
         if self.stopping {
             return;
@@ -368,15 +368,16 @@ impl AgentCore {
         for (seq, attempt) in timed_out {
             self.attempt_failed(now, seq, attempt, "allocator call timed out");
         }
-        if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
-            self.poll(now, true);
-        }
         if now >= self.next_tick_ns {
+            // The tick plans every key (the wanted ones too) and is never
+            // held back by the in-flight cap: renewals of warm keys must
+            // not starve behind a flood of cold fetches. It sends at most
+            // one batch per renew interval.
             let interval = self.cfg.plan.renew_interval.as_nanos() as u64;
             self.next_tick_ns = now.saturating_add(interval.max(1));
-            if self.in_flight() < self.cfg.max_in_flight {
-                self.poll(now, false);
-            }
+            self.poll(now, false);
+        } else if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
+            self.poll(now, true);
         }
     }
 
@@ -427,9 +428,29 @@ impl AgentCore {
             self.connected = true;
             tracing::info!("allocator reachable");
         }
-        self.apply_reply(reply, seq, &p, now);
-        if !p.abandoned {
-            self.settle(seq, &p.renews);
+        let again = self.apply_reply(reply, seq, &p, now);
+        if p.abandoned {
+            return;
+        }
+        // Keys whose item was not applied (STALE: the allocator saw newer
+        // sequence numbers first; SEQ_CONFLICT) are asked again at once
+        // under a new seq; their waiting requests keep waiting, so a
+        // reordering costs them no attempt.
+        let settled: Vec<u64> = p
+            .renews
+            .iter()
+            .copied()
+            .filter(|id| !again.contains(id))
+            .collect();
+        self.settle(seq, &settled);
+        for id in again {
+            if let Some(k) = self.keys.get_mut(&id) {
+                if k.in_flight.is_some_and(|f| f.seq == seq) {
+                    k.in_flight = None;
+                }
+                k.quiet_until_ns = 0;
+                self.wanted.push(k.slot.clone());
+            }
         }
     }
 
@@ -666,7 +687,9 @@ impl AgentCore {
         (items, ids)
     }
 
-    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) {
+    /// Apply a reply; returns the slot ids whose item was not applied and
+    /// should be asked again.
+    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) -> Vec<u64> {
         if reply.holder_incarnation > self.incarnation {
             // The allocator knows this identity under a higher incarnation
             // (our clock stepped back across a restart): take a higher one,
@@ -698,6 +721,14 @@ impl AgentCore {
             }
         }
         let version = self.rules.version();
+        // Releases the allocator did not apply go back to the queue.
+        for (item, g) in p.batch.items.iter().zip(reply.grants.iter()) {
+            let not_applied = g.status == GrantStatus::Stale as i32
+                || g.status == GrantStatus::SeqConflict as i32;
+            if item.kind == ItemKind::Release as i32 && not_applied {
+                self.late_releases.push(item.clone());
+            }
+        }
         let renews = p
             .batch
             .items
@@ -706,12 +737,24 @@ impl AgentCore {
             .filter(|(i, _)| i.kind == ItemKind::Renew as i32)
             .map(|(_, g)| g);
         let sent_ns = p.first_sent_ns;
+        let mut again = Vec::new();
         for (grant, id) in renews.zip(p.renews.iter()) {
-            self.install(*id, grant, seq, sent_ns, version, t);
+            if self.install(*id, grant, seq, sent_ns, version, t) == Installed::AskAgain {
+                again.push(*id);
+            }
         }
+        again
     }
 
-    fn install(&mut self, id: u64, g: &Grant, seq: u64, sent_ns: u64, version: u64, t: u64) {
+    fn install(
+        &mut self,
+        id: u64,
+        g: &Grant,
+        seq: u64,
+        sent_ns: u64,
+        version: u64,
+        t: u64,
+    ) -> Installed {
         let metrics = &self.metrics;
         let late = &mut self.late_releases;
         let Some(k) = self.keys.get_mut(&id) else {
@@ -719,7 +762,7 @@ impl AgentCore {
             if g.carried == 0 && g.lease_id != 0 {
                 tracing::debug!(lease = g.lease_id, "grant for a forgotten key; released");
             }
-            return;
+            return Installed::Done;
         };
         let slot = k.slot.clone();
         let mut release = |lease_id: u64, spent: u64| {
@@ -734,31 +777,35 @@ impl AgentCore {
             if g.carried == 0 {
                 release(g.lease_id, 0);
             }
-            return;
+            return Installed::Done;
         };
         k.in_flight = None;
         if g.carried > g.tokens {
             tracing::error!(rule = %slot.rule_id(), tokens = g.tokens, carried = g.carried, "malformed grant ignored");
-            return;
+            return Installed::Done;
         }
         if self.stopping {
             // Shutting down: the lease word is retired; the grant expires.
-            return;
+            return Installed::Done;
         }
         let status = GrantStatus::try_from(g.status).unwrap_or(GrantStatus::BadItem);
         match status {
             GrantStatus::Granted => {}
-            GrantStatus::Stale | GrantStatus::Unsupported => return,
+            GrantStatus::Stale => {
+                metrics.stale_replies.add(1);
+                return Installed::AskAgain;
+            }
+            GrantStatus::Unsupported => return Installed::Done,
             GrantStatus::SeqConflict => {
                 // Cannot happen with a unique (id, instance); if it does,
-                // nothing was applied: ask again in the next batch.
+                // nothing was applied: ask again under a new seq.
                 metrics.seq_conflicts.add(1);
-                return;
+                return Installed::AskAgain;
             }
             other => {
                 k.refused = Some((other, g.detail.clone()));
                 slot.set_dry_until(t + 1_000_000_000);
-                return;
+                return Installed::Done;
             }
         }
         k.refused = None;
@@ -796,7 +843,7 @@ impl AgentCore {
         if g.rule_version > version {
             // Never spend a grant stamped with a rule version we do not enforce.
             give_back(k, &mut release);
-            return;
+            return Installed::Done;
         }
         // A regional allocator still opening the key upstream: the waiting
         // requests keep waiting for the next ask (after the hint) instead
@@ -815,14 +862,14 @@ impl AgentCore {
             // Nothing leased and nothing carried: the lease we named is
             // unknown to the allocator (rolled by a lost reply, expired, or
             // a predecessor's); it stays usable under its own deadline.
-            return;
+            return Installed::Done;
         }
         // deadline = first send + TTL * (1 - 2 rho) - epsilon
         let ttl_ns = g.ttl_ms.saturating_mul(1_000_000);
         let deadline = use_by_ns(sent_ns, ttl_ns, self.cfg.epsilon.as_nanos() as u64);
         if t >= deadline {
             give_back(k, &mut release);
-            return;
+            return Installed::Done;
         }
         let same_lease = k.generation == f.generation;
         let old_deadline = slot.word.deadline_ns();
@@ -851,7 +898,17 @@ impl AgentCore {
         k.generation = new_gen;
         k.baseline = new_tokens;
         metrics.tokens_leased.add(g.tokens - g.carried);
+        Installed::Done
     }
+}
+
+/// What installing one grant came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Installed {
+    /// Applied, refused, or given back: the key's batch is settled.
+    Done,
+    /// Not applied by the allocator: ask again under a new seq.
+    AskAgain,
 }
 
 /// `(r_e, b_e)` of an emergency bucket: rate `max(recent admitted rate,

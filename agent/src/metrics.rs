@@ -167,6 +167,9 @@ pub struct AgentMetrics {
     /// Batches the allocator refused as a repeated sequence number with
     /// other content.
     pub seq_conflicts: Counter,
+    /// Grants answered `STALE` (the allocator had seen newer sequence
+    /// numbers past its duplicate window first); their keys are asked again.
+    pub stale_replies: Counter,
     /// Renewal tasks that died (a panic); the agent is then not ready.
     pub renewal_task_failures: Counter,
     renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
@@ -300,6 +303,11 @@ impl AgentMetrics {
                 "mismatched_replies_total",
                 "allocator replies ignored because they answer another request",
                 g(&self.mismatched_replies),
+            ),
+            (
+                "stale_replies_total",
+                "grants answered STALE (reordered past the duplicate window) and asked again",
+                g(&self.stale_replies),
             ),
             (
                 "seq_conflicts_total",

@@ -163,3 +163,27 @@ fn poll_timeout_is_now_when_requests_wait_else_the_tick_or_a_deadline() {
     c.want(slot, 1);
     assert_eq!(c.poll_timeout(), Some(0), "requests wait: now");
 }
+
+#[test]
+fn a_stale_reply_asks_again_under_a_new_seq_without_settling_the_key() {
+    let (mut c, rules) = core(8);
+    let first = want(&mut c, &rules, "k", T0);
+    let slot = c.slot_for(&rules.rules[0], "k", "").unwrap();
+    let settles = slot.settles();
+    let mut stale = grant_all(&first[0]);
+    for g in &mut stale.grants {
+        g.status = GrantStatus::Stale as i32;
+        g.tokens = 0;
+        g.lease_id = 0;
+    }
+    c.handle_reply(T0 + MS, first[0].seq, stale);
+    assert_eq!(slot.settles(), settles, "waiting requests are not woken");
+    assert!(std::iter::from_fn(|| c.poll_event()).all(|e| !matches!(e, Event::Settled(_))));
+    let again = pump(&mut c, T0 + 2 * MS);
+    assert_eq!(again.len(), 1);
+    assert!(again[0].seq > first[0].seq);
+    assert_eq!(renew_keys(&again[0]), ["k"]);
+    c.handle_reply(T0 + 3 * MS, again[0].seq, grant_all(&again[0]));
+    assert_eq!(slot.settles(), settles + 1);
+    assert!(slot.word.peek(T0 + 4 * MS).is_some_and(|t| t >= 1));
+}

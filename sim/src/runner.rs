@@ -11,8 +11,6 @@ use crate::report::{LinePlot, Report, Section, Table};
 use crate::scenario::Scenario;
 use crate::world::{KeyStats, Outcome, World};
 
-const SEC: u64 = 1_000_000_000;
-
 /// Run every variant of `sc` with `seed`.
 pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
     sc.runs()
@@ -90,26 +88,20 @@ pub struct KeyFigures {
     pub fairness: f64,
 }
 
-/// Compute the quality figures of `k`.
-pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
+/// The quality figures of `k` (utilization over windows of 10 x `TTL_max`
+/// after warm-up and false rejects, computed during the run).
+pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
     let bound = k.burst as f64 + r_per_s * o.duration_s;
     let (mut umin, mut umean) = (f64::NAN, f64::NAN);
     let (mut fr, mut denied) = (f64::NAN, k.denied);
-    if let Some(log) = &k.log {
-        let adm: Vec<(u64, u64)> = log
-            .iter()
-            .filter(|(_, _, ok)| *ok)
-            .map(|&(t, c, _)| (t, c))
-            .collect();
-        let from = (o.warmup_s * SEC as f64) as u64;
-        let to = (o.duration_s * SEC as f64) as u64;
-        let u = quality::utilization(&adm, k.rate, from, to, 10 * ttl_max_ns);
+    if let Some(q) = &k.quality {
+        let u = q.utilization();
         if !u.is_empty() {
             umin = u.iter().copied().fold(f64::INFINITY, f64::min);
             umean = u.iter().sum::<f64>() / u.len() as f64;
         }
-        let f = quality::false_rejects(log, k.rate, k.burst, o.round_trip_ns);
+        let f = q.false_rejects();
         denied = f.denied;
         if f.requests > 0 {
             fr = f.false_denied as f64 / f.requests as f64;
@@ -155,9 +147,9 @@ pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
 fn shown(o: &Outcome) -> Vec<&KeyStats> {
     let mut ks: Vec<&KeyStats> = o.keys.iter().collect();
     ks.sort_by(|a, b| {
-        b.log
+        b.quality
             .is_some()
-            .cmp(&a.log.is_some())
+            .cmp(&a.quality.is_some())
             .then(b.admitted.cmp(&a.admitted))
             .then(a.key.cmp(&b.key))
     });
@@ -188,7 +180,6 @@ fn policy(p: FailPolicy) -> &'static str {
 
 /// The report of one scenario file run with one seed.
 pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
-    let ttl_max_ns = sc.ttl_max_ms * 1_000_000;
     let mut sections = Vec::new();
     for (vi, o) in outcomes.iter().enumerate() {
         let failures = o.failures();
@@ -221,7 +212,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         }
         let mut rows = Vec::new();
         for k in shown(o) {
-            let f = figures(o, k, ttl_max_ns);
+            let f = figures(o, k);
             let w = k.checker.worst();
             rows.push(vec![
                 key_name(k),
@@ -271,7 +262,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         };
         let mut plots = Vec::new();
         let mut csv = Vec::new();
-        if let Some(k) = shown(o).into_iter().find(|k| k.log.is_some()) {
+        if let Some(k) = shown(o).into_iter().find(|k| k.quality.is_some()) {
             let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
             let mut cum = 0u64;
             let mut admitted = Vec::new();

@@ -41,6 +41,7 @@ use quotalease_proto::v1::Reason;
 
 use crate::checker::{StreamChecker, Worst};
 use crate::net::{Net, Node};
+use crate::quality::KeyQuality;
 use crate::rng::SimRng;
 use crate::scenario::{Scenario, Variant};
 use crate::workload::{tenant_name, Arrival, Workload, WorkloadSpec};
@@ -201,8 +202,9 @@ pub struct KeyStats {
     /// I3 allowance: sum over emergency buckets opened of `b_e + r_e * T`
     /// (T = the whole fault window, see `i3_window_ns`), in tokens.
     pub i3_allowance: f64,
-    /// Tracked keys keep every request for the quality figures.
-    pub log: Option<Vec<(u64, u64, bool)>>,
+    /// Tracked keys' quality figures (false rejects, utilization),
+    /// computed as the run goes.
+    pub quality: Option<KeyQuality>,
     /// Admitted per second per region (tracked keys).
     pub per_second: Vec<Vec<u64>>,
     /// Requests per region (demand, for fairness).
@@ -960,7 +962,16 @@ impl World {
                         agent_count: 0,
                         checker: StreamChecker::new(rule.rate, rule.burst),
                         i3_allowance: 0.0,
-                        log: tracked.then(Vec::new),
+                        quality: tracked.then(|| {
+                            KeyQuality::new(
+                                rule.rate,
+                                rule.burst,
+                                self.sc.regional_round_trip_ns(),
+                                (self.sc.warmup_s * SEC as f64) as u64,
+                                (self.sc.duration_s * SEC as f64) as u64,
+                                10 * self.sc.ttl_max_ms * 1_000_000,
+                            )
+                        }),
                         per_second: Vec::new(),
                         per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],
                     });
@@ -1048,8 +1059,8 @@ impl World {
                 *seen = true;
                 ks.agent_count += 1;
             }
-            if let Some(log) = ks.log.as_mut() {
-                log.push((t, u64::from(a.cost), allowed));
+            if let Some(q) = ks.quality.as_mut() {
+                q.push(t, u64::from(a.cost), allowed);
             }
             if allowed {
                 ks.admitted += u64::from(a.cost);
@@ -1057,7 +1068,7 @@ impl World {
                 if emergency {
                     ks.failure_mode_allowed += u64::from(a.cost);
                 }
-                if ks.log.is_some() {
+                if ks.quality.is_some() {
                     if ks.per_second.len() <= sec {
                         ks.per_second.resize(sec + 1, vec![0; regions]);
                     }
@@ -1094,6 +1105,11 @@ impl World {
             }
         }
         let mut keys = self.keys;
+        for k in &mut keys {
+            if let Some(q) = k.quality.as_mut() {
+                q.finish();
+            }
+        }
         keys.sort_by(|a, b| a.key.cmp(&b.key));
         let rtt = self.sc.regional_round_trip_ns();
         Outcome {

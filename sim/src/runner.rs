@@ -11,6 +11,8 @@ use crate::report::{LinePlot, Report, Section, Table};
 use crate::scenario::Scenario;
 use crate::world::{KeyStats, Outcome, World};
 
+const SEC: u64 = 1_000_000_000;
+
 /// Run every variant of `sc` with `seed`.
 pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
     sc.runs()
@@ -19,10 +21,37 @@ pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
         .collect()
 }
 
+/// [`run_all`], printing a progress line to stderr every 10 simulated
+/// seconds of each variant (wall time since `started`).
+pub fn run_all_with_progress(
+    sc: &Scenario,
+    seed: u64,
+    started: std::time::Instant,
+) -> Result<Vec<Outcome>, String> {
+    let mut out = Vec::new();
+    for v in sc.runs() {
+        let w = World::new(sc.clone(), &v, seed)?;
+        let name = if v.name.is_empty() {
+            sc.name.clone()
+        } else {
+            format!("{}/{}", sc.name, v.name)
+        };
+        out.push(w.run_with_progress(10 * SEC, |t, end| {
+            eprintln!(
+                "{name}: seed {seed}: {} / {} simulated s ({:.1} s wall)",
+                t / SEC,
+                end / SEC,
+                started.elapsed().as_secs_f64()
+            );
+        }));
+    }
+    Ok(out)
+}
+
 /// Run `scenario` with `seed`, write the report into `out`; returns the
-/// failures (empty: every invariant held).
+/// failures (empty: every invariant held). Progress goes to stderr.
 pub fn run_to_dir(sc: &Scenario, seed: u64, out: &Path) -> Result<Vec<String>, String> {
-    let outcomes = run_all(sc, seed)?;
+    let outcomes = run_all_with_progress(sc, seed, std::time::Instant::now())?;
     let report = build_report(sc, seed, &outcomes);
     std::fs::create_dir_all(out).map_err(|e| format!("--out {}: {e}", out.display()))?;
     crate::report::write(&report, out).map_err(|e| format!("--out {}: {e}", out.display()))?;

@@ -210,7 +210,8 @@ pub struct AgentArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints its own progress; keep its log to warnings unless asked.
-    let default_level = if matches!(cli.command, Command::Sim(_)) {
+    let is_sim = matches!(cli.command, Command::Sim(_));
+    let default_level = if is_sim {
         // Hundreds of simulated agents would each log every outage.
         "error"
     } else if matches!(cli.command, Command::Demo(_)) {
@@ -218,11 +219,31 @@ fn main() -> ExitCode {
     } else {
         "info"
     };
+    let env = std::env::var("RUST_LOG").unwrap_or_default();
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&env)
+        .ok()
+        .filter(|_| !env.trim().is_empty())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new(default_level));
+    let above_warn = filter
+        .max_level_hint()
+        .is_none_or(|h| h > tracing_subscriber::filter::LevelFilter::WARN);
+    if is_sim && above_warn {
+        // The simulator's output is its report and its progress: the
+        // production cores it drives (hundreds of agents, the allocators)
+        // log at most warnings, whatever RUST_LOG says, unless RUST_LOG
+        // names their crate.
+        for krate in ["quotalease_agent", "quotalease_allocator"] {
+            if !env.contains(krate) {
+                filter = filter.add_directive(
+                    format!("{krate}=warn")
+                        .parse()
+                        .expect("a crate name and a level form a valid directive"),
+                );
+            }
+        }
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {

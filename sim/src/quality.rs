@@ -1,7 +1,9 @@
 //! The quality figures of SPEC §2 — false rejects, utilization, fairness —
-//! as pure functions of recorded decisions. They know nothing of the
-//! simulator: the event loop records `(time, cost, admitted)` per key and
-//! calls these at the end of a run.
+//! as functions of recorded decisions. They know nothing of the simulator:
+//! the event loop feeds each tracked key's `(time, cost, admitted)` to the
+//! streaming forms ([`FalseRejectStream`], [`UtilizationStream`]) as the
+//! run goes, in memory bounded by a round trip's worth of requests; the
+//! slice forms ([`false_rejects`], [`utilization`]) feed the same code.
 
 use quotalease_model::rules::Rate;
 
@@ -33,17 +35,103 @@ impl FalseRejects {
 /// the arrivals by up to one regional round trip").
 ///
 /// `requests` are `(t_ns, cost, admitted)` in any order; `shift_ns` is one
-/// regional round trip.
+/// regional round trip. This sorts them by time (ties in input order) and
+/// feeds them to a [`FalseRejectStream`], which says what is counted.
+pub fn false_rejects(
+    requests: &[(u64, u64, bool)],
+    rate: Rate,
+    burst: u64,
+    shift_ns: u64,
+) -> FalseRejects {
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by_key(|&i| requests[i].0); // stable: ties in input order
+    let mut s = FalseRejectStream::new(rate, burst, shift_ns);
+    for i in order {
+        let (t, c, admitted) = requests[i];
+        s.push(t, c, admitted);
+    }
+    s.finish()
+}
+
+/// The quality figures of one tracked key, computed as the run goes:
+/// false rejects ([`FalseRejectStream`]) over every request and
+/// utilization ([`UtilizationStream`]) over every admission.
+#[derive(Clone, Debug)]
+pub struct KeyQuality {
+    false_rejects: FalseRejectStream,
+    utilization: UtilizationStream,
+    rate: Rate,
+}
+
+impl KeyQuality {
+    /// For a key with `rate` and `burst`: false rejects under shifts of
+    /// `shift_ns`, utilization over windows of `window_ns` inside
+    /// `[from_ns, to_ns)`.
+    pub fn new(
+        rate: Rate,
+        burst: u64,
+        shift_ns: u64,
+        from_ns: u64,
+        to_ns: u64,
+        window_ns: u64,
+    ) -> Self {
+        Self {
+            false_rejects: FalseRejectStream::new(rate, burst, shift_ns),
+            utilization: UtilizationStream::new(from_ns, to_ns, window_ns),
+            rate,
+        }
+    }
+
+    /// One request at `t` (not before the previous one).
+    pub fn push(&mut self, t: u64, cost: u64, admitted: bool) {
+        self.false_rejects.push(t, cost, admitted);
+        if admitted {
+            self.utilization.push(t, cost);
+        }
+    }
+
+    /// End of the run: decide the requests still open.
+    pub fn finish(&mut self) {
+        self.false_rejects.finish();
+    }
+
+    /// False rejects (of the requests decided: all of them after
+    /// [`KeyQuality::finish`]).
+    pub fn false_rejects(&self) -> FalseRejects {
+        self.false_rejects.so_far()
+    }
+
+    /// Utilization per window.
+    pub fn utilization(&self) -> Vec<f64> {
+        self.utilization.ratios(self.rate)
+    }
+}
+
+/// One request as the ideal bucket saw it.
+#[derive(Clone, Copy, Debug)]
+struct Ideal {
+    t: u64,
+    /// The ideal bucket's level after its own decision (fine units).
+    level: u128,
+    /// What the ideal bucket charged for it (0: it denied it).
+    charge: u128,
+    cost: u64,
+    /// Our decision.
+    admitted: bool,
+}
+
+/// The false-reject count of [`false_rejects`], fed one request at a time
+/// in time order and kept in memory bounded by the requests of about two
+/// shifts (a regional round trip either side), not by the run's length.
 ///
 /// The reference is one ideal token bucket (rate `rate`, burst `burst`,
-/// exact integer fixed-point arithmetic as in
-/// `quotalease_model::bucket`, full at the first request) that sees
-/// every request, in time order (ties in input order), and admits or
-/// denies each on its own, greedily. Its level `L(t)` after its own
-/// decisions is known at every instant. A request we denied at `t` with
-/// cost `c` is a *false* denial when the ideal bucket could have paid `c`
-/// at every instant of `[t - shift, t + shift]`, not counting the request's
-/// own charge:
+/// exact integer fixed-point arithmetic as in `quotalease_model::bucket`,
+/// full at the first request) that sees every request, in time order (ties
+/// in push order), and admits or denies each on its own, greedily. Its
+/// level `L(t)` after its own decisions is known at every instant. A
+/// request we denied at `t` with cost `c` is a *false* denial when the
+/// ideal bucket could have paid `c` at every instant of
+/// `[t - shift, t + shift]`, not counting the request's own charge:
 ///
 /// `min over u in [t - shift, t + shift] of L'(u) >= c`, where `L'` is `L`
 /// with the request's own charge (if the ideal bucket admitted it) added
@@ -53,134 +141,209 @@ impl FalseRejects {
 /// Adding the own charge back ignores that the ideal bucket would have
 /// refilled to the cap a little sooner without it, so this can count a
 /// denial as false that was borderline; the other requests' decisions are
-/// those of the real ideal run. O(n log n) for the sort, then O(n) with
-/// two monotone deques over the event index.
-pub fn false_rejects(
-    requests: &[(u64, u64, bool)],
-    rate: Rate,
-    burst: u64,
+/// those of the real ideal run. A request is decided once a request later
+/// than `t + shift` arrives (or at [`FalseRejectStream::finish`]); two
+/// monotone deques over the request index give the window minima, O(1)
+/// amortized per request.
+#[derive(Clone, Debug)]
+pub struct FalseRejectStream {
+    p: u128,
+    per_ns: u128,
+    cap: u128,
     shift_ns: u64,
-) -> FalseRejects {
-    let n = requests.len();
-    let mut out = FalseRejects {
-        requests: n as u64,
-        ..FalseRejects::default()
-    };
-    if n == 0 {
-        return out;
-    }
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by_key(|&i| requests[i].0); // stable: ties in input order
-    let p = u128::from(rate.period_ns());
-    let per_ns = u128::from(rate.tokens);
-    let cap = u128::from(burst) * p;
+    /// Ideal bucket level and the time it was last brought to.
+    fine: u128,
+    last: Option<u64>,
+    /// Requests `base..base + buf.len()` (absolute indices).
+    buf: std::collections::VecDeque<Ideal>,
+    base: usize,
+    /// Requests pushed.
+    n: usize,
+    /// Next request to decide.
+    k_next: usize,
+    /// First request with time > t - shift (of the last decided one).
+    j_next: usize,
+    /// First request with time > t + shift (of the last decided one).
+    end_next: usize,
+    before: MinWindow,
+    after: MinWindow,
+    out: FalseRejects,
+}
 
-    // Ideal run: time, post-decision level (fine units), own charge.
-    let t0 = requests[order[0]].0;
-    let mut times = Vec::with_capacity(n);
-    let mut level = Vec::with_capacity(n);
-    let mut charge = Vec::with_capacity(n);
-    let mut fine = cap;
-    let mut last = t0;
-    for &i in &order {
-        let (t, c, _) = requests[i];
-        fine = (fine + u128::from(t - last) * per_ns).min(cap);
-        last = t;
-        let need = u128::from(c) * p;
-        let took = if c <= burst && fine >= need {
-            fine -= need;
+impl FalseRejectStream {
+    /// A counter for a key with `rate` and `burst`; `shift_ns` is one
+    /// regional round trip.
+    pub fn new(rate: Rate, burst: u64, shift_ns: u64) -> Self {
+        let p = u128::from(rate.period_ns());
+        Self {
+            p,
+            per_ns: u128::from(rate.tokens),
+            cap: u128::from(burst) * p,
+            shift_ns,
+            fine: u128::from(burst) * p,
+            last: None,
+            buf: std::collections::VecDeque::new(),
+            base: 0,
+            n: 0,
+            k_next: 0,
+            j_next: 0,
+            end_next: 0,
+            before: MinWindow::default(),
+            after: MinWindow::default(),
+            out: FalseRejects::default(),
+        }
+    }
+
+    /// One request at `t` of `cost` tokens, which we `admitted` or not;
+    /// `t` must not decrease from one call to the next.
+    pub fn push(&mut self, t: u64, cost: u64, admitted: bool) {
+        let last = self.last.unwrap_or(t);
+        assert!(t >= last, "requests out of time order: {t} after {last}");
+        // Every request whose window ends before `t` has all of it now.
+        while self.k_next < self.n && self.at(self.k_next).t.saturating_add(self.shift_ns) < t {
+            self.decide(self.k_next);
+            self.k_next += 1;
+        }
+        self.trim();
+        self.fine = (self.fine + u128::from(t - last) * self.per_ns).min(self.cap);
+        self.last = Some(t);
+        let need = u128::from(cost) * self.p;
+        let charge = if need <= self.cap && self.fine >= need {
+            self.fine -= need;
             need
         } else {
             0
         };
-        times.push(t);
-        level.push(fine);
-        charge.push(took);
+        self.buf.push_back(Ideal {
+            t,
+            level: self.fine,
+            charge,
+            cost,
+            admitted,
+        });
+        self.n += 1;
+        self.out.requests += 1;
     }
 
-    // Sliding-window minima of `level` over index ranges whose ends only
-    // move forward.
-    let mut before = MinWindow::default(); // (j, i)  : events after the window start, before i
-    let mut after = MinWindow::default(); // (i, end] : events after i up to the window end
-    let mut j_next = 0usize; // first index with time > t - shift
-    let mut end_next = 0usize; // first index with time > t + shift
-    for (k, &i) in order.iter().enumerate() {
-        let (t, c, admitted) = requests[i];
-        let lo = t.saturating_sub(shift_ns);
-        let hi = t.saturating_add(shift_ns);
-        while j_next < n && times[j_next] <= lo {
-            j_next += 1;
+    /// Decide the requests still open (at the end of the run: no request
+    /// may be pushed after this); the counts.
+    pub fn finish(&mut self) -> FalseRejects {
+        while self.k_next < self.n {
+            self.decide(self.k_next);
+            self.k_next += 1;
         }
-        while end_next < n && times[end_next] <= hi {
-            end_next += 1;
+        self.out
+    }
+
+    /// The counts of the requests decided so far (every request pushed
+    /// counts in `requests`).
+    pub fn so_far(&self) -> FalseRejects {
+        self.out
+    }
+
+    fn at(&self, i: usize) -> &Ideal {
+        &self.buf[i - self.base]
+    }
+
+    /// Forget requests no later decision looks at: those before the last
+    /// one at or before the window start of the next request to decide.
+    fn trim(&mut self) {
+        let keep = self.j_next.saturating_sub(1).min(self.k_next);
+        while self.base < keep {
+            self.buf.pop_front();
+            self.base += 1;
+        }
+    }
+
+    fn decide(&mut self, k: usize) {
+        let Ideal {
+            t,
+            charge,
+            cost,
+            admitted,
+            level: level_k,
+        } = *self.at(k);
+        let lo = t.saturating_sub(self.shift_ns);
+        let hi = t.saturating_add(self.shift_ns);
+        while self.j_next < self.n && self.at(self.j_next).t <= lo {
+            self.j_next += 1;
+        }
+        while self.end_next < self.n && self.at(self.end_next).t <= hi {
+            self.end_next += 1;
         }
         if admitted {
-            continue;
+            return;
         }
-        out.denied += 1;
-        let need = u128::from(c) * p;
-        if charge[k] == 0 {
-            continue; // the ideal bucket denied it too
+        self.out.denied += 1;
+        if charge == 0 {
+            return; // the ideal bucket denied it too
         }
-        // Level at the window start: the last event at or before `lo`,
+        let (cap, per_ns) = (self.cap, self.per_ns);
+        // Level at the window start: the last request at or before `lo`,
         // refilled to `lo` (full if there is none: the ideal bucket starts
-        // full). An event at or after k there (only with shift 0) gets the
+        // full). A request at or after k there (only with shift 0) gets the
         // own charge back.
-        let mut min = match j_next.checked_sub(1) {
+        let mut min = match self.j_next.checked_sub(1) {
             None => cap,
             Some(j) => {
+                let e = self.at(j);
                 let l = if j >= k {
-                    (level[j] + charge[k]).min(cap)
+                    (e.level + charge).min(cap)
                 } else {
-                    level[j]
+                    e.level
                 };
-                (l + u128::from(lo - times[j]) * per_ns).min(cap)
+                (l + u128::from(lo - e.t) * per_ns).min(cap)
             }
         };
-        // Events strictly inside (lo, t) before k.
-        if j_next < k {
-            before.slide(&level, j_next, k);
-            min = min.min(before.min(&level));
+        let (buf, base) = (&self.buf, self.base);
+        let level = |i: usize| buf[i - base].level;
+        // Requests strictly inside (lo, t) before k.
+        if self.j_next < k {
+            self.before.slide(level, self.j_next, k);
+            min = min.min(self.before.min(level));
         }
         // The request itself, before its own decision.
-        min = min.min((level[k] + charge[k]).min(cap));
-        // Events after k up to hi, with the own charge back.
-        if k + 1 < end_next {
-            after.slide(&level, k + 1, end_next);
-            min = min.min((after.min(&level) + charge[k]).min(cap));
+        min = min.min((level_k + charge).min(cap));
+        // Requests after k up to hi, with the own charge back.
+        if k + 1 < self.end_next {
+            self.after.slide(level, k + 1, self.end_next);
+            min = min.min((self.after.min(level) + charge).min(cap));
         }
-        if min >= need {
-            out.false_denied += 1;
+        if min >= u128::from(cost) * self.p {
+            self.out.false_denied += 1;
         }
     }
-    out
 }
 
-/// Minimum of `values[lo..hi]` for windows whose `lo` and `hi` never move
-/// backwards (monotone deque of indices).
-#[derive(Default)]
+/// Minimum of `values(lo..hi)` for windows whose `lo` and `hi` never move
+/// backwards (monotone deque of indices). Only indices at or above the
+/// current `lo` are read, so values below it may be forgotten.
+#[derive(Clone, Debug, Default)]
 struct MinWindow {
     deque: std::collections::VecDeque<usize>,
     hi: usize,
 }
 
 impl MinWindow {
-    fn slide(&mut self, values: &[u128], lo: usize, hi: usize) {
+    fn slide(&mut self, values: impl Fn(usize) -> u128, lo: usize, hi: usize) {
+        // Indices below `lo` never count again; whether they were pushed
+        // does not change which later ones survive.
+        while self.deque.front().is_some_and(|&f| f < lo) {
+            self.deque.pop_front();
+        }
+        self.hi = self.hi.max(lo);
         while self.hi < hi {
-            let v = values[self.hi];
-            while self.deque.back().is_some_and(|&b| values[b] >= v) {
+            let v = values(self.hi);
+            while self.deque.back().is_some_and(|&b| values(b) >= v) {
                 self.deque.pop_back();
             }
             self.deque.push_back(self.hi);
             self.hi += 1;
         }
-        while self.deque.front().is_some_and(|&f| f < lo) {
-            self.deque.pop_front();
-        }
     }
 
-    fn min(&self, values: &[u128]) -> u128 {
-        self.deque.front().map_or(u128::MAX, |&f| values[f])
+    fn min(&self, values: impl Fn(usize) -> u128) -> u128 {
+        self.deque.front().map_or(u128::MAX, |&f| values(f))
     }
 }
 
@@ -195,22 +358,53 @@ pub fn utilization(
     to_ns: u64,
     window_ns: u64,
 ) -> Vec<f64> {
-    if window_ns == 0 || to_ns <= from_ns {
-        return Vec::new();
-    }
-    let windows = ((to_ns - from_ns) / window_ns) as usize;
-    let mut sums = vec![0u64; windows];
+    let mut u = UtilizationStream::new(from_ns, to_ns, window_ns);
     for &(t, c) in admissions {
-        if t < from_ns {
-            continue;
-        }
-        let k = ((t - from_ns) / window_ns) as usize;
-        if k < windows {
-            sums[k] += c;
+        u.push(t, c);
+    }
+    u.ratios(rate)
+}
+
+/// [`utilization`] fed one admission at a time (any order): one counter
+/// per whole window.
+#[derive(Clone, Debug)]
+pub struct UtilizationStream {
+    from_ns: u64,
+    window_ns: u64,
+    sums: Vec<u64>,
+}
+
+impl UtilizationStream {
+    /// Whole windows of `window_ns` inside `[from_ns, to_ns)`.
+    pub fn new(from_ns: u64, to_ns: u64, window_ns: u64) -> Self {
+        let windows = if window_ns == 0 || to_ns <= from_ns {
+            0
+        } else {
+            ((to_ns - from_ns) / window_ns) as usize
+        };
+        Self {
+            from_ns,
+            window_ns,
+            sums: vec![0; windows],
         }
     }
-    let capacity = rate.tokens as f64 * window_ns as f64 / rate.period_ns() as f64;
-    sums.iter().map(|&s| s as f64 / capacity).collect()
+
+    /// `tokens` admitted at `t`.
+    pub fn push(&mut self, t: u64, tokens: u64) {
+        if t < self.from_ns || self.sums.is_empty() {
+            return;
+        }
+        let k = ((t - self.from_ns) / self.window_ns) as usize;
+        if let Some(s) = self.sums.get_mut(k) {
+            *s += tokens;
+        }
+    }
+
+    /// Admitted / (R * w) per window.
+    pub fn ratios(&self, rate: Rate) -> Vec<f64> {
+        let capacity = rate.tokens as f64 * self.window_ns as f64 / rate.period_ns() as f64;
+        self.sums.iter().map(|&s| s as f64 / capacity).collect()
+    }
 }
 
 /// Max-min fair (water-filling) shares of `supply` among holders with

@@ -21,10 +21,37 @@ pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
         .collect()
 }
 
+/// [`run_all`], printing a progress line to stderr every 10 simulated
+/// seconds of each variant (wall time since `started`).
+pub fn run_all_with_progress(
+    sc: &Scenario,
+    seed: u64,
+    started: std::time::Instant,
+) -> Result<Vec<Outcome>, String> {
+    let mut out = Vec::new();
+    for v in sc.runs() {
+        let w = World::new(sc.clone(), &v, seed)?;
+        let name = if v.name.is_empty() {
+            sc.name.clone()
+        } else {
+            format!("{}/{}", sc.name, v.name)
+        };
+        out.push(w.run_with_progress(10 * SEC, |t, end| {
+            eprintln!(
+                "{name}: seed {seed}: {} / {} simulated s ({:.1} s wall)",
+                t / SEC,
+                end / SEC,
+                started.elapsed().as_secs_f64()
+            );
+        }));
+    }
+    Ok(out)
+}
+
 /// Run `scenario` with `seed`, write the report into `out`; returns the
-/// failures (empty: every invariant held).
+/// failures (empty: every invariant held). Progress goes to stderr.
 pub fn run_to_dir(sc: &Scenario, seed: u64, out: &Path) -> Result<Vec<String>, String> {
-    let outcomes = run_all(sc, seed)?;
+    let outcomes = run_all_with_progress(sc, seed, std::time::Instant::now())?;
     let report = build_report(sc, seed, &outcomes);
     std::fs::create_dir_all(out).map_err(|e| format!("--out {}: {e}", out.display()))?;
     crate::report::write(&report, out).map_err(|e| format!("--out {}: {e}", out.display()))?;
@@ -90,26 +117,20 @@ pub struct KeyFigures {
     pub fairness: f64,
 }
 
-/// Compute the quality figures of `k`.
-pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
+/// The quality figures of `k` (utilization over windows of 10 x `TTL_max`
+/// after warm-up and false rejects, computed during the run).
+pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
     let bound = k.burst as f64 + r_per_s * o.duration_s;
     let (mut umin, mut umean) = (f64::NAN, f64::NAN);
     let (mut fr, mut denied) = (f64::NAN, k.denied);
-    if let Some(log) = &k.log {
-        let adm: Vec<(u64, u64)> = log
-            .iter()
-            .filter(|(_, _, ok)| *ok)
-            .map(|&(t, c, _)| (t, c))
-            .collect();
-        let from = (o.warmup_s * SEC as f64) as u64;
-        let to = (o.duration_s * SEC as f64) as u64;
-        let u = quality::utilization(&adm, k.rate, from, to, 10 * ttl_max_ns);
+    if let Some(q) = &k.quality {
+        let u = q.utilization();
         if !u.is_empty() {
             umin = u.iter().copied().fold(f64::INFINITY, f64::min);
             umean = u.iter().sum::<f64>() / u.len() as f64;
         }
-        let f = quality::false_rejects(log, k.rate, k.burst, o.round_trip_ns);
+        let f = q.false_rejects();
         denied = f.denied;
         if f.requests > 0 {
             fr = f.false_denied as f64 / f.requests as f64;
@@ -155,9 +176,9 @@ pub fn figures(o: &Outcome, k: &KeyStats, ttl_max_ns: u64) -> KeyFigures {
 fn shown(o: &Outcome) -> Vec<&KeyStats> {
     let mut ks: Vec<&KeyStats> = o.keys.iter().collect();
     ks.sort_by(|a, b| {
-        b.log
+        b.quality
             .is_some()
-            .cmp(&a.log.is_some())
+            .cmp(&a.quality.is_some())
             .then(b.admitted.cmp(&a.admitted))
             .then(a.key.cmp(&b.key))
     });
@@ -188,7 +209,6 @@ fn policy(p: FailPolicy) -> &'static str {
 
 /// The report of one scenario file run with one seed.
 pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
-    let ttl_max_ns = sc.ttl_max_ms * 1_000_000;
     let mut sections = Vec::new();
     for (vi, o) in outcomes.iter().enumerate() {
         let failures = o.failures();
@@ -221,7 +241,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         }
         let mut rows = Vec::new();
         for k in shown(o) {
-            let f = figures(o, k, ttl_max_ns);
+            let f = figures(o, k);
             let w = k.checker.worst();
             rows.push(vec![
                 key_name(k),
@@ -271,7 +291,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         };
         let mut plots = Vec::new();
         let mut csv = Vec::new();
-        if let Some(k) = shown(o).into_iter().find(|k| k.log.is_some()) {
+        if let Some(k) = shown(o).into_iter().find(|k| k.quality.is_some()) {
             let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
             let mut cum = 0u64;
             let mut admitted = Vec::new();

@@ -34,13 +34,14 @@ use quotalease_agent::renewal::PlanConfig;
 use quotalease_allocator::core::{AllocatorCore, CoreConfig};
 use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
 use quotalease_model::clock::{ClockSource, ManualClock};
-use quotalease_model::key::KeyId;
+use quotalease_model::key::{KeyId, KeyRef};
 use quotalease_model::rules::{FailPolicy, Rate, RuleSet};
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::v1::Reason;
 
 use crate::checker::{StreamChecker, Worst};
 use crate::net::{Net, Node};
+use crate::quality::KeyQuality;
 use crate::rng::SimRng;
 use crate::scenario::{Scenario, Variant};
 use crate::workload::{tenant_name, Arrival, Workload, WorkloadSpec};
@@ -115,7 +116,20 @@ struct NodeClock {
     drift_ppb: i64,
 }
 impl NodeClock {
+    #[inline]
     fn local(&self, t: u64) -> u64 {
+        if self.drift_ppb == 0 {
+            return CLOCK_BASE_NS + t;
+        }
+        // The same truncating division in 64 bits while the product fits
+        // (|drift| <= 1e6 ppb: up to ~290 simulated years).
+        if let Some(p) = i64::try_from(t)
+            .ok()
+            .and_then(|t| t.checked_mul(self.drift_ppb))
+        {
+            let d = p / 1_000_000_000;
+            return (i128::from(CLOCK_BASE_NS) + i128::from(t) + i128::from(d)) as u64;
+        }
         let d = (i128::from(t) * i128::from(self.drift_ppb)) / 1_000_000_000;
         (i128::from(CLOCK_BASE_NS) + i128::from(t) + d) as u64
     }
@@ -126,6 +140,9 @@ impl NodeClock {
         if x <= 0 {
             return 0;
         }
+        if self.drift_ppb == 0 {
+            return x as u64;
+        }
         let mut t = (x * 1_000_000_000 / (1_000_000_000 + i128::from(self.drift_ppb))) as u64;
         while self.local(t) < local {
             t += 1;
@@ -134,6 +151,36 @@ impl NodeClock {
             t -= 1;
         }
         t
+    }
+}
+
+/// Index of the simulator's per-key records by key, searched with the
+/// borrowed [`KeyRef`] of a batch item (no allocation): a fixed-key hash
+/// of the key to the records with that hash. Only looked up, never
+/// iterated, so its order cannot leak into a report.
+#[derive(Default)]
+struct KeyIndex {
+    by_hash: std::collections::HashMap<u64, Vec<usize>>,
+}
+
+impl KeyIndex {
+    fn hash(key: KeyRef<'_>) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        h.finish()
+    }
+
+    fn get(&self, keys: &[KeyStats], key: KeyRef<'_>) -> Option<usize> {
+        self.by_hash
+            .get(&Self::hash(key))?
+            .iter()
+            .copied()
+            .find(|&k| keys[k].key.as_key_ref() == key)
+    }
+
+    fn insert(&mut self, key: KeyRef<'_>, k: usize) {
+        self.by_hash.entry(Self::hash(key)).or_default().push(k);
     }
 }
 
@@ -201,8 +248,9 @@ pub struct KeyStats {
     /// I3 allowance: sum over emergency buckets opened of `b_e + r_e * T`
     /// (T = the whole fault window, see `i3_window_ns`), in tokens.
     pub i3_allowance: f64,
-    /// Tracked keys keep every request for the quality figures.
-    pub log: Option<Vec<(u64, u64, bool)>>,
+    /// Tracked keys' quality figures (false rejects, utilization),
+    /// computed as the run goes.
+    pub quality: Option<KeyQuality>,
     /// Admitted per second per region (tracked keys).
     pub per_second: Vec<Vec<u64>>,
     /// Requests per region (demand, for fairness).
@@ -313,12 +361,14 @@ pub struct World {
     regionals: Vec<RegionalNode>,
     agents: Vec<AgentNode>,
     next_park: u64,
-    /// Per (tenant id, route index): (tenant string, indices into `keys`
-    /// the requests charge).
-    tenants: BTreeMap<(u32, u16), (String, Vec<usize>)>,
+    /// Per (tenant id, route index): index into `tenant_slots`. Only
+    /// looked up, never iterated.
+    tenants: std::collections::HashMap<(u32, u16), usize>,
+    /// (tenant string, indices into `keys` the requests charge).
+    tenant_slots: Vec<(String, Vec<usize>)>,
     keys: Vec<KeyStats>,
     /// Only looked up, never iterated: hash order cannot leak out.
-    key_index: std::collections::HashMap<KeyId, usize>,
+    key_index: KeyIndex,
     checks: u64,
     msgs_agent_tier: u64,
     msgs_regional_tier: u64,
@@ -405,9 +455,10 @@ impl World {
             regionals,
             agents,
             next_park: 0,
-            tenants: BTreeMap::new(),
+            tenants: std::collections::HashMap::new(),
+            tenant_slots: Vec::new(),
             keys: Vec::new(),
-            key_index: std::collections::HashMap::new(),
+            key_index: KeyIndex::default(),
             checks: 0,
             msgs_agent_tier: 0,
             msgs_regional_tier: 0,
@@ -534,10 +585,27 @@ impl World {
     }
 
     /// Run to the end; the outcome with every check's result.
-    pub fn run(mut self) -> Outcome {
+    pub fn run(self) -> Outcome {
+        self.run_with_progress(u64::MAX, |_, _| {})
+    }
+
+    /// [`World::run`], calling `progress(simulated ns, end ns)` each time
+    /// simulated time passes a multiple of `every_ns` (nothing it does can
+    /// change the run).
+    pub fn run_with_progress(
+        mut self,
+        every_ns: u64,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Outcome {
+        let every_ns = every_ns.max(1);
+        let mut next_report = every_ns;
         let mut arrivals: Vec<Arrival> = Vec::new();
         let mut slice_start = 0;
         while slice_start < self.end {
+            if slice_start >= next_report {
+                progress(slice_start, self.end);
+                next_report = next_report.saturating_add(every_ns);
+            }
             let slice_end = (slice_start + SLICE_NS).min(self.end);
             arrivals.clear();
             self.workload.fill(slice_start, slice_end, &mut arrivals);
@@ -771,12 +839,8 @@ impl World {
             self.msgs_agent_tier += 1;
         }
         for item in &batch.items {
-            let key = KeyId {
-                rule: item.rule_id.clone(),
-                tenant: item.tenant.clone(),
-                route: item.route.clone(),
-            };
-            if let Some(&k) = self.key_index.get(&key) {
+            let key = KeyRef::new(&item.rule_id, &item.tenant, &item.route);
+            if let Some(k) = self.key_index.get(&self.keys, key) {
                 let ks = &mut self.keys[k];
                 if regional_tier {
                     ks.msgs_regional_tier += 1;
@@ -910,7 +974,7 @@ impl World {
     }
 
     fn note_emergency(&mut self, key: &KeyId, rate: Rate, burst: u64) {
-        if let Some(&k) = self.key_index.get(key) {
+        if let Some(k) = self.key_index.get(&self.keys, key.as_key_ref()) {
             let t_s = self.fault_window_ns as f64 / SEC as f64;
             let r_per_s = rate.tokens as f64 / rate.period_s as f64;
             self.keys[k].i3_allowance += burst as f64 + r_per_s * t_s;
@@ -924,10 +988,10 @@ impl World {
         }
     }
 
-    /// The keys a tenant's requests on a route charge (cached).
-    fn tenant_keys(&mut self, tenant: u32, route_idx: u16) {
-        if self.tenants.contains_key(&(tenant, route_idx)) {
-            return;
+    /// The slot of the keys a tenant's requests on a route charge (cached).
+    fn tenant_keys(&mut self, tenant: u32, route_idx: u16) -> usize {
+        if let Some(&slot) = self.tenants.get(&(tenant, route_idx)) {
+            return slot;
         }
         let name = tenant_name(tenant);
         let route = self.workload.route(route_idx).to_string();
@@ -940,8 +1004,8 @@ impl World {
                 tenant: rule.tenant.key_part(&name).to_string(),
                 route: rule.route.key_part(&route).to_string(),
             };
-            let k = match self.key_index.get(&key) {
-                Some(&k) => k,
+            let k = match self.key_index.get(&self.keys, key.as_key_ref()) {
+                Some(k) => k,
                 None => {
                     let k = self.keys.len();
                     let tracked = self.tracked_tenants.contains(&tenant) || key.tenant.is_empty();
@@ -960,23 +1024,35 @@ impl World {
                         agent_count: 0,
                         checker: StreamChecker::new(rule.rate, rule.burst),
                         i3_allowance: 0.0,
-                        log: tracked.then(Vec::new),
+                        quality: tracked.then(|| {
+                            KeyQuality::new(
+                                rule.rate,
+                                rule.burst,
+                                self.sc.regional_round_trip_ns(),
+                                (self.sc.warmup_s * SEC as f64) as u64,
+                                (self.sc.duration_s * SEC as f64) as u64,
+                                10 * self.sc.ttl_max_ms * 1_000_000,
+                            )
+                        }),
                         per_second: Vec::new(),
                         per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],
                     });
-                    self.key_index.insert(key, k);
+                    self.key_index.insert(key.as_key_ref(), k);
                     k
                 }
             };
             keys.push(k);
         }
-        self.tenants.insert((tenant, route_idx), (name, keys));
+        let slot = self.tenant_slots.len();
+        self.tenant_slots.push((name, keys));
+        self.tenants.insert((tenant, route_idx), slot);
+        slot
     }
 
     /// A request arrives at its agent (or re-checks after parking).
     fn arrive(&mut self, a: Arrival, attempt: u32) {
         let t = self.t;
-        self.tenant_keys(a.tenant, a.route);
+        let slot = self.tenant_keys(a.tenant, a.route);
         let node = &mut self.agents[a.agent as usize];
         let Some(agent) = node.agent.as_ref() else {
             // The gateway's sidecar is down: the gateway fails the request.
@@ -985,7 +1061,7 @@ impl World {
         };
         let now = node.clock.local(t);
         node.clock_cell.set(now);
-        let (name, keys) = &self.tenants[&(a.tenant, a.route)];
+        let name = &self.tenant_slots[slot].0;
         let input = CheckInput {
             tenant: name,
             route: self.workload.route(a.route),
@@ -1012,7 +1088,6 @@ impl World {
                 CheckStep::Wait => None,
             },
         };
-        let keys = keys.clone();
         let Some((allowed, emergency)) = answer else {
             self.next_park += 1;
             let park = self.next_park;
@@ -1039,7 +1114,7 @@ impl World {
         let region = self.agents[a.agent as usize].region as usize;
         let sec = (t / SEC) as usize;
         let regions = usize::from(self.sc.regions.max(1));
-        for k in keys {
+        for &k in &self.tenant_slots[slot].1 {
             let ks = &mut self.keys[k];
             ks.requests += 1;
             ks.per_region_requests[region] += 1;
@@ -1048,8 +1123,8 @@ impl World {
                 *seen = true;
                 ks.agent_count += 1;
             }
-            if let Some(log) = ks.log.as_mut() {
-                log.push((t, u64::from(a.cost), allowed));
+            if let Some(q) = ks.quality.as_mut() {
+                q.push(t, u64::from(a.cost), allowed);
             }
             if allowed {
                 ks.admitted += u64::from(a.cost);
@@ -1057,7 +1132,7 @@ impl World {
                 if emergency {
                     ks.failure_mode_allowed += u64::from(a.cost);
                 }
-                if ks.log.is_some() {
+                if ks.quality.is_some() {
                     if ks.per_second.len() <= sec {
                         ks.per_second.resize(sec + 1, vec![0; regions]);
                     }
@@ -1094,6 +1169,11 @@ impl World {
             }
         }
         let mut keys = self.keys;
+        for k in &mut keys {
+            if let Some(q) = k.quality.as_mut() {
+                q.finish();
+            }
+        }
         keys.sort_by(|a, b| a.key.cmp(&b.key));
         let rtt = self.sc.regional_round_trip_ns();
         Outcome {

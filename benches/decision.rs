@@ -124,6 +124,19 @@ impl Bench {
         });
     }
 
+    /// [`Bench::prime`] through a key handle: the consumption estimate then
+    /// reflects the handle's (much higher) rate before it is timed.
+    fn prime_handle(&self, h: &quotalease_agent::KeyHandle, d: Duration) {
+        let t0 = Instant::now();
+        while t0.elapsed() < d {
+            for _ in 0..1024 {
+                if self.agent.check_handle(h, 1, self.agent.now()).is_none() {
+                    let _ = self.rt.block_on(self.agent.check(INPUT));
+                }
+            }
+        }
+    }
+
     /// `iters` timed decisions through a resolved key handle at a time read
     /// once per batch of iterations (the caller-supplied time).
     #[inline(never)]
@@ -220,7 +233,7 @@ fn decision(c: &mut Criterion) {
         });
         report_nones(&bench, "decision/1_thread/agent_check_fast");
         let handle = bench.agent.resolve(&INPUT).expect("the bench key resolves");
-        bench.prime(1, Duration::from_secs(2));
+        bench.prime_handle(&handle, Duration::from_secs(2));
         g.bench_function("agent_key_handle", |b| {
             b.iter_custom(|iters| {
                 let (d, nones) = bench.run_handle(&handle, iters);
@@ -274,10 +287,10 @@ fn report_nones(bench: &Bench, id: &str) {
         return;
     }
     let frac = nones as f64 / calls as f64;
-    println!("{id}: check_fast returned None for {nones} of {calls} timed calls ({frac:.2e})");
+    println!("{id}: the fast path returned None for {nones} of {calls} timed calls ({frac:.2e})");
     assert!(
         frac <= MAX_NONE_FRACTION,
-        "{id}: check_fast returned None for {nones} of {calls} timed calls, above {MAX_NONE_FRACTION}"
+        "{id}: the fast path returned None for {nones} of {calls} timed calls, above {MAX_NONE_FRACTION}"
     );
 }
 

@@ -381,6 +381,12 @@ impl AgentCore {
         }
     }
 
+    /// Whether a driver has anything to pick up now: a transmit, an event,
+    /// or keys requests wait for.
+    pub fn has_output(&self) -> bool {
+        !self.transmits.is_empty() || !self.events.is_empty() || !self.wanted.is_empty()
+    }
+
     /// The next batch to send, if any.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         self.transmits.pop_front()

@@ -35,14 +35,15 @@ pub struct RulesCell {
     current: ArcSwapOption<Snapshot>,
 }
 
-/// Per-thread cache entries: (cell id, generation, snapshot).
-const CACHED: usize = 4;
+/// Per-thread cache: direct-mapped by cell id, (cell id, generation,
+/// snapshot). Large enough that a process holding hundreds of agents (the
+/// simulator) mostly hits too.
+const CACHED: usize = 256;
 
 type Entry = (u64, u64, Option<Arc<Snapshot>>);
 
 thread_local! {
-    static CACHE: RefCell<([Entry; CACHED], usize)> =
-        const { RefCell::new(([(0, 0, None), (0, 0, None), (0, 0, None), (0, 0, None)], 0)) };
+    static CACHE: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
 }
 
 impl RulesCell {
@@ -107,22 +108,16 @@ impl RulesCell {
                 // Re-entered from inside `f` (not done by this crate): no cache.
                 return f(self.current.load_full().as_deref());
             };
-            let (entries, next) = &mut *c;
-            if let Some(e) = entries.iter().find(|e| e.0 == self.id && e.1 == generation) {
-                return f(e.2.as_deref());
+            if c.is_empty() {
+                c.resize(CACHED, (0, 0, None));
             }
-            // A publish since this thread last looked (or first look): refresh.
-            let snap = self.current.load_full();
-            let i = match entries.iter().position(|e| e.0 == self.id) {
-                Some(i) => i,
-                None => {
-                    let i = *next;
-                    *next = (*next + 1) % CACHED;
-                    i
-                }
-            };
-            entries[i] = (self.id, generation, snap);
-            f(entries[i].2.as_deref())
+            let e = &mut c[(self.id as usize) % CACHED];
+            if e.0 != self.id || e.1 != generation {
+                // A publish since this thread last looked, a first look, or
+                // another cell in this entry: refresh.
+                *e = (self.id, generation, self.current.load_full());
+            }
+            f(e.2.as_deref())
         })
     }
 }

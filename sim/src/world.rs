@@ -1106,11 +1106,11 @@ impl World {
             self.agent_pump(a.agent);
             return;
         };
-        if slow {
-            // Emergency buckets opened, keys asked for.
+        // Emergency buckets opened or keys asked for: pump (a plain denial
+        // leaves the core nothing to do).
+        if slow && (emergency || agent.core().has_output()) {
             self.agent_pump(a.agent);
         }
-        let _ = emergency;
         let region = self.agents[a.agent as usize].region as usize;
         let sec = (t / SEC) as usize;
         let regions = usize::from(self.sc.regions.max(1));

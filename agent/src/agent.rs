@@ -216,6 +216,16 @@ pub struct FastAdmit {
 }
 
 impl FastAdmit {
+    /// Admitted because no rule matched.
+    fn no_rule(rule_version: u64) -> Self {
+        Self {
+            remaining: 0,
+            rule_index: None,
+            rule_version,
+            reason: Reason::NoRule,
+        }
+    }
+
     /// As a `quotalease.v1` response.
     pub fn to_response(&self, rules: &RuleSet) -> CheckResponse {
         CheckResponse {
@@ -733,12 +743,7 @@ impl Agent {
         let cost = u64::from(cost.max(1));
         if h.no_rule {
             inner.metrics.no_rule.add(1);
-            return Some(FastAdmit {
-                remaining: 0,
-                rule_index: None,
-                rule_version: rules.version,
-                reason: Reason::NoRule,
-            });
+            return Some(FastAdmit::no_rule(rules.version));
         }
         if h.slots
             .iter()
@@ -803,12 +808,7 @@ impl Agent {
         let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
         if m.is_empty() {
             inner.metrics.no_rule.add(1);
-            return Some(FastAdmit {
-                remaining: 0,
-                rule_index: None,
-                rule_version: rules.version,
-                reason: Reason::NoRule,
-            });
+            return Some(FastAdmit::no_rule(rules.version));
         }
         for &i in m.indices() {
             let r = &rules.rules[i as usize];

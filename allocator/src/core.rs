@@ -391,7 +391,6 @@ impl AllocatorCore {
                 "header.incarnation: older than the holder's current one",
             );
             reply.holder_incarnation = current;
-            reply.request_digest = digest;
             return reply;
         }
         if header.incarnation > holder.incarnation {
@@ -418,25 +417,21 @@ impl AllocatorCore {
                 seq,
                 "lease request repeats a sequence number with other content; refused"
             );
-            let mut reply = self.refuse(
+            return self.refuse(
                 batch,
                 seq,
                 GrantStatus::SeqConflict,
                 "header.seq: repeated with other content",
             );
-            reply.request_digest = digest;
-            return reply;
         }
         if seq <= holder.floor {
             self.stats.stale += 1;
-            let mut reply = self.refuse(
+            return self.refuse(
                 batch,
                 seq,
                 GrantStatus::Stale,
                 "header.seq: older than the duplicate window",
             );
-            reply.request_digest = digest;
-            return reply;
         }
         let holder_id = holder.id;
         let ttl_ns = if batch.ttl_ms == 0 {
@@ -490,7 +485,8 @@ impl AllocatorCore {
                 .collect(),
             rules: None,
             holder_incarnation: 0,
-            request_digest: 0,
+            // Refusals answer this request too: the requester matches them.
+            request_digest: quotalease_proto::request_digest(batch),
         }
     }
 

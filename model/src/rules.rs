@@ -218,7 +218,7 @@ impl Pattern {
     pub fn matches(&self, v: &str) -> bool {
         match self {
             Pattern::Any | Pattern::PerValue => true,
-            Pattern::Exact(s) => s == v,
+            Pattern::Exact(s) => crate::key::str_eq(s, v),
         }
     }
 

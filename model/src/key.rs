@@ -121,7 +121,8 @@ mod tests {
         let base = "abcdefghijklmnopqrstuvwxyz0123456789";
         for n in 0..=base.len() {
             let a = &base[..n];
-            assert!(str_eq(a, &a.to_string()), "{n}");
+            let copy = String::from(a);
+            assert!(str_eq(a, copy.as_str()), "{n}");
             for i in 0..n {
                 let mut b = a.as_bytes().to_vec();
                 b[i] ^= 1;

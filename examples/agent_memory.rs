@@ -275,26 +275,6 @@ fn run_allocator(n: usize) -> Run {
     }
 }
 
-/// Same field types as the agent core's private `KeyState` (agent/src/core.rs):
-/// an estimate of its size (the compiler may order fields differently, the
-/// sum of sizes and padding comes out the same here).
-#[allow(dead_code)]
-struct KeyStateEstimate {
-    slot: Arc<Slot>,
-    key: KeyId,
-    lease_id: u64,
-    granted: u64,
-    generation: u64,
-    baseline: u64,
-    usage: Usage,
-    in_flight: Option<(u64, u64, u64)>,
-    refused: Option<(GrantStatus, String)>,
-    holders: u64,
-    emergency: Option<(u64, TokenBucket)>,
-    quiet_until_ns: u64,
-    seen_word: u64,
-}
-
 fn sizes() {
     use std::mem::{align_of, size_of};
     let slot = size_of::<Slot>();
@@ -313,7 +293,7 @@ fn sizes() {
         size_of::<tokio::sync::Notify>()
     );
     println!(
-        "  agent  KeyId (3 Strings, owned)     {:>4} (+ heap for the bytes; held twice by the agent: table key, core KeyState)",
+        "  agent  KeyId (3 Strings, owned)     {:>4} (+ heap for the bytes; the agent holds the key twice: table key, Slot strings)",
         size_of::<KeyId>()
     );
     println!(
@@ -321,16 +301,15 @@ fn sizes() {
         size_of::<(KeyId, Arc<Slot>)>()
     );
     println!(
-        "  agent  core KeyState (estimated)    {:>4} (private: same field types; map entry (u64, KeyState) {})",
-        size_of::<KeyStateEstimate>(),
-        size_of::<(u64, KeyStateEstimate)>()
+        "  agent  core KeyState map entry      {:>4} (AgentCore::KEY_STATE_BYTES: (slot id, KeyState))",
+        quotalease_agent::core::AgentCore::KEY_STATE_BYTES
     );
     println!(
         "  agent  renewal::Usage               {:>4}",
         size_of::<Usage>()
     );
     println!(
-        "  agent  Option<(u64, TokenBucket)>   {:>4} (emergency bucket, inline)",
+        "  agent  Option<(u64, TokenBucket)>   {:>4} (an emergency bucket, boxed in KeyState)",
         size_of::<Option<(u64, TokenBucket)>>()
     );
     println!(

@@ -39,7 +39,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, KeyId, Lookup, Slot, Table};
+use crate::lease_table::{pack, KeyRef, Lookup, Slot, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
@@ -103,8 +103,9 @@ pub struct Transmit {
 /// Renewal-side state of one key (never touched by the request fast path).
 #[derive(Debug)]
 struct KeyState {
+    /// The key's slot (which also holds the key's parts: the core keeps no
+    /// copy of its own).
     slot: Arc<Slot>,
-    key: KeyId,
     lease_id: u64,
     /// Tokens of the lease as the allocator records them.
     granted: u64,
@@ -114,11 +115,12 @@ struct KeyState {
     usage: Usage,
     in_flight: Option<InFlight>,
     /// Set when the allocator refused the key (unknown rule, key limit...).
-    refused: Option<(GrantStatus, String)>,
+    refused: Option<Box<(GrantStatus, String)>>,
     /// Holders of this key at the allocator, as of the last grant.
     holders: u64,
     /// Fail-open emergency bucket of the current outage: (outage, bucket).
-    emergency: Option<(u64, TokenBucket)>,
+    /// Boxed: rare, and most keys never have one.
+    emergency: Option<Box<(u64, TokenBucket)>>,
     /// The tick may skip this key before this instant if its word still
     /// reads `seen_word` and nothing waits or was denied.
     quiet_until_ns: u64,
@@ -223,6 +225,10 @@ impl AgentCore {
         }
     }
 
+    /// Bytes of the core's per-key renewal state (for memory accounting;
+    /// `examples/agent_memory.rs` prints it).
+    pub const KEY_STATE_BYTES: usize = std::mem::size_of::<(u64, KeyState)>();
+
     /// The incarnation sent now.
     pub fn incarnation(&self) -> u64 {
         self.incarnation
@@ -263,7 +269,6 @@ impl AgentCore {
         };
         self.keys.entry(slot.id()).or_insert_with(|| KeyState {
             slot: slot.clone(),
-            key: key.0.to_key_id(),
             lease_id: 0,
             granted: 0,
             generation: 0,
@@ -281,7 +286,9 @@ impl AgentCore {
 
     /// Why the allocator refused this key, if it did.
     pub fn refused(&self, slot: &Slot) -> Option<(GrantStatus, String)> {
-        self.keys.get(&slot.id()).and_then(|k| k.refused.clone())
+        self.keys
+            .get(&slot.id())
+            .and_then(|k| k.refused.as_deref().cloned())
     }
 
     /// A request waits for `slot`'s next grant (`cost` more tokens): it
@@ -301,7 +308,7 @@ impl AgentCore {
         let cfg = self.cfg.emergency;
         let record = self.cfg.record_emergency;
         let k = self.keys.get_mut(&slot.id())?;
-        if k.emergency.as_ref().is_none_or(|(o, _)| *o != outage) {
+        if k.emergency.as_deref().is_none_or(|(o, _)| *o != outage) {
             let (rate, burst) = emergency_size(&cfg, rule, k.usage.admitted_rate, k.holders);
             if record {
                 self.events
@@ -314,9 +321,9 @@ impl AgentCore {
                         burst,
                     }));
             }
-            k.emergency = Some((outage, TokenBucket::new_full(rate, burst, t)));
+            k.emergency = Some(Box::new((outage, TokenBucket::new_full(rate, burst, t))));
         }
-        let (_, bucket) = k.emergency.as_mut().expect("created above");
+        let (_, bucket) = &mut **k.emergency.as_mut().expect("created above");
         bucket.try_acquire(cost, t).ok()
     }
 
@@ -325,7 +332,7 @@ impl AgentCore {
         if let Some((_, bucket)) = self
             .keys
             .get_mut(&slot.id())
-            .and_then(|k| k.emergency.as_mut())
+            .and_then(|k| k.emergency.as_deref_mut())
         {
             bucket.refund(cost, t);
         }
@@ -673,7 +680,8 @@ impl AgentCore {
         let table = self.table.pin();
         for id in forget {
             if let Some(k) = self.keys.remove(&id) {
-                table.remove(&k.key);
+                let s = &k.slot;
+                table.remove(&Lookup(KeyRef::new(s.rule_id(), s.tenant(), s.route())));
             }
         }
         // Items in key order, whatever the hash order: the allocator's fair
@@ -809,7 +817,7 @@ impl AgentCore {
                 return Installed::AskAgain;
             }
             other => {
-                k.refused = Some((other, g.detail.clone()));
+                k.refused = Some(Box::new((other, g.detail.clone())));
                 slot.set_dry_until(t + 1_000_000_000);
                 return Installed::Done;
             }
@@ -1072,7 +1080,11 @@ fn plan_key(
             }
             // Keep a key whose emergency bucket serves the current outage:
             // dropping it would start a full bucket again.
-            if ctx.down && k.emergency.as_ref().is_some_and(|(o, _)| *o == ctx.outage) {
+            if ctx.down
+                && k.emergency
+                    .as_deref()
+                    .is_some_and(|(o, _)| *o == ctx.outage)
+            {
                 return;
             }
             let (left, new_gen) = slot.word.retire();

@@ -281,7 +281,7 @@ fn sizes() {
     let arc_inner = (2 * size_of::<usize>()).next_multiple_of(align_of::<Slot>()) + slot;
     println!("size_of (bytes):");
     println!(
-        "  agent  lease_table::Slot            {slot:>4} (align {}; LeaseWord {} = two 128-byte lines)",
+        "  agent  lease_table::Slot            {slot:>4} (align {}; LeaseWord {} = one 64-byte line)",
         align_of::<Slot>(),
         size_of::<LeaseWord>()
     );

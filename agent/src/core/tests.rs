@@ -187,3 +187,18 @@ fn a_stale_reply_asks_again_under_a_new_seq_without_settling_the_key() {
     assert_eq!(slot.settles(), settles + 1);
     assert!(slot.word.peek(T0 + 4 * MS).is_some_and(|t| t >= 1));
 }
+
+#[test]
+fn a_protocol_1_allocator_reply_without_a_digest_is_accepted() {
+    // Version-1 allocators send no `request_digest` (0): the seq and the
+    // grant count still have to match, and then the reply applies.
+    let (mut c, rules) = core(8);
+    let first = want(&mut c, &rules, "k", T0);
+    let mut reply = grant_all(&first[0]);
+    reply.request_digest = 0;
+    reply.protocol_version = 1;
+    c.handle_reply(T0 + MS, first[0].seq, reply);
+    let slot = c.slot_for(&rules.rules[0], "k", "").unwrap();
+    assert!(slot.word.peek(T0 + 2 * MS).is_some_and(|t| t >= 1));
+    assert_eq!(c.metrics.mismatched_replies.get(), 0);
+}

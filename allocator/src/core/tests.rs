@@ -421,3 +421,29 @@ fn processes_sharing_an_agent_id_are_distinct_holders_by_instance() {
     assert_ne!(steal.grants[0].carried, 4, "b must not carry a's lease");
     assert_eq!(c.key_view(T + MS, &key).unwrap().holders.len(), 3);
 }
+
+#[test]
+fn a_protocol_1_agent_without_an_instance_is_one_holder_as_before() {
+    // Version-1 agents send no instance (0) and ignore the digest: each
+    // agent id is one holder, as in version 1, and duplicates still hit
+    // the cache.
+    let mut c = core_at(T, true);
+    let mut b = batch(
+        "old",
+        1,
+        1,
+        vec![renew("orders", "t", "/api/orders", 0, 0, 3)],
+    );
+    b.header.as_mut().unwrap().protocol_version = 1;
+    let r = c.handle(T, &b);
+    assert_eq!(r.grants[0].status, GrantStatus::Granted as i32);
+    assert_eq!(c.handle(T + MS, &b), r, "a duplicate gets the cached reply");
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "t".into(),
+        route: "/api/orders".into(),
+    };
+    let v = c.key_view(T + MS, &key).unwrap();
+    assert_eq!(v.holders.len(), 1);
+    assert_eq!(v.holders[0].0.instance, 0);
+}

@@ -125,6 +125,10 @@ struct KeyState {
     /// reads `seen_word` and nothing waits or was denied.
     quiet_until_ns: u64,
     seen_word: u64,
+    /// Idle (nothing spent for a second or more) at the last visit: the
+    /// tick skips it until `quiet_until_ns` without even reading its slot
+    /// (a request that finds its lease short asks through `want` anyway).
+    parked: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -280,6 +284,7 @@ impl AgentCore {
             emergency: None,
             quiet_until_ns: 0,
             seen_word: u64::MAX,
+            parked: false,
         });
         Some(slot)
     }
@@ -980,20 +985,26 @@ fn plan_key(
     may_release: bool,
     ctx: &mut PlanCtx,
 ) {
-    let slot = k.slot.clone();
+    // An idle key is skipped by the tick until its plan can change,
+    // without touching its slot: a tick over many cold keys costs a walk
+    // over the core's own compact entries.
+    if may_release && !ctx.rules_changed && k.parked && t < k.quiet_until_ns {
+        return;
+    }
     // A quiet key (nothing spent, denied or waiting since the last visit)
     // is skipped until the planner's answer can change: a tick costs
     // O(active keys) of work, not O(keys held).
-    let (gen, tokens) = slot.word.load();
+    let (gen, tokens) = k.slot.word.load();
     let packed = pack(gen, tokens);
     if !ctx.rules_changed
         && t < k.quiet_until_ns
         && k.seen_word == packed
-        && slot.waiting() == 0
-        && slot.denied_peek() == 0
+        && k.slot.waiting() == 0
+        && k.slot.denied_peek() == 0
     {
         return;
     }
+    let slot = k.slot.clone();
     if gen == k.generation {
         let consumed = k.baseline.saturating_sub(tokens);
         k.usage.since_tick += consumed;
@@ -1043,6 +1054,10 @@ fn plan_key(
         0
     };
     k.seen_word = packed;
+    let idle_ns = cfg.plan.ewma_tau.as_nanos() as u64;
+    k.parked = k.quiet_until_ns > t
+        && k.usage.last_active_ns.saturating_add(idle_ns) <= t
+        && slot.waiting() == 0;
     match decision {
         Plan::Wait => {}
         Plan::Renew { want } => {

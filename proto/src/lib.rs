@@ -85,17 +85,73 @@ pub fn random_instance() -> u64 {
 /// bytes). The allocator keeps it beside each cached reply and refuses a
 /// repeated sequence number whose digest differs; replies echo it so an
 /// agent can tell a reply to its own request from any other. It guards
-/// against mistakes, not adversaries.
+/// against mistakes, not adversaries. Part of the protocol: adjacent
+/// releases must compute the same value (a test pins one).
 pub fn request_digest(batch: &lease::LeaseBatch) -> u64 {
     use prost::Message;
-    let bytes = batch.encode_to_vec();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    thread_local! {
+        // Reused: the allocator digests every batch it handles.
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    // 0 means "no digest" on the wire.
-    h.max(1)
+    BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.clear();
+        batch
+            .encode(&mut *buf)
+            .expect("encoding into a Vec cannot run out of room");
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in buf.iter() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // 0 means "no digest" on the wire.
+        h.max(1)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_digest_is_pinned_across_releases() {
+        let batch = lease::LeaseBatch {
+            header: Some(lease::RequestHeader {
+                agent_id: "a".into(),
+                incarnation: 1,
+                seq: 2,
+                protocol_version: 2,
+                rules_version: 3,
+                instance: 4,
+            }),
+            items: vec![lease::LeaseItem {
+                rule_id: "r".into(),
+                tenant: "t".into(),
+                want: 5,
+                ..lease::LeaseItem::default()
+            }],
+            ttl_ms: 2000,
+        };
+        let d = request_digest(&batch);
+        assert_eq!(d, request_digest(&batch.clone()));
+        // FNV-1a over the encoding, written out once more.
+        let fnv = prost::Message::encode_to_vec(&batch)
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+            });
+        assert_eq!(d, fnv.max(1));
+        assert_eq!(
+            d, PINNED_DIGEST,
+            "changing the digest breaks adjacent releases"
+        );
+        let mut other = batch;
+        other.items[0].want = 6;
+        assert_ne!(request_digest(&other), d);
+    }
+
+    /// `request_digest` of the batch above, as protocol version 2 defines it.
+    const PINNED_DIGEST: u64 = 323_750_039_298_753_092;
 }
 
 /// Largest gRPC message either side decodes (SPEC §8).

@@ -616,3 +616,129 @@ async fn handles_and_the_slow_path_charge_all_or_none() {
     }
     assert_eq!(wide, 47);
 }
+
+const PER_TENANT_4: &str = r#"
+rules:
+  - id: per-tenant
+    match: { tenant: "*" }
+    rate: 1/m
+    burst: 4
+    fail_policy: lease_only
+"#;
+
+/// `check_fast` resolves a request shape once per thread and caches it
+/// (agent/src/shapes.rs, 512 entries a thread, direct-mapped). With far
+/// more shapes than entries, interleaved so that they keep evicting each
+/// other, every admission still charges its own key: each of 1 500
+/// tenants of a burst-4 rule (1/m: no refill during the test) is admitted
+/// exactly 4 times, through the fast path or the slow one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_shapes_charge_their_own_key_under_collisions() {
+    const TENANTS: usize = 1_500;
+    let (a, _shared) = start_with(PER_TENANT_4);
+    wait_ready(&a).await;
+    let a = Arc::new(a);
+    let names: Arc<Vec<String>> = Arc::new((0..TENANTS).map(|i| format!("t-{i:05}")).collect());
+    let fast = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for part in 0..50 {
+        let (a, names, fast) = (a.clone(), names.clone(), fast.clone());
+        tasks.spawn(async move {
+            let mine: Vec<usize> = (part..TENANTS).step_by(50).collect();
+            let mut admitted = vec![0u32; mine.len()];
+            let mut open: Vec<usize> = (0..mine.len()).collect();
+            while !open.is_empty() {
+                let mut still = Vec::new();
+                for &j in &open {
+                    let i = input(&names[mine[j]], "/x");
+                    let allowed = if a.check_fast(&i).is_some() {
+                        fast.fetch_add(1, Ordering::Relaxed);
+                        true
+                    } else {
+                        a.check(i).await.expect("valid input").allowed
+                    };
+                    if allowed {
+                        admitted[j] += 1;
+                        still.push(j);
+                    }
+                    assert!(
+                        admitted[j] <= 4,
+                        "{} admitted {}",
+                        names[mine[j]],
+                        admitted[j]
+                    );
+                }
+                open = still;
+            }
+            for (j, n) in admitted.iter().enumerate() {
+                assert_eq!(*n, 4, "{} admitted {n} of its burst 4", names[mine[j]]);
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.expect("a checking task panicked");
+    }
+    assert!(
+        fast.load(Ordering::Relaxed) > 0,
+        "some admissions came from the fast path (else the cache was not exercised)"
+    );
+}
+
+/// A key the agent forgets (idle release) has its lease word retired; a
+/// thread that cached its shape must not charge the retired word, and must
+/// find the key's new slot once the slow path opens it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_shapes_follow_a_forgotten_key_to_its_new_slot() {
+    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
+    let shared = Shared::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules,
+        None,
+    );
+    let cfg = AgentConfig {
+        plan: PlanConfig {
+            idle_release: Duration::from_millis(200),
+            ..PlanConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let a = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
+    wait_ready(&a).await;
+    let rt = tokio::runtime::Handle::current();
+    // One OS thread does every check, so one thread's shape cache is
+    // followed through the whole story.
+    std::thread::spawn(move || {
+        let i = input("forgotten", "/x");
+        let fast_after_slow = |what: &str| {
+            for _ in 0..200 {
+                if a.check_fast(&i).is_some() {
+                    return;
+                }
+                assert!(rt.block_on(a.check(i)).expect("valid").allowed);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            panic!("{what}: the fast path never admitted");
+        };
+        fast_after_slow("first open");
+        assert_eq!(a.key_count(), 1);
+        // Idle: released and forgotten (its word retired).
+        for _ in 0..500 {
+            if a.key_count() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(a.key_count(), 0, "the idle key was not forgotten");
+        assert!(
+            a.check_fast(&i).is_none(),
+            "the cached shape charged a forgotten key's retired word"
+        );
+        fast_after_slow("after the key was forgotten");
+        assert_eq!(a.key_count(), 1);
+    })
+    .join()
+    .expect("the checking thread panicked");
+}

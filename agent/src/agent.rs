@@ -36,8 +36,9 @@ use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
 pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, Table};
-use crate::metrics::{AgentMetrics, Counter, RuleCounterSet, RuleCounters};
+use crate::metrics::{self, AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
+use crate::shapes;
 use crate::snapshot::{RulesCell, Snapshot};
 use crate::transport::Transport;
 
@@ -289,17 +290,75 @@ fn match_rules(
 pub struct KeyHandle {
     /// The rules' generation at resolve time.
     generation: u64,
-    snap: Arc<Snapshot>,
+    /// Their version (what answers report).
+    version: u64,
     /// (rule index, slot) of each non-shadow matched rule.
     slots: Vec<(u32, Arc<Slot>)>,
+    /// Their rules' counters, in the same order.
+    counters: Vec<Arc<RuleCounters>>,
+    /// The largest cost the fast path may charge: the smallest burst of
+    /// the rules in `slots` (a larger one is decided by the slow path).
+    max_cost: u64,
     any_shadow: bool,
     no_rule: bool,
 }
 
 impl KeyHandle {
-    fn matched(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slots.iter().map(|(ri, _)| *ri)
+    /// A handle for the rules `m` matched in `snap`, whose non-shadow keys
+    /// have these slots.
+    fn new(generation: u64, snap: &Snapshot, m: &Matched, slots: Vec<(u32, Arc<Slot>)>) -> Self {
+        let max_cost = slots
+            .iter()
+            .map(|(ri, _)| snap.rules.rules[*ri as usize].burst)
+            .min()
+            .unwrap_or(u64::MAX);
+        let counters = slots
+            .iter()
+            .filter_map(|(ri, _)| snap.counters.rules.get(*ri as usize))
+            .map(|(_, c)| c.clone())
+            .collect();
+        Self {
+            generation,
+            version: snap.rules.version,
+            any_shadow: m.any_shadow(),
+            no_rule: m.is_empty(),
+            max_cost,
+            slots,
+            counters,
+        }
     }
+
+    /// The rules' generation this handle was resolved for.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+}
+
+/// Take `cost` from every slot's lease, all or none: (the smallest
+/// remainder, its rule index), or None (nothing charged).
+fn take_all(slots: &[(u32, Arc<Slot>)], cost: u64, now: u64) -> Option<(u64, usize)> {
+    let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
+    let mut min = (u64::MAX, slots.first().map_or(0, |s| s.0 as usize));
+    for (j, (ri, slot)) in slots.iter().enumerate() {
+        match slot.word.try_take(cost, now) {
+            Take::Taken {
+                generation,
+                remaining,
+            } => {
+                taken[j] = generation;
+                if remaining < min.0 {
+                    min = (remaining, *ri as usize);
+                }
+            }
+            Take::Short { .. } | Take::NoLease => {
+                for ((_, s), &generation) in slots[..j].iter().zip(&taken[..j]) {
+                    s.word.refund(generation, cost);
+                }
+                return None;
+            }
+        }
+    }
+    Some(min)
 }
 
 /// Count an admission for every rule (by index) a request matched.
@@ -680,12 +739,47 @@ impl Agent {
     /// between reading the clock and charging (docs/protocol.md,
     /// "Clocks"): pass a reading taken for this request, never one cached
     /// across requests.
-    #[inline]
+    #[inline(always)]
     pub fn check_fast_at(&self, input: &CheckInput<'_>, now: u64) -> Option<FastAdmit> {
         let cost = validate(input).ok()?;
-        self.inner
-            .rules
-            .with(|snap| self.fast_with(snap?, input, cost, now))
+        let rules = &self.inner.rules;
+        let generation = rules.generation();
+        // A shape seen before on this thread: its handle, from the thread's
+        // cache (see `shapes`). A `None` from it (short, expired, retired)
+        // drops the entry: the shape is resolved again next time (a retired
+        // key has a new slot by then).
+        shapes::with(
+            rules.id(),
+            generation,
+            input.domain,
+            input.tenant,
+            input.route,
+            #[inline(always)]
+            |h| self.charge_handle(h, cost, now),
+            || self.fast_uncached(input, cost, now, generation),
+        )
+    }
+
+    /// [`Agent::check_fast_at`] on a shape this thread has no handle for:
+    /// resolve it from the lease table and charge it (the handle is then
+    /// cached), or decide without a handle (shadow rules, a key not held).
+    #[inline(never)]
+    fn fast_uncached(
+        &self,
+        input: &CheckInput<'_>,
+        cost: u64,
+        now: u64,
+        generation: u64,
+    ) -> (Option<FastAdmit>, Option<KeyHandle>) {
+        self.inner.rules.with(|snap| {
+            let Some(snap) = snap else {
+                return (None, None);
+            };
+            match self.resolve_held(snap, generation, input) {
+                Some(h) => (self.charge_handle(&h, cost, now), Some(h)),
+                None => (self.fast_with(snap, input, cost, now), None),
+            }
+        })
     }
 
     /// Resolve a request shape (tenant, route, domain) once, for
@@ -695,6 +789,7 @@ impl Agent {
     /// request. Errors as [`Agent::check`] would (invalid input, no rules).
     pub fn resolve(&self, input: &CheckInput<'_>) -> Result<KeyHandle, CheckError> {
         validate(input)?;
+        let generation = self.inner.rules.generation();
         let Some(snap) = self.inner.rules.load_full() else {
             return Err(CheckError::Unavailable(
                 "no rules yet: the allocator has not been reached".into(),
@@ -716,13 +811,31 @@ impl Agent {
             slots.push((ri, slot));
         }
         drop(core);
-        Ok(KeyHandle {
-            generation: self.inner.rules.generation(),
-            any_shadow: m.any_shadow(),
-            no_rule: m.is_empty(),
-            snap,
-            slots,
-        })
+        Ok(KeyHandle::new(generation, &snap, &m, slots))
+    }
+
+    /// [`Agent::resolve`] for the fast path: the slots of keys the lease
+    /// table holds already, no lock, nothing created. None when the shape
+    /// matches a shadow rule (the fast path charges those separately), a
+    /// key has no slot yet, or too many rules match.
+    fn resolve_held(
+        &self,
+        snap: &Arc<Snapshot>,
+        generation: u64,
+        input: &CheckInput<'_>,
+    ) -> Option<KeyHandle> {
+        let m = match_rules(&snap.rules, input.domain, input.tenant, input.route).ok()?;
+        if m.any_shadow() {
+            return None;
+        }
+        let table = self.inner.table.pin();
+        let mut slots = Vec::with_capacity(m.len());
+        for &ri in m.indices() {
+            let rule = &snap.rules.rules[ri as usize];
+            let slot = table.get(&Lookup::of(rule, input.tenant, input.route))?;
+            slots.push((ri, slot.clone()));
+        }
+        Some(KeyHandle::new(generation, snap, &m, slots))
     }
 
     /// The fast path for a resolved shape at a caller-read time (see
@@ -733,47 +846,55 @@ impl Agent {
     /// lease word is retired): then nothing was charged; call
     /// [`Agent::check`] and, if rules changed, resolve again. Shapes that
     /// match shadow rules always take the slow path.
-    #[inline]
+    // Always inlined: returned through memory, the answer's fields cost a
+    // store-forwarding stall in the caller that doubles the decision.
+    #[inline(always)]
     pub fn check_handle(&self, h: &KeyHandle, cost: u32, now: u64) -> Option<FastAdmit> {
-        let inner = &*self.inner;
-        if h.any_shadow || h.generation != inner.rules.generation() {
+        if h.any_shadow || h.generation != self.inner.rules.generation() {
             return None;
         }
-        let rules = &*h.snap.rules;
-        let cost = u64::from(cost.max(1));
+        self.charge_handle(h, u64::from(cost.max(1)), now)
+    }
+
+    /// Charge a current handle without shadow rules: one CAS per rule.
+    #[inline(always)]
+    fn charge_handle(&self, h: &KeyHandle, cost: u64, now: u64) -> Option<FastAdmit> {
+        let inner = &*self.inner;
+        let version = h.version;
         if h.no_rule {
             inner.metrics.no_rule.add(1);
-            return Some(FastAdmit::no_rule(rules.version));
+            return Some(FastAdmit::no_rule(version));
         }
-        if h.slots
-            .iter()
-            .any(|(ri, _)| cost > rules.rules[*ri as usize].burst)
-        {
+        if cost > h.max_cost {
             return None;
         }
-        let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
-        let mut min = (u64::MAX, h.slots.first().map_or(0, |s| s.0 as usize));
-        for (j, (ri, slot)) in h.slots.iter().enumerate() {
-            match slot.word.try_take(cost, now) {
-                Take::Taken {
-                    generation,
-                    remaining,
-                } => {
-                    taken[j] = generation;
-                    if remaining < min.0 {
-                        min = (remaining, *ri as usize);
-                    }
-                }
-                Take::Short { .. } | Take::NoLease => {
-                    // All or none.
-                    for ((_, s), &generation) in h.slots[..j].iter().zip(&taken[..j]) {
-                        s.word.refund(generation, cost);
-                    }
-                    return None;
-                }
-            }
+        let (remaining, rule_index) = match h.slots.as_slice() {
+            // The common shape: one rule, one word.
+            [(ri, slot)] => match slot.word.try_take(cost, now) {
+                Take::Taken { remaining, .. } => (remaining, *ri as usize),
+                Take::Short { .. } | Take::NoLease => return None,
+            },
+            slots => take_all(slots, cost, now)?,
+        };
+        if inner.admission_log.is_some() {
+            self.log_handle(h, cost, now);
         }
-        if let Some(log) = &inner.admission_log {
+        let thread = metrics::thread_index();
+        inner.metrics.allowed.add_at(thread, 1);
+        for c in &h.counters {
+            c.allowed.add_at(thread, 1);
+        }
+        Some(FastAdmit {
+            remaining,
+            rule_index: Some(rule_index),
+            rule_version: version,
+            reason: Reason::Ok,
+        })
+    }
+
+    #[cold]
+    fn log_handle(&self, h: &KeyHandle, cost: u64, now: u64) {
+        if let Some(log) = &self.inner.admission_log {
             let mut w = log.lock();
             for (_, slot) in &h.slots {
                 let _ = writeln!(
@@ -785,17 +906,8 @@ impl Agent {
                 );
             }
         }
-        inner.metrics.allowed.add(1);
-        count_admitted(&h.snap.counters, h.matched());
-        Some(FastAdmit {
-            remaining: if min.0 == u64::MAX { 0 } else { min.0 },
-            rule_index: Some(min.1),
-            rule_version: rules.version,
-            reason: Reason::Ok,
-        })
     }
 
-    #[inline]
     fn fast_with(
         &self,
         snap: &Snapshot,

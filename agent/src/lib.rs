@@ -16,6 +16,7 @@ pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;
 pub mod renewal;
+pub(crate) mod shapes;
 pub mod snapshot;
 pub mod transport;
 

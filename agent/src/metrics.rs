@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-/// Threads (the first ones to count, process-wide) that get a cell of their
-/// own in every counter: their adds are a plain load and store, no locked
-/// read-modify-write. Later threads share striped cells with `fetch_add`.
+/// Threads (this many alive at once; an exited thread's index is reused)
+/// that get a cell of their own in every counter: their adds are a plain
+/// load and store, no locked read-modify-write. Threads beyond share
+/// striped cells with `fetch_add`.
 const OWN_CELLS: usize = 16;
 const SHARED_CELLS: usize = 4;
 
@@ -27,31 +28,72 @@ pub struct Counter {
     shared: [Padded; SHARED_CELLS],
 }
 
-thread_local! {
-    static THREAD_INDEX: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+/// A thread's cell index; given back when the thread exits, so threads that
+/// come and go (a pool resizing, `spawn_blocking`) do not use up the own
+/// cells. Single writer still: the next owner of an index takes it from
+/// the free list after the previous one gave it back on exit (the lock
+/// orders the previous owner's last store before the next owner's load).
+struct ThreadIndex(usize);
+
+static FREE_INDICES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+impl Drop for ThreadIndex {
+    fn drop(&mut self) {
+        // Anything this thread counts from here on (other thread-locals'
+        // destructors) goes to a shared cell.
+        let _ = THREAD_INDEX.try_with(|i| i.set(OWN_CELLS));
+        FREE_INDICES.lock().push(self.0);
+    }
 }
 
-/// This thread's index, assigned once (never reused: a cell is written by
-/// one thread only, ever).
+thread_local! {
+    /// The index itself: a plain thread-local read on the request path.
+    static THREAD_INDEX: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+    /// Gives the index back when the thread exits.
+    static INDEX_GUARD: std::cell::RefCell<Option<ThreadIndex>> = const { std::cell::RefCell::new(None) };
+}
+
+/// This thread's index (held until the thread exits, then reused).
 #[inline]
-fn thread_index() -> usize {
+pub(crate) fn thread_index() -> usize {
     THREAD_INDEX.with(|s| {
         let i = s.get();
         if i != usize::MAX {
             return i;
         }
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let i = NEXT.fetch_add(1, Ordering::Relaxed) as usize;
-        s.set(i);
-        i
+        claim_index(s)
     })
+}
+
+#[cold]
+fn claim_index(cell: &std::cell::Cell<usize>) -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let free = FREE_INDICES.lock().pop();
+    let i = free.unwrap_or_else(|| NEXT.fetch_add(1, Ordering::Relaxed) as usize);
+    if INDEX_GUARD
+        .try_with(|g| *g.borrow_mut() = Some(ThreadIndex(i)))
+        .is_err()
+    {
+        // The thread is exiting: nothing would give the index back.
+        FREE_INDICES.lock().push(i);
+        cell.set(OWN_CELLS);
+        return OWN_CELLS;
+    }
+    cell.set(i);
+    i
 }
 
 impl Counter {
     /// Add `n`.
     #[inline]
     pub fn add(&self, n: u64) {
-        let i = thread_index();
+        self.add_at(thread_index(), n)
+    }
+
+    /// Add `n` from the thread whose [`thread_index`] is `i` (read once
+    /// for several counters).
+    #[inline]
+    pub(crate) fn add_at(&self, i: usize, n: u64) {
         match self.own.get(i) {
             // Single writer: this thread alone writes this cell.
             Some(c) => c.0.store(
@@ -367,5 +409,33 @@ impl AgentMetrics {
             );
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod thread_cells {
+    use super::*;
+
+    /// Threads that come and go reuse the own cells (none falls back to a
+    /// shared cell while fewer than OWN_CELLS live), and no count is lost.
+    #[test]
+    fn exited_threads_give_their_cells_back() {
+        let c = std::sync::Arc::new(Counter::default());
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..4 * OWN_CELLS {
+            let c = c.clone();
+            let i = std::thread::spawn(move || {
+                c.add(1);
+                thread_index()
+            })
+            .join()
+            .expect("counting thread");
+            seen.insert(i);
+        }
+        // One thread at a time: without reuse, 64 distinct indices (and
+        // all but the first few in shared cells). Other tests' threads may
+        // take a freed index now and then, never most of them.
+        assert!(seen.len() < OWN_CELLS, "indices used: {seen:?}");
+        assert_eq!(c.get(), 4 * OWN_CELLS as u64);
     }
 }

@@ -82,6 +82,11 @@ impl RulesCell {
         self.current.load().as_ref().map(|s| s.rules.clone())
     }
 
+    /// Unique per cell in this process (so per agent).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The generation: moves on at every publish.
     #[inline]
     pub fn generation(&self) -> u64 {
@@ -101,12 +106,12 @@ impl RulesCell {
     /// Run `f` on the snapshot in force, from this thread's cache when it
     /// is current (one atomic load, nothing written).
     #[inline]
-    pub fn with<R>(&self, f: impl FnOnce(Option<&Snapshot>) -> R) -> R {
+    pub fn with<R>(&self, f: impl FnOnce(Option<&Arc<Snapshot>>) -> R) -> R {
         let generation = self.generation.load(Ordering::Acquire);
         CACHE.with(|c| {
             let Ok(mut c) = c.try_borrow_mut() else {
                 // Re-entered from inside `f` (not done by this crate): no cache.
-                return f(self.current.load_full().as_deref());
+                return f(self.current.load_full().as_ref());
             };
             if c.is_empty() {
                 c.resize(CACHED, (0, 0, None));
@@ -117,7 +122,7 @@ impl RulesCell {
                 // another cell in this entry: refresh.
                 *e = (self.id, generation, self.current.load_full());
             }
-            f(e.2.as_deref())
+            f(e.2.as_ref())
         })
     }
 }

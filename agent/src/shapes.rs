@@ -1,0 +1,128 @@
+//! A per-thread cache of resolved request shapes, for `Agent::check_fast`.
+//!
+//! A shape is what decides which buckets a request draws from: (domain,
+//! tenant, route). Resolving one means matching every rule and looking up
+//! each matched rule's key in the lease table — hashing and comparing the
+//! key's strings once per rule. This cache does it once per shape and
+//! thread: a decision on a shape seen before hashes its strings once,
+//! compares them with the entry's, and charges the [`KeyHandle`] the entry
+//! holds (the same path as `Agent::check_handle`).
+//!
+//! Direct-mapped, [`ENTRIES`] per thread, keyed by (agent, shape). An entry
+//! is valid for one rules generation (the handle's). It holds the keys'
+//! slots by `Arc`: a key the agent forgets meanwhile has its word retired,
+//! the fast path answers `None` on it, and the caller drops the entry, so
+//! the next decision resolves the shape again and finds the key's new slot.
+//! Nothing here is shared between threads; nothing is written on a hit.
+
+use std::cell::RefCell;
+
+use quotalease_model::key::str_eq;
+
+use crate::agent::KeyHandle;
+
+/// Entries per thread (a power of two).
+const ENTRIES: usize = 512;
+
+struct Entry {
+    agent: u64,
+    domain: Option<Box<str>>,
+    tenant: Box<str>,
+    route: Box<str>,
+    handle: KeyHandle,
+}
+
+impl Entry {
+    #[inline]
+    fn is(&self, agent: u64, domain: Option<&str>, tenant: &str, route: &str) -> bool {
+        self.agent == agent
+            && str_eq(&self.tenant, tenant)
+            && str_eq(&self.route, route)
+            && match (&self.domain, domain) {
+                (None, None) => true,
+                (Some(a), Some(b)) => str_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+thread_local! {
+    static CACHE: RefCell<Vec<Option<Entry>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The shape's slot in this thread's cache: a cheap multiply-shift mix of
+/// each string's length and its first and last bytes (up to 8 of each).
+/// Only the index depends on it: shapes that collide evict each other
+/// (a slower decision, never a wrong one), since a hit compares every byte.
+#[inline]
+fn index(agent: u64, domain: Option<&str>, tenant: &str, route: &str) -> usize {
+    const BITS: u32 = ENTRIES.trailing_zeros();
+    let h = sample(tenant).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ sample(route).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+        ^ domain.map_or(0, sample).wrapping_mul(0x1656_67b1_9e37_79f9)
+        ^ agent.wrapping_mul(0x27d4_eb2f_1656_67c5);
+    (h.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - BITS)) as usize
+}
+
+/// Length and up to 16 bytes of `s` (its first and last 8) in one word.
+#[inline]
+fn sample(s: &str) -> u64 {
+    let b = s.as_bytes();
+    let n = b.len();
+    let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    let half = |i: usize| u64::from(u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes")));
+    let w = match n {
+        0 => 0,
+        1..=3 => u64::from(b[0]) | u64::from(b[n / 2]) << 8 | u64::from(b[n - 1]) << 16,
+        4..=7 => half(0) | half(n - 4) << 32,
+        _ => word(0) ^ word(n - 8).rotate_left(29),
+    };
+    w ^ (n as u64).rotate_right(8)
+}
+
+/// Decide with the shape's cached handle: `hit` on it when this thread
+/// has one for this agent and `generation` (a `None` from `hit` drops the
+/// entry: its handle can no longer charge); else `miss`, whose handle (if
+/// any) is cached for the shape. Neither may call back into this cache
+/// (they run under its borrow); a re-entered call runs `miss` uncached.
+#[inline(always)]
+pub(crate) fn with<R>(
+    agent: u64,
+    generation: u64,
+    domain: Option<&str>,
+    tenant: &str,
+    route: &str,
+    hit: impl FnOnce(&KeyHandle) -> Option<R>,
+    miss: impl FnOnce() -> (Option<R>, Option<KeyHandle>),
+) -> Option<R> {
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else {
+            return miss().0;
+        };
+        if c.is_empty() {
+            c.resize_with(ENTRIES, || None);
+        }
+        let e = &mut c[index(agent, domain, tenant, route)];
+        if let Some(cached) = e
+            .as_ref()
+            .filter(|e| e.handle.generation() == generation && e.is(agent, domain, tenant, route))
+        {
+            let r = hit(&cached.handle);
+            if r.is_none() {
+                *e = None;
+            }
+            return r;
+        }
+        let (r, handle) = miss();
+        if let Some(handle) = handle {
+            *e = Some(Entry {
+                agent,
+                domain: domain.map(Into::into),
+                tenant: tenant.into(),
+                route: route.into(),
+                handle,
+            });
+        }
+        r
+    })
+}

@@ -26,7 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, KeyId, Slot};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, Held, KeyId, Slot};
 use quotalease_agent::lease_table::LeaseWord;
 use quotalease_agent::renewal::{PlanConfig, Usage};
 use quotalease_agent::transport::InProcess;
@@ -281,27 +281,17 @@ fn sizes() {
     let arc_inner = (2 * size_of::<usize>()).next_multiple_of(align_of::<Slot>()) + slot;
     println!("size_of (bytes):");
     println!(
-        "  agent  lease_table::Slot            {slot:>4} (align {}; LeaseWord {} = one 64-byte line)",
+        "  agent  lease_table::Slot            {slot:>4} (align {}; LeaseWord {} first; key parts in one heap string)",
         align_of::<Slot>(),
         size_of::<LeaseWord>()
     );
+    println!("  agent  ArcInner<Slot> (one alloc)  {arc_inner:>4} (with the two counts)");
     println!(
-        "  agent  ArcInner<Slot> (one alloc)  {arc_inner:>4} (counts padded to the alignment)"
+        "  agent  table element Held          {:>4} (papaya set of slots: one heap node per element + a pointer and a tag byte in the table; no key copy)",
+        size_of::<Held>()
     );
     println!(
-        "  agent  tokio::sync::Notify (in Slot) {:>3}",
-        size_of::<tokio::sync::Notify>()
-    );
-    println!(
-        "  agent  KeyId (3 Strings, owned)     {:>4} (+ heap for the bytes; the agent holds the key twice: table key, Slot strings)",
-        size_of::<KeyId>()
-    );
-    println!(
-        "  agent  table entry (KeyId, Arc<Slot>) {:>3} (papaya: one heap node per entry + a pointer and a tag byte in the table)",
-        size_of::<(KeyId, Arc<Slot>)>()
-    );
-    println!(
-        "  agent  core KeyState map entry      {:>4} (AgentCore::KEY_STATE_BYTES: (slot id, KeyState))",
+        "  agent  core KeyState                {:>4} (AgentCore::KEY_STATE_BYTES; dense chunks + a slot id -> position map, 16 B a bucket)",
         quotalease_agent::core::AgentCore::KEY_STATE_BYTES
     );
     println!(

@@ -35,7 +35,7 @@ use tokio::sync::Notify;
 use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
-pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, Table};
+pub use crate::lease_table::{Held, KeyId, KeyRef, Lookup, Slot, Table};
 use crate::metrics::{self, AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
 use crate::shapes;
@@ -431,6 +431,12 @@ struct Inner {
     core: Mutex<AgentCore>,
     /// Wakes the tokio driver (a request waits for a key).
     wake: Notify,
+    /// Requests parked on a key's next grant wait on the waker of its
+    /// stripe ([`Inner::parked_on`]); a wake-up for another key of the
+    /// stripe only makes them look again (they wait on the key's settle
+    /// count). Striped rather than one per key: a waker per key held
+    /// would be most of a key's bytes.
+    parked: Box<[Notify]>,
     stop: AtomicBool,
     stopped: Notify,
     /// Emergency buckets opened (only with `record_emergency`), collected
@@ -438,6 +444,16 @@ struct Inner {
     emergency_log: Mutex<Vec<EmergencyOpened>>,
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
     admission_log: Option<Mutex<BufWriter<File>>>,
+}
+
+/// Wakers for parked requests (see `Inner::parked`).
+const PARKED_STRIPES: usize = 64;
+
+impl Inner {
+    /// The waker requests parked on `slot` wait on.
+    fn parked_on(&self, slot: &Slot) -> &Notify {
+        &self.parked[(slot.id() as usize) % self.parked.len()]
+    }
 }
 
 /// An emergency bucket opened for a fail-open key (SPEC §2 I3).
@@ -586,6 +602,7 @@ impl Agent {
             metrics,
             core: Mutex::new(core),
             wake: Notify::new(),
+            parked: (0..PARKED_STRIPES).map(|_| Notify::new()).collect(),
             stop: AtomicBool::new(false),
             stopped: Notify::new(),
             emergency_log: Mutex::new(Vec::new()),
@@ -607,7 +624,7 @@ impl Agent {
 
     pub(crate) fn note_event(&self, ev: Event) {
         match ev {
-            Event::Settled(slot) => slot.parked.notify_waiters(),
+            Event::Settled(slot) => self.inner.parked_on(&slot).notify_waiters(),
             Event::EmergencyOpened(e) => self.inner.emergency_log.lock().push(e),
         }
     }
@@ -833,7 +850,7 @@ impl Agent {
         for &ri in m.indices() {
             let rule = &snap.rules.rules[ri as usize];
             let slot = table.get(&Lookup::of(rule, input.tenant, input.route))?;
-            slots.push((ri, slot.clone()));
+            slots.push((ri, slot.0.clone()));
         }
         Some(KeyHandle::new(generation, snap, &m, slots))
     }
@@ -960,7 +977,7 @@ impl Agent {
                     attempt += 1;
                     let until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
                     loop {
-                        let parked = slot.parked.notified();
+                        let parked = inner.parked_on(&slot).notified();
                         tokio::pin!(parked);
                         parked.as_mut().enable();
                         if slot.settles() != seen {

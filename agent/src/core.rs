@@ -26,7 +26,7 @@
 //! unreachable only if no reply at all came back since it was first sent.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,7 +39,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, KeyRef, Lookup, Slot, Table};
+use crate::lease_table::{pack, Held, KeyRef, Lookup, Slot, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
@@ -162,7 +162,7 @@ pub struct AgentCore {
     table: Arc<Table>,
     rules: Arc<RulesCell>,
     metrics: Arc<AgentMetrics>,
-    keys: HashMap<u64, KeyState, foldhash::fast::FixedState>,
+    keys: KeySlab<KeyState>,
     /// Slots requests wait for since the last pass.
     wanted: Vec<Arc<Slot>>,
     pending: BTreeMap<u64, Pending>,
@@ -211,7 +211,7 @@ impl AgentCore {
             table,
             rules,
             metrics,
-            keys: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
+            keys: KeySlab::new(|k| k.slot.id()),
             wanted: Vec::new(),
             pending: BTreeMap::new(),
             late_releases: Vec::new(),
@@ -231,7 +231,7 @@ impl AgentCore {
 
     /// Bytes of the core's per-key renewal state (for memory accounting;
     /// `examples/agent_memory.rs` prints it).
-    pub const KEY_STATE_BYTES: usize = std::mem::size_of::<(u64, KeyState)>();
+    pub const KEY_STATE_BYTES: usize = std::mem::size_of::<KeyState>();
 
     /// The incarnation sent now.
     pub fn incarnation(&self) -> u64 {
@@ -261,17 +261,18 @@ impl AgentCore {
         let key = Lookup(crate::lease_table::KeyRef::new(&rule.id, tp, rp));
         let table = self.table.pin();
         let slot = match table.get(&key) {
-            Some(s) => s.clone(),
+            Some(s) => s.0.clone(),
             None => {
                 if table.len() >= self.cfg.max_keys {
                     return None;
                 }
-                table
-                    .get_or_insert_with(key.0.to_key_id(), || Arc::new(Slot::new(&rule.id, tp, rp)))
-                    .clone()
+                // The core alone inserts: nothing can have raced this one in.
+                let slot = Arc::new(Slot::new(&rule.id, tp, rp));
+                table.insert(Held(slot.clone()));
+                slot
             }
         };
-        self.keys.entry(slot.id()).or_insert_with(|| KeyState {
+        self.keys.get_or_insert_with(slot.id(), || KeyState {
             slot: slot.clone(),
             lease_id: 0,
             granted: 0,
@@ -1118,6 +1119,9 @@ fn plan_key(
         }
     }
 }
+
+mod key_slab;
+use key_slab::KeySlab;
 
 #[cfg(test)]
 mod tests;

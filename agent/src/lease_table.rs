@@ -65,15 +65,13 @@ pub enum Take {
     NoLease,
 }
 
-/// The atomic part of a key's lease: the word and its deadline, together
-/// on one 64-byte cache line of their own (nothing else of the slot shares
-/// it). They used to sit on two 128-byte lines; one line costs a quarter of
-/// the memory per key, and a decision touches both anyway (it reads the
-/// deadline and CASes the word), so on a hot key the line moves between
-/// cores once per decision either way (docs/benchmarks.md has the
-/// two-thread figures).
+/// The atomic part of a key's lease: the word and its deadline, side by
+/// side (a decision reads the deadline and CASes the word), at the front of
+/// the key's [`Slot`]. A slot is larger than a cache line, so two keys'
+/// words never share one; the slot's other atomics beside the word are
+/// written only on slow paths.
 #[derive(Debug)]
-#[repr(C, align(64))]
+#[repr(C)]
 pub struct LeaseWord {
     word: AtomicU64,
     deadline_ns: AtomicU64,
@@ -208,11 +206,12 @@ impl LeaseWord {
 // ---------------------------------------------------------------------------
 // Keys and slots
 
-pub use quotalease_model::key::{KeyId, KeyRef};
+use papaya::Equivalent;
+pub use quotalease_model::key::{str_eq, KeyId, KeyRef};
 
-/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`KeyId`]
-/// keys and compares part by part, so a lookup builds nothing. (papaya's
-/// `Equivalent` and both key types are foreign here, hence the wrapper.)
+/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`Held`]
+/// slots and compares part by part, so a lookup builds nothing. (papaya's
+/// `Equivalent` and the key type are foreign here, hence the wrapper.)
 #[derive(Clone, Copy, Debug, Hash)]
 pub struct Lookup<'a>(pub KeyRef<'a>);
 
@@ -224,13 +223,6 @@ impl<'a> Lookup<'a> {
     }
 }
 
-impl papaya::Equivalent<KeyId> for Lookup<'_> {
-    #[inline]
-    fn equivalent(&self, k: &KeyId) -> bool {
-        self.0 == *k
-    }
-}
-
 /// Source of slot ids: a slot removed from the table and created again for
 /// the same key is a different slot, so a late refund cannot land in it.
 static NEXT_SLOT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -238,14 +230,15 @@ static NEXT_SLOT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 /// One key held by the agent: what the request path reads and writes,
 /// atomics only. The renewal side of the key lives in the agent core
 /// ([`crate::core`]), which alone installs, cuts and retires the word.
+/// Compact (SPEC §9 counts the agent's bytes per key held): the key's
+/// parts in one allocation, no waker of its own (requests parked on a key
+/// wait on the agent's striped wakers, keyed by [`Slot::id`]).
 #[derive(Debug)]
+#[repr(C)]
 pub struct Slot {
-    /// The lease word (hot path).
+    /// The lease word (hot path), first.
     pub word: LeaseWord,
     id: u64,
-    rule_id: String,
-    tenant: String,
-    route: String,
     /// The allocator said the bucket is dry until then.
     dry_until_ns: std::sync::atomic::AtomicU64,
     /// Sum of the costs of requests waiting for this key's next grant.
@@ -253,13 +246,16 @@ pub struct Slot {
     /// Tokens asked for but denied since the last visit (demand the lease
     /// could not serve).
     denied: std::sync::atomic::AtomicU64,
-    /// The allocator is still opening this (never leased) key upstream.
-    opening: std::sync::atomic::AtomicBool,
     /// Counts the key's batches settled (answered or given up on): a parked
     /// request waits until it moves past what it saw when it registered.
     settles: std::sync::atomic::AtomicU64,
-    /// Requests of the tokio driver parked on this key's next grant.
-    pub parked: tokio::sync::Notify,
+    /// The key's parts, rule id then tenant then route, in one string.
+    key: Box<str>,
+    /// Where the tenant and the route parts start in `key`.
+    tenant_at: u16,
+    route_at: u16,
+    /// The allocator is still opening this (never leased) key upstream.
+    opening: std::sync::atomic::AtomicBool,
 }
 
 impl PartialEq for Slot {
@@ -269,22 +265,29 @@ impl PartialEq for Slot {
 }
 
 impl Slot {
-    /// An empty slot for a key.
+    /// An empty slot for a key. Parts are ids of at most
+    /// `MAX_ID_BYTES` (256) bytes each, so their offsets fit 16 bits.
     pub fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
         use std::sync::atomic::{AtomicBool, AtomicU64};
+        let offset = |n: usize| u16::try_from(n).expect("key parts are ids of at most 256 bytes");
         Self {
             word: LeaseWord::new(),
             id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
-            rule_id: rule_id.to_string(),
-            tenant: tenant.to_string(),
-            route: route.to_string(),
             dry_until_ns: AtomicU64::new(0),
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
-            opening: AtomicBool::new(false),
             settles: AtomicU64::new(0),
-            parked: tokio::sync::Notify::new(),
+            key: [rule_id, tenant, route].concat().into_boxed_str(),
+            tenant_at: offset(rule_id.len()),
+            route_at: offset(rule_id.len() + tenant.len()),
+            opening: AtomicBool::new(false),
         }
+    }
+
+    /// The key, borrowed.
+    #[inline]
+    pub fn key_ref(&self) -> KeyRef<'_> {
+        KeyRef::new(self.rule_id(), self.tenant(), self.route())
     }
 
     /// Unique per slot ever created in this process.
@@ -292,16 +295,19 @@ impl Slot {
         self.id
     }
     /// The rule id of the key.
+    #[inline]
     pub fn rule_id(&self) -> &str {
-        &self.rule_id
+        &self.key[..usize::from(self.tenant_at)]
     }
     /// The tenant part of the key.
+    #[inline]
     pub fn tenant(&self) -> &str {
-        &self.tenant
+        &self.key[usize::from(self.tenant_at)..usize::from(self.route_at)]
     }
     /// The route part of the key.
+    #[inline]
     pub fn route(&self) -> &str {
-        &self.route
+        &self.key[usize::from(self.route_at)..]
     }
     /// Until when the allocator said the bucket is dry.
     pub fn dry_until(&self) -> u64 {
@@ -351,9 +357,9 @@ impl Slot {
     ) -> quotalease_proto::lease::LeaseItem {
         use quotalease_proto::lease::{ItemKind, LeaseItem};
         LeaseItem {
-            rule_id: self.rule_id.clone(),
-            tenant: self.tenant.clone(),
-            route: self.route.clone(),
+            rule_id: self.rule_id().to_string(),
+            tenant: self.tenant().to_string(),
+            route: self.route().to_string(),
             kind: ItemKind::Release as i32,
             lease_id,
             spent,
@@ -362,11 +368,46 @@ impl Slot {
     }
 }
 
-/// The lease table: key bytes to slot. A lock-free map (reads pin an epoch
-/// guard, which writes only thread-local state), so concurrent checks on
-/// one hot key share no written cache line except the lease word itself.
-/// The hasher is seeded per process.
-pub type Table = papaya::HashMap<KeyId, std::sync::Arc<Slot>, foldhash::fast::RandomState>;
+/// A slot in the lease table: hashes and compares by its key, so the table
+/// needs no key of its own (one copy of the key's bytes per key held).
+#[derive(Clone, Debug)]
+pub struct Held(pub std::sync::Arc<Slot>);
+
+impl std::ops::Deref for Held {
+    type Target = std::sync::Arc<Slot>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::hash::Hash for Held {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.key_ref().hash(h)
+    }
+}
+
+impl PartialEq for Held {
+    fn eq(&self, other: &Self) -> bool {
+        Lookup(self.0.key_ref()).equivalent(other)
+    }
+}
+
+impl Eq for Held {}
+
+impl papaya::Equivalent<Held> for Lookup<'_> {
+    #[inline]
+    fn equivalent(&self, k: &Held) -> bool {
+        let (a, b) = (self.0, k.0.key_ref());
+        str_eq(a.tenant, b.tenant) && str_eq(a.route, b.route) && str_eq(a.rule, b.rule)
+    }
+}
+
+/// The lease table: the slots of the keys held, found by key. A lock-free
+/// set (reads pin an epoch guard, which writes only thread-local state),
+/// so concurrent checks on one hot key share no written cache line except
+/// the lease word itself. Only the agent core inserts and removes. The
+/// hasher is seeded per process.
+pub type Table = papaya::HashSet<Held, foldhash::fast::RandomState>;
 
 #[cfg(all(test, not(quotalease_loom)))]
 mod tests {

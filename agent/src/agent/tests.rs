@@ -12,9 +12,21 @@ fn keys_are_unambiguous() {
     let a = Lookup(KeyRef::new("r", "ab", "c"));
     let b = Lookup(KeyRef::new("r", "a", "bc"));
     assert_ne!(h.hash_one(a), h.hash_one(b));
-    assert!(!papaya::Equivalent::equivalent(&a, &b.0.to_key_id()));
-    assert!(papaya::Equivalent::equivalent(&a, &a.0.to_key_id()));
-    assert_eq!(h.hash_one(a), h.hash_one(a.0.to_key_id()));
+    // A slot keeps its parts in one string: they come back apart.
+    let held = |k: KeyRef<'_>| Held(Arc::new(Slot::new(k.rule, k.tenant, k.route)));
+    let (ha, hb) = (held(a.0), held(b.0));
+    assert_eq!((ha.rule_id(), ha.tenant(), ha.route()), ("r", "ab", "c"));
+    assert_eq!((hb.rule_id(), hb.tenant(), hb.route()), ("r", "a", "bc"));
+    assert!(!papaya::Equivalent::equivalent(&a, &hb));
+    assert!(papaya::Equivalent::equivalent(&a, &ha));
+    assert_ne!(ha, hb);
+    assert_eq!(h.hash_one(a), h.hash_one(&ha));
+    assert_eq!(h.hash_one(b), h.hash_one(&hb));
+    let empty = held(KeyRef::new("r", "", ""));
+    assert_eq!(
+        (empty.rule_id(), empty.tenant(), empty.route()),
+        ("r", "", "")
+    );
 }
 
 #[test]

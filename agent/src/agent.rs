@@ -759,12 +759,14 @@ impl Agent {
     #[inline(always)]
     pub fn check_fast_at(&self, input: &CheckInput<'_>, now: u64) -> Option<FastAdmit> {
         let cost = validate(input).ok()?;
+        self.fast_at(input, cost, now)
+    }
+
+    /// [`Agent::check_fast_at`] on validated input.
+    #[inline(always)]
+    fn fast_at(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
         let rules = &self.inner.rules;
         let generation = rules.generation();
-        // A shape seen before on this thread: its handle, from the thread's
-        // cache (see `shapes`). A `None` from it (short, expired, retired)
-        // drops the entry: the shape is resolved again next time (a retired
-        // key has a new slot by then).
         shapes::with(
             rules.id(),
             generation,
@@ -772,14 +774,47 @@ impl Agent {
             input.tenant,
             input.route,
             #[inline(always)]
-            |h| self.charge_handle(h, cost, now),
-            || self.fast_uncached(input, cost, now, generation),
+            |h| self.charge_cached(h, cost, now),
+            |cache| self.fast_uncached(input, cost, now, generation, cache),
         )
     }
 
+    /// The fast path through this thread's cached handle only: a shape it
+    /// has none for costs a hash (and is resolved and cached on its second
+    /// miss in a row, see `shapes`), not a rule match and look-ups.
+    fn fast_cached(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
+        let rules = &self.inner.rules;
+        let generation = rules.generation();
+        shapes::with(
+            rules.id(),
+            generation,
+            input.domain,
+            input.tenant,
+            input.route,
+            |h| self.charge_cached(h, cost, now),
+            |cache| match cache {
+                true => self.fast_uncached(input, cost, now, generation, true),
+                false => (None, None),
+            },
+        )
+    }
+
+    /// Charge a cached handle. A shape seen before on this thread: its
+    /// handle, from the thread's cache (see `shapes`). A `None` from it
+    /// (short, expired) keeps the entry unless a key's word holds no lease
+    /// at all (retired, or never leased): the shape is then resolved again
+    /// next time (a retired key has a new slot by then).
+    #[inline(always)]
+    fn charge_cached(&self, h: &KeyHandle, cost: u64, now: u64) -> (Option<FastAdmit>, bool) {
+        let r = self.charge_handle(h, cost, now);
+        let keep = r.is_some() || h.slots.iter().all(|(_, s)| s.word.deadline_ns() != 0);
+        (r, keep)
+    }
+
     /// [`Agent::check_fast_at`] on a shape this thread has no handle for:
-    /// resolve it from the lease table and charge it (the handle is then
-    /// cached), or decide without a handle (shadow rules, a key not held).
+    /// if it is to be cached, resolve it from the lease table and charge the
+    /// handle (then cached); else, or without a handle (shadow rules, a key
+    /// not held), decide without one.
     #[inline(never)]
     fn fast_uncached(
         &self,
@@ -787,12 +822,16 @@ impl Agent {
         cost: u64,
         now: u64,
         generation: u64,
+        cache: bool,
     ) -> (Option<FastAdmit>, Option<KeyHandle>) {
         self.inner.rules.with(|snap| {
             let Some(snap) = snap else {
                 return (None, None);
             };
-            match self.resolve_held(snap, generation, input) {
+            match cache
+                .then(|| self.resolve_held(snap, generation, input))
+                .flatten()
+            {
                 Some(h) => (self.charge_handle(&h, cost, now), Some(h)),
                 None => (self.fast_with(snap, input, cost, now), None),
             }
@@ -960,11 +999,10 @@ impl Agent {
     #[tracing::instrument(level = "debug", name = "check", skip_all, fields(cost))]
     async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
         let inner = &*self.inner;
-        let rules = match self.slow_prelude(input, cost, self.now())? {
+        let (rules, m) = match self.slow_prelude(input, cost, self.now())? {
             Ok(answer) => return Ok(answer),
-            Err(rules) => rules,
+            Err(go_on) => go_on,
         };
-        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
         let mut attempt = 0;
         loop {
             match self.decide_step(&rules, &m, input, cost, attempt, self.now()) {
@@ -1003,14 +1041,10 @@ impl Agent {
                 return CheckStep::Answer(Err(e));
             }
         };
-        let rules = match self.slow_prelude(input, cost, t) {
+        let (rules, m) = match self.slow_prelude(input, cost, t) {
             Err(e) => return CheckStep::Answer(Err(e)),
             Ok(Ok(answer)) => return CheckStep::Answer(Ok(answer)),
-            Ok(Err(rules)) => rules,
-        };
-        let m = match match_rules(&rules, input.domain, input.tenant, input.route) {
-            Ok(m) => m,
-            Err(e) => return CheckStep::Answer(Err(e)),
+            Ok(Err(go_on)) => go_on,
         };
         match self.decide_step(&rules, &m, input, cost, attempt, t) {
             Step::Done(answer) => CheckStep::Answer(answer),
@@ -1019,15 +1053,19 @@ impl Agent {
     }
 
     /// The start of the slow path: no rules (unavailable), the fast path
-    /// (`Ok(Ok(answer))`), a cost above a burst (invalid), or the rules to
-    /// go on with (`Ok(Err(rules))`).
+    /// through this thread's cached handle (`Ok(Ok(answer))`), no rule
+    /// matched, a cost above a burst (invalid), or the rules and what
+    /// matched to go on with (`Ok(Err(..))`). The request's rules are
+    /// matched once here; a shape this thread has no handle for is decided
+    /// by the slow path itself (its first pass charges leases that hold
+    /// enough), not by an uncached fast attempt first.
     #[allow(clippy::type_complexity)]
     fn slow_prelude(
         &self,
         input: &CheckInput<'_>,
         cost: u64,
         t: u64,
-    ) -> Result<Result<CheckResponse, Arc<RuleSet>>, CheckError> {
+    ) -> Result<Result<CheckResponse, (Arc<RuleSet>, Matched)>, CheckError> {
         let inner = &*self.inner;
         let Some(snap) = inner.rules.load_full() else {
             inner.metrics.unavailable.add(1);
@@ -1035,11 +1073,21 @@ impl Agent {
                 "no rules yet: the allocator has not been reached".into(),
             ));
         };
-        if let Some(a) = self.fast_with(&snap, input, cost, t) {
-            return Ok(Ok(a.to_response(&snap.rules)));
+        if let Some(a) = self.fast_cached(input, cost, t) {
+            // The answer names its rule by index in the rules it was decided
+            // under: a publish in between means newer rules than `snap`.
+            let rules = match a.rule_version == snap.rules.version {
+                true => snap.rules.clone(),
+                false => inner.rules.rules().unwrap_or_else(|| snap.rules.clone()),
+            };
+            return Ok(Ok(a.to_response(&rules)));
         }
         let rules = snap.rules.clone();
         let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+        if m.is_empty() {
+            inner.metrics.no_rule.add(1);
+            return Ok(Ok(FastAdmit::no_rule(rules.version).to_response(&rules)));
+        }
         for &i in m.indices() {
             let r = &rules.rules[i as usize];
             if !r.shadow && cost > r.burst {
@@ -1050,7 +1098,7 @@ impl Agent {
                 });
             }
         }
-        Ok(Err(rules))
+        Ok(Err((rules, m)))
     }
 
     /// One pass of the slow path at `t`: charge, deny, apply a fail policy,

@@ -10,9 +10,10 @@
 //!
 //! Direct-mapped, [`ENTRIES`] per thread, keyed by (agent, shape). An entry
 //! is valid for one rules generation (the handle's). It holds the keys'
-//! slots by `Arc`: a key the agent forgets meanwhile has its word retired,
-//! the fast path answers `None` on it, and the caller drops the entry, so
-//! the next decision resolves the shape again and finds the key's new slot.
+//! slots by `Arc`: a key the agent forgets meanwhile has its word retired
+//! (no lease, deadline 0), the fast path answers `None` on it, and the
+//! caller drops the entry, so the next decision resolves the shape again
+//! and finds the key's new slot.
 //! Nothing here is shared between threads; nothing is written on a hit.
 
 use std::cell::RefCell;
@@ -46,22 +47,32 @@ impl Entry {
     }
 }
 
-thread_local! {
-    static CACHE: RefCell<Vec<Option<Entry>>> = const { RefCell::new(Vec::new()) };
+/// One place of the cache: the shape it holds, and the hash of the last
+/// shape that missed here. A shape is cached on its second miss in a row
+/// at its place: shapes seen once (a scan over many cold tenants) then cost
+/// a hash, not a handle built and thrown away.
+#[derive(Default)]
+struct Place {
+    entry: Option<Entry>,
+    candidate: u64,
 }
 
-/// The shape's slot in this thread's cache: a cheap multiply-shift mix of
-/// each string's length and its first and last bytes (up to 8 of each).
-/// Only the index depends on it: shapes that collide evict each other
-/// (a slower decision, never a wrong one), since a hit compares every byte.
+thread_local! {
+    static CACHE: RefCell<Vec<Place>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The shape's hash: a cheap multiply-shift mix of each string's length
+/// and its first and last bytes (up to 8 of each); its top bits place the
+/// shape in this thread's cache. Shapes that collide evict each other (a
+/// slower decision, never a wrong one), since a hit compares every byte.
 #[inline]
-fn index(agent: u64, domain: Option<&str>, tenant: &str, route: &str) -> usize {
-    const BITS: u32 = ENTRIES.trailing_zeros();
+fn hash(agent: u64, domain: Option<&str>, tenant: &str, route: &str) -> u64 {
     let h = sample(tenant).wrapping_mul(0x9e37_79b9_7f4a_7c15)
         ^ sample(route).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
         ^ domain.map_or(0, sample).wrapping_mul(0x1656_67b1_9e37_79f9)
         ^ agent.wrapping_mul(0x27d4_eb2f_1656_67c5);
-    (h.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - BITS)) as usize
+    // Never 0: 0 is "no candidate".
+    h.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
 }
 
 /// Length and up to 16 bytes of `s` (its first and last 8) in one word.
@@ -81,9 +92,11 @@ fn sample(s: &str) -> u64 {
 }
 
 /// Decide with the shape's cached handle: `hit` on it when this thread
-/// has one for this agent and `generation` (a `None` from `hit` drops the
-/// entry: its handle can no longer charge); else `miss`, whose handle (if
-/// any) is cached for the shape. Neither may call back into this cache
+/// has one for this agent and `generation` (`hit` also says whether to
+/// keep the entry: not when its handle can no longer charge); else `miss`,
+/// told whether its
+/// handle would be cached (the shape's second miss in a row here); the
+/// handle it returns, if any, is. Neither may call back into this cache
 /// (they run under its borrow); a re-entered call runs `miss` uncached.
 #[inline(always)]
 pub(crate) fn with<R>(
@@ -92,30 +105,34 @@ pub(crate) fn with<R>(
     domain: Option<&str>,
     tenant: &str,
     route: &str,
-    hit: impl FnOnce(&KeyHandle) -> Option<R>,
-    miss: impl FnOnce() -> (Option<R>, Option<KeyHandle>),
+    hit: impl FnOnce(&KeyHandle) -> (Option<R>, bool),
+    miss: impl FnOnce(bool) -> (Option<R>, Option<KeyHandle>),
 ) -> Option<R> {
     CACHE.with(|c| {
         let Ok(mut c) = c.try_borrow_mut() else {
-            return miss().0;
+            return miss(false).0;
         };
         if c.is_empty() {
-            c.resize_with(ENTRIES, || None);
+            c.resize_with(ENTRIES, Place::default);
         }
-        let e = &mut c[index(agent, domain, tenant, route)];
-        if let Some(cached) = e
+        let h = hash(agent, domain, tenant, route);
+        let place = &mut c[(h >> (64 - ENTRIES.trailing_zeros())) as usize];
+        if let Some(cached) = place
+            .entry
             .as_ref()
             .filter(|e| e.handle.generation() == generation && e.is(agent, domain, tenant, route))
         {
-            let r = hit(&cached.handle);
-            if r.is_none() {
-                *e = None;
+            let (r, keep) = hit(&cached.handle);
+            if !keep {
+                place.entry = None;
             }
             return r;
         }
-        let (r, handle) = miss();
+        let second = place.candidate == h;
+        place.candidate = h;
+        let (r, handle) = miss(second);
         if let Some(handle) = handle {
-            *e = Some(Entry {
+            place.entry = Some(Entry {
                 agent,
                 domain: domain.map(Into::into),
                 tenant: tenant.into(),

@@ -1072,21 +1072,18 @@ impl World {
         if attempt == 0 {
             self.checks += 1;
         }
-        let fast = agent.check_fast(&input);
-        let slow = fast.is_none();
-        let answer = match fast {
-            Some(_) => Some((true, false)),
-            None => match agent.check_at(&input, attempt, now) {
-                CheckStep::Answer(Ok(resp)) => Some((
-                    resp.allowed,
-                    resp.reason == Reason::FailureModeAllowed as i32,
-                )),
-                CheckStep::Answer(Err(_)) => {
-                    self.unavailable += 1;
-                    Some((false, false))
-                }
-                CheckStep::Wait => None,
-            },
+        // As the agent's gRPC and HTTP faces do (`Agent::check`): the fast
+        // path through a cached handle first, else the slow path.
+        let answer = match agent.check_at(&input, attempt, now) {
+            CheckStep::Answer(Ok(resp)) => Some((
+                resp.allowed,
+                resp.reason == Reason::FailureModeAllowed as i32,
+            )),
+            CheckStep::Answer(Err(_)) => {
+                self.unavailable += 1;
+                Some((false, false))
+            }
+            CheckStep::Wait => None,
         };
         let Some((allowed, emergency)) = answer else {
             self.next_park += 1;
@@ -1108,7 +1105,7 @@ impl World {
         };
         // Emergency buckets opened or keys asked for: pump (a plain denial
         // leaves the core nothing to do).
-        if slow && (emergency || agent.core().has_output()) {
+        if emergency || agent.core().has_output() {
             self.agent_pump(a.agent);
         }
         let region = self.agents[a.agent as usize].region as usize;

@@ -1126,10 +1126,15 @@ impl Agent {
                 }
                 .to_response(rules)))
             }
-            Err(rule_idx) => {
+            Err((rule_idx, found)) => {
                 let rule = &rules.rules[rule_idx];
                 let mut core = inner.core.lock();
-                let slot = core.slot_for(rule, input.tenant, input.route);
+                let slot = match found {
+                    // Still the key's slot (the core forgets a key from the
+                    // table and its own state together, under this lock).
+                    Some(s) if core.holds(&s) => Some(s),
+                    _ => core.slot_for(rule, input.tenant, input.route),
+                };
                 let Some(slot) = slot else {
                     drop(core);
                     return Step::Done(self.fail_policy(
@@ -1255,10 +1260,10 @@ impl Agent {
         input: &CheckInput<'_>,
         cost: u64,
         t: u64,
-    ) -> Result<(u64, usize), usize> {
+    ) -> Result<(u64, usize), (usize, Option<Arc<Slot>>)> {
         let table = self.inner.table.pin();
-        // (slot id, generation) of each charge, for an all-or-none refund.
-        let mut taken: [(u64, u64); MAX_MATCHED] = [(0, 0); MAX_MATCHED];
+        // (slot, generation) of each charge, for an all-or-none refund.
+        let mut taken: [Option<(&Slot, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
         let mut min_remaining = u64::MAX;
         let mut min_rule = m.indices()[0] as usize;
         for j in 0..m.len() {
@@ -1267,17 +1272,14 @@ impl Agent {
             if r.shadow {
                 continue;
             }
-            let key = Lookup::of(r, input.tenant, input.route);
-            let (slot_id, take) = match table.get(&key) {
-                Some(slot) => (slot.id(), slot.word.try_take(cost, t)),
-                None => (0, Take::NoLease),
-            };
+            let slot = table.get(&Lookup::of(r, input.tenant, input.route));
+            let take = slot.map_or(Take::NoLease, |s| s.word.try_take(cost, t));
             match take {
                 Take::Taken {
                     generation,
                     remaining,
                 } => {
-                    taken[j] = (slot_id, generation);
+                    taken[j] = slot.map(|s| (&***s, generation));
                     if remaining < min_remaining {
                         min_remaining = remaining;
                         min_rule = ri;
@@ -1285,21 +1287,12 @@ impl Agent {
                 }
                 Take::Short { .. } | Take::NoLease => {
                     // All or none: give back what this request took.
-                    for (&rk_idx, &(slot_id, generation)) in
-                        m.indices()[..j].iter().zip(&taken[..j])
-                    {
-                        let rk = &rules.rules[rk_idx as usize];
-                        if rk.shadow {
-                            continue;
-                        }
-                        let key = Lookup::of(rk, input.tenant, input.route);
-                        if let Some(slot) = table.get(&key) {
-                            if slot.id() == slot_id {
-                                slot.word.refund(generation, cost);
-                            }
-                        }
+                    for (s, generation) in taken[..j].iter().flatten() {
+                        s.word.refund(*generation, cost);
                     }
-                    return Err(ri);
+                    // The slot that could not pay, so the slow path need
+                    // not look it up again.
+                    return Err((ri, slot.map(|s| s.0.clone())));
                 }
             }
         }

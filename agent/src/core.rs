@@ -290,6 +290,11 @@ impl AgentCore {
         Some(slot)
     }
 
+    /// Whether `slot` is the slot of a key the core holds (not forgotten).
+    pub fn holds(&self, slot: &Slot) -> bool {
+        self.keys.get(&slot.id()).is_some()
+    }
+
     /// Why the allocator refused this key, if it did.
     pub fn refused(&self, slot: &Slot) -> Option<(GrantStatus, String)> {
         self.keys

@@ -187,6 +187,10 @@ pub struct RegionalCore {
     seq: u64,
     rules_known: bool,
     keys: BTreeMap<KeyId, KeyState>,
+    /// Keys a child found without tokens (or new) since the last walk over
+    /// every key: within the throttle after a send, a poll plans only
+    /// these (SPEC §9: a poll per dry pool must not cost a walk over all).
+    wanting: Vec<KeyId>,
     in_flight: Option<InFlight>,
     last_sent_ns: Option<u64>,
     not_before_ns: u64,
@@ -256,6 +260,7 @@ impl RegionalCore {
             seq: 0,
             rules_known,
             keys: BTreeMap::new(),
+            wanting: Vec::new(),
             in_flight: None,
             last_sent_ns: None,
             not_before_ns: 0,
@@ -331,7 +336,17 @@ impl RegionalCore {
                 request_digest: quotalease_proto::request_digest(batch),
             };
         }
-        self.core.handle(now_ns, batch)
+        let reply = self.core.handle(now_ns, batch);
+        for (item, grant) in batch.items.iter().zip(&reply.grants) {
+            if grant.opening {
+                self.wanting.push(KeyId {
+                    rule: item.rule_id.clone(),
+                    tenant: item.tenant.clone(),
+                    route: item.route.clone(),
+                });
+            }
+        }
+        reply
     }
 
     /// Whether the parent is reachable: the last upstream call succeeded,
@@ -465,13 +480,35 @@ impl RegionalCore {
         self.lapse_chains(now_ns);
         // Keys the children created since the last poll.
         for key in self.core.take_new_keys() {
-            self.keys.entry(key).or_insert_with(|| KeyState {
+            self.keys.entry(key.clone()).or_insert_with(|| KeyState {
                 sample_ns: now_ns,
                 ..KeyState::default()
             });
+            self.wanting.push(key);
         }
-        let plans = self.plan(now_ns);
-        if self.in_flight.is_some() || self.stopping || now_ns < self.not_before_ns {
+        let throttled = self
+            .last_sent_ns
+            .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
+        let blocked = self.in_flight.is_some() || self.stopping || now_ns < self.not_before_ns;
+        // Within the throttle only urgent plans go out, and only a key a
+        // child found without tokens can be urgent: plan just those. Once
+        // per renew interval, every key (renewals ahead of the deadline,
+        // reports, releases, and every key's pool hints).
+        let plans = if throttled {
+            self.wanting.sort_unstable();
+            self.wanting.dedup();
+            let keys = match blocked {
+                true => self.wanting.clone(),
+                false => std::mem::take(&mut self.wanting),
+            };
+            self.plan_keys(now_ns, &keys)
+        } else {
+            if !blocked {
+                self.wanting.clear();
+            }
+            self.plan(now_ns)
+        };
+        if blocked {
             return None;
         }
         let urgent = plans.iter().any(|(_, p)| {
@@ -480,9 +517,6 @@ impl RegionalCore {
                 Plan::Open { urgent: true, .. } | Plan::Renew { urgent: true, .. }
             )
         });
-        let throttled = self
-            .last_sent_ns
-            .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
         let mut items = Vec::new();
         let mut sent = Vec::new();
         let mut forget = Vec::new();
@@ -613,11 +647,33 @@ impl RegionalCore {
     /// Decide per key (sorted): sample consumption, then whether to open,
     /// renew, release or forget.
     fn plan(&mut self, now_ns: u64) -> Vec<(KeyId, Plan)> {
+        let ctx = self.plan_ctx();
+        let mut out = Vec::new();
+        for (key, ks) in self.keys.iter_mut() {
+            if let Some(plan) = plan_key(&ctx, &mut self.core, now_ns, key, ks) {
+                out.push((key.clone(), plan));
+            }
+        }
+        out
+    }
+
+    /// [`RegionalCore::plan`] for these keys only (sorted, distinct).
+    fn plan_keys(&mut self, now_ns: u64, keys: &[KeyId]) -> Vec<(KeyId, Plan)> {
+        let ctx = self.plan_ctx();
+        let mut out = Vec::new();
+        for key in keys {
+            let Some(ks) = self.keys.get_mut(key) else {
+                continue;
+            };
+            if let Some(plan) = plan_key(&ctx, &mut self.core, now_ns, key, ks) {
+                out.push((key.clone(), plan));
+            }
+        }
+        out
+    }
+
+    fn plan_ctx(&self) -> PlanCtx {
         let cfg = &self.cfg;
-        let window = cfg.core.active_window_ns;
-        let idle_ns = cfg.idle_release_ns();
-        let low_water_s = cfg.low_water_ns as f64 / 1e9;
-        let horizon_s = (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9;
         // A child the pool cannot serve comes back when the next upstream
         // answer can be in: about two round trips when the regional may
         // ask now (it is woken by that child), at least MIN_CHILD_RETRY_MS,
@@ -626,75 +682,16 @@ impl RegionalCore {
             MIN_CHILD_RETRY_MS,
             cfg.renew_interval_ns.div_ceil(MS).max(MIN_CHILD_RETRY_MS),
         );
-        let mut out = Vec::new();
-        for (key, ks) in self.keys.iter_mut() {
-            let Some(ledger) = self.core.ledger_mut(key) else {
-                if ks.chain.is_none() {
-                    out.push((key.clone(), Plan::Forget));
-                }
-                continue;
-            };
-            let h = ledger.holding(now_ns);
-            // Consumption estimate: what left H since the last sample.
-            let dt = now_ns.saturating_sub(ks.sample_ns);
-            if dt >= cfg.renew_interval_ns.max(1) {
-                let used = ks.sample_h.saturating_sub(h) as f64;
-                let dt_s = dt as f64 / 1e9;
-                let alpha = 1.0 - (-dt_s / EWMA_TAU_S).exp();
-                ks.rate += alpha * (used / dt_s - ks.rate);
-                ks.sample_h = h;
-                ks.sample_ns = now_ns;
-            }
-            let pool = ledger.available();
-            let outstanding = ledger.outstanding();
-            let unmet = ledger.unmet_demand(now_ns, window);
-            let burst = ledger.burst();
-            let low = (ks.rate * low_water_s).ceil() as u64;
-            let target = (ks.rate * horizon_s).ceil() as u64;
-            let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
-            let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= idle_ns;
-            let may_ask = now_ns >= ks.retry_at_ns;
-            // Children's pool hint: until the next upstream answer can be in.
-            let wait_ms = ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS);
-            let hint = if self.reachable {
-                rtt_ms + wait_ms
-            } else {
-                cfg.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
-            };
-            ledger.set_pool_retry_ms(hint);
-            ledger.set_pool_parent_dry(!may_ask);
-            let plan = match &ks.chain {
-                None if unmet > 0 && may_ask => Plan::Open {
-                    want: want.max(1),
-                    urgent: true,
-                },
-                None if idle && outstanding == 0 && pool == 0 => Plan::Forget,
-                None => Plan::Nothing,
-                Some(_) if idle && outstanding == 0 => Plan::Release,
-                Some(c) => {
-                    let ahead = c.deadline_ns.saturating_sub(now_ns) <= cfg.low_water_ns && !idle;
-                    let short = may_ask && want > 0 && (unmet > pool || pool < low);
-                    // Spending the parent does not know of yet keeps its
-                    // bucket from refilling (refill is capped at
-                    // B - outstanding): report it (at most once per renew
-                    // interval, even while told to wait for new tokens)
-                    // once it is a useful part of B.
-                    let report = c.granted.saturating_sub(h) >= (burst / 32).max(1);
-                    if ahead || short || report {
-                        Plan::Renew {
-                            want: if may_ask { want } else { 0 },
-                            urgent: unmet > 0 && pool == 0 && may_ask,
-                        }
-                    } else {
-                        Plan::Nothing
-                    }
-                }
-            };
-            if !matches!(plan, Plan::Nothing) {
-                out.push((key.clone(), plan));
-            }
+        PlanCtx {
+            window: cfg.core.active_window_ns,
+            idle_ns: cfg.idle_release_ns(),
+            low_water_ns: cfg.low_water_ns,
+            renew_interval_ns: cfg.renew_interval_ns,
+            low_water_s: cfg.low_water_ns as f64 / 1e9,
+            horizon_s: (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9,
+            rtt_ms,
+            reachable: self.reachable,
         }
-        out
     }
 
     /// Apply the parent's reply to the in-flight batch (ignored if it
@@ -1004,6 +1001,89 @@ impl RegionalCore {
         }
         Ok(())
     }
+}
+
+/// What [`plan_key`] needs of the regional's settings and state.
+struct PlanCtx {
+    window: u64,
+    idle_ns: u64,
+    low_water_ns: u64,
+    renew_interval_ns: u64,
+    low_water_s: f64,
+    horizon_s: f64,
+    rtt_ms: u64,
+    reachable: bool,
+}
+
+/// Plan one key (None: nothing to do); also samples its consumption and
+/// sets its pool's hints for children.
+fn plan_key(
+    ctx: &PlanCtx,
+    core: &mut AllocatorCore,
+    now_ns: u64,
+    key: &KeyId,
+    ks: &mut KeyState,
+) -> Option<Plan> {
+    let Some(ledger) = core.ledger_mut(key) else {
+        return ks.chain.is_none().then_some(Plan::Forget);
+    };
+    let h = ledger.holding(now_ns);
+    // Consumption estimate: what left H since the last sample.
+    let dt = now_ns.saturating_sub(ks.sample_ns);
+    if dt >= ctx.renew_interval_ns.max(1) {
+        let used = ks.sample_h.saturating_sub(h) as f64;
+        let dt_s = dt as f64 / 1e9;
+        let alpha = 1.0 - (-dt_s / EWMA_TAU_S).exp();
+        ks.rate += alpha * (used / dt_s - ks.rate);
+        ks.sample_h = h;
+        ks.sample_ns = now_ns;
+    }
+    let pool = ledger.available();
+    let outstanding = ledger.outstanding();
+    let unmet = ledger.unmet_demand(now_ns, ctx.window);
+    let burst = ledger.burst();
+    let low = (ks.rate * ctx.low_water_s).ceil() as u64;
+    let target = (ks.rate * ctx.horizon_s).ceil() as u64;
+    let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
+    let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= ctx.idle_ns;
+    let may_ask = now_ns >= ks.retry_at_ns;
+    // Children's pool hint: until the next upstream answer can be in.
+    let wait_ms = ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS);
+    let hint = if ctx.reachable {
+        ctx.rtt_ms + wait_ms
+    } else {
+        ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
+    };
+    ledger.set_pool_retry_ms(hint);
+    ledger.set_pool_parent_dry(!may_ask);
+    let plan = match &ks.chain {
+        None if unmet > 0 && may_ask => Plan::Open {
+            want: want.max(1),
+            urgent: true,
+        },
+        None if idle && outstanding == 0 && pool == 0 => Plan::Forget,
+        None => Plan::Nothing,
+        Some(_) if idle && outstanding == 0 => Plan::Release,
+        Some(c) => {
+            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
+            let short = may_ask && want > 0 && (unmet > pool || pool < low);
+            // Spending the parent does not know of yet keeps its
+            // bucket from refilling (refill is capped at
+            // B - outstanding): report it (at most once per renew
+            // interval, even while told to wait for new tokens)
+            // once it is a useful part of B.
+            let report = c.granted.saturating_sub(h) >= (burst / 32).max(1);
+            if ahead || short || report {
+                Plan::Renew {
+                    want: if may_ask { want } else { 0 },
+                    urgent: unmet > 0 && pool == 0 && may_ask,
+                }
+            } else {
+                Plan::Nothing
+            }
+        }
+    };
+    (!matches!(plan, Plan::Nothing)).then_some(plan)
 }
 
 #[cfg(test)]

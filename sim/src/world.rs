@@ -160,15 +160,13 @@ impl NodeClock {
 /// iterated, so its order cannot leak into a report.
 #[derive(Default)]
 struct KeyIndex {
-    by_hash: std::collections::HashMap<u64, Vec<usize>>,
+    by_hash: std::collections::HashMap<u64, Vec<usize>, foldhash::fast::FixedState>,
 }
 
 impl KeyIndex {
     fn hash(key: KeyRef<'_>) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        key.hash(&mut h);
-        h.finish()
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::with_seed(0).hash_one(key)
     }
 
     fn get(&self, keys: &[KeyStats], key: KeyRef<'_>) -> Option<usize> {

@@ -129,6 +129,9 @@ struct KeyState {
     /// tick skips it until `quiet_until_ns` without even reading its slot
     /// (a request that finds its lease short asks through `want` anyway).
     parked: bool,
+    /// In the core's list of keys the tick visits (`AgentCore::active`);
+    /// a parked key is not, it waits in `AgentCore::parked` instead.
+    listed: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -163,6 +166,15 @@ pub struct AgentCore {
     rules: Arc<RulesCell>,
     metrics: Arc<AgentMetrics>,
     keys: KeySlab<KeyState>,
+    /// Slot ids of the keys the tick visits: every key not parked (some
+    /// may be gone: skipped).
+    active: Vec<u64>,
+    /// Parked keys by the instant they are due again, (quiet until, slot
+    /// id): the tick visits a parked key only when it is due, so a tick
+    /// over many idle keys costs O(active keys), not a walk over all.
+    /// Entries may be stale (the key left, or was re-parked later): a
+    /// visit before its time is harmless.
+    parked: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>>,
     /// Slots requests wait for since the last pass.
     wanted: Vec<Arc<Slot>>,
     pending: BTreeMap<u64, Pending>,
@@ -212,6 +224,8 @@ impl AgentCore {
             rules,
             metrics,
             keys: KeySlab::new(|k| k.slot.id()),
+            active: Vec::new(),
+            parked: std::collections::BinaryHeap::new(),
             wanted: Vec::new(),
             pending: BTreeMap::new(),
             late_releases: Vec::new(),
@@ -272,22 +286,32 @@ impl AgentCore {
                 slot
             }
         };
-        self.keys.get_or_insert_with(slot.id(), || KeyState {
-            slot: slot.clone(),
-            lease_id: 0,
-            granted: 0,
-            generation: 0,
-            baseline: 0,
-            usage: Usage::default(),
-            in_flight: None,
-            refused: None,
-            holders: 1,
-            emergency: None,
-            quiet_until_ns: 0,
-            seen_word: u64::MAX,
-            parked: false,
+        let active = &mut self.active;
+        self.keys.get_or_insert_with(slot.id(), || {
+            active.push(slot.id());
+            KeyState {
+                slot: slot.clone(),
+                lease_id: 0,
+                granted: 0,
+                generation: 0,
+                baseline: 0,
+                usage: Usage::default(),
+                in_flight: None,
+                refused: None,
+                holders: 1,
+                emergency: None,
+                quiet_until_ns: 0,
+                seen_word: u64::MAX,
+                parked: false,
+                listed: true,
+            }
         });
         Some(slot)
+    }
+
+    #[cfg(test)]
+    fn keys_ids(&self) -> Vec<u64> {
+        self.keys.values().map(|k| k.slot.id()).collect()
     }
 
     /// Whether `slot` is the slot of a key the core holds (not forgotten).
@@ -670,16 +694,53 @@ impl AgentCore {
             let wanted = std::mem::take(&mut self.wanted);
             let mut seen = std::collections::HashSet::with_capacity(wanted.len());
             for slot in wanted {
-                if seen.insert(slot.id()) {
-                    if let Some(k) = self.keys.get_mut(&slot.id()) {
+                let id = slot.id();
+                if seen.insert(id) {
+                    if let Some(k) = self.keys.get_mut(&id) {
                         plan_key(&self.cfg, &self.metrics, k, t, false, &mut ctx);
+                        self.list(id, t);
                     }
+                }
+            }
+        } else if rules_changed {
+            // Every key (the rules may change any key's plan), then the
+            // lists again from scratch.
+            self.wanted.clear();
+            for k in self.keys.values_mut() {
+                plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
+            }
+            self.active.clear();
+            self.parked.clear();
+            for k in self.keys.values_mut() {
+                k.listed = !k.parked;
+                if k.parked {
+                    self.parked
+                        .push(std::cmp::Reverse((k.quiet_until_ns, k.slot.id())));
+                } else {
+                    self.active.push(k.slot.id());
                 }
             }
         } else {
             self.wanted.clear();
-            for k in self.keys.values_mut() {
-                plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
+            // Parked keys now due join the visit.
+            while let Some(&std::cmp::Reverse((due, id))) = self.parked.peek() {
+                if due > t {
+                    break;
+                }
+                self.parked.pop();
+                if let Some(k) = self.keys.get_mut(&id) {
+                    if !k.listed {
+                        k.listed = true;
+                        self.active.push(id);
+                    }
+                }
+            }
+            for id in std::mem::take(&mut self.active) {
+                if let Some(k) = self.keys.get_mut(&id) {
+                    k.listed = false; // taken out of the list above
+                    plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
+                    self.list(id, t);
+                }
             }
         }
         let PlanCtx {
@@ -710,6 +771,25 @@ impl AgentCore {
             ids.push(id);
         }
         (items, ids)
+    }
+
+    /// After a visit of key `id`: keep it in the tick's list, or park it
+    /// until it is due (a parked key is in `parked` at its current
+    /// `quiet_until_ns`; an older entry of it is harmless).
+    fn list(&mut self, id: u64, t: u64) {
+        let Some(k) = self.keys.get_mut(&id) else {
+            return;
+        };
+        if k.parked && k.quiet_until_ns > t {
+            // Still listed (a wanted key planned between ticks): the next
+            // tick visits it and parks it then.
+            if !k.listed {
+                self.parked.push(std::cmp::Reverse((k.quiet_until_ns, id)));
+            }
+        } else if !k.listed {
+            k.listed = true;
+            self.active.push(id);
+        }
     }
 
     /// Apply a reply; returns the slot ids whose item was not applied and
@@ -1008,6 +1088,10 @@ fn plan_key(
         && k.slot.waiting() == 0
         && k.slot.denied_peek() == 0
     {
+        // Nothing changed, so a full visit would plan as before; idle for
+        // the EWMA's time constant now: parked until its plan can change.
+        let idle_ns = cfg.plan.ewma_tau.as_nanos() as u64;
+        k.parked = k.usage.last_active_ns.saturating_add(idle_ns) <= t;
         return;
     }
     let slot = k.slot.clone();

@@ -86,6 +86,11 @@ impl<T> KeySlab<T> {
         Some(removed)
     }
 
+    #[cfg(test)]
+    pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
+        self.chunks.iter().flatten()
+    }
+
     pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
         self.chunks.iter_mut().flatten()
     }

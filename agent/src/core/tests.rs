@@ -202,3 +202,75 @@ fn a_protocol_1_allocator_reply_without_a_digest_is_accepted() {
     assert!(slot.word.peek(T0 + 2 * MS).is_some_and(|t| t >= 1));
     assert_eq!(c.metrics.mismatched_replies.get(), 0);
 }
+
+/// Every key is either in the tick's list or parked (due again at its
+/// `quiet_until`), never both listed twice: idle keys leave the list, are
+/// visited again when due (and released when idle long enough), and a key
+/// a request waits for is planned at once and rejoins the list.
+#[test]
+fn the_tick_visits_parked_keys_only_when_due_and_wanted_keys_at_once() {
+    let (mut c, rules) = core(8);
+    let mut now = T0;
+    for i in 0..50 {
+        for tx in want(&mut c, &rules, &format!("t{i}"), now) {
+            c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+        }
+    }
+    let check = |c: &AgentCore| {
+        let mut listed = c.active.clone();
+        listed.sort_unstable();
+        let before = listed.len();
+        listed.dedup();
+        assert_eq!(before, listed.len(), "a key listed twice");
+        for id in &listed {
+            if let Some(k) = c.keys.get(id) {
+                assert!(k.listed, "key {id} in the list but not marked listed");
+            }
+        }
+        let parked: std::collections::HashSet<u64> = c
+            .parked
+            .iter()
+            .map(|std::cmp::Reverse((_, id))| *id)
+            .collect();
+        for id in c.keys_ids() {
+            let k = c.keys.get(&id).expect("an id of a key");
+            assert!(
+                k.listed == listed.binary_search(&id).is_ok(),
+                "key {id}: listed flag disagrees with the list"
+            );
+            assert!(
+                k.listed || parked.contains(&id),
+                "key {id} neither listed nor parked: the tick would never visit it"
+            );
+        }
+    };
+    check(&c);
+    // Idle for a few seconds: the keys park (the tick's list empties).
+    for _ in 0..80 {
+        now += 50 * MS;
+        for tx in pump(&mut c, now) {
+            c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+        }
+        check(&c);
+    }
+    assert!(
+        c.active.len() < 50,
+        "idle keys should have left the tick's list ({} listed)",
+        c.active.len()
+    );
+    // A request on a parked key is planned at once and the key rejoins.
+    let before = c.key_count();
+    let sent = want(&mut c, &rules, "t7", now);
+    assert_eq!(renew_keys(&sent[0]), vec!["t7".to_string()]);
+    check(&c);
+    assert_eq!(c.key_count(), before);
+    // Long idle: parked keys come due and are released and forgotten.
+    for _ in 0..400 {
+        now += 50 * MS;
+        for tx in pump(&mut c, now) {
+            c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+        }
+        check(&c);
+    }
+    assert_eq!(c.key_count(), 0, "idle keys were never released");
+}

@@ -334,6 +334,10 @@ impl KeyHandle {
     }
 }
 
+/// The rule (by index) whose lease could not pay, and its slot if the
+/// table holds one.
+type Unpaid = (usize, Option<Arc<Slot>>);
+
 /// Take `cost` from every slot's lease, all or none: (the smallest
 /// remainder, its rule index), or None (nothing charged).
 fn take_all(slots: &[(u32, Arc<Slot>)], cost: u64, now: u64) -> Option<(u64, usize)> {
@@ -1260,7 +1264,7 @@ impl Agent {
         input: &CheckInput<'_>,
         cost: u64,
         t: u64,
-    ) -> Result<(u64, usize), (usize, Option<Arc<Slot>>)> {
+    ) -> Result<(u64, usize), Unpaid> {
         let table = self.inner.table.pin();
         // (slot, generation) of each charge, for an all-or-none refund.
         let mut taken: [Option<(&Slot, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];

@@ -61,14 +61,19 @@ fn start() -> (Agent, Arc<Shared>) {
 }
 
 fn start_with(yaml: &str) -> (Agent, Arc<Shared>) {
+    start_configured(yaml, AgentConfig::default())
+}
+
+/// An allocator with `yaml` (no predecessor: buckets start full) and an
+/// agent with `cfg` in front of it.
+fn start_configured(yaml: &str, cfg: AgentConfig) -> (Agent, Arc<Shared>) {
     let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
-    let cfg = CoreConfig {
+    let core = CoreConfig {
         no_predecessor: true,
         ..CoreConfig::default()
     };
-    let shared = Shared::new(cfg, rules, None);
-    let agent = Agent::start(AgentConfig::default(), Arc::new(in_process(&shared)), None)
-        .expect("agent starts");
+    let shared = Shared::new(core, rules, None);
+    let agent = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
     (agent, shared)
 }
 
@@ -689,15 +694,6 @@ async fn cached_shapes_charge_their_own_key_under_collisions() {
 /// find the key's new slot once the slow path opens it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_shapes_follow_a_forgotten_key_to_its_new_slot() {
-    let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
-    let shared = Shared::new(
-        CoreConfig {
-            no_predecessor: true,
-            ..CoreConfig::default()
-        },
-        rules,
-        None,
-    );
     let cfg = AgentConfig {
         plan: PlanConfig {
             idle_release: Duration::from_millis(200),
@@ -705,7 +701,7 @@ async fn cached_shapes_follow_a_forgotten_key_to_its_new_slot() {
         },
         ..AgentConfig::default()
     };
-    let a = Agent::start(cfg, Arc::new(in_process(&shared)), None).expect("agent starts");
+    let (a, _shared) = start_configured(BULK, cfg);
     wait_ready(&a).await;
     let rt = tokio::runtime::Handle::current();
     // One OS thread does every check, so one thread's shape cache is

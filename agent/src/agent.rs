@@ -769,6 +769,27 @@ impl Agent {
     /// [`Agent::check_fast_at`] on validated input.
     #[inline(always)]
     fn fast_at(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
+        self.fast_shape(input, cost, now, true)
+    }
+
+    /// The fast path through this thread's cached handle only: a shape it
+    /// has none for costs a hash (and is resolved and cached on its second
+    /// miss in a row, see `shapes`), not a rule match and look-ups.
+    fn fast_cached(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
+        self.fast_shape(input, cost, now, false)
+    }
+
+    /// The fast path on the shape's cached handle; on a shape this thread
+    /// has none for, resolve and cache it when due (its second miss), else
+    /// decide uncached (`uncached`) or not at all.
+    #[inline(always)]
+    fn fast_shape(
+        &self,
+        input: &CheckInput<'_>,
+        cost: u64,
+        now: u64,
+        uncached: bool,
+    ) -> Option<FastAdmit> {
         let rules = &self.inner.rules;
         let generation = rules.generation();
         shapes::with(
@@ -779,25 +800,8 @@ impl Agent {
             input.route,
             #[inline(always)]
             |h| self.charge_cached(h, cost, now),
-            |cache| self.fast_uncached(input, cost, now, generation, cache),
-        )
-    }
-
-    /// The fast path through this thread's cached handle only: a shape it
-    /// has none for costs a hash (and is resolved and cached on its second
-    /// miss in a row, see `shapes`), not a rule match and look-ups.
-    fn fast_cached(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
-        let rules = &self.inner.rules;
-        let generation = rules.generation();
-        shapes::with(
-            rules.id(),
-            generation,
-            input.domain,
-            input.tenant,
-            input.route,
-            |h| self.charge_cached(h, cost, now),
-            |cache| match cache {
-                true => self.fast_uncached(input, cost, now, generation, true),
+            |cache| match cache || uncached {
+                true => self.fast_uncached(input, cost, now, generation, cache),
                 false => (None, None),
             },
         )

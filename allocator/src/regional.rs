@@ -191,6 +191,12 @@ pub struct RegionalCore {
     /// every key: within the throttle after a send, a poll plans only
     /// these (SPEC §9: a poll per dry pool must not cost a walk over all).
     wanting: Vec<KeyId>,
+    /// An upstream failure since the last walk over every key: the next
+    /// poll walks them all (reachability, and with it every pool's hints
+    /// for children, may have changed).
+    walk_all: bool,
+    /// Reachability at the last walk over every key (a change walks all).
+    walked_reachable: bool,
     in_flight: Option<InFlight>,
     last_sent_ns: Option<u64>,
     not_before_ns: u64,
@@ -261,6 +267,8 @@ impl RegionalCore {
             rules_known,
             keys: BTreeMap::new(),
             wanting: Vec::new(),
+            walk_all: true,
+            walked_reachable: false,
             in_flight: None,
             last_sent_ns: None,
             not_before_ns: 0,
@@ -491,21 +499,26 @@ impl RegionalCore {
             .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
         let blocked = self.in_flight.is_some() || self.stopping || now_ns < self.not_before_ns;
         // Within the throttle only urgent plans go out, and only a key a
-        // child found without tokens can be urgent: plan just those. Once
-        // per renew interval, every key (renewals ahead of the deadline,
-        // reports, releases, and every key's pool hints).
-        let plans = if throttled {
-            self.wanting.sort_unstable();
-            self.wanting.dedup();
-            let keys = match blocked {
-                true => self.wanting.clone(),
-                false => std::mem::take(&mut self.wanting),
-            };
+        // child found without tokens can be urgent: plan just those and the
+        // keys the last upstream answer named (their chains and retry times
+        // changed, so their pools' hints for children). Every key once per
+        // renew interval (renewals ahead of the deadline, reports,
+        // releases) and when reachability changed (every pool's hints).
+        let plans = if throttled && !self.walk_all && self.walked_reachable == self.reachable {
+            if blocked {
+                // Nothing can go out; the answer in flight walks every key.
+                return None;
+            }
+            let mut keys = std::mem::take(&mut self.wanting);
+            keys.sort_unstable();
+            keys.dedup();
             self.plan_keys(now_ns, &keys)
         } else {
             if !blocked {
                 self.wanting.clear();
             }
+            self.walk_all = false;
+            self.walked_reachable = self.reachable;
             self.plan(now_ns)
         };
         if blocked {
@@ -710,6 +723,9 @@ impl RegionalCore {
             }
             return;
         };
+        // The answered keys' chains and retry times change: plan them next
+        // (their pools' hints for children with them).
+        self.wanting.extend(f.items.iter().map(|i| i.key.clone()));
         if reply.holder_incarnation > self.incarnation {
             // Our clock stepped back across a restart: move above.
             self.incarnation = reply.holder_incarnation + 1;
@@ -862,6 +878,7 @@ impl RegionalCore {
     }
 
     fn fail(&mut self, now_ns: u64) {
+        self.walk_all = true;
         self.stats.upstream_failures += 1;
         self.last_failed = true;
         self.not_before_ns = now_ns.saturating_add(self.cfg.renew_interval_ns);

@@ -721,7 +721,19 @@ impl AgentCore {
                 }
             }
         } else {
-            self.wanted.clear();
+            // Keys requests wait for are planned by this tick, parked or
+            // not (a parked one would otherwise be skipped, and its
+            // request wait out its fetch timeouts).
+            for slot in std::mem::take(&mut self.wanted) {
+                let id = slot.id();
+                if let Some(k) = self.keys.get_mut(&id) {
+                    k.parked = false;
+                    if !k.listed {
+                        k.listed = true;
+                        self.active.push(id);
+                    }
+                }
+            }
             // Parked keys now due join the visit.
             while let Some(&std::cmp::Reverse((due, id))) = self.parked.peek() {
                 if due > t {

@@ -274,3 +274,40 @@ fn the_tick_visits_parked_keys_only_when_due_and_wanted_keys_at_once() {
     }
     assert_eq!(c.key_count(), 0, "idle keys were never released");
 }
+
+/// A request on a parked (idle) key that is still waiting when the tick
+/// comes due is planned by that tick: the tick must not drop the wanted
+/// key because it is parked (the request would wait out its fetch timeout
+/// twice and be denied although tokens abound).
+#[test]
+fn a_wanted_parked_key_is_planned_by_the_tick_that_clears_the_wanted_list() {
+    let (mut c, rules) = core(8);
+    let mut now = T0;
+    for tx in want(&mut c, &rules, "idle", now) {
+        c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+    }
+    // Idle for 3 s of ticks: the key parks.
+    for _ in 0..60 {
+        now += 50 * MS;
+        for tx in pump(&mut c, now) {
+            c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+        }
+    }
+    let id = c.slot_for(&rules.rules[0], "idle", "").expect("held").id();
+    assert!(
+        !c.keys.get(&id).expect("held").listed,
+        "the idle key parked"
+    );
+    // A request wants it; before any wake-up pass runs, the tick is due.
+    let slot = c.slot_for(&rules.rules[0], "idle", "").expect("held");
+    c.want(slot, 200);
+    let tick = c.next_tick_ns;
+    c.handle_timeout(tick);
+    let sent: Vec<Transmit> = std::iter::from_fn(|| c.poll_transmit()).collect();
+    assert!(
+        sent.iter()
+            .any(|tx| renew_keys(tx).contains(&"idle".to_string())),
+        "the tick dropped a wanted parked key: {:?}",
+        sent.iter().map(renew_keys).collect::<Vec<_>>()
+    );
+}

@@ -8,7 +8,7 @@
 //! compares them with the entry's, and charges the [`KeyHandle`] the entry
 //! holds (the same path as `Agent::check_handle`).
 //!
-//! Direct-mapped, [`ENTRIES`] per thread, keyed by (agent, shape). An entry
+//! Direct-mapped, [`ENTRIES`] per thread and agent, keyed by shape. An entry
 //! is valid for one rules generation (the handle's). It holds the keys'
 //! slots by `Arc`: a key the agent forgets meanwhile has its word retired
 //! (no lease, deadline 0), the fast path answers `None` on it, and the
@@ -17,6 +17,7 @@
 //! Nothing here is shared between threads; nothing is written on a hit.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 use quotalease_model::key::str_eq;
 
@@ -57,8 +58,61 @@ struct Place {
     candidate: u64,
 }
 
+/// Most threads serve one agent; a process with several (the simulator,
+/// tests, an embedder with one agent per upstream) gives each its own
+/// places, so agents do not evict each other's shapes.
+struct Cache {
+    /// The agent whose places `current` indexes.
+    agent: u64,
+    current: usize,
+    places: Vec<Vec<Place>>,
+    /// Agent -> index into `places`.
+    index: HashMap<u64, usize, foldhash::fast::FixedState>,
+}
+
+/// At most this many agents' places per thread; one more starts afresh
+/// (agents created and dropped by the thousand must not pile up here).
+const MAX_AGENTS: usize = 1024;
+
+impl Cache {
+    /// The places of `agent`, made current.
+    #[inline(always)]
+    fn places(&mut self, agent: u64) -> &mut [Place] {
+        if self.agent != agent || self.places.is_empty() {
+            self.switch(agent);
+        }
+        &mut self.places[self.current]
+    }
+
+    #[inline(never)]
+    fn switch(&mut self, agent: u64) {
+        if !self.index.contains_key(&agent) && self.index.len() >= MAX_AGENTS {
+            self.index.clear();
+            self.places.clear();
+        }
+        let next = self.places.len();
+        let at = *self.index.entry(agent).or_insert(next);
+        if at == next {
+            self.places.push(
+                std::iter::repeat_with(Place::default)
+                    .take(ENTRIES)
+                    .collect(),
+            );
+        }
+        self.agent = agent;
+        self.current = at;
+    }
+}
+
 thread_local! {
-    static CACHE: RefCell<Vec<Place>> = const { RefCell::new(Vec::new()) };
+    static CACHE: RefCell<Cache> = const {
+        RefCell::new(Cache {
+            agent: 0,
+            current: 0,
+            places: Vec::new(),
+            index: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
+        })
+    };
 }
 
 /// The shape's hash: a cheap multiply-shift mix of each string's length
@@ -112,11 +166,8 @@ pub(crate) fn with<R>(
         let Ok(mut c) = c.try_borrow_mut() else {
             return miss(false).0;
         };
-        if c.is_empty() {
-            c.resize_with(ENTRIES, Place::default);
-        }
         let h = hash(agent, domain, tenant, route);
-        let place = &mut c[(h >> (64 - ENTRIES.trailing_zeros())) as usize];
+        let place = &mut c.places(agent)[(h >> (64 - ENTRIES.trailing_zeros())) as usize];
         if let Some(cached) = place
             .entry
             .as_ref()

@@ -193,7 +193,29 @@ pub struct AgentCore {
     last_reply_ns: Option<u64>,
     next_tick_ns: u64,
     planned_version: u64,
+    /// A tick's walk over the listed keys, when it is under way.
+    walk: Option<Walk>,
     stopping: bool,
+}
+
+/// Keys a tick plans per call of [`AgentCore::handle_timeout`]. A tick over
+/// many keys goes in steps (the driver calls again at once while
+/// [`AgentCore::poll_timeout`] says now), so the core is never held for
+/// long: the tokio driver holds the core's lock while it calls, and a
+/// request that waits for a key takes the same lock to register.
+const WALK_STEP: usize = 256;
+
+/// Items per lease batch at most: a tick that plans more sends several
+/// batches (a message stays far below the gRPC message limit, and a reply
+/// is applied in bounded time).
+const MAX_BATCH_ITEMS: usize = 2048;
+
+/// A tick under way: the keys it visits, how far it got, what it planned.
+#[derive(Debug)]
+struct Walk {
+    keys: Vec<u64>,
+    next: usize,
+    ctx: PlanCtx,
 }
 
 /// Where a request stands with the core, for the slow path.
@@ -239,6 +261,7 @@ impl AgentCore {
             last_reply_ns: None,
             next_tick_ns: now,
             planned_version: 0,
+            walk: None,
             stopping: false,
         }
     }
@@ -382,7 +405,9 @@ impl AgentCore {
         if self.stopping {
             return None;
         }
-        if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
+        if self.walk.is_some()
+            || (!self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight)
+        {
             return Some(0);
         }
         let retry = self
@@ -410,11 +435,19 @@ impl AgentCore {
         for (seq, attempt) in timed_out {
             self.attempt_failed(now, seq, attempt, "allocator call timed out");
         }
-        if now >= self.next_tick_ns {
+        if let Some(walk) = self.walk.take() {
+            // A tick under way goes on (and keys requests wait for are
+            // asked for between its steps).
+            self.step_walk(now, walk);
+            if !self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight {
+                self.poll(now, true);
+            }
+        } else if now >= self.next_tick_ns {
             // The tick plans every key (the wanted ones too) and is never
             // held back by the in-flight cap: renewals of warm keys must
-            // not starve behind a flood of cold fetches. It sends at most
-            // one batch per renew interval.
+            // not starve behind a flood of cold fetches. It sends one
+            // batch per renew interval (more only past `MAX_BATCH_ITEMS`),
+            // when its walk is done.
             let interval = self.cfg.plan.renew_interval.as_nanos() as u64;
             self.next_tick_ns = now.saturating_add(interval.max(1));
             self.poll(now, false);
@@ -507,6 +540,11 @@ impl AgentCore {
     pub fn shutdown(&mut self) -> Option<LeaseBatch> {
         self.stopping = true;
         let mut items = std::mem::take(&mut self.late_releases);
+        if let Some(walk) = self.walk.take() {
+            // A tick under way: what it planned to release goes too.
+            items.extend(walk.ctx.late);
+            items.extend(walk.ctx.releases);
+        }
         let mut released = 0;
         for k in self.keys.values_mut() {
             let (left, new_gen) = k.slot.word.retire();
@@ -616,7 +654,15 @@ impl AgentCore {
         let keep_ns = 2 * self.cfg.lease_ttl.as_nanos() as u64;
         self.pending
             .retain(|_, p| !p.abandoned || p.first_sent_ns.saturating_add(keep_ns) > t);
-        let (items, renews) = self.plan_all(t, woken);
+        if let Some((items, renews)) = self.plan_all(t, woken) {
+            self.send(t, items, renews);
+        }
+    }
+
+    /// Send planned items (releases first, then renewals with their slot
+    /// ids in item order) in batches of at most [`MAX_BATCH_ITEMS`], or a
+    /// heartbeat when nothing is planned and one is due.
+    fn send(&mut self, t: u64, mut items: Vec<LeaseItem>, mut renews: Vec<u64>) {
         let heartbeat_due = (t.saturating_sub(self.last_sent_ns)
             >= self.cfg.heartbeat.as_nanos() as u64
             || !self.rules.has_rules()
@@ -626,6 +672,23 @@ impl AgentCore {
             return;
         }
         self.last_sent_ns = t;
+        // The first `releases` items are releases, the rest renewals.
+        let mut releases = items.len() - renews.len();
+        loop {
+            let take = items.len().min(MAX_BATCH_ITEMS);
+            let rest = items.split_off(take);
+            let rest_renews = renews.split_off(take.saturating_sub(releases));
+            releases = releases.saturating_sub(take);
+            self.send_one(t, items, renews);
+            items = rest;
+            renews = rest_renews;
+            if items.is_empty() {
+                return;
+            }
+        }
+    }
+
+    fn send_one(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<u64>) {
         self.seq += 1;
         let seq = self.seq;
         for id in &renews {
@@ -670,10 +733,10 @@ impl AgentCore {
     }
 
     /// Plan keys at `t`: the items of the next batch and the slot ids of
-    /// its renewals (in item order).
-    fn plan_all(&mut self, t: u64, woken: bool) -> (Vec<LeaseItem>, Vec<u64>) {
+    /// its renewals (in item order); `None` while a tick's walk is under
+    /// way (its steps follow, see [`WALK_STEP`]).
+    fn plan_all(&mut self, t: u64, woken: bool) -> Option<(Vec<LeaseItem>, Vec<u64>)> {
         let rules = self.rules.rules();
-        let mut items = std::mem::take(&mut self.late_releases);
         let version = rules.as_ref().map_or(0, |r| r.version);
         let rules_changed =
             !woken && std::mem::replace(&mut self.planned_version, version) != version;
@@ -685,6 +748,7 @@ impl AgentCore {
                 .max(self.cfg.plan.low_water.as_nanos() as u64),
             down: self.down,
             outage: self.outage,
+            late: std::mem::take(&mut self.late_releases),
             releases: Vec::new(),
             renews: Vec::new(),
             forget: Vec::new(),
@@ -747,42 +811,55 @@ impl AgentCore {
                     }
                 }
             }
-            for id in std::mem::take(&mut self.active) {
-                if let Some(k) = self.keys.get_mut(&id) {
-                    k.listed = false; // taken out of the list above
-                    plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
-                    self.list(id, t);
-                }
+            let walk = Walk {
+                keys: std::mem::take(&mut self.active),
+                next: 0,
+                ctx,
+            };
+            return self.step_walk(t, walk);
+        }
+        self.forget(&mut ctx.forget);
+        Some(finish_plan(ctx))
+    }
+
+    /// The next [`WALK_STEP`] keys of a tick at `t`. When the walk is done,
+    /// its plan (as [`AgentCore::plan_all`]); else `None`, the walk kept
+    /// for the next call.
+    fn step_walk(&mut self, t: u64, mut walk: Walk) -> Option<(Vec<LeaseItem>, Vec<u64>)> {
+        let end = walk.keys.len().min(walk.next + WALK_STEP);
+        for i in walk.next..end {
+            let id = walk.keys[i];
+            if let Some(k) = self.keys.get_mut(&id) {
+                k.listed = false; // taken out of the list at the walk's start
+                plan_key(&self.cfg, &self.metrics, k, t, true, &mut walk.ctx);
+                self.list(id, t);
             }
         }
-        let PlanCtx {
-            mut releases,
-            mut renews,
-            forget,
-            ..
-        } = ctx;
+        walk.next = end;
+        // Keys found idle long enough go at once, under this same call: a
+        // request must not find one half-forgotten between two steps.
+        self.forget(&mut walk.ctx.forget);
+        if walk.next < walk.keys.len() {
+            self.walk = Some(walk);
+            return None;
+        }
+        let plan = finish_plan(walk.ctx);
+        self.send(t, plan.0, plan.1);
+        None
+    }
+
+    /// Forget keys (from the table and the core together).
+    fn forget(&mut self, ids: &mut Vec<u64>) {
+        if ids.is_empty() {
+            return;
+        }
         let table = self.table.pin();
-        for id in forget {
+        for id in ids.drain(..) {
             if let Some(k) = self.keys.remove(&id) {
                 let s = &k.slot;
                 table.remove(&Lookup(KeyRef::new(s.rule_id(), s.tenant(), s.route())));
             }
         }
-        // Items in key order, whatever the hash order: the allocator's fair
-        // shares then do not depend on a per-process seed (the simulator
-        // replays exactly).
-        let order = |a: &LeaseItem, b: &LeaseItem| {
-            (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
-        };
-        releases.sort_by(order);
-        items.extend(releases);
-        renews.sort_by(|(a, _), (b, _)| order(a, b));
-        let mut ids = Vec::with_capacity(renews.len());
-        for (item, id) in renews {
-            items.push(item);
-            ids.push(id);
-        }
-        (items, ids)
     }
 
     /// After a visit of key `id`: keep it in the tick's list, or park it
@@ -1061,7 +1138,35 @@ fn emergency_size(
     )
 }
 
+/// A planning pass's items in send order: releases the allocator did not
+/// apply before (as they came back), releases in key order, then
+/// renewals in key order (whatever the hash order: the allocator's fair
+/// shares then do not depend on a per-process seed, and the simulator
+/// replays exactly), with the renewals' slot ids.
+fn finish_plan(ctx: PlanCtx) -> (Vec<LeaseItem>, Vec<u64>) {
+    let PlanCtx {
+        mut late,
+        mut releases,
+        mut renews,
+        ..
+    } = ctx;
+    let order = |a: &LeaseItem, b: &LeaseItem| {
+        (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
+    };
+    releases.sort_by(order);
+    renews.sort_by(|(a, _), (b, _)| order(a, b));
+    late.append(&mut releases);
+    let mut items = late;
+    let mut ids = Vec::with_capacity(renews.len());
+    for (item, id) in renews {
+        items.push(item);
+        ids.push(id);
+    }
+    (items, ids)
+}
+
 /// Working state of one planning pass.
+#[derive(Debug)]
 struct PlanCtx {
     rules: Option<Arc<RuleSet>>,
     rules_changed: bool,
@@ -1069,6 +1174,8 @@ struct PlanCtx {
     lead_ns: u64,
     down: bool,
     outage: u64,
+    /// Releases to send again (not applied by the allocator before).
+    late: Vec<LeaseItem>,
     releases: Vec<LeaseItem>,
     renews: Vec<(LeaseItem, u64)>,
     forget: Vec<u64>,

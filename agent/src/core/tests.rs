@@ -26,6 +26,10 @@ fn rules() -> RuleSet {
 }
 
 fn core(max_in_flight: usize) -> (AgentCore, RuleSet) {
+    core_with(max_in_flight, 1000)
+}
+
+fn core_with(max_in_flight: usize, max_keys: usize) -> (AgentCore, RuleSet) {
     let metrics = Arc::new(AgentMetrics::default());
     let rules = rules();
     let cell = Arc::new(RulesCell::new(Some(rules.clone()), &metrics));
@@ -42,7 +46,7 @@ fn core(max_in_flight: usize) -> (AgentCore, RuleSet) {
         emergency: EmergencyConfig::default(),
         record_emergency: false,
         max_in_flight,
-        max_keys: 1000,
+        max_keys,
     };
     (AgentCore::new(cfg, table, cell, metrics, T0), rules)
 }
@@ -310,4 +314,72 @@ fn a_wanted_parked_key_is_planned_by_the_tick_that_clears_the_wanted_list() {
         "the tick dropped a wanted parked key: {:?}",
         sent.iter().map(renew_keys).collect::<Vec<_>>()
     );
+}
+
+#[test]
+fn a_tick_over_many_keys_goes_in_bounded_steps_and_batches() {
+    // More keys than one step plans and one batch carries.
+    let n = 2 * MAX_BATCH_ITEMS + 100;
+    let (mut c, rules) = core_with(8, 2 * n);
+    let slots: Vec<_> = (0..n)
+        .map(|i| {
+            let slot = c
+                .slot_for(&rules.rules[0], &format!("k{i}"), "")
+                .expect("room");
+            c.want(slot.clone(), 1);
+            slot
+        })
+        .collect();
+    // One wake-up asks for them all, split at the batch limit.
+    let first = pump(&mut c, T0);
+    assert_eq!(
+        first
+            .iter()
+            .map(|tx| tx.batch.items.len())
+            .collect::<Vec<_>>(),
+        [MAX_BATCH_ITEMS, MAX_BATCH_ITEMS, 100]
+    );
+    for tx in &first {
+        c.handle_reply(T0 + MS, tx.seq, grant_all(tx));
+    }
+    // Every key got the grant of its own item (ids follow the split).
+    for (i, slot) in slots.iter().enumerate() {
+        assert!(slot.word.peek(T0 + MS).is_some(), "key {i} holds no lease");
+    }
+    // Spend from every key, so the tick plans each one, close to expiry
+    // (TTL 2 s), so each one renews.
+    let t = T0 + 1_900 * MS;
+    for slot in &slots {
+        assert!(matches!(
+            slot.word.try_take(1, t),
+            crate::lease_table::Take::Taken { .. }
+        ));
+    }
+    // The tick: a step per WALK_STEP keys, nothing sent until its walk is
+    // done, and the driver asked to call again at once in between.
+    let mut steps = 0;
+    let mut sent = Vec::new();
+    while c.poll_timeout().is_some_and(|at| at <= t) {
+        c.handle_timeout(t);
+        steps += 1;
+        sent.extend(std::iter::from_fn(|| c.poll_transmit()));
+        if steps == 3 {
+            // A request waiting for a new key mid-walk is not held up by
+            // the tick: its batch leaves at once.
+            assert!(sent.is_empty(), "the tick sent before its walk was done");
+            // (Its pump is a call of `handle_timeout`: one more step.)
+            let cold = want(&mut c, &rules, "cold", t);
+            steps += 1;
+            assert_eq!(cold.len(), 1);
+            assert_eq!(renew_keys(&cold[0]), ["cold"]);
+        }
+        assert!(steps <= n, "the walk does not end");
+    }
+    assert_eq!(steps, n.div_ceil(WALK_STEP));
+    let renewed: usize = sent.iter().map(|tx| renew_keys(tx).len()).sum();
+    assert_eq!(renewed, n, "every key renewed once");
+    assert!(sent
+        .iter()
+        .all(|tx| tx.batch.items.len() <= MAX_BATCH_ITEMS));
+    assert_eq!(sent.len(), n.div_ceil(MAX_BATCH_ITEMS));
 }

@@ -26,7 +26,8 @@
 //! Time is always an argument; iteration is over `BTreeMap`s and sorted key
 //! lists, so outputs never depend on hash order.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 
 use quotalease_proto::lease::{
     Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
@@ -205,6 +206,11 @@ pub struct RegionalCore {
     last_failed: bool,
     reachable: bool,
     next_serial: u64,
+    /// Every chain's deadline as it was set, (deadline, key): a poll lapses
+    /// the chains now due without a walk over every key. Entries of chains
+    /// renewed (a later deadline has its own entry) or ended since are
+    /// skipped when they come due.
+    chain_deadlines: BinaryHeap<Reverse<(u64, KeyId)>>,
     stopping: bool,
     /// Upstream round trip, EWMA (sizes the children's retry hints).
     rtt_ns: u64,
@@ -277,6 +283,7 @@ impl RegionalCore {
             last_failed: false,
             reachable: true,
             next_serial: 1,
+            chain_deadlines: BinaryHeap::new(),
             stopping: false,
             rtt_ns: 0,
             stats: RegionalStats::default(),
@@ -407,7 +414,7 @@ impl RegionalCore {
     /// timeout, or the next chain deadline (to drop a lapsed chain). A
     /// child the pool cannot serve is a reason to call it earlier (the
     /// driver is woken).
-    pub fn next_wakeup_ns(&self) -> u64 {
+    pub fn next_wakeup_ns(&mut self) -> u64 {
         let mut t = self
             .last_sent_ns
             .unwrap_or(self.started_ns)
@@ -416,12 +423,27 @@ impl RegionalCore {
         if let Some(f) = &self.in_flight {
             t = t.min(f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns));
         }
-        for ks in self.keys.values() {
-            if let Some(c) = &ks.chain {
-                t = t.min(c.deadline_ns);
-            }
+        if let Some(due) = self.next_chain_deadline() {
+            t = t.min(due);
         }
         t
+    }
+
+    /// The earliest deadline of any chain (from `chain_deadlines`, after
+    /// dropping the entries at its top that no chain has any more).
+    fn next_chain_deadline(&mut self) -> Option<u64> {
+        while let Some(Reverse((due, key))) = self.chain_deadlines.peek() {
+            let current = self
+                .keys
+                .get(key)
+                .and_then(|ks| ks.chain.as_ref())
+                .is_some_and(|c| c.deadline_ns == *due);
+            if current {
+                return Some(*due);
+            }
+            self.chain_deadlines.pop();
+        }
+        None
     }
 
     /// When the upstream driver next looks (calls `handle_upstream_timeout`
@@ -429,7 +451,7 @@ impl RegionalCore {
     /// 1 ms and one renew interval from `now_ns`. Both drivers (the tokio
     /// `upstream::run` and the simulator) sleep until this instant, so the
     /// policy exists once.
-    pub fn upstream_timeout(&self, now_ns: u64) -> u64 {
+    pub fn upstream_timeout(&mut self, now_ns: u64) -> u64 {
         let interval = self.cfg.renew_interval_ns.max(MS);
         self.next_wakeup_ns()
             .clamp(now_ns.saturating_add(MS), now_ns.saturating_add(interval))
@@ -462,14 +484,23 @@ impl RegionalCore {
     /// Drop chains whose deadline passed (their pools are destroyed; their
     /// sub-leases expired by construction).
     fn lapse_chains(&mut self, now_ns: u64) {
-        for (key, ks) in self.keys.iter_mut() {
+        while let Some(Reverse((due, _))) = self.chain_deadlines.peek() {
+            if *due > now_ns {
+                break;
+            }
+            let Some(Reverse((_, key))) = self.chain_deadlines.pop() else {
+                break;
+            };
+            let Some(ks) = self.keys.get_mut(&key) else {
+                continue;
+            };
             let Some(c) = &ks.chain else { continue };
             if now_ns < c.deadline_ns {
-                continue;
+                continue; // renewed since: its new deadline has an entry
             }
             ks.chain = None;
             self.stats.chains_lapsed += 1;
-            if let Some(l) = self.core.ledger_mut(key) {
+            if let Some(l) = self.core.ledger_mut(&key) {
                 let d = l.drain_pool(now_ns);
                 self.stats.tokens_destroyed += d;
                 l.set_pool_deadline(0);
@@ -804,6 +835,7 @@ impl RegionalCore {
             c.parent_lease_id = g.lease_id;
             c.granted = g.tokens;
             c.deadline_ns = deadline;
+            self.chain_deadlines.push(Reverse((deadline, key.clone())));
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };
@@ -863,6 +895,7 @@ impl RegionalCore {
             granted: g.tokens,
             deadline_ns: deadline,
         });
+        self.chain_deadlines.push(Reverse((deadline, key.clone())));
         self.next_serial += 1;
     }
 
@@ -951,7 +984,8 @@ impl RegionalCore {
     pub fn check_i2(&mut self, now_ns: u64) -> Result<(), String> {
         self.lapse_chains(now_ns);
         for key in self.core.key_ids() {
-            self.check_key(now_ns, &key)?;
+            let chain = self.keys.get(&key).and_then(|k| k.chain.clone());
+            self.check_key(now_ns, &key, chain)?;
         }
         Ok(())
     }
@@ -965,27 +999,22 @@ impl RegionalCore {
                 tenant: item.tenant.clone(),
                 route: item.route.clone(),
             };
-            let lapsed = self
-                .keys
-                .get(&key)
-                .and_then(|k| k.chain.as_ref())
-                .is_some_and(|c| now_ns >= c.deadline_ns);
-            if lapsed {
+            let mut chain = self.keys.get(&key).and_then(|k| k.chain.clone());
+            if chain.as_ref().is_some_and(|c| now_ns >= c.deadline_ns) {
                 self.lapse_chains(now_ns);
+                chain = self.keys.get(&key).and_then(|k| k.chain.clone());
             }
-            if self.core.ledger_mut(&key).is_some() {
-                self.check_key(now_ns, &key)?;
-            }
+            self.check_key(now_ns, &key, chain)?;
         }
         Ok(())
     }
 
-    fn check_key(&mut self, now_ns: u64, key: &KeyId) -> Result<(), String> {
-        let chain = self.keys.get(key).and_then(|k| k.chain.clone());
-        let ledger = self
-            .core
-            .ledger_mut(key)
-            .expect("checked keys have a ledger");
+    /// I2 of one key whose chain is `chain`; a key without a ledger holds
+    /// nothing to check.
+    fn check_key(&mut self, now_ns: u64, key: &KeyId, chain: Option<Chain>) -> Result<(), String> {
+        let Some(ledger) = self.core.ledger_mut(key) else {
+            return Ok(());
+        };
         let h = ledger.holding(now_ns);
         if !ledger.i2_holds() {
             return Err(format!(

@@ -207,7 +207,9 @@ fn sub_leases_never_outlive_the_parent_lease() {
     let g = ask(&mut reg, near, "c", 1, 0, 0, 5);
     assert_eq!(g.tokens, 0);
     assert!(g.retry_after_ms >= 1);
-    // At E the chain lapses with its pool.
+    // The upstream side wakes at E at the latest (the chain's deadline is
+    // the earliest due), and at E the chain lapses with its pool.
+    assert!(reg.next_wakeup_ns() <= e);
     let _ = reg.poll_upstream(e);
     assert!(reg.chain_view(&key()).is_none());
     assert!(reg.stats().chains_lapsed == 1 && reg.stats().tokens_destroyed > 0);

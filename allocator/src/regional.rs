@@ -23,11 +23,15 @@
 //! * Every sub-lease expires no later than `E`; at `E` a chain that was not
 //!   renewed is dropped with its pool.
 //!
-//! Time is always an argument; iteration is over `BTreeMap`s and sorted key
-//! lists, so outputs never depend on hash order.
+//! Time is always an argument; what leaves is in sorted key order (plans
+//! are sorted after a walk over the hashed keys), so outputs never depend
+//! on hash order.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+
+/// Seeded per process; nothing depends on the iteration order.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::quality::RandomState>;
+use std::collections::BinaryHeap;
 
 use quotalease_proto::lease::{
     Grant, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
@@ -187,7 +191,9 @@ pub struct RegionalCore {
     incarnation: u64,
     seq: u64,
     rules_known: bool,
-    keys: BTreeMap<KeyId, KeyState>,
+    /// Per key (hashed: a look-up per child item must not cost a string
+    /// comparison per tree level; whatever leaves in key order is sorted).
+    keys: HashMap<KeyId, KeyState>,
     /// Keys a child found without tokens (or new) since the last walk over
     /// every key: within the throttle after a send, a poll plans only
     /// these (SPEC §9: a poll per dry pool must not cost a walk over all).
@@ -206,11 +212,13 @@ pub struct RegionalCore {
     last_failed: bool,
     reachable: bool,
     next_serial: u64,
-    /// Every chain's deadline as it was set, (deadline, key): a poll lapses
-    /// the chains now due without a walk over every key. Entries of chains
-    /// renewed (a later deadline has its own entry) or ended since are
-    /// skipped when they come due.
-    chain_deadlines: BinaryHeap<Reverse<(u64, KeyId)>>,
+    /// When chains come due, (deadline, chain serial, key; the serial orders
+    /// equal deadlines without comparing keys): every chain has an entry no
+    /// later than its deadline, so a poll lapses the chains now due without
+    /// a walk over every key. An entry that comes due for a chain renewed
+    /// since moves to its new deadline; one of a chain that ended is
+    /// dropped.
+    chain_deadlines: BinaryHeap<Reverse<(u64, u64, KeyId)>>,
     stopping: bool,
     /// Upstream round trip, EWMA (sizes the children's retry hints).
     rtt_ns: u64,
@@ -271,7 +279,7 @@ impl RegionalCore {
             incarnation,
             seq: 0,
             rules_known,
-            keys: BTreeMap::new(),
+            keys: HashMap::default(),
             wanting: Vec::new(),
             walk_all: true,
             walked_reachable: false,
@@ -429,19 +437,29 @@ impl RegionalCore {
         t
     }
 
-    /// The earliest deadline of any chain (from `chain_deadlines`, after
-    /// dropping the entries at its top that no chain has any more).
+    /// The earliest deadline of any chain, from `chain_deadlines`: entries
+    /// at its top of chains that ended are dropped, of chains renewed since
+    /// moved to their current deadline.
     fn next_chain_deadline(&mut self) -> Option<u64> {
-        while let Some(Reverse((due, key))) = self.chain_deadlines.peek() {
+        while let Some(Reverse((due, serial, key))) = self.chain_deadlines.peek() {
             let current = self
                 .keys
                 .get(key)
                 .and_then(|ks| ks.chain.as_ref())
-                .is_some_and(|c| c.deadline_ns == *due);
-            if current {
-                return Some(*due);
+                .filter(|c| c.serial == *serial)
+                .map(|c| c.deadline_ns);
+            match current {
+                Some(d) if d == *due => return Some(d),
+                Some(d) => {
+                    let Some(Reverse((_, serial, key))) = self.chain_deadlines.pop() else {
+                        break;
+                    };
+                    self.chain_deadlines.push(Reverse((d, serial, key)));
+                }
+                None => {
+                    self.chain_deadlines.pop();
+                }
             }
-            self.chain_deadlines.pop();
         }
         None
     }
@@ -484,19 +502,24 @@ impl RegionalCore {
     /// Drop chains whose deadline passed (their pools are destroyed; their
     /// sub-leases expired by construction).
     fn lapse_chains(&mut self, now_ns: u64) {
-        while let Some(Reverse((due, _))) = self.chain_deadlines.peek() {
+        while let Some(Reverse((due, _, _))) = self.chain_deadlines.peek() {
             if *due > now_ns {
                 break;
             }
-            let Some(Reverse((_, key))) = self.chain_deadlines.pop() else {
+            let Some(Reverse((_, serial, key))) = self.chain_deadlines.pop() else {
                 break;
             };
             let Some(ks) = self.keys.get_mut(&key) else {
                 continue;
             };
-            let Some(c) = &ks.chain else { continue };
+            let Some(c) = ks.chain.as_ref().filter(|c| c.serial == serial) else {
+                continue; // the chain ended (a new one has its own entry)
+            };
             if now_ns < c.deadline_ns {
-                continue; // renewed since: its new deadline has an entry
+                // Renewed since: due again at its new deadline.
+                let d = c.deadline_ns;
+                self.chain_deadlines.push(Reverse((d, serial, key)));
+                continue;
             }
             ks.chain = None;
             self.stats.chains_lapsed += 1;
@@ -698,6 +721,9 @@ impl RegionalCore {
                 out.push((key.clone(), plan));
             }
         }
+        // Each key's plan is its own; the batch goes out in key order
+        // (whatever the hash order: the simulator replays exactly).
+        out.sort_unstable_by(|(a, _), (b, _)| a.cmp(b));
         out
     }
 
@@ -834,8 +860,14 @@ impl RegionalCore {
             let c = ks.chain.as_mut().expect("same_chain");
             c.parent_lease_id = g.lease_id;
             c.granted = g.tokens;
+            // The chain's entry in `chain_deadlines` moves on when it comes
+            // due; only a deadline that came closer needs one now.
+            if deadline < c.deadline_ns {
+                let serial = c.serial;
+                self.chain_deadlines
+                    .push(Reverse((deadline, serial, key.clone())));
+            }
             c.deadline_ns = deadline;
-            self.chain_deadlines.push(Reverse((deadline, key.clone())));
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };
@@ -895,7 +927,8 @@ impl RegionalCore {
             granted: g.tokens,
             deadline_ns: deadline,
         });
-        self.chain_deadlines.push(Reverse((deadline, key.clone())));
+        self.chain_deadlines
+            .push(Reverse((deadline, self.next_serial, key.clone())));
         self.next_serial += 1;
     }
 
@@ -927,12 +960,13 @@ impl RegionalCore {
     pub fn shutdown(&mut self, now_ns: u64) -> Option<LeaseBatch> {
         self.stopping = true;
         self.lapse_chains(now_ns);
-        let keys: Vec<KeyId> = self
+        let mut keys: Vec<KeyId> = self
             .keys
             .iter()
             .filter(|(_, ks)| ks.chain.is_some())
             .map(|(k, _)| k.clone())
             .collect();
+        keys.sort_unstable();
         let mut items = Vec::new();
         let mut sent = Vec::new();
         for key in keys {

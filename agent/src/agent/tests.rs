@@ -13,7 +13,7 @@ fn keys_are_unambiguous() {
     let b = Lookup(KeyRef::new("r", "a", "bc"));
     assert_ne!(h.hash_one(a), h.hash_one(b));
     // A slot keeps its parts in one string: they come back apart.
-    let held = |k: KeyRef<'_>| Held(Arc::new(Slot::new(k.rule, k.tenant, k.route)));
+    let held = |k: KeyRef<'_>| Held(Slot::new(k.rule, k.tenant, k.route));
     let (ha, hb) = (held(a.0), held(b.0));
     assert_eq!((ha.rule_id(), ha.tenant(), ha.route()), ("r", "ab", "c"));
     assert_eq!((hb.rule_id(), hb.tenant(), hb.route()), ("r", "a", "bc"));

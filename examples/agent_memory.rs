@@ -26,7 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, Held, KeyId, Slot};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, KeyId, Slot};
 use quotalease_agent::lease_table::{LeaseWord, SlotHead};
 use quotalease_agent::renewal::{PlanConfig, Usage};
 use quotalease_agent::transport::InProcess;
@@ -289,8 +289,7 @@ fn sizes(key_bytes: usize) {
         size_of::<Slot>()
     );
     println!(
-        "  agent  table element Held          {:>4} (papaya set of slots: one heap node per element + a pointer and a tag byte in the table; no key copy)",
-        size_of::<Held>()
+        "  agent  lease table cell               8 (open addressing, one slot address + 4 tag bits a cell, at most 3/4 full, a power of two: 2^21 cells at 1 M keys; no node per key)"
     );
     println!(
         "  agent  core KeyState (decoded)      {:>4} (AgentCore::KEY_STATE_BYTES: the core's working copy; stored packed in the slot)",

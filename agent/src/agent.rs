@@ -35,7 +35,7 @@ use tokio::sync::Notify;
 use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
-pub use crate::lease_table::{Held, KeyId, KeyRef, Lookup, Slot, Table};
+pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, SlotRef, Table};
 use crate::metrics::{self, AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
 use crate::shapes;
@@ -572,7 +572,7 @@ impl Agent {
         let instance = cfg
             .instance
             .unwrap_or_else(quotalease_proto::random_instance);
-        let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+        let table = Arc::new(Table::new());
         let metrics = Arc::new(AgentMetrics::default());
         let rules = Arc::new(RulesCell::new(bootstrap, &metrics));
         let core = AgentCore::new(
@@ -897,7 +897,7 @@ impl Agent {
         for &ri in m.indices() {
             let rule = &snap.rules.rules[ri as usize];
             let slot = table.get(&Lookup::of(rule, input.tenant, input.route))?;
-            slots.push((ri, slot.0.clone()));
+            slots.push((ri, slot.to_owned()));
         }
         Some(KeyHandle::new(generation, snap, &m, slots))
     }
@@ -1271,7 +1271,7 @@ impl Agent {
     ) -> Result<(u64, usize), Unpaid> {
         let table = self.inner.table.pin();
         // (slot, generation) of each charge, for an all-or-none refund.
-        let mut taken: [Option<(&Slot, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
+        let mut taken: [Option<(SlotRef<'_>, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
         let mut min_remaining = u64::MAX;
         let mut min_rule = m.indices()[0] as usize;
         for j in 0..m.len() {
@@ -1287,7 +1287,7 @@ impl Agent {
                     generation,
                     remaining,
                 } => {
-                    taken[j] = slot.map(|s| (&s.0, generation));
+                    taken[j] = slot.map(|s| (s, generation));
                     if remaining < min_remaining {
                         min_remaining = remaining;
                         min_rule = ri;
@@ -1300,7 +1300,7 @@ impl Agent {
                     }
                     // The slot that could not pay, so the slow path need
                     // not look it up again.
-                    return Err((ri, slot.map(|s| s.0.clone())));
+                    return Err((ri, slot.map(|s| s.to_owned())));
                 }
             }
         }

@@ -40,7 +40,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, Held, Lookup, Slot, SlotHead, Table};
+use crate::lease_table::{pack, Lookup, Slot, SlotHead, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
@@ -414,7 +414,7 @@ impl AgentCore {
         let key = Lookup(crate::lease_table::KeyRef::new(&rule.id, tp, rp));
         let table = self.table.pin();
         if let Some(s) = table.get(&key) {
-            return Some(s.0.clone());
+            return Some(s.to_owned());
         }
         if table.len() >= self.cfg.max_keys {
             return None;
@@ -423,14 +423,14 @@ impl AgentCore {
         let slot = Slot::new(&rule.id, tp, rp);
         KeyState::fresh().store(&slot);
         self.active.push(slot.clone());
-        table.insert(Held(slot.clone()));
+        table.insert(slot.clone());
         Some(slot)
     }
 
     /// The slots of the keys held (tests).
     #[cfg(test)]
     fn held_slots(&self) -> Vec<Slot> {
-        self.table.pin().iter().map(|h| h.0.clone()).collect()
+        self.table.pin().iter().map(|s| s.to_owned()).collect()
     }
 
     /// Whether `slot` is the slot of a key the core holds (not forgotten).
@@ -629,8 +629,8 @@ impl AgentCore {
         let mut items = std::mem::take(&mut self.late_releases);
         let mut released = 0;
         let mut leases = Vec::new();
-        for h in self.table.pin().iter() {
-            let slot = &h.0;
+        for s in self.table.pin().iter() {
+            let slot = &s.to_owned();
             let mut k = KeyState::load(slot);
             let (left, new_gen) = slot.word.retire();
             k.generation = new_gen;
@@ -845,7 +845,7 @@ impl AgentCore {
             // (the table's is seeded per process; the simulator replays
             // exactly), then the lists again from scratch.
             self.wanted.clear();
-            let mut all: Vec<Slot> = self.table.pin().iter().map(|h| h.0.clone()).collect();
+            let mut all: Vec<Slot> = self.table.pin().iter().map(|s| s.to_owned()).collect();
             all.sort_unstable_by(|a, b| a.key_ref().cmp(&b.key_ref()));
             self.active.clear();
             self.parked.clear();

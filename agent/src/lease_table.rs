@@ -206,12 +206,10 @@ impl LeaseWord {
 // ---------------------------------------------------------------------------
 // Keys and slots
 
-use papaya::Equivalent;
 pub use quotalease_model::key::{str_eq, KeyId, KeyRef};
 
-/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`Held`]
-/// slots and compares part by part, so a lookup builds nothing. (papaya's
-/// `Equivalent` and the key type are foreign here, hence the wrapper.)
+/// A [`KeyRef`] as a lease-table lookup: the table hashes it as it hashes
+/// its slots' keys and compares part by part, so a lookup builds nothing.
 #[derive(Clone, Copy, Debug, Hash)]
 pub struct Lookup<'a>(pub KeyRef<'a>);
 
@@ -396,6 +394,40 @@ impl Slot {
     pub fn addr(&self) -> usize {
         self.ptr.as_ptr().addr()
     }
+
+    /// Give up this handle as a raw pointer to its block (for a table);
+    /// [`Slot::from_raw`] takes it back.
+    pub(crate) fn into_raw(self) -> *mut u8 {
+        let p = self.ptr.as_ptr().cast::<u8>();
+        std::mem::forget(self);
+        p
+    }
+
+    /// The handle [`Slot::into_raw`] gave up.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`Slot::into_raw`] and is passed here once.
+    pub(crate) unsafe fn from_raw(p: *mut u8) -> Self {
+        // SAFETY: per the contract, `p` is a live block's non-null address.
+        Self {
+            ptr: unsafe { std::ptr::NonNull::new_unchecked(p.cast()) },
+        }
+    }
+
+    /// A borrowed view of the block at `p`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is a block's address (from [`Slot::into_raw`]) whose handle
+    /// stays alive for `'a`.
+    pub(crate) unsafe fn borrow_raw<'a>(p: *mut u8) -> SlotRef<'a> {
+        SlotRef {
+            // SAFETY: per the contract, `p` is non-null.
+            ptr: unsafe { std::ptr::NonNull::new_unchecked(p.cast()) },
+            _life: std::marker::PhantomData,
+        }
+    }
 }
 
 impl Clone for Slot {
@@ -439,7 +471,7 @@ impl PartialEq for Slot {
 }
 impl Eq for Slot {}
 
-/// By block, as equality (the table finds slots by key: see [`Held`]).
+/// By block, as equality (the table finds slots by key).
 impl std::hash::Hash for Slot {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
         self.addr().hash(h)
@@ -621,46 +653,8 @@ impl Slot {
     }
 }
 
-/// A slot in the lease table: hashes and compares by its key, so the table
-/// needs no key of its own (one copy of the key's bytes per key held).
-#[derive(Clone, Debug)]
-pub struct Held(pub Slot);
-
-impl std::ops::Deref for Held {
-    type Target = Slot;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::hash::Hash for Held {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.0.key_ref().hash(h)
-    }
-}
-
-impl PartialEq for Held {
-    fn eq(&self, other: &Self) -> bool {
-        Lookup(self.0.key_ref()).equivalent(other)
-    }
-}
-
-impl Eq for Held {}
-
-impl papaya::Equivalent<Held> for Lookup<'_> {
-    #[inline]
-    fn equivalent(&self, k: &Held) -> bool {
-        let (a, b) = (self.0, k.0.key_ref());
-        str_eq(a.tenant, b.tenant) && str_eq(a.route, b.route) && str_eq(a.rule, b.rule)
-    }
-}
-
-/// The lease table: the slots of the keys held, found by key. A lock-free
-/// set (reads pin an epoch guard, which writes only thread-local state),
-/// so concurrent checks on one hot key share no written cache line except
-/// the lease word itself. Only the agent core inserts and removes. The
-/// hasher is seeded per process.
-pub type Table = papaya::HashSet<Held, foldhash::fast::RandomState>;
+mod table;
+pub use table::{Pinned, Table};
 
 #[cfg(all(test, not(quotalease_loom)))]
 mod tests {

@@ -29,7 +29,7 @@ fn core(max_in_flight: usize) -> (AgentCore, RuleSet) {
     let metrics = Arc::new(AgentMetrics::default());
     let rules = rules();
     let cell = Arc::new(RulesCell::new(Some(rules.clone()), &metrics));
-    let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+    let table = Arc::new(Table::new());
     let cfg = CoreConfig {
         agent_id: "a".into(),
         instance: 7,

@@ -5,7 +5,9 @@
 //! generation last cut, consumption history, the item in flight, a refusal),
 //! the fail-open emergency bucket, and, for the agent, the batches in
 //! flight, their retries and timeouts, the outage state and the sequence
-//! numbers. It never reads a clock, spawns, sleeps or touches a socket:
+//! numbers. A key's renewal state is kept packed in words of the key's own
+//! slot that only the core touches (`KeyState`; one heap block per key,
+//! SPEC §9), its rare parts in a map. It never reads a clock, spawns, sleeps or touches a socket:
 //! time comes in as an argument (`now` on the agent clock, ns), messages
 //! come in through `handle_*`, and what to do comes out through `poll_*`:
 //!

@@ -231,8 +231,8 @@ impl<'a> Lookup<'a> {
 ///   one);
 /// * atomics the request slow path reads or writes (`dry_until`, waiting
 ///   demand, denied demand, the settle count) and the reference count;
-/// * words only the agent core reads and writes ([`SlotHead::core`],
-///   [`SlotHead::core_flags`]): its renewal state of the key, kept here so
+/// * words only the agent core reads and writes (`core`, `core_flags`):
+///   its renewal state of the key, kept here so
 ///   that a key costs one allocation (SPEC §9 counts the agent's bytes per
 ///   key held). They are atomics so that a slot can be shared (`Sync`)
 ///   without `unsafe`; the core accesses them with `Relaxed` ordering,

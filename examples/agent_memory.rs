@@ -279,7 +279,7 @@ fn sizes(key_bytes: usize) {
     use std::mem::size_of;
     println!("size_of (bytes):");
     println!(
-        "  agent  lease_table::SlotHead        {:>4} (LeaseWord {} first; request-side atomics; the core's renewal state packed in 64 B)",
+        "  agent  lease_table::SlotHead        {:>4} (LeaseWord {} at offset 64; request-side atomics; the core's renewal state packed in 64 B)",
         size_of::<SlotHead>(),
         size_of::<LeaseWord>()
     );

@@ -197,7 +197,7 @@ impl KeyState {
     /// Decode the core-owned words of `s`. Relaxed: only the core reads
     /// and writes them, always under its mutex, which orders its accesses.
     fn load(s: &SlotHead) -> Self {
-        let w = |i: usize| s.core[i].load(Relaxed);
+        let w = |i: usize| s.core(i).load(Relaxed);
         let flags = s.core_flags.load(Relaxed);
         let (granted_gen, baseline_holders, rates, since_seq) = (w(1), w(2), w(3), w(4));
         Self {
@@ -228,8 +228,8 @@ impl KeyState {
     /// once (see `plan_key`).
     fn store(&self, s: &SlotHead) {
         let put = |i: usize, v: u64| {
-            if s.core[i].load(Relaxed) != v {
-                s.core[i].store(v, Relaxed);
+            if s.core(i).load(Relaxed) != v {
+                s.core(i).store(v, Relaxed);
             }
         };
         debug_assert!(self.generation < 1 << 24, "a word's generation has 24 bits");

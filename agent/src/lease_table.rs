@@ -66,10 +66,11 @@ pub enum Take {
 }
 
 /// The atomic part of a key's lease: the word and its deadline, side by
-/// side (a decision reads the deadline and CASes the word), at the front of
-/// the key's [`Slot`]. A slot is larger than a cache line, so two keys'
-/// words never share one; the slot's other atomics beside the word are
-/// written only on slow paths.
+/// side (a decision reads the deadline and CASes the word), 64 bytes into
+/// the key's [`Slot`] block, whose own bytes fill the word's cache line
+/// wherever the block starts: two keys' words never share a line, nor does
+/// any other allocation; the slot's other fields on that line are written
+/// only on slow paths and by the core (at most once a renew interval).
 #[derive(Debug)]
 #[repr(C)]
 pub struct LeaseWord {
@@ -226,22 +227,23 @@ impl<'a> Lookup<'a> {
 ///
 /// Three kinds of fields:
 ///
-/// * the lease word, first (the hot path reads its deadline and CASes it;
-///   a block is larger than a cache line, so two keys' words never share
-///   one);
+/// * the lease word (the hot path reads its deadline and CASes it), 64
+///   bytes into the block, so that its cache line, wherever the block
+///   starts (blocks are 16-aligned, not line-aligned), holds only this
+///   block's bytes: no other allocation, hot or not, shares it;
 /// * atomics the request slow path reads or writes (`dry_until`, waiting
 ///   demand, denied demand, the settle count) and the reference count;
-/// * words only the agent core reads and writes (`core`, `core_flags`):
-///   its renewal state of the key, kept here so
-///   that a key costs one allocation (SPEC §9 counts the agent's bytes per
-///   key held). They are atomics so that a slot can be shared (`Sync`)
-///   without `unsafe`; the core accesses them with `Relaxed` ordering,
-///   always under its own mutex, which orders its accesses.
+/// * words only the agent core reads and writes (`core_a`, `core_b`,
+///   `core_flags`): its renewal state of the key, kept here so that a key
+///   costs one allocation (SPEC §9 counts the agent's bytes per key held).
+///   They are atomics so that a slot can be shared (`Sync`) without
+///   `unsafe`; the core accesses them with `Relaxed` ordering, always
+///   under its own mutex, which orders its accesses, and writes a word
+///   only when its value changed (at most once a visit, every renew
+///   interval for a busy key).
 #[derive(Debug)]
 #[repr(C)]
 pub struct SlotHead {
-    /// The lease word (hot path), first.
-    pub word: LeaseWord,
     /// The allocator said the bucket is dry until then (ns; bit 63: the
     /// allocator is still opening this never-leased key upstream).
     dry_until_ns: std::sync::atomic::AtomicU64,
@@ -262,9 +264,31 @@ pub struct SlotHead {
     /// Counts the key's batches settled (answered or given up on): a parked
     /// request waits until it moves past what it saw when it registered.
     settles: std::sync::atomic::AtomicU32,
-    /// Core-owned words: the key's renewal state, packed (see
+    /// Core-owned words 0-2 of the key's renewal state, packed (see
     /// [`crate::core`]). Nothing but the core touches them.
-    pub(crate) core: [std::sync::atomic::AtomicU64; 8],
+    core_a: [std::sync::atomic::AtomicU64; 3],
+    /// The lease word (hot path), 64 bytes in.
+    pub word: LeaseWord,
+    /// Core-owned words 3-7.
+    core_b: [std::sync::atomic::AtomicU64; 5],
+}
+
+/// Offset of the lease word in a slot's block.
+pub const WORD_OFFSET: usize = std::mem::offset_of!(SlotHead, word);
+const _: () = assert!(
+    WORD_OFFSET == 64,
+    "the word's line holds only its own block"
+);
+
+impl SlotHead {
+    /// Core-owned word `i` (0..8) of the key's renewal state.
+    #[inline]
+    pub(crate) fn core(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+        match i {
+            0..3 => &self.core_a[i],
+            _ => &self.core_b[i - 3],
+        }
+    }
 }
 
 const OPENING_BIT: u64 = 1 << 63;
@@ -324,7 +348,6 @@ impl Slot {
         let offset = |n: usize| u16::try_from(n).expect("key parts are ids of at most 256 bytes");
         let len = rule_id.len() + tenant.len() + route.len();
         let head = SlotHead {
-            word: LeaseWord::new(),
             dry_until_ns: AtomicU64::new(0),
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
@@ -334,7 +357,9 @@ impl Slot {
             core_flags: AtomicU16::new(0),
             refs: AtomicU32::new(1),
             settles: AtomicU32::new(0),
-            core: Default::default(),
+            core_a: Default::default(),
+            word: LeaseWord::new(),
+            core_b: Default::default(),
         };
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size (the head alone is more

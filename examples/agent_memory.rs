@@ -26,8 +26,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, Held, KeyId, Slot};
-use quotalease_agent::lease_table::LeaseWord;
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, KeyId, Slot};
+use quotalease_agent::lease_table::{LeaseWord, SlotHead};
 use quotalease_agent::renewal::{PlanConfig, Usage};
 use quotalease_agent::transport::InProcess;
 use quotalease_allocator::core::CoreConfig;
@@ -275,23 +275,24 @@ fn run_allocator(n: usize) -> Run {
     }
 }
 
-fn sizes() {
-    use std::mem::{align_of, size_of};
-    let slot = size_of::<Slot>();
-    let arc_inner = (2 * size_of::<usize>()).next_multiple_of(align_of::<Slot>()) + slot;
+fn sizes(key_bytes: usize) {
+    use std::mem::size_of;
     println!("size_of (bytes):");
     println!(
-        "  agent  lease_table::Slot            {slot:>4} (align {}; LeaseWord {} first; key parts in one heap string)",
-        align_of::<Slot>(),
+        "  agent  lease_table::SlotHead        {:>4} (LeaseWord {} at offset 64; request-side atomics; the core's renewal state packed in 64 B)",
+        size_of::<SlotHead>(),
         size_of::<LeaseWord>()
     );
-    println!("  agent  ArcInner<Slot> (one alloc)  {arc_inner:>4} (with the two counts)");
     println!(
-        "  agent  table element Held          {:>4} (papaya set of slots: one heap node per element + a pointer and a tag byte in the table; no key copy)",
-        size_of::<Held>()
+        "  agent  Slot block, {key_bytes} B key       {:>4} (one allocation per key: head + key bytes, align 16; Slot is a {} B thin handle)",
+        Slot::block_bytes(key_bytes),
+        size_of::<Slot>()
     );
     println!(
-        "  agent  core KeyState                {:>4} (AgentCore::KEY_STATE_BYTES; dense chunks + a slot id -> position map, 16 B a bucket)",
+        "  agent  lease table cell               8 (open addressing, one slot address + 4 tag bits a cell, at most 3/4 full, a power of two: 2^21 cells at 1 M keys; no node per key)"
+    );
+    println!(
+        "  agent  core KeyState (decoded)      {:>4} (AgentCore::KEY_STATE_BYTES: the core's working copy; stored packed in the slot)",
         quotalease_agent::core::AgentCore::KEY_STATE_BYTES
     );
     println!(
@@ -299,7 +300,7 @@ fn sizes() {
         size_of::<Usage>()
     );
     println!(
-        "  agent  Option<(u64, TokenBucket)>   {:>4} (an emergency bucket, boxed in KeyState)",
+        "  agent  Option<(u64, TokenBucket)>   {:>4} (an emergency bucket, in the core's map of rare parts)",
         size_of::<Option<(u64, TokenBucket)>>()
     );
     println!(
@@ -343,7 +344,7 @@ fn main() {
         }
         Some(other) => panic!("mode {other:?}: agent or allocator"),
         None => {
-            sizes();
+            sizes(key_bytes);
             let exe = std::env::current_exe().expect("own path");
             let mut growth = Vec::new();
             for mode in ["agent", "allocator"] {

@@ -35,7 +35,7 @@ use tokio::sync::Notify;
 use crate::core::{AgentCore, CoreConfig, Event};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
-pub use crate::lease_table::{Held, KeyId, KeyRef, Lookup, Slot, Table};
+pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, SlotRef, Table};
 use crate::metrics::{self, AgentMetrics, Counter, RuleCounterSet, RuleCounters};
 use crate::renewal::PlanConfig;
 use crate::shapes;
@@ -293,7 +293,7 @@ pub struct KeyHandle {
     /// Their version (what answers report).
     version: u64,
     /// (rule index, slot) of each non-shadow matched rule.
-    slots: Vec<(u32, Arc<Slot>)>,
+    slots: Vec<(u32, Slot)>,
     /// Their rules' counters, in the same order.
     counters: Vec<Arc<RuleCounters>>,
     /// The largest cost the fast path may charge: the smallest burst of
@@ -306,7 +306,7 @@ pub struct KeyHandle {
 impl KeyHandle {
     /// A handle for the rules `m` matched in `snap`, whose non-shadow keys
     /// have these slots.
-    fn new(generation: u64, snap: &Snapshot, m: &Matched, slots: Vec<(u32, Arc<Slot>)>) -> Self {
+    fn new(generation: u64, snap: &Snapshot, m: &Matched, slots: Vec<(u32, Slot)>) -> Self {
         let max_cost = slots
             .iter()
             .map(|(ri, _)| snap.rules.rules[*ri as usize].burst)
@@ -336,11 +336,11 @@ impl KeyHandle {
 
 /// The rule (by index) whose lease could not pay, and its slot if the
 /// table holds one.
-type Unpaid = (usize, Option<Arc<Slot>>);
+type Unpaid = (usize, Option<Slot>);
 
 /// Take `cost` from every slot's lease, all or none: (the smallest
 /// remainder, its rule index), or None (nothing charged).
-fn take_all(slots: &[(u32, Arc<Slot>)], cost: u64, now: u64) -> Option<(u64, usize)> {
+fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64) -> Option<(u64, usize)> {
     let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
     let mut min = (u64::MAX, slots.first().map_or(0, |s| s.0 as usize));
     for (j, (ri, slot)) in slots.iter().enumerate() {
@@ -456,7 +456,7 @@ const PARKED_STRIPES: usize = 64;
 impl Inner {
     /// The waker requests parked on `slot` wait on.
     fn parked_on(&self, slot: &Slot) -> &Notify {
-        &self.parked[(slot.id() as usize) % self.parked.len()]
+        &self.parked[(slot.addr() >> 4) % self.parked.len()]
     }
 }
 
@@ -483,10 +483,10 @@ enum Step {
     /// Registered with the core: wait for the next grant of `slot` (rule
     /// `rule_idx` could not pay).
     Park {
-        slot: Arc<Slot>,
+        slot: Slot,
         /// `slot.settles()` when the request registered (under the core's
         /// lock): it waits until the count moves on.
-        seen: u64,
+        seen: u32,
     },
 }
 
@@ -572,7 +572,7 @@ impl Agent {
         let instance = cfg
             .instance
             .unwrap_or_else(quotalease_proto::random_instance);
-        let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+        let table = Arc::new(Table::new());
         let metrics = Arc::new(AgentMetrics::default());
         let rules = Arc::new(RulesCell::new(bootstrap, &metrics));
         let core = AgentCore::new(
@@ -897,7 +897,7 @@ impl Agent {
         for &ri in m.indices() {
             let rule = &snap.rules.rules[ri as usize];
             let slot = table.get(&Lookup::of(rule, input.tenant, input.route))?;
-            slots.push((ri, slot.0.clone()));
+            slots.push((ri, slot.to_owned()));
         }
         Some(KeyHandle::new(generation, snap, &m, slots))
     }
@@ -1240,7 +1240,7 @@ impl Agent {
         input: &CheckInput<'_>,
         cost: u64,
         rule_idx: usize,
-        slot: &Arc<Slot>,
+        slot: &Slot,
         t: u64,
     ) {
         core.want(slot.clone(), cost);
@@ -1271,7 +1271,7 @@ impl Agent {
     ) -> Result<(u64, usize), Unpaid> {
         let table = self.inner.table.pin();
         // (slot, generation) of each charge, for an all-or-none refund.
-        let mut taken: [Option<(&Slot, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
+        let mut taken: [Option<(SlotRef<'_>, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
         let mut min_remaining = u64::MAX;
         let mut min_rule = m.indices()[0] as usize;
         for j in 0..m.len() {
@@ -1287,7 +1287,7 @@ impl Agent {
                     generation,
                     remaining,
                 } => {
-                    taken[j] = slot.map(|s| (&***s, generation));
+                    taken[j] = slot.map(|s| (s, generation));
                     if remaining < min_remaining {
                         min_remaining = remaining;
                         min_rule = ri;
@@ -1300,7 +1300,7 @@ impl Agent {
                     }
                     // The slot that could not pay, so the slow path need
                     // not look it up again.
-                    return Err((ri, slot.map(|s| s.0.clone())));
+                    return Err((ri, slot.map(|s| s.to_owned())));
                 }
             }
         }
@@ -1390,8 +1390,8 @@ impl Agent {
         t: u64,
     ) -> Result<(u64, usize), usize> {
         enum Paid {
-            Lease(Arc<Slot>, u64),
-            Emergency(Arc<Slot>),
+            Lease(Slot, u64),
+            Emergency(Slot),
         }
         let mut paid: Vec<Paid> = Vec::with_capacity(m.len());
         let mut min = (u64::MAX, m.indices()[0] as usize);

@@ -5,7 +5,9 @@
 //! generation last cut, consumption history, the item in flight, a refusal),
 //! the fail-open emergency bucket, and, for the agent, the batches in
 //! flight, their retries and timeouts, the outage state and the sequence
-//! numbers. It never reads a clock, spawns, sleeps or touches a socket:
+//! numbers. A key's renewal state is kept packed in words of the key's own
+//! slot that only the core touches (`KeyState`; one heap block per key,
+//! SPEC §9), its rare parts in a map. It never reads a clock, spawns, sleeps or touches a socket:
 //! time comes in as an argument (`now` on the agent clock, ns), messages
 //! come in through `handle_*`, and what to do comes out through `poll_*`:
 //!
@@ -26,7 +28,8 @@
 //! unreachable only if no reply at all came back since it was first sent.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,7 +42,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, Held, KeyRef, Lookup, Slot, Table};
+use crate::lease_table::{pack, Lookup, Slot, SlotHead, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
@@ -83,7 +86,7 @@ pub struct CoreConfig {
 pub enum Event {
     /// The key's batch was answered or given up on: requests waiting for
     /// it re-check.
-    Settled(Arc<Slot>),
+    Settled(Slot),
     /// An emergency bucket was opened (only with `record_emergency`).
     EmergencyOpened(EmergencyOpened),
 }
@@ -100,44 +103,179 @@ pub struct Transmit {
     pub batch: LeaseBatch,
 }
 
-/// Renewal-side state of one key (never touched by the request fast path).
-#[derive(Debug)]
+/// Renewal-side state of one key (never touched by the request fast path),
+/// as the core works on it: decoded from the key's slot
+/// ([`KeyState::load`]) and written back ([`KeyState::store`]). It lives
+/// in the slot's core-owned words, packed (SPEC §9 counts the agent's
+/// bytes per key held: one allocation per key holds the lease word, the
+/// request side's atomics, this state and the key's bytes). The key's
+/// rare parts (a refusal, an emergency bucket) are in `AgentCore::rare`.
+#[derive(Clone, Debug)]
 struct KeyState {
-    /// The key's slot (which also holds the key's parts: the core keeps no
-    /// copy of its own).
-    slot: Arc<Slot>,
     lease_id: u64,
-    /// Tokens of the lease as the allocator records them.
+    /// Tokens of the lease as the allocator records them (at most
+    /// [`crate::lease_table::MAX_WORD_TOKENS`], what a word holds).
     granted: u64,
+    /// The word's generation as the core last set it (24 bits, as in the
+    /// word). Only the core changes a word's generation, so the word's
+    /// always equals this.
     generation: u64,
     /// Tokens in the word at the last visit (for consumption accounting).
     baseline: u64,
     usage: Usage,
-    in_flight: Option<InFlight>,
-    /// Set when the allocator refused the key (unknown rule, key limit...).
-    refused: Option<Box<(GrantStatus, String)>>,
+    /// A renewal is in flight: the low [`SEQ_TAG_BITS`] bits of its
+    /// batch's sequence number (its carry and tokens at send are in the
+    /// batch's [`Renewing`] entry).
+    in_flight: Option<u32>,
     /// Holders of this key at the allocator, as of the last grant.
     holders: u64,
-    /// Fail-open emergency bucket of the current outage: (outage, bucket).
-    /// Boxed: rare, and most keys never have one.
-    emergency: Option<Box<(u64, TokenBucket)>>,
     /// The tick may skip this key before this instant if its word still
-    /// reads `seen_word` and nothing waits or was denied.
+    /// reads (generation, baseline) and nothing waits or was denied.
     quiet_until_ns: u64,
-    seen_word: u64,
     /// Idle (nothing spent for a second or more) at the last visit: the
-    /// tick skips it until `quiet_until_ns` without even reading its slot
+    /// tick skips it until `quiet_until_ns` without even reading its word
     /// (a request that finds its lease short asks through `want` anyway).
     parked: bool,
     /// In the core's list of keys the tick visits (`AgentCore::active`);
     /// a parked key is not, it waits in `AgentCore::parked` instead.
     listed: bool,
+    /// The core holds the key: false once it was forgotten (its slot may
+    /// live on in handles and lists; the core skips it).
+    held: bool,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct InFlight {
-    seq: u64,
+/// Bits of a batch sequence number kept per key in flight. A key's
+/// in-flight tag is compared only with batches still pending (answered or
+/// given up on within `2 * lease_ttl`); 2^24 batches never go out in that
+/// time (and at most one pending batch that is not given up on renews a
+/// key: the planner does not renew a key in flight).
+const SEQ_TAG_BITS: u32 = 24;
+const SEQ_TAG_MASK: u64 = (1 << SEQ_TAG_BITS) - 1;
+const LOW40: u64 = (1 << 40) - 1;
+const HOLDERS_MAX: u64 = (1 << 24) - 1;
+
+const F_HELD: u16 = 1;
+const F_LISTED: u16 = 2;
+const F_PARKED: u16 = 4;
+const F_IN_FLIGHT: u16 = 8;
+
+/// The tag of batch `seq` in a key's state.
+fn seq_tag(seq: u64) -> u32 {
+    (seq & SEQ_TAG_MASK) as u32
+}
+
+/// A rate as stored (`f32`): a positive rate stays positive (it would
+/// round to zero only after ~100 time constants idle; the planner treats
+/// "no rate" and "some rate" differently).
+fn rate_bits(x: f64) -> u32 {
+    let f = x as f32;
+    if f == 0.0 && x > 0.0 {
+        f32::from_bits(1).to_bits()
+    } else {
+        f.to_bits()
+    }
+}
+
+impl KeyState {
+    /// A key just created (held, in the tick's list).
+    fn fresh() -> Self {
+        Self {
+            lease_id: 0,
+            granted: 0,
+            generation: 0,
+            baseline: 0,
+            usage: Usage::default(),
+            in_flight: None,
+            holders: 1,
+            quiet_until_ns: 0,
+            parked: false,
+            listed: true,
+            held: true,
+        }
+    }
+
+    /// Decode the core-owned words of `s`. Relaxed: only the core reads
+    /// and writes them, always under its mutex, which orders its accesses.
+    fn load(s: &SlotHead) -> Self {
+        let w = |i: usize| s.core(i).load(Relaxed);
+        let flags = s.core_flags.load(Relaxed);
+        let (granted_gen, baseline_holders, rates, since_seq) = (w(1), w(2), w(3), w(4));
+        Self {
+            lease_id: w(0),
+            granted: granted_gen & LOW40,
+            generation: granted_gen >> 40,
+            baseline: baseline_holders & LOW40,
+            holders: baseline_holders >> 40,
+            usage: Usage {
+                rate: f64::from(f32::from_bits(rates as u32)),
+                admitted_rate: f64::from(f32::from_bits((rates >> 32) as u32)),
+                since_tick: since_seq & LOW40,
+                denied_since_tick: 0,
+                last_tick_ns: w(5),
+                last_active_ns: w(6),
+            },
+            in_flight: (flags & F_IN_FLIGHT != 0).then_some((since_seq >> 40) as u32),
+            quiet_until_ns: w(7),
+            parked: flags & F_PARKED != 0,
+            listed: flags & F_LISTED != 0,
+            held: flags & F_HELD != 0,
+        }
+    }
+
+    /// Encode into the core-owned words of `s`, writing only the words
+    /// that changed (a hot key's block is not written on every visit).
+    /// `usage.denied_since_tick` is not kept here: a visit folds it in at
+    /// once (see `plan_key`).
+    fn store(&self, s: &SlotHead) {
+        let put = |i: usize, v: u64| {
+            if s.core(i).load(Relaxed) != v {
+                s.core(i).store(v, Relaxed);
+            }
+        };
+        debug_assert!(self.generation < 1 << 24, "a word's generation has 24 bits");
+        put(0, self.lease_id);
+        put(1, self.granted.min(LOW40) | (self.generation << 40));
+        put(
+            2,
+            self.baseline.min(LOW40) | (self.holders.min(HOLDERS_MAX) << 40),
+        );
+        put(
+            3,
+            u64::from(rate_bits(self.usage.rate))
+                | (u64::from(rate_bits(self.usage.admitted_rate)) << 32),
+        );
+        let tag = u64::from(self.in_flight.unwrap_or(0)) & SEQ_TAG_MASK;
+        put(4, self.usage.since_tick.min(LOW40) | (tag << 40));
+        put(5, self.usage.last_tick_ns);
+        put(6, self.usage.last_active_ns);
+        put(7, self.quiet_until_ns);
+        let bit = |on: bool, f: u16| if on { f } else { 0 };
+        let flags = bit(self.held, F_HELD)
+            | bit(self.listed, F_LISTED)
+            | bit(self.parked, F_PARKED)
+            | bit(self.in_flight.is_some(), F_IN_FLIGHT);
+        if s.core_flags.load(Relaxed) != flags {
+            s.core_flags.store(flags, Relaxed);
+        }
+    }
+}
+
+/// A key's rarely used parts, kept by the core beside its slot.
+#[derive(Debug, Default)]
+struct Rare {
+    /// Set when the allocator refused the key (unknown rule, key limit...).
+    refused: Option<(GrantStatus, String)>,
+    /// Fail-open emergency bucket of an outage: (outage, bucket).
+    emergency: Option<(u64, TokenBucket)>,
+}
+
+/// A key renewed by a batch in flight.
+#[derive(Clone, Debug)]
+struct Renewing {
+    slot: Slot,
+    /// The generation cut at the report.
     generation: u64,
+    /// Tokens in the word at the cut.
     tokens_at_send: u64,
 }
 
@@ -150,8 +288,8 @@ struct Pending {
     /// When the current attempt times out.
     deadline_ns: u64,
     digest: u64,
-    /// Slot ids of the RENEW items, in item order.
-    renews: Vec<u64>,
+    /// The keys of the RENEW items, in item order.
+    renews: Vec<Renewing>,
     /// Given up on: a late reply only releases what it granted.
     abandoned: bool,
 }
@@ -165,18 +303,21 @@ pub struct AgentCore {
     table: Arc<Table>,
     rules: Arc<RulesCell>,
     metrics: Arc<AgentMetrics>,
-    keys: KeySlab<KeyState>,
-    /// Slot ids of the keys the tick visits: every key not parked (some
-    /// may be gone: skipped).
-    active: Vec<u64>,
-    /// Parked keys by the instant they are due again, (quiet until, slot
-    /// id): the tick visits a parked key only when it is due, so a tick
-    /// over many idle keys costs O(active keys), not a walk over all.
-    /// Entries may be stale (the key left, or was re-parked later): a
-    /// visit before its time is harmless.
-    parked: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>>,
+    /// The keys the tick visits: every key not parked (some may be
+    /// forgotten: skipped).
+    active: Vec<Slot>,
+    /// Parked keys by the renew interval they are due again in
+    /// (`quiet_until_ns / renew_interval`): the tick visits a parked key
+    /// only when its interval has come, so a tick over many idle keys costs
+    /// O(active keys), not a walk over all. Entries may be stale (the key
+    /// left, or was re-parked later) or early (due later in the interval):
+    /// a visit before its time is harmless. A stale entry keeps a
+    /// forgotten key's slot alive until its interval comes.
+    parked: BTreeMap<u64, Vec<Slot>>,
     /// Slots requests wait for since the last pass.
-    wanted: Vec<Arc<Slot>>,
+    wanted: Vec<Slot>,
+    /// Rare per-key parts (refusals, emergency buckets), by slot.
+    rare: HashMap<Slot, Rare, foldhash::fast::FixedState>,
     pending: BTreeMap<u64, Pending>,
     late_releases: Vec<LeaseItem>,
     transmits: VecDeque<Transmit>,
@@ -213,7 +354,7 @@ const MAX_BATCH_ITEMS: usize = 2048;
 /// A tick under way: the keys it visits, how far it got, what it planned.
 #[derive(Debug)]
 struct Walk {
-    keys: Vec<u64>,
+    keys: Vec<Slot>,
     next: usize,
     ctx: PlanCtx,
 }
@@ -245,10 +386,10 @@ impl AgentCore {
             table,
             rules,
             metrics,
-            keys: KeySlab::new(|k| k.slot.id()),
             active: Vec::new(),
-            parked: std::collections::BinaryHeap::new(),
+            parked: BTreeMap::new(),
             wanted: Vec::new(),
+            rare: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(0)),
             pending: BTreeMap::new(),
             late_releases: Vec::new(),
             transmits: VecDeque::new(),
@@ -266,8 +407,8 @@ impl AgentCore {
         }
     }
 
-    /// Bytes of the core's per-key renewal state (for memory accounting;
-    /// `examples/agent_memory.rs` prints it).
+    /// Bytes of the core's per-key renewal state as it works on it
+    /// (decoded; it is stored packed in 64 bytes of the key's slot).
     pub const KEY_STATE_BYTES: usize = std::mem::size_of::<KeyState>();
 
     /// The incarnation sent now.
@@ -286,72 +427,50 @@ impl AgentCore {
 
     /// Number of keys with renewal state.
     pub fn key_count(&self) -> usize {
-        self.keys.len()
+        self.table.len()
     }
 
     // -- the slow path's entry points (called under the driver's lock) --
 
     /// The slot of a rule's key, created (in the table and here) if
     /// missing; `None` when `max_keys` keys are held.
-    pub fn slot_for(&mut self, rule: &Rule, tenant: &str, route: &str) -> Option<Arc<Slot>> {
+    pub fn slot_for(&mut self, rule: &Rule, tenant: &str, route: &str) -> Option<Slot> {
         let (tp, rp) = (rule.tenant.key_part(tenant), rule.route.key_part(route));
         let key = Lookup(crate::lease_table::KeyRef::new(&rule.id, tp, rp));
         let table = self.table.pin();
-        let slot = match table.get(&key) {
-            Some(s) => s.0.clone(),
-            None => {
-                if table.len() >= self.cfg.max_keys {
-                    return None;
-                }
-                // The core alone inserts: nothing can have raced this one in.
-                let slot = Arc::new(Slot::new(&rule.id, tp, rp));
-                table.insert(Held(slot.clone()));
-                slot
-            }
-        };
-        let active = &mut self.active;
-        self.keys.get_or_insert_with(slot.id(), || {
-            active.push(slot.id());
-            KeyState {
-                slot: slot.clone(),
-                lease_id: 0,
-                granted: 0,
-                generation: 0,
-                baseline: 0,
-                usage: Usage::default(),
-                in_flight: None,
-                refused: None,
-                holders: 1,
-                emergency: None,
-                quiet_until_ns: 0,
-                seen_word: u64::MAX,
-                parked: false,
-                listed: true,
-            }
-        });
+        if let Some(s) = table.get(&key) {
+            return Some(s.to_owned());
+        }
+        if table.len() >= self.cfg.max_keys {
+            return None;
+        }
+        // The core alone inserts: nothing can have raced this one in.
+        let slot = Slot::new(&rule.id, tp, rp);
+        KeyState::fresh().store(&slot);
+        self.active.push(slot.clone());
+        table.insert(slot.clone());
         Some(slot)
     }
 
+    /// The slots of the keys held (tests).
     #[cfg(test)]
-    fn keys_ids(&self) -> Vec<u64> {
-        self.keys.values().map(|k| k.slot.id()).collect()
+    fn held_slots(&self) -> Vec<Slot> {
+        self.table.pin().iter().map(|s| s.to_owned()).collect()
     }
 
     /// Whether `slot` is the slot of a key the core holds (not forgotten).
     pub fn holds(&self, slot: &Slot) -> bool {
-        self.keys.get(&slot.id()).is_some()
+        slot.core_flags.load(Relaxed) & F_HELD != 0
     }
 
     /// Why the allocator refused this key, if it did.
     pub fn refused(&self, slot: &Slot) -> Option<(GrantStatus, String)> {
-        self.keys
-            .get(&slot.id())
-            .and_then(|k| k.refused.as_deref().cloned())
+        self.rare.get(slot).and_then(|r| r.refused.clone())
     }
 
     /// A request waits for `slot`'s next grant (`cost` more tokens): it
     /// goes into the next batch, planned at once (see `poll_timeout`).
-    pub fn want(&mut self, slot: Arc<Slot>, cost: u64) {
+    pub fn want(&mut self, slot: Slot, cost: u64) {
         slot.add_waiting(cost);
         self.wanted.push(slot);
         self.metrics.waits.add(1);
@@ -365,8 +484,12 @@ impl AgentCore {
         let outage = self.outage;
         let cfg = self.cfg.emergency;
         let record = self.cfg.record_emergency;
-        let k = self.keys.get_mut(&slot.id())?;
-        if k.emergency.as_deref().is_none_or(|(o, _)| *o != outage) {
+        let k = KeyState::load(slot);
+        if !k.held {
+            return None;
+        }
+        let rare = self.rare.entry(slot.clone()).or_default();
+        if rare.emergency.as_ref().is_none_or(|(o, _)| *o != outage) {
             let (rate, burst) = emergency_size(&cfg, rule, k.usage.admitted_rate, k.holders);
             if record {
                 self.events
@@ -379,19 +502,15 @@ impl AgentCore {
                         burst,
                     }));
             }
-            k.emergency = Some(Box::new((outage, TokenBucket::new_full(rate, burst, t))));
+            rare.emergency = Some((outage, TokenBucket::new_full(rate, burst, t)));
         }
-        let (_, bucket) = &mut **k.emergency.as_mut().expect("created above");
+        let (_, bucket) = rare.emergency.as_mut().expect("created above");
         bucket.try_acquire(cost, t).ok()
     }
 
     /// Give back an emergency charge of an all-or-none request that failed.
     pub fn emergency_refund(&mut self, slot: &Slot, cost: u64, t: u64) {
-        if let Some((_, bucket)) = self
-            .keys
-            .get_mut(&slot.id())
-            .and_then(|k| k.emergency.as_deref_mut())
-        {
+        if let Some((_, bucket)) = self.rare.get_mut(slot).and_then(|r| r.emergency.as_mut()) {
             bucket.refund(cost, t);
         }
     }
@@ -517,20 +636,23 @@ impl AgentCore {
         // sequence numbers first; SEQ_CONFLICT) are asked again at once
         // under a new seq; their waiting requests keep waiting, so a
         // reordering costs them no attempt.
-        let settled: Vec<u64> = p
+        let settled: Vec<Slot> = p
             .renews
             .iter()
-            .copied()
-            .filter(|id| !again.contains(id))
+            .map(|r| &r.slot)
+            .filter(|s| !again.contains(s))
+            .cloned()
             .collect();
         self.settle(seq, &settled);
-        for id in again {
-            if let Some(k) = self.keys.get_mut(&id) {
-                if k.in_flight.is_some_and(|f| f.seq == seq) {
+        for slot in again {
+            let mut k = KeyState::load(&slot);
+            if k.held {
+                if k.in_flight == Some(seq_tag(seq)) {
                     k.in_flight = None;
                 }
                 k.quiet_until_ns = 0;
-                self.wanted.push(k.slot.clone());
+                k.store(&slot);
+                self.wanted.push(slot);
             }
         }
     }
@@ -546,17 +668,21 @@ impl AgentCore {
             items.extend(walk.ctx.releases);
         }
         let mut released = 0;
-        for k in self.keys.values_mut() {
-            let (left, new_gen) = k.slot.word.retire();
+        let mut leases = Vec::new();
+        for s in self.table.pin().iter() {
+            let slot = &s.to_owned();
+            let mut k = KeyState::load(slot);
+            let (left, new_gen) = slot.word.retire();
             k.generation = new_gen;
+            k.store(slot);
             if k.lease_id != 0 {
                 released += left;
-                items.push(
-                    k.slot
-                        .release_item(k.lease_id, k.granted.saturating_sub(left)),
-                );
+                leases.push(slot.release_item(k.lease_id, k.granted.saturating_sub(left)));
             }
         }
+        // In key order, whatever the table's (seeded) order.
+        leases.sort_by(item_order);
+        items.extend(leases);
         self.metrics.tokens_released.add(released);
         if items.is_empty() {
             return None;
@@ -625,25 +751,27 @@ impl AgentCore {
             .filter(|i| i.kind == ItemKind::Release as i32)
             .cloned()
             .collect();
-        let renews = p.renews.clone();
+        let renews: Vec<Slot> = p.renews.iter().map(|r| r.slot.clone()).collect();
         self.late_releases.extend(releases);
         self.settle(seq, &renews);
     }
 
     /// Batch `seq` is answered or given up: its keys may ask again and the
     /// requests parked on them re-check.
-    fn settle(&mut self, seq: u64, renews: &[u64]) {
-        for id in renews {
-            let Some(k) = self.keys.get_mut(id) else {
+    fn settle(&mut self, seq: u64, renews: &[Slot]) {
+        for slot in renews {
+            let mut k = KeyState::load(slot);
+            if !k.held {
                 continue;
-            };
-            if k.in_flight.is_some_and(|f| f.seq == seq) {
+            }
+            if k.in_flight == Some(seq_tag(seq)) {
                 k.in_flight = None;
             }
             k.quiet_until_ns = 0;
-            k.slot.clear_waiting();
-            k.slot.note_settled();
-            self.events.push_back(Event::Settled(k.slot.clone()));
+            k.store(slot);
+            slot.clear_waiting();
+            slot.note_settled();
+            self.events.push_back(Event::Settled(slot.clone()));
         }
     }
 
@@ -662,7 +790,7 @@ impl AgentCore {
     /// Send planned items (releases first, then renewals with their slot
     /// ids in item order) in batches of at most [`MAX_BATCH_ITEMS`], or a
     /// heartbeat when nothing is planned and one is due.
-    fn send(&mut self, t: u64, mut items: Vec<LeaseItem>, mut renews: Vec<u64>) {
+    fn send(&mut self, t: u64, mut items: Vec<LeaseItem>, mut renews: Vec<Renewing>) {
         let heartbeat_due = (t.saturating_sub(self.last_sent_ns)
             >= self.cfg.heartbeat.as_nanos() as u64
             || !self.rules.has_rules()
@@ -688,12 +816,14 @@ impl AgentCore {
         }
     }
 
-    fn send_one(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<u64>) {
+    fn send_one(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<Renewing>) {
         self.seq += 1;
         let seq = self.seq;
-        for id in &renews {
-            if let Some(f) = self.keys.get_mut(id).and_then(|k| k.in_flight.as_mut()) {
-                f.seq = seq;
+        for r in &renews {
+            let mut k = KeyState::load(&r.slot);
+            if k.held && k.in_flight.is_some() {
+                k.in_flight = Some(seq_tag(seq));
+                k.store(&r.slot);
             }
         }
         let batch = self.batch(seq, items, self.cfg.lease_ttl.as_millis() as u64);
@@ -732,10 +862,10 @@ impl AgentCore {
         }
     }
 
-    /// Plan keys at `t`: the items of the next batch and the slot ids of
-    /// its renewals (in item order); `None` while a tick's walk is under
-    /// way (its steps follow, see [`WALK_STEP`]).
-    fn plan_all(&mut self, t: u64, woken: bool) -> Option<(Vec<LeaseItem>, Vec<u64>)> {
+    /// Plan keys at `t`: the items of the next batch and the keys of its
+    /// renewals (in item order); `None` while a tick's walk is under way
+    /// (its steps follow, see [`WALK_STEP`]).
+    fn plan_all(&mut self, t: u64, woken: bool) -> Option<(Vec<LeaseItem>, Vec<Renewing>)> {
         let rules = self.rules.rules();
         let version = rules.as_ref().map_or(0, |r| r.version);
         let rules_changed =
@@ -758,30 +888,51 @@ impl AgentCore {
             let wanted = std::mem::take(&mut self.wanted);
             let mut seen = std::collections::HashSet::with_capacity(wanted.len());
             for slot in wanted {
-                let id = slot.id();
-                if seen.insert(id) {
-                    if let Some(k) = self.keys.get_mut(&id) {
-                        plan_key(&self.cfg, &self.metrics, k, t, false, &mut ctx);
-                        self.list(id, t);
+                if seen.insert(slot.addr()) {
+                    let mut k = KeyState::load(&slot);
+                    if k.held {
+                        plan_key(
+                            &self.cfg,
+                            &self.metrics,
+                            &self.rare,
+                            &slot,
+                            &mut k,
+                            t,
+                            false,
+                            &mut ctx,
+                        );
+                        k.store(&slot);
+                        self.list(slot, t);
                     }
                 }
             }
         } else if rules_changed {
-            // Every key (the rules may change any key's plan), then the
-            // lists again from scratch.
+            // Every key (the rules may change any key's plan), in key order
+            // (the table's is seeded per process; the simulator replays
+            // exactly), then the lists again from scratch.
             self.wanted.clear();
-            for k in self.keys.values_mut() {
-                plan_key(&self.cfg, &self.metrics, k, t, true, &mut ctx);
-            }
+            let mut all: Vec<Slot> = self.table.pin().iter().map(|s| s.to_owned()).collect();
+            all.sort_unstable_by(|a, b| a.key_ref().cmp(&b.key_ref()));
             self.active.clear();
             self.parked.clear();
-            for k in self.keys.values_mut() {
+            for slot in all {
+                let mut k = KeyState::load(&slot);
+                plan_key(
+                    &self.cfg,
+                    &self.metrics,
+                    &self.rare,
+                    &slot,
+                    &mut k,
+                    t,
+                    true,
+                    &mut ctx,
+                );
                 k.listed = !k.parked;
+                k.store(&slot);
                 if k.parked {
-                    self.parked
-                        .push(std::cmp::Reverse((k.quiet_until_ns, k.slot.id())));
+                    self.park(k.quiet_until_ns, slot);
                 } else {
-                    self.active.push(k.slot.id());
+                    self.active.push(slot);
                 }
             }
         } else {
@@ -789,25 +940,28 @@ impl AgentCore {
             // not (a parked one would otherwise be skipped, and its
             // request wait out its fetch timeouts).
             for slot in std::mem::take(&mut self.wanted) {
-                let id = slot.id();
-                if let Some(k) = self.keys.get_mut(&id) {
+                let mut k = KeyState::load(&slot);
+                if k.held {
                     k.parked = false;
                     if !k.listed {
                         k.listed = true;
-                        self.active.push(id);
+                        self.active.push(slot.clone());
                     }
+                    k.store(&slot);
                 }
             }
-            // Parked keys now due join the visit.
-            while let Some(&std::cmp::Reverse((due, id))) = self.parked.peek() {
-                if due > t {
+            // Parked keys whose interval has come join the visit.
+            let now_bin = t / self.interval_ns();
+            while let Some(entry) = self.parked.first_entry() {
+                if *entry.key() > now_bin {
                     break;
                 }
-                self.parked.pop();
-                if let Some(k) = self.keys.get_mut(&id) {
-                    if !k.listed {
+                for slot in entry.remove() {
+                    let mut k = KeyState::load(&slot);
+                    if k.held && !k.listed {
                         k.listed = true;
-                        self.active.push(id);
+                        k.store(&slot);
+                        self.active.push(slot);
                     }
                 }
             }
@@ -823,16 +977,27 @@ impl AgentCore {
     }
 
     /// The next [`WALK_STEP`] keys of a tick at `t`. When the walk is done,
-    /// its plan (as [`AgentCore::plan_all`]); else `None`, the walk kept
-    /// for the next call.
-    fn step_walk(&mut self, t: u64, mut walk: Walk) -> Option<(Vec<LeaseItem>, Vec<u64>)> {
+    /// its plan is sent; until then the walk is kept for the next call.
+    /// Always `None` (the shape of [`AgentCore::plan_all`]'s answer).
+    fn step_walk(&mut self, t: u64, mut walk: Walk) -> Option<(Vec<LeaseItem>, Vec<Renewing>)> {
         let end = walk.keys.len().min(walk.next + WALK_STEP);
         for i in walk.next..end {
-            let id = walk.keys[i];
-            if let Some(k) = self.keys.get_mut(&id) {
+            let slot = walk.keys[i].clone();
+            let mut k = KeyState::load(&slot);
+            if k.held {
                 k.listed = false; // taken out of the list at the walk's start
-                plan_key(&self.cfg, &self.metrics, k, t, true, &mut walk.ctx);
-                self.list(id, t);
+                plan_key(
+                    &self.cfg,
+                    &self.metrics,
+                    &self.rare,
+                    &slot,
+                    &mut k,
+                    t,
+                    true,
+                    &mut walk.ctx,
+                );
+                k.store(&slot);
+                self.list(slot, t);
             }
         }
         walk.next = end;
@@ -849,41 +1014,59 @@ impl AgentCore {
     }
 
     /// Forget keys (from the table and the core together).
-    fn forget(&mut self, ids: &mut Vec<u64>) {
-        if ids.is_empty() {
+    fn forget(&mut self, slots: &mut Vec<Slot>) {
+        if slots.is_empty() {
             return;
         }
         let table = self.table.pin();
-        for id in ids.drain(..) {
-            if let Some(k) = self.keys.remove(&id) {
-                let s = &k.slot;
-                table.remove(&Lookup(KeyRef::new(s.rule_id(), s.tenant(), s.route())));
+        for slot in slots.drain(..) {
+            let mut k = KeyState::load(&slot);
+            if k.held {
+                k.held = false;
+                k.listed = false;
+                k.parked = false;
+                k.store(&slot);
+                self.rare.remove(&slot);
+                table.remove(&Lookup(slot.key_ref()));
             }
         }
     }
 
-    /// After a visit of key `id`: keep it in the tick's list, or park it
+    /// The renew interval in ns (at least 1): the width of a parked bin.
+    fn interval_ns(&self) -> u64 {
+        (self.cfg.plan.renew_interval.as_nanos() as u64).max(1)
+    }
+
+    /// Park `slot` until `quiet_until` (in the bin of its interval).
+    fn park(&mut self, quiet_until: u64, slot: Slot) {
+        let bin = quiet_until / self.interval_ns();
+        self.parked.entry(bin).or_default().push(slot);
+    }
+
+    /// After a visit of `slot`: keep it in the tick's list, or park it
     /// until it is due (a parked key is in `parked` at its current
     /// `quiet_until_ns`; an older entry of it is harmless).
-    fn list(&mut self, id: u64, t: u64) {
-        let Some(k) = self.keys.get_mut(&id) else {
+    fn list(&mut self, slot: Slot, t: u64) {
+        let mut k = KeyState::load(&slot);
+        if !k.held {
             return;
-        };
+        }
         if k.parked && k.quiet_until_ns > t {
             // Still listed (a wanted key planned between ticks): the next
             // tick visits it and parks it then.
             if !k.listed {
-                self.parked.push(std::cmp::Reverse((k.quiet_until_ns, id)));
+                self.park(k.quiet_until_ns, slot);
             }
         } else if !k.listed {
             k.listed = true;
-            self.active.push(id);
+            k.store(&slot);
+            self.active.push(slot);
         }
     }
 
-    /// Apply a reply; returns the slot ids whose item was not applied and
+    /// Apply a reply; returns the keys whose item was not applied and
     /// should be asked again.
-    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) -> Vec<u64> {
+    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) -> Vec<Slot> {
         if reply.holder_incarnation > self.incarnation {
             // The allocator knows this identity under a higher incarnation
             // (our clock stepped back across a restart): take a higher one,
@@ -932,9 +1115,9 @@ impl AgentCore {
             .map(|(_, g)| g);
         let sent_ns = p.first_sent_ns;
         let mut again = Vec::new();
-        for (grant, id) in renews.zip(p.renews.iter()) {
-            if self.install(*id, grant, seq, sent_ns, version, t) == Installed::AskAgain {
-                again.push(*id);
+        for (grant, r) in renews.zip(p.renews.iter()) {
+            if self.install(r, grant, seq, sent_ns, version, t) == Installed::AskAgain {
+                again.push(r.slot.clone());
             }
         }
         again
@@ -942,7 +1125,31 @@ impl AgentCore {
 
     fn install(
         &mut self,
-        id: u64,
+        r: &Renewing,
+        g: &Grant,
+        seq: u64,
+        sent_ns: u64,
+        version: u64,
+        t: u64,
+    ) -> Installed {
+        let mut k = KeyState::load(&r.slot);
+        if !k.held {
+            // The key was forgotten meanwhile: give fresh tokens back.
+            if g.carried == 0 && g.lease_id != 0 {
+                tracing::debug!(lease = g.lease_id, "grant for a forgotten key; released");
+            }
+            return Installed::Done;
+        }
+        let out = self.install_key(&mut k, r, g, seq, sent_ns, version, t);
+        k.store(&r.slot);
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn install_key(
+        &mut self,
+        k: &mut KeyState,
+        f: &Renewing,
         g: &Grant,
         seq: u64,
         sent_ns: u64,
@@ -951,20 +1158,13 @@ impl AgentCore {
     ) -> Installed {
         let metrics = &self.metrics;
         let late = &mut self.late_releases;
-        let Some(k) = self.keys.get_mut(&id) else {
-            // The key was forgotten meanwhile: give fresh tokens back.
-            if g.carried == 0 && g.lease_id != 0 {
-                tracing::debug!(lease = g.lease_id, "grant for a forgotten key; released");
-            }
-            return Installed::Done;
-        };
-        let slot = k.slot.clone();
+        let slot = f.slot.clone();
         let mut release = |lease_id: u64, spent: u64| {
             if lease_id != 0 {
                 late.push(slot.release_item(lease_id, spent));
             }
         };
-        let Some(f) = k.in_flight.filter(|f| f.seq == seq) else {
+        if k.in_flight != Some(seq_tag(seq)) {
             // A grant for a request we gave up on. Fresh tokens go back; a
             // grant that carried our old lease is left to expire, because
             // the old lease may still be spending that part.
@@ -997,12 +1197,18 @@ impl AgentCore {
                 return Installed::AskAgain;
             }
             other => {
-                k.refused = Some(Box::new((other, g.detail.clone())));
-                slot.set_dry_until(t + 1_000_000_000);
+                self.rare.entry(f.slot.clone()).or_default().refused =
+                    Some((other, g.detail.clone()));
+                f.slot.set_dry_until(t + 1_000_000_000);
                 return Installed::Done;
             }
         }
-        k.refused = None;
+        if let Some(rare) = self.rare.get_mut(&f.slot) {
+            rare.refused = None;
+            if rare.emergency.is_none() {
+                self.rare.remove(&f.slot);
+            }
+        }
         // A regional allocator tells whether its own parent is reachable; a
         // cut-off region's agents apply fail policies once its pool is dry.
         if g.parent_unreachable {
@@ -1022,7 +1228,7 @@ impl AgentCore {
             if g.carried == 0 {
                 release(g.lease_id, 0);
             } else if k.generation == f.generation {
-                let (left, new_gen) = k.slot.word.retire();
+                let (left, new_gen) = f.slot.word.retire();
                 let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
                 release(g.lease_id, spent_since);
                 k.generation = new_gen;
@@ -1143,26 +1349,23 @@ fn emergency_size(
 /// renewals in key order (whatever the hash order: the allocator's fair
 /// shares then do not depend on a per-process seed, and the simulator
 /// replays exactly), with the renewals' slot ids.
-fn finish_plan(ctx: PlanCtx) -> (Vec<LeaseItem>, Vec<u64>) {
+fn finish_plan(ctx: PlanCtx) -> (Vec<LeaseItem>, Vec<Renewing>) {
     let PlanCtx {
         mut late,
         mut releases,
         mut renews,
         ..
     } = ctx;
-    let order = |a: &LeaseItem, b: &LeaseItem| {
-        (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
-    };
-    releases.sort_by(order);
-    renews.sort_by(|(a, _), (b, _)| order(a, b));
+    releases.sort_by(item_order);
+    renews.sort_by(|(a, _), (b, _)| item_order(a, b));
     late.append(&mut releases);
     let mut items = late;
-    let mut ids = Vec::with_capacity(renews.len());
-    for (item, id) in renews {
+    let mut keys = Vec::with_capacity(renews.len());
+    for (item, r) in renews {
         items.push(item);
-        ids.push(id);
+        keys.push(r);
     }
-    (items, ids)
+    (items, keys)
 }
 
 /// Working state of one planning pass.
@@ -1177,14 +1380,22 @@ struct PlanCtx {
     /// Releases to send again (not applied by the allocator before).
     late: Vec<LeaseItem>,
     releases: Vec<LeaseItem>,
-    renews: Vec<(LeaseItem, u64)>,
-    forget: Vec<u64>,
+    renews: Vec<(LeaseItem, Renewing)>,
+    forget: Vec<Slot>,
+}
+
+/// Batch items in key order.
+fn item_order(a: &LeaseItem, b: &LeaseItem) -> std::cmp::Ordering {
+    (&a.rule_id, &a.tenant, &a.route).cmp(&(&b.rule_id, &b.tenant, &b.route))
 }
 
 /// Plan one key at `t`. `may_release` is false on a wake-up pass.
+#[allow(clippy::too_many_arguments)]
 fn plan_key(
     cfg: &CoreConfig,
     metrics: &AgentMetrics,
+    rare: &HashMap<Slot, Rare, foldhash::fast::FixedState>,
+    slot: &Slot,
     k: &mut KeyState,
     t: u64,
     may_release: bool,
@@ -1199,13 +1410,16 @@ fn plan_key(
     // A quiet key (nothing spent, denied or waiting since the last visit)
     // is skipped until the planner's answer can change: a tick costs
     // O(active keys) of work, not O(keys held).
-    let (gen, tokens) = k.slot.word.load();
+    let (gen, tokens) = slot.word.load();
     let packed = pack(gen, tokens);
+    // The word as the last visit left it: a visit that waits leaves
+    // (generation, baseline) = the word it read.
+    let seen_word = pack(k.generation, k.baseline);
     if !ctx.rules_changed
         && t < k.quiet_until_ns
-        && k.seen_word == packed
-        && k.slot.waiting() == 0
-        && k.slot.denied_peek() == 0
+        && seen_word == packed
+        && slot.waiting() == 0
+        && slot.denied_peek() == 0
     {
         // Nothing changed, so a full visit would plan as before; idle for
         // the EWMA's time constant now: parked until its plan can change.
@@ -1213,7 +1427,6 @@ fn plan_key(
         k.parked = k.usage.last_active_ns.saturating_add(idle_ns) <= t;
         return;
     }
-    let slot = k.slot.clone();
     if gen == k.generation {
         let consumed = k.baseline.saturating_sub(tokens);
         k.usage.since_tick += consumed;
@@ -1222,6 +1435,12 @@ fn plan_key(
     k.usage.denied_since_tick += slot.take_denied();
     k.baseline = tokens;
     k.usage.tick(0, t, cfg.plan.ewma_tau);
+    // What the tick did not fold in (a second visit at the same instant)
+    // waits in the slot for the next one.
+    let unfolded = std::mem::take(&mut k.usage.denied_since_tick);
+    if unfolded > 0 {
+        slot.add_denied(unfolded);
+    }
     let waiting = slot.waiting();
     if waiting > 0 {
         k.usage.last_active_ns = t;
@@ -1262,7 +1481,6 @@ fn plan_key(
     } else {
         0
     };
-    k.seen_word = packed;
     let idle_ns = cfg.plan.ewma_tau.as_nanos() as u64;
     k.parked = k.quiet_until_ns > t
         && k.usage.last_active_ns.saturating_add(idle_ns) <= t
@@ -1291,12 +1509,16 @@ fn plan_key(
                 spent,
                 want,
             };
-            k.in_flight = Some(InFlight {
-                seq: 0,
-                generation: new_gen,
-                tokens_at_send: at_cut,
-            });
-            ctx.renews.push((item, slot.id()));
+            // Tagged with its batch's seq once the batch is made (`poll`).
+            k.in_flight = Some(0);
+            ctx.renews.push((
+                item,
+                Renewing {
+                    slot: slot.clone(),
+                    generation: new_gen,
+                    tokens_at_send: at_cut,
+                },
+            ));
         }
         Plan::Release => {
             if !may_release || k.in_flight.is_some() {
@@ -1305,8 +1527,9 @@ fn plan_key(
             // Keep a key whose emergency bucket serves the current outage:
             // dropping it would start a full bucket again.
             if ctx.down
-                && k.emergency
-                    .as_deref()
+                && rare
+                    .get(slot)
+                    .and_then(|r| r.emergency.as_ref())
                     .is_some_and(|(o, _)| *o == ctx.outage)
             {
                 return;
@@ -1323,13 +1546,10 @@ fn plan_key(
                 }
             }
             k.lease_id = 0;
-            ctx.forget.push(slot.id());
+            ctx.forget.push(slot.clone());
         }
     }
 }
-
-mod key_slab;
-use key_slab::KeySlab;
 
 #[cfg(test)]
 mod tests;

@@ -66,10 +66,11 @@ pub enum Take {
 }
 
 /// The atomic part of a key's lease: the word and its deadline, side by
-/// side (a decision reads the deadline and CASes the word), at the front of
-/// the key's [`Slot`]. A slot is larger than a cache line, so two keys'
-/// words never share one; the slot's other atomics beside the word are
-/// written only on slow paths.
+/// side (a decision reads the deadline and CASes the word), 64 bytes into
+/// the key's [`Slot`] block, whose own bytes fill the word's cache line
+/// wherever the block starts: two keys' words never share a line, nor does
+/// any other allocation; the slot's other fields on that line are written
+/// only on slow paths and by the core (at most once a renew interval).
 #[derive(Debug)]
 #[repr(C)]
 pub struct LeaseWord {
@@ -206,12 +207,10 @@ impl LeaseWord {
 // ---------------------------------------------------------------------------
 // Keys and slots
 
-use papaya::Equivalent;
 pub use quotalease_model::key::{str_eq, KeyId, KeyRef};
 
-/// A [`KeyRef`] as a lease-table lookup: hashes like the table's [`Held`]
-/// slots and compares part by part, so a lookup builds nothing. (papaya's
-/// `Equivalent` and the key type are foreign here, hence the wrapper.)
+/// A [`KeyRef`] as a lease-table lookup: the table hashes it as it hashes
+/// its slots' keys and compares part by part, so a lookup builds nothing.
 #[derive(Clone, Copy, Debug, Hash)]
 pub struct Lookup<'a>(pub KeyRef<'a>);
 
@@ -223,108 +222,417 @@ impl<'a> Lookup<'a> {
     }
 }
 
-/// Source of slot ids: a slot removed from the table and created again for
-/// the same key is a different slot, so a late refund cannot land in it.
-static NEXT_SLOT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
-/// One key held by the agent: what the request path reads and writes,
-/// atomics only. The renewal side of the key lives in the agent core
-/// ([`crate::core`]), which alone installs, cuts and retires the word.
-/// Compact (SPEC §9 counts the agent's bytes per key held): the key's
-/// parts in one allocation, no waker of its own (requests parked on a key
-/// wait on the agent's striped wakers, keyed by [`Slot::id`]).
+/// The fixed part of a key's [`Slot`], at the start of its one heap block;
+/// the key's bytes (rule id, tenant, route) follow it in the same block.
+///
+/// Three kinds of fields:
+///
+/// * the lease word (the hot path reads its deadline and CASes it), 64
+///   bytes into the block, so that its cache line, wherever the block
+///   starts (blocks are 16-aligned, not line-aligned), holds only this
+///   block's bytes: no other allocation, hot or not, shares it;
+/// * atomics the request slow path reads or writes (`dry_until`, waiting
+///   demand, denied demand, the settle count) and the reference count;
+/// * words only the agent core reads and writes (`core_a`, `core_b`,
+///   `core_flags`): its renewal state of the key, kept here so that a key
+///   costs one allocation (SPEC §9 counts the agent's bytes per key held).
+///   They are atomics so that a slot can be shared (`Sync`) without
+///   `unsafe`; the core accesses them with `Relaxed` ordering, always
+///   under its own mutex, which orders its accesses, and writes a word
+///   only when its value changed (at most once a visit, every renew
+///   interval for a busy key).
 #[derive(Debug)]
 #[repr(C)]
-pub struct Slot {
-    /// The lease word (hot path), first.
-    pub word: LeaseWord,
-    id: u64,
-    /// The allocator said the bucket is dry until then.
+pub struct SlotHead {
+    /// The allocator said the bucket is dry until then (ns; bit 63: the
+    /// allocator is still opening this never-leased key upstream).
     dry_until_ns: std::sync::atomic::AtomicU64,
     /// Sum of the costs of requests waiting for this key's next grant.
     waiting_cost: std::sync::atomic::AtomicU64,
     /// Tokens asked for but denied since the last visit (demand the lease
     /// could not serve).
     denied: std::sync::atomic::AtomicU64,
-    /// Counts the key's batches settled (answered or given up on): a parked
-    /// request waits until it moves past what it saw when it registered.
-    settles: std::sync::atomic::AtomicU64,
-    /// The key's parts, rule id then tenant then route, in one string.
-    key: Box<str>,
-    /// Where the tenant and the route parts start in `key`.
+    /// Where the tenant and the route parts start in the key bytes, and
+    /// their total length.
     tenant_at: u16,
     route_at: u16,
-    /// The allocator is still opening this (never leased) key upstream.
-    opening: std::sync::atomic::AtomicBool,
+    key_len: u16,
+    /// Core-owned flags (see [`crate::core`]).
+    pub(crate) core_flags: std::sync::atomic::AtomicU16,
+    /// Handles ([`Slot`]) to this block.
+    refs: std::sync::atomic::AtomicU32,
+    /// Counts the key's batches settled (answered or given up on): a parked
+    /// request waits until it moves past what it saw when it registered.
+    settles: std::sync::atomic::AtomicU32,
+    /// Core-owned words 0-2 of the key's renewal state, packed (see
+    /// [`crate::core`]). Nothing but the core touches them.
+    core_a: [std::sync::atomic::AtomicU64; 3],
+    /// The lease word (hot path), 64 bytes in.
+    pub word: LeaseWord,
+    /// Core-owned words 3-7.
+    core_b: [std::sync::atomic::AtomicU64; 5],
 }
 
-impl PartialEq for Slot {
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
+/// Offset of the lease word in a slot's block.
+pub const WORD_OFFSET: usize = std::mem::offset_of!(SlotHead, word);
+const _: () = assert!(
+    WORD_OFFSET == 64,
+    "the word's line holds only its own block"
+);
+
+impl SlotHead {
+    /// Core-owned word `i` (0..8) of the key's renewal state.
+    #[inline]
+    pub(crate) fn core(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+        match i {
+            0..3 => &self.core_a[i],
+            _ => &self.core_b[i - 3],
+        }
     }
 }
 
+const OPENING_BIT: u64 = 1 << 63;
+/// Bytes of the fixed part of a slot; the key's bytes start there.
+pub const SLOT_HEAD_BYTES: usize = std::mem::size_of::<SlotHead>();
+/// Alignment of a slot's block: 16, so a table can keep a 4-bit tag in the
+/// low bits of a slot's address.
+pub const SLOT_ALIGN: usize = 16;
+
+/// One key held by the agent: a counted handle to its block (one heap
+/// allocation holding [`SlotHead`] and the key's bytes; a thin pointer).
+/// What the request path reads and writes is atomics only; the renewal
+/// side of the key lives in the same block, in words only the agent core
+/// ([`crate::core`]) touches, and the core alone installs, cuts and
+/// retires the word. No waker of its own: requests parked on a key wait
+/// on the agent's striped wakers, keyed by [`Slot::addr`].
+///
+/// Two handles are equal when they are handles to the same block: a key
+/// forgotten and created again has a new slot, so a late refund cannot
+/// land in it.
+pub struct Slot {
+    ptr: std::ptr::NonNull<SlotHead>,
+}
+
+// SAFETY: a slot's block holds only atomics and integers that never change
+// after creation (the key's offsets and bytes), so sharing and sending
+// handles across threads is as safe as sharing `&SlotHead` and `&[u8]`;
+// the block is freed only by the last handle's drop (see `Drop`).
+unsafe impl Send for Slot {}
+// SAFETY: as above.
+unsafe impl Sync for Slot {}
+
 impl Slot {
+    /// Bytes of the heap block of a slot whose key has `key_len` bytes (for
+    /// memory accounting: `examples/agent_memory.rs` prints it).
+    pub fn block_bytes(key_len: usize) -> usize {
+        Self::layout(key_len).size()
+    }
+
+    /// The layout of a block with a key of `key_len` bytes.
+    ///
+    /// Not padded to its alignment: no Rust value spans the whole block
+    /// (the head is a `SlotHead`, the rest bytes), and the allocator then
+    /// rounds only once (glibc's 16-byte chunks).
+    fn layout(key_len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(
+            SLOT_HEAD_BYTES + key_len,
+            SLOT_ALIGN.max(std::mem::align_of::<SlotHead>()),
+        )
+        .expect("a slot block is small")
+    }
+
     /// An empty slot for a key. Parts are ids of at most
     /// `MAX_ID_BYTES` (256) bytes each, so their offsets fit 16 bits.
     pub fn new(rule_id: &str, tenant: &str, route: &str) -> Self {
-        use std::sync::atomic::{AtomicBool, AtomicU64};
+        use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
         let offset = |n: usize| u16::try_from(n).expect("key parts are ids of at most 256 bytes");
-        Self {
-            word: LeaseWord::new(),
-            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
+        let len = rule_id.len() + tenant.len() + route.len();
+        let head = SlotHead {
             dry_until_ns: AtomicU64::new(0),
             waiting_cost: AtomicU64::new(0),
             denied: AtomicU64::new(0),
-            settles: AtomicU64::new(0),
-            key: [rule_id, tenant, route].concat().into_boxed_str(),
             tenant_at: offset(rule_id.len()),
             route_at: offset(rule_id.len() + tenant.len()),
-            opening: AtomicBool::new(false),
+            key_len: offset(len),
+            core_flags: AtomicU16::new(0),
+            refs: AtomicU32::new(1),
+            settles: AtomicU32::new(0),
+            core_a: Default::default(),
+            word: LeaseWord::new(),
+            core_b: Default::default(),
+        };
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (the head alone is more
+        // than 100 bytes).
+        let block = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(block) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // SAFETY: `block` is valid for writes of `layout.size()` =
+        // SLOT_HEAD_BYTES + len bytes (at least) and aligned for
+        // `SlotHead`; the head goes first, the parts after it, each copied
+        // from a `&str` that cannot overlap a fresh allocation.
+        unsafe {
+            block.cast::<SlotHead>().write(head);
+            let mut at = block.add(SLOT_HEAD_BYTES);
+            for part in [rule_id, tenant, route] {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), at, part.len());
+                at = at.add(part.len());
+            }
+        }
+        Self { ptr: ptr.cast() }
+    }
+
+    /// A borrowed view of this slot.
+    #[inline]
+    pub fn borrow(&self) -> SlotRef<'_> {
+        SlotRef {
+            ptr: self.ptr,
+            _life: std::marker::PhantomData,
         }
     }
 
     /// The key, borrowed.
     #[inline]
     pub fn key_ref(&self) -> KeyRef<'_> {
-        KeyRef::new(self.rule_id(), self.tenant(), self.route())
-    }
-
-    /// Unique per slot ever created in this process.
-    pub fn id(&self) -> u64 {
-        self.id
+        self.borrow().key_ref()
     }
     /// The rule id of the key.
     #[inline]
     pub fn rule_id(&self) -> &str {
-        &self.key[..usize::from(self.tenant_at)]
+        self.borrow().rule_id()
     }
     /// The tenant part of the key.
     #[inline]
     pub fn tenant(&self) -> &str {
-        &self.key[usize::from(self.tenant_at)..usize::from(self.route_at)]
+        self.borrow().tenant()
     }
     /// The route part of the key.
     #[inline]
     pub fn route(&self) -> &str {
-        &self.key[usize::from(self.route_at)..]
+        self.borrow().route()
     }
+
+    /// The block's address: unique among live slots (a forgotten key's
+    /// slot lives on while a handle to it does), stable for its life.
+    #[inline]
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr().addr()
+    }
+
+    /// Give up this handle as a raw pointer to its block (for a table);
+    /// [`Slot::from_raw`] takes it back.
+    pub(crate) fn into_raw(self) -> *mut u8 {
+        let p = self.ptr.as_ptr().cast::<u8>();
+        std::mem::forget(self);
+        p
+    }
+
+    /// The handle [`Slot::into_raw`] gave up.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`Slot::into_raw`] and is passed here once.
+    pub(crate) unsafe fn from_raw(p: *mut u8) -> Self {
+        // SAFETY: per the contract, `p` is a live block's non-null address.
+        Self {
+            ptr: unsafe { std::ptr::NonNull::new_unchecked(p.cast()) },
+        }
+    }
+
+    /// A borrowed view of the block at `p`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is a block's address (from [`Slot::into_raw`]) whose handle
+    /// stays alive for `'a`.
+    pub(crate) unsafe fn borrow_raw<'a>(p: *mut u8) -> SlotRef<'a> {
+        SlotRef {
+            // SAFETY: per the contract, `p` is non-null.
+            ptr: unsafe { std::ptr::NonNull::new_unchecked(p.cast()) },
+            _life: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Clone for Slot {
+    #[inline]
+    fn clone(&self) -> Self {
+        self.borrow().to_owned()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        use std::sync::atomic::{fence, Ordering};
+        // As `std::sync::Arc`: the decrement releases this handle's
+        // accesses; the last one acquires all the others' before freeing.
+        if self.refs.fetch_sub(1, Ordering::Release) != 1 {
+            return;
+        }
+        fence(Ordering::Acquire);
+        let layout = Self::layout(usize::from(self.key_len));
+        // SAFETY: this was the last handle, so nothing else can reach the
+        // block; it was allocated in `Slot::new` with this very layout
+        // (same key length). `SlotHead` holds atomics and integers only:
+        // there is nothing to drop in place.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
+    }
+}
+
+impl std::ops::Deref for Slot {
+    type Target = SlotHead;
+    #[inline]
+    fn deref(&self) -> &SlotHead {
+        // SAFETY: the block lives as long as this handle does.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl PartialEq for Slot {
+    fn eq(&self, other: &Self) -> bool {
+        self.ptr == other.ptr
+    }
+}
+impl Eq for Slot {}
+
+/// By block, as equality (the table finds slots by key).
+impl std::hash::Hash for Slot {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.addr().hash(h)
+    }
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("key", &self.key_ref())
+            .field("word", &self.word.load())
+            .field("deadline_ns", &self.word.deadline_ns())
+            .finish()
+    }
+}
+
+/// A borrowed slot: valid while some handle to it lives for `'a` (a
+/// table's guard, or a [`Slot`]). Reads like a `&Slot`.
+#[derive(Clone, Copy)]
+pub struct SlotRef<'a> {
+    ptr: std::ptr::NonNull<SlotHead>,
+    _life: std::marker::PhantomData<&'a SlotHead>,
+}
+
+// SAFETY: as for `Slot`: a view of atomics and immutable bytes.
+unsafe impl Send for SlotRef<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for SlotRef<'_> {}
+
+impl<'a> SlotRef<'a> {
+    /// The head, for `'a`.
+    #[inline]
+    pub fn head(self) -> &'a SlotHead {
+        // SAFETY: the block lives for 'a (the type's contract).
+        unsafe { self.ptr.as_ref() }
+    }
+
+    /// The key's bytes (rule id, tenant, route).
+    #[inline]
+    fn key_bytes(self) -> &'a [u8] {
+        let len = usize::from(self.head().key_len);
+        // SAFETY: the block holds `len` initialized key bytes right after
+        // the head (written in `Slot::new`, never changed), and lives for
+        // 'a. The pointer is the block's own (not derived from a reference
+        // to the head), so it may reach past the head.
+        unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().cast::<u8>().add(SLOT_HEAD_BYTES), len)
+        }
+    }
+
+    /// Bytes `from..to` of the key as a string.
+    #[inline]
+    fn part(self, from: u16, to: u16) -> &'a str {
+        let bytes = &self.key_bytes()[usize::from(from)..usize::from(to)];
+        // SAFETY: the key's bytes are three `&str`s copied one after the
+        // other, and `from..to` is one of them (their boundaries are
+        // `tenant_at`, `route_at` and `key_len`): valid UTF-8.
+        unsafe { std::str::from_utf8_unchecked(bytes) }
+    }
+
+    /// The rule id of the key.
+    #[inline]
+    pub fn rule_id(self) -> &'a str {
+        self.part(0, self.head().tenant_at)
+    }
+    /// The tenant part of the key.
+    #[inline]
+    pub fn tenant(self) -> &'a str {
+        let h = self.head();
+        self.part(h.tenant_at, h.route_at)
+    }
+    /// The route part of the key.
+    #[inline]
+    pub fn route(self) -> &'a str {
+        let h = self.head();
+        self.part(h.route_at, h.key_len)
+    }
+    /// The key, borrowed.
+    #[inline]
+    pub fn key_ref(self) -> KeyRef<'a> {
+        KeyRef::new(self.rule_id(), self.tenant(), self.route())
+    }
+
+    /// A handle of its own to this slot.
+    #[inline]
+    pub fn to_owned(self) -> Slot {
+        // Relaxed as in `std::sync::Arc::clone`: a new handle is made from
+        // a live one, which keeps the block alive meanwhile.
+        let old = self
+            .head()
+            .refs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if old > u32::MAX / 2 {
+            // Never in practice (handles are per key and thread); as
+            // `Arc`, abort rather than risk an overflow.
+            std::process::abort();
+        }
+        Slot { ptr: self.ptr }
+    }
+}
+
+impl std::ops::Deref for SlotRef<'_> {
+    type Target = SlotHead;
+    #[inline]
+    fn deref(&self) -> &SlotHead {
+        self.head()
+    }
+}
+
+impl SlotHead {
     /// Until when the allocator said the bucket is dry.
     pub fn dry_until(&self) -> u64 {
-        self.dry_until_ns.load(Ordering::Acquire)
+        self.dry_until_ns.load(Ordering::Acquire) & !OPENING_BIT
     }
     pub(crate) fn set_dry_until(&self, t: u64) {
-        self.dry_until_ns.store(t, Ordering::Release)
+        let t = t.min(!OPENING_BIT);
+        let _ = self
+            .dry_until_ns
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some((v & OPENING_BIT) | t)
+            });
     }
     /// Whether the allocator is still opening the key upstream.
     pub fn opening(&self) -> bool {
-        self.opening.load(Ordering::Acquire)
+        self.dry_until_ns.load(Ordering::Acquire) & OPENING_BIT != 0
     }
     pub(crate) fn set_opening(&self, v: bool) {
-        self.opening.store(v, Ordering::Release)
+        if v {
+            self.dry_until_ns.fetch_or(OPENING_BIT, Ordering::AcqRel);
+        } else {
+            self.dry_until_ns.fetch_and(!OPENING_BIT, Ordering::AcqRel);
+        }
     }
-    /// How many of the key's batches have settled.
-    pub fn settles(&self) -> u64 {
+    /// How many of the key's batches have settled (wrapping: a waiter only
+    /// asks whether it moved).
+    pub fn settles(&self) -> u32 {
         self.settles.load(Ordering::Acquire)
     }
     pub(crate) fn note_settled(&self) {
@@ -348,7 +656,9 @@ impl Slot {
     pub(crate) fn take_denied(&self) -> u64 {
         self.denied.swap(0, Ordering::Relaxed)
     }
+}
 
+impl Slot {
     /// A RELEASE item for this key.
     pub(crate) fn release_item(
         &self,
@@ -368,46 +678,8 @@ impl Slot {
     }
 }
 
-/// A slot in the lease table: hashes and compares by its key, so the table
-/// needs no key of its own (one copy of the key's bytes per key held).
-#[derive(Clone, Debug)]
-pub struct Held(pub std::sync::Arc<Slot>);
-
-impl std::ops::Deref for Held {
-    type Target = std::sync::Arc<Slot>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::hash::Hash for Held {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.0.key_ref().hash(h)
-    }
-}
-
-impl PartialEq for Held {
-    fn eq(&self, other: &Self) -> bool {
-        Lookup(self.0.key_ref()).equivalent(other)
-    }
-}
-
-impl Eq for Held {}
-
-impl papaya::Equivalent<Held> for Lookup<'_> {
-    #[inline]
-    fn equivalent(&self, k: &Held) -> bool {
-        let (a, b) = (self.0, k.0.key_ref());
-        str_eq(a.tenant, b.tenant) && str_eq(a.route, b.route) && str_eq(a.rule, b.rule)
-    }
-}
-
-/// The lease table: the slots of the keys held, found by key. A lock-free
-/// set (reads pin an epoch guard, which writes only thread-local state),
-/// so concurrent checks on one hot key share no written cache line except
-/// the lease word itself. Only the agent core inserts and removes. The
-/// hasher is seeded per process.
-pub type Table = papaya::HashSet<Held, foldhash::fast::RandomState>;
+mod table;
+pub use table::{Pinned, Table};
 
 #[cfg(all(test, not(quotalease_loom)))]
 mod tests {
@@ -449,6 +721,52 @@ mod tests {
         assert_eq!(w.load(), (g3, 14));
         assert_eq!(w.retire().0, 14);
         assert_eq!(w.try_take(1, 10), Take::NoLease);
+    }
+
+    /// One block, many handles: parts come back apart (any lengths, any
+    /// UTF-8), clones and drops on several threads keep the count exact.
+    #[test]
+    fn slot_handles_share_one_block() {
+        let long = "x".repeat(256);
+        for (r, t, u) in [
+            ("r", "ab", "c"),
+            ("rule", "tenant-\u{e9}", ""),
+            ("r", "", ""),
+        ] {
+            let s = Slot::new(r, t, u);
+            assert_eq!((s.rule_id(), s.tenant(), s.route()), (r, t, u));
+        }
+        let s = Slot::new(&long, &long, &long);
+        assert_eq!(
+            (s.rule_id(), s.tenant(), s.route()),
+            (&*long, &*long, &*long)
+        );
+        assert_eq!(s.addr() % SLOT_ALIGN, 0);
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let c = s.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        drop(c.clone());
+                    }
+                    c
+                })
+            })
+            .collect();
+        let back: Vec<Slot> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(back.iter().all(|b| *b == s));
+        assert_eq!(s.refs.load(Ordering::Relaxed), 5);
+        drop(back);
+        assert_eq!(s.refs.load(Ordering::Relaxed), 1);
+        assert_ne!(Slot::new("r", "ab", "c"), Slot::new("r", "ab", "c"));
+        // The opening flag and the dry instant share a word.
+        s.set_dry_until(123);
+        s.set_opening(true);
+        assert_eq!((s.dry_until(), s.opening()), (123, true));
+        s.set_dry_until(7);
+        assert_eq!((s.dry_until(), s.opening()), (7, true));
+        s.set_opening(false);
+        assert_eq!((s.dry_until(), s.opening()), (7, false));
     }
 
     #[test]

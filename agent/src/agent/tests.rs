@@ -12,17 +12,25 @@ fn keys_are_unambiguous() {
     let a = Lookup(KeyRef::new("r", "ab", "c"));
     let b = Lookup(KeyRef::new("r", "a", "bc"));
     assert_ne!(h.hash_one(a), h.hash_one(b));
-    // A slot keeps its parts in one string: they come back apart.
-    let held = |k: KeyRef<'_>| Held(Arc::new(Slot::new(k.rule, k.tenant, k.route)));
-    let (ha, hb) = (held(a.0), held(b.0));
-    assert_eq!((ha.rule_id(), ha.tenant(), ha.route()), ("r", "ab", "c"));
-    assert_eq!((hb.rule_id(), hb.tenant(), hb.route()), ("r", "a", "bc"));
-    assert!(!papaya::Equivalent::equivalent(&a, &hb));
-    assert!(papaya::Equivalent::equivalent(&a, &ha));
-    assert_ne!(ha, hb);
-    assert_eq!(h.hash_one(a), h.hash_one(&ha));
-    assert_eq!(h.hash_one(b), h.hash_one(&hb));
-    let empty = held(KeyRef::new("r", "", ""));
+    // A slot keeps its parts in one block: they come back apart.
+    let (sa, sb) = (
+        Slot::new(a.0.rule, a.0.tenant, a.0.route),
+        Slot::new(b.0.rule, b.0.tenant, b.0.route),
+    );
+    assert_eq!((sa.rule_id(), sa.tenant(), sa.route()), ("r", "ab", "c"));
+    assert_eq!((sb.rule_id(), sb.tenant(), sb.route()), ("r", "a", "bc"));
+    assert_ne!(sa, sb);
+    assert_eq!(h.hash_one(a), h.hash_one(Lookup(sa.key_ref())));
+    // The table tells them apart.
+    let table = Table::new();
+    let pinned = table.pin();
+    assert!(pinned.insert(sa.clone()));
+    assert!(pinned.get(&b).is_none());
+    assert!(pinned.insert(sb.clone()));
+    assert!(!pinned.insert(Slot::new("r", "ab", "c")), "one slot a key");
+    assert_eq!(pinned.get(&a).map(|s| s.to_owned()), Some(sa));
+    assert_eq!(pinned.get(&b).map(|s| s.to_owned()), Some(sb));
+    let empty = Slot::new("r", "", "");
     assert_eq!(
         (empty.rule_id(), empty.tenant(), empty.route()),
         ("r", "", "")

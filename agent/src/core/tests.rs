@@ -33,7 +33,7 @@ fn core_with(max_in_flight: usize, max_keys: usize) -> (AgentCore, RuleSet) {
     let metrics = Arc::new(AgentMetrics::default());
     let rules = rules();
     let cell = Arc::new(RulesCell::new(Some(rules.clone()), &metrics));
-    let table = Arc::new(Table::with_hasher(foldhash::fast::RandomState::default()));
+    let table = Arc::new(Table::new());
     let cfg = CoreConfig {
         agent_id: "a".into(),
         instance: 7,
@@ -221,30 +221,29 @@ fn the_tick_visits_parked_keys_only_when_due_and_wanted_keys_at_once() {
         }
     }
     let check = |c: &AgentCore| {
-        let mut listed = c.active.clone();
+        let mut listed: Vec<usize> = c.active.iter().map(Slot::addr).collect();
         listed.sort_unstable();
         let before = listed.len();
         listed.dedup();
         assert_eq!(before, listed.len(), "a key listed twice");
-        for id in &listed {
-            if let Some(k) = c.keys.get(id) {
-                assert!(k.listed, "key {id} in the list but not marked listed");
+        for slot in &c.active {
+            let k = KeyState::load(slot);
+            if k.held {
+                assert!(k.listed, "key {slot:?} in the list but not marked listed");
             }
         }
-        let parked: std::collections::HashSet<u64> = c
-            .parked
-            .iter()
-            .map(|std::cmp::Reverse((_, id))| *id)
-            .collect();
-        for id in c.keys_ids() {
-            let k = c.keys.get(&id).expect("an id of a key");
+        let parked: std::collections::HashSet<usize> =
+            c.parked.values().flatten().map(Slot::addr).collect();
+        for slot in c.held_slots() {
+            let k = KeyState::load(&slot);
+            let id = slot.addr();
             assert!(
                 k.listed == listed.binary_search(&id).is_ok(),
-                "key {id}: listed flag disagrees with the list"
+                "key {slot:?}: listed flag disagrees with the list"
             );
             assert!(
                 k.listed || parked.contains(&id),
-                "key {id} neither listed nor parked: the tick would never visit it"
+                "key {slot:?} neither listed nor parked: the tick would never visit it"
             );
         }
     };
@@ -297,11 +296,8 @@ fn a_wanted_parked_key_is_planned_by_the_tick_that_clears_the_wanted_list() {
             c.handle_reply(now + MS, tx.seq, grant_all(&tx));
         }
     }
-    let id = c.slot_for(&rules.rules[0], "idle", "").expect("held").id();
-    assert!(
-        !c.keys.get(&id).expect("held").listed,
-        "the idle key parked"
-    );
+    let idle = c.slot_for(&rules.rules[0], "idle", "").expect("held");
+    assert!(!KeyState::load(&idle).listed, "the idle key parked");
     // A request wants it; before any wake-up pass runs, the tick is due.
     let slot = c.slot_for(&rules.rules[0], "idle", "").expect("held");
     c.want(slot, 200);
@@ -382,4 +378,46 @@ fn a_tick_over_many_keys_goes_in_bounded_steps_and_batches() {
         .iter()
         .all(|tx| tx.batch.items.len() <= MAX_BATCH_ITEMS));
     assert_eq!(sent.len(), n.div_ceil(MAX_BATCH_ITEMS));
+}
+
+/// The packed state gives back what was stored, at the extremes of each
+/// field, and writes nothing when nothing changed.
+#[test]
+fn key_state_round_trips_through_its_slot() {
+    let slot = Slot::new("r", "t", "");
+    let mut k = KeyState::fresh();
+    k.store(&slot);
+    let same = |a: &KeyState, b: &KeyState| format!("{a:?}") == format!("{b:?}");
+    assert!(same(&KeyState::load(&slot), &k));
+    k.lease_id = u64::MAX;
+    k.granted = (1 << 40) - 1;
+    k.generation = (1 << 24) - 1;
+    k.baseline = (1 << 40) - 1;
+    k.holders = (1 << 24) - 1;
+    k.usage.rate = 1e9;
+    k.usage.admitted_rate = 0.5;
+    k.usage.since_tick = (1 << 40) - 1;
+    k.usage.last_tick_ns = u64::MAX - 1;
+    k.usage.last_active_ns = u64::MAX - 2;
+    k.in_flight = Some(seq_tag(u64::MAX));
+    k.quiet_until_ns = u64::MAX - 3;
+    k.parked = true;
+    k.listed = false;
+    k.held = true;
+    k.store(&slot);
+    assert!(
+        same(&KeyState::load(&slot), &k),
+        "{:?}",
+        KeyState::load(&slot)
+    );
+    // Past its field, a count saturates; a tiny positive rate stays positive.
+    k.granted = u64::MAX;
+    k.holders = u64::MAX;
+    k.usage.rate = 1e-300;
+    k.store(&slot);
+    let back = KeyState::load(&slot);
+    assert_eq!((back.granted, back.holders), ((1 << 40) - 1, (1 << 24) - 1));
+    assert!(back.usage.rate > 0.0);
+    assert_eq!(back.lease_id, u64::MAX, "neighbours untouched");
+    assert!(!KeyState::fresh().parked);
 }

@@ -738,3 +738,104 @@ async fn cached_shapes_follow_a_forgotten_key_to_its_new_slot() {
     .join()
     .expect("the checking thread panicked");
 }
+
+/// Cold keys on 3 OS threads (fast path, then the slow path on a miss)
+/// while the agent forgets idle keys (80 ms idle release): the table grows
+/// to hundreds of keys, forgets them, shrinks and re-creates them, so
+/// removals, retirements and resizes happen under the readers' lookups.
+/// No thread crashes, every answer names the one rule, and no tenant is
+/// admitted more than its own bucket holds (3 tokens; the refill over the
+/// test is far below one): a lookup that found another key's slot would
+/// charge another tenant's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_keys_churn_through_the_table_while_idle_keys_are_forgotten() {
+    const PER_TENANT: &str = r#"
+rules:
+  - id: per
+    match: { tenant: "*" }
+    rate: 1/h
+    burst: 3
+    fail_policy: lease_only
+"#;
+    const WIDE: usize = 600;
+    const NARROW: usize = 8;
+    const PHASES: usize = 6;
+    const CHECKS: usize = 600;
+    let cfg = AgentConfig {
+        plan: PlanConfig {
+            renew_interval: Duration::from_millis(10),
+            idle_release: Duration::from_millis(80),
+            ..PlanConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let (a, _shared) = start_configured(PER_TENANT, cfg);
+    wait_ready(&a).await;
+    let a = Arc::new(a);
+    let tenants = PHASES * WIDE;
+    let admitted: Arc<Vec<AtomicU64>> = Arc::new((0..tenants).map(|_| AtomicU64::new(0)).collect());
+    let rt = tokio::runtime::Handle::current();
+    let threads: Vec<_> = (0..3u64)
+        .map(|n| {
+            let (a, admitted, rt) = (a.clone(), admitted.clone(), rt.clone());
+            std::thread::spawn(move || {
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (n + 1);
+                let (mut most, mut fewest_after_most) = (0usize, usize::MAX);
+                for phase in 0..PHASES {
+                    // Wide phases open many keys; narrow ones let most of
+                    // them go idle (forgotten: the table shrinks).
+                    let width = if phase % 2 == 0 { WIDE } else { NARROW };
+                    for c in 0..CHECKS {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let t = phase * WIDE + (x % width as u64) as usize;
+                        let tenant = format!("tenant-{t}");
+                        let i = input(&tenant, "/x");
+                        let allowed = match a.check_fast(&i) {
+                            Some(_) => true,
+                            None => {
+                                let r = rt.block_on(a.check(i)).expect("valid");
+                                assert!(r.allowed || r.rule_id == "per", "{r:?}");
+                                r.allowed
+                            }
+                        };
+                        if allowed {
+                            let got = admitted[t].fetch_add(1, Ordering::Relaxed) + 1;
+                            assert!(got <= 3, "{tenant} admitted {got} times (burst 3)");
+                        }
+                        if c % 40 == 39 {
+                            // A narrow phase lasts well over the idle
+                            // release (15 pauses of 15 ms).
+                            let pause = if width == NARROW { 15 } else { 2 };
+                            std::thread::sleep(Duration::from_millis(pause));
+                            let k = a.key_count();
+                            if k > most {
+                                (most, fewest_after_most) = (k, usize::MAX);
+                            }
+                            fewest_after_most = fewest_after_most.min(k);
+                        }
+                    }
+                }
+                (most, fewest_after_most)
+            })
+        })
+        .collect();
+    let mut forgot_under_load = false;
+    for t in threads {
+        let (most, fewest) = t.join().expect("a checking thread panicked");
+        assert!(most > NARROW, "the wide phases opened keys: {most}");
+        forgot_under_load |= fewest < most;
+    }
+    assert!(forgot_under_load, "no key was forgotten while checks ran");
+    // Every key goes idle, and is forgotten.
+    for _ in 0..500 {
+        if a.key_count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(a.key_count(), 0, "idle keys were not all forgotten");
+    let total: u64 = admitted.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+    assert!(total > 0);
+}

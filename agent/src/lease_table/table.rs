@@ -540,4 +540,194 @@ mod tests {
         let held = table.pin().iter().count();
         assert_eq!(held, table.len());
     }
+
+    /// xorshift64.
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
+    /// Readers look keys up, take handles of their own (kept for a while,
+    /// some carried out of the thread when it ends, some dropped when it
+    /// ends) while the writer grows the table to thousands of keys, removes
+    /// nearly all (shrinking it), re-creates them (new slots), and churns
+    /// single keys (tombstone rebuilds). Every handle a reader took reads
+    /// its own key; once the table is gone, handles carried out are the
+    /// last of their blocks. Run it under AddressSanitizer to catch a
+    /// handle freed under a reader.
+    #[test]
+    fn owned_handles_survive_removals_and_resizes_both_ways() {
+        const KEYS: usize = 3_000;
+        let table = Arc::new(Table::new());
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..3u64)
+            .map(|r| {
+                let (table, stop) = (table.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut x = 0x2545_f491_4f6c_dd1du64 ^ (r + 1);
+                    let mut kept: Vec<Slot> = Vec::new();
+                    let mut carried: Vec<Slot> = Vec::new();
+                    let mut rounds = 0u64;
+                    // At least some rounds, however fast the writer is.
+                    while rounds < 200 || !stop.load(Ordering::Relaxed) {
+                        rounds += 1;
+                        let t = table.pin();
+                        for _ in 0..32 {
+                            let i = (next(&mut x) % KEYS as u64) as usize;
+                            let k = key(i);
+                            if let Some(s) = t.get(&Lookup(KeyRef::new("r", &k, ""))) {
+                                assert_eq!(s.tenant(), k);
+                                let _ = s.word.load();
+                                let owned = s.to_owned();
+                                assert_eq!(owned.tenant(), k);
+                                if kept.len() < 64 {
+                                    kept.push(owned);
+                                } else {
+                                    let j = (x % 64) as usize;
+                                    kept[j] = owned;
+                                }
+                            }
+                        }
+                        drop(t);
+                        // Handles kept across guards still read their key.
+                        for s in &kept {
+                            assert!(s.tenant().starts_with('t'));
+                            let _ = s.word.deadline_ns();
+                        }
+                        if rounds.is_multiple_of(50) && carried.len() < 256 {
+                            carried.append(&mut kept);
+                        }
+                    }
+                    // `kept` is dropped as the thread ends; `carried`
+                    // outlives it.
+                    carried
+                })
+            })
+            .collect();
+        let mut x = 99u64;
+        for phase in 0..6 {
+            {
+                let t = table.pin();
+                for i in 0..KEYS {
+                    t.insert(Slot::new("r", &key(i), ""));
+                }
+                assert_eq!(t.len(), KEYS);
+            }
+            // Churn: single keys out and back in (tombstones, rebuilds).
+            for _ in 0..2_000 {
+                let i = (next(&mut x) % KEYS as u64) as usize;
+                let k = key(i);
+                let t = table.pin();
+                if !t.remove(&Lookup(KeyRef::new("r", &k, ""))) {
+                    assert!(t.insert(Slot::new("r", &k, "")));
+                }
+            }
+            // Nearly all out: the table shrinks (keep a few on odd phases).
+            let t = table.pin();
+            for i in 0..KEYS {
+                if phase % 2 == 0 || i % 100 != 0 {
+                    t.remove(&Lookup(KeyRef::new("r", &key(i), "")));
+                }
+            }
+            drop(t);
+            assert!(table.capacity() <= 256, "shrank: {}", table.capacity());
+        }
+        stop.store(true, Ordering::Relaxed);
+        let carried: Vec<Slot> = readers
+            .into_iter()
+            .flat_map(|r| r.join().expect("a reader panicked"))
+            .collect();
+        assert!(!carried.is_empty());
+        drop(table);
+        // A reader may have taken several handles to one block.
+        let mut handles = std::collections::HashMap::<usize, u32>::new();
+        for s in &carried {
+            *handles.entry(s.addr()).or_default() += 1;
+        }
+        for s in &carried {
+            assert!(s.tenant().starts_with('t'));
+            assert_eq!(
+                s.refs.load(Ordering::Relaxed),
+                handles[&s.addr()],
+                "{:?}",
+                s.tenant()
+            );
+        }
+    }
+
+    /// A reader pins one guard, borrows the slots of every key, and keeps
+    /// them while another thread removes every key, re-creates them and
+    /// resizes the table many times over (hundreds of retirements, in full
+    /// batches): every borrowed slot stays readable, with its own key,
+    /// until the guard goes. Afterwards the retired handles are released:
+    /// handles the reader took then are (nearly all) the last.
+    #[test]
+    fn a_long_guard_keeps_every_retired_slot_readable() {
+        const KEYS: usize = 1_000;
+        let table = Arc::new(Table::new());
+        {
+            let t = table.pin();
+            for i in 0..KEYS {
+                t.insert(Slot::new("r", &key(i), ""));
+            }
+        }
+        let (pinned_tx, pinned_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let reader = {
+            let table = table.clone();
+            std::thread::spawn(move || {
+                let t = table.pin();
+                let borrowed: Vec<SlotRef<'_>> = (0..KEYS)
+                    .map(|i| t.get(&Lookup(KeyRef::new("r", &key(i), ""))).expect("held"))
+                    .collect();
+                let owned: Vec<Slot> = borrowed.iter().map(|&s| s.to_owned()).collect();
+                pinned_tx.send(()).unwrap();
+                done_rx.recv().unwrap();
+                for (i, s) in borrowed.iter().enumerate() {
+                    assert_eq!(s.tenant(), key(i));
+                    let _ = s.word.load();
+                    // Still a slot with a handle: the table's (retired,
+                    // not yet released) and ours.
+                    assert!(s.refs.load(Ordering::Relaxed) >= 2);
+                    // Nothing of the table's is current under this guard
+                    // any more (every key has a new slot).
+                    let now = t.get(&Lookup(KeyRef::new("r", &key(i), "")));
+                    assert!(now.is_some_and(|n| !std::ptr::eq(n.head(), s.head())));
+                }
+                drop(borrowed);
+                drop(t);
+                owned
+            })
+        };
+        pinned_rx.recv().unwrap();
+        let writer = {
+            let table = table.clone();
+            std::thread::spawn(move || {
+                for _ in 0..5 {
+                    let t = table.pin();
+                    for i in 0..KEYS {
+                        assert!(t.remove(&Lookup(KeyRef::new("r", &key(i), ""))));
+                    }
+                    for i in 0..KEYS {
+                        assert!(t.insert(Slot::new("r", &key(i), "")));
+                    }
+                }
+            })
+        };
+        writer.join().expect("the writer panicked");
+        done_tx.send(()).unwrap();
+        let owned = reader.join().expect("the reader panicked");
+        // The reader's guard was the last to see the first slots: its exit
+        // released the retired batches. Only a writer's batch not yet full
+        // (fewer than the collector's batch size) may still hold some.
+        let pending = owned
+            .iter()
+            .filter(|s| s.refs.load(Ordering::Relaxed) != 1)
+            .count();
+        assert!(pending < 64, "{pending} retired handles not released");
+        drop(table);
+        assert!(owned.iter().all(|s| s.refs.load(Ordering::Relaxed) == 1));
+    }
 }

@@ -19,7 +19,8 @@
 //! reclamation papaya uses: entering writes only thread-local state),
 //! load the array and its cells through the guard, and may use a slot
 //! found for the guard's life ([`SlotRef`]), or take a handle of their own
-//! ([`SlotRef::to_owned`]). A reader never writes a shared cache line.
+//! ([`SlotRef::to_owned`]). A lookup writes no shared cache line (taking
+//! an owned handle writes the slot's reference count).
 //!
 //! **Reclamation.** A removed key's cell becomes a tombstone, then the
 //! table's handle to its slot is *retired*: the collector drops it only
@@ -139,8 +140,13 @@ unsafe fn drop_slot(p: *mut u8, _: &Collector) {
 /// None needed: it touches nothing.
 unsafe fn free_nothing(_: *mut u8, _: &Collector) {}
 
-/// Entries added after an array's retirement so that its batch has one
-/// per active thread (the collector's default batch size), then flushed.
+/// Entries added after an array's retirement so that its batch can be
+/// handed off, then flushed. seize hands a batch off once it holds an
+/// entry per thread inside a guard at that moment; `Collector::new()`
+/// batches max(CPUs, 32). With more threads pinned at once a retired array
+/// waits for later retirements (memory only, never safety); each thread
+/// that removed keys may keep up to 31 retired slots alive until it
+/// retires more or the table is dropped.
 const RETIRE_BATCH: usize = 32;
 
 /// `reclaim` for a retired array: free it, not the slots it points to

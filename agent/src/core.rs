@@ -891,16 +891,7 @@ impl AgentCore {
                 if seen.insert(slot.addr()) {
                     let mut k = KeyState::load(&slot);
                     if k.held {
-                        plan_key(
-                            &self.cfg,
-                            &self.metrics,
-                            &self.rare,
-                            &slot,
-                            &mut k,
-                            t,
-                            false,
-                            &mut ctx,
-                        );
+                        self.plan_one(&slot, &mut k, t, false, &mut ctx);
                         k.store(&slot);
                         self.list(slot, t);
                     }
@@ -917,16 +908,7 @@ impl AgentCore {
             self.parked.clear();
             for slot in all {
                 let mut k = KeyState::load(&slot);
-                plan_key(
-                    &self.cfg,
-                    &self.metrics,
-                    &self.rare,
-                    &slot,
-                    &mut k,
-                    t,
-                    true,
-                    &mut ctx,
-                );
+                self.plan_one(&slot, &mut k, t, true, &mut ctx);
                 k.listed = !k.parked;
                 k.store(&slot);
                 if k.parked {
@@ -986,16 +968,7 @@ impl AgentCore {
             let mut k = KeyState::load(&slot);
             if k.held {
                 k.listed = false; // taken out of the list at the walk's start
-                plan_key(
-                    &self.cfg,
-                    &self.metrics,
-                    &self.rare,
-                    &slot,
-                    &mut k,
-                    t,
-                    true,
-                    &mut walk.ctx,
-                );
+                self.plan_one(&slot, &mut k, t, true, &mut walk.ctx);
                 k.store(&slot);
                 self.list(slot, t);
             }
@@ -1030,6 +1003,27 @@ impl AgentCore {
                 table.remove(&Lookup(slot.key_ref()));
             }
         }
+    }
+
+    /// [`plan_key`] with this core's settings.
+    fn plan_one(
+        &self,
+        slot: &Slot,
+        k: &mut KeyState,
+        t: u64,
+        may_release: bool,
+        ctx: &mut PlanCtx,
+    ) {
+        plan_key(
+            &self.cfg,
+            &self.metrics,
+            &self.rare,
+            slot,
+            k,
+            t,
+            may_release,
+            ctx,
+        );
     }
 
     /// The renew interval in ns (at least 1): the width of a parked bin.

@@ -26,6 +26,9 @@ use quotalease_model::rules::{Pattern, Rule, RuleSet};
 
 use crate::ledger::{HolderId, KeyLedger, Lease, Renewal, PHANTOM};
 
+/// Least gap between two sweeps of one key.
+const SWEEP_MIN_GAP_NS: u64 = 100_000_000;
+
 /// Allocator configuration.
 #[derive(Clone, Debug)]
 pub struct CoreConfig {
@@ -162,6 +165,11 @@ pub struct AllocatorCore {
     pooled: Option<PooledMode>,
     /// Pooled mode: keys created since the last `take_new_keys`.
     new_keys: Vec<KeyId>,
+    /// The sweep's queue: when each key with a ledger is looked at next
+    /// (one live entry per ledger, the one matching its `sweep_due_ns`;
+    /// others are stale and skipped). A sweep visits only keys that are
+    /// due, in bounded steps, never every key.
+    sweep_due: std::collections::BinaryHeap<std::cmp::Reverse<(u64, KeyId)>>,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -203,6 +211,7 @@ impl AllocatorCore {
             stats: Stats::default(),
             pooled: None,
             new_keys: Vec::new(),
+            sweep_due: Default::default(),
         }
     }
 
@@ -588,6 +597,12 @@ impl AllocatorCore {
             self.keys.insert(key.clone(), ledger);
         }
         let ledger = self.keys.get_mut(&key).expect("inserted above");
+        if ledger.sweep_due_ns == 0 {
+            // Looked at no earlier than this lease can expire.
+            ledger.sweep_due_ns = now_ns.saturating_add(ttl_ns).max(1);
+            let due = std::cmp::Reverse((ledger.sweep_due_ns, key.clone()));
+            self.sweep_due.push(due);
+        }
         let mut ttl_ns = ttl_ns;
         let mut parent_unreachable = false;
         let mut opening = false;
@@ -680,23 +695,54 @@ impl AllocatorCore {
         })
     }
 
-    /// Housekeeping at `now_ns`: drop keys that are full with nothing
-    /// outstanding (a missing key means a full bucket), and holders silent
-    /// for `holder_idle_ns`.
+    /// Housekeeping at `now_ns`, all of it (see [`AllocatorCore::sweep_step`]).
     pub fn sweep(&mut self, now_ns: u64) {
-        let mut dropped = Vec::new();
-        for (key, ledger) in self.keys.iter_mut() {
+        while self.sweep_step(now_ns, usize::MAX) {}
+    }
+
+    /// One step of housekeeping at `now_ns`: look at up to `max_keys` keys
+    /// that are due, collect their expired unspent tokens, drop those that
+    /// are full with nothing outstanding (a missing key means a full
+    /// bucket); on the last step, drop holders silent for
+    /// `holder_idle_ns`. Returns whether keys are still due (call again:
+    /// a driver releases its lock between steps, so a sweep over a million
+    /// keys never holds up grants).
+    pub fn sweep_step(&mut self, now_ns: u64, max_keys: usize) -> bool {
+        let mut looked = 0;
+        while let Some(std::cmp::Reverse((due, _))) = self.sweep_due.peek() {
+            if *due > now_ns {
+                break;
+            }
+            if looked == max_keys {
+                return true;
+            }
+            let std::cmp::Reverse((due, key)) = self.sweep_due.pop().expect("peeked");
+            let Some(ledger) = self.keys.get_mut(&key) else {
+                continue;
+            };
+            if ledger.sweep_due_ns != due {
+                continue; // stale: the ledger was replaced or re-queued
+            }
+            looked += 1;
             let full = ledger.is_full_and_idle(now_ns);
             self.stats.tokens_expired_unused += ledger.take_expired_unused();
             if full {
-                dropped.push(key.clone());
+                self.keys.remove(&key);
+                self.stats.keys_dropped += 1;
+                if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
+                    *c = c.saturating_sub(1);
+                }
+                continue;
             }
-        }
-        for key in dropped {
-            self.keys.remove(&key);
-            self.stats.keys_dropped += 1;
-            if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
-                *c = c.saturating_sub(1);
+            match ledger.next_sweep_ns(now_ns) {
+                Some(at) => {
+                    // Never sooner than a beat later: a key renewed all the
+                    // time comes back once per lease, not once per sweep.
+                    let at = at.max(now_ns.saturating_add(SWEEP_MIN_GAP_NS));
+                    ledger.sweep_due_ns = at;
+                    self.sweep_due.push(std::cmp::Reverse((at, key)));
+                }
+                None => ledger.sweep_due_ns = 0,
             }
         }
         let idle = self.cfg.holder_idle_ns;
@@ -708,6 +754,7 @@ impl AllocatorCore {
             }
             keep
         });
+        false
     }
 
     /// I2 for one key at `now_ns` (`None`: no ledger, a full bucket). For

@@ -144,6 +144,9 @@ pub struct KeyLedger {
     expired_unused: u64,
     /// `Some` in pooled mode: no refill, explicit deposits, capped expiries.
     pool: Option<Pool>,
+    /// When the core's sweep looks at this ledger next (0: not queued).
+    /// Kept by [`crate::core::AllocatorCore`], which owns the sweep queue.
+    pub(crate) sweep_due_ns: u64,
 }
 
 impl KeyLedger {
@@ -165,6 +168,7 @@ impl KeyLedger {
                 last_used_ns: now_ns,
                 expired_unused: 0,
                 pool: None,
+                sweep_due_ns: 0,
             };
         };
         let start = now_ns.min(ready_at_ns);
@@ -179,6 +183,7 @@ impl KeyLedger {
             last_used_ns: now_ns,
             expired_unused: 0,
             pool: None,
+            sweep_due_ns: 0,
         };
         if now_ns < ready_at_ns {
             l.leases.push(Lease {
@@ -217,6 +222,7 @@ impl KeyLedger {
                 min_ttl_ns: 0,
                 parent_dry: false,
             }),
+            sweep_due_ns: 0,
         }
     }
 
@@ -349,6 +355,22 @@ impl KeyLedger {
     /// the holders reported their spending; unreported spending counts here).
     pub fn take_expired_unused(&mut self) -> u64 {
         std::mem::take(&mut self.expired_unused)
+    }
+
+    /// After an advance to `now_ns`: the earliest instant this ledger may
+    /// next have something for the sweep (a lease to expire, or a bucket
+    /// refilled to full with nothing out); `None` when only a new lease
+    /// can change that (a pooled ledger with none: the regional drops it).
+    pub fn next_sweep_ns(&self, now_ns: u64) -> Option<u64> {
+        if let Some(last) = self.leases.iter().map(|l| l.expires_ns).max() {
+            return Some(last.max(now_ns));
+        }
+        if self.pool.is_some() {
+            return None;
+        }
+        let missing = self.burst.saturating_sub(self.outstanding);
+        let ms = self.available.wait_ms(self.rate, missing);
+        Some(now_ns.saturating_add(ms.saturating_mul(1_000_000)))
     }
 
     /// Last instant a holder asked for this key.

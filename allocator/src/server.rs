@@ -260,6 +260,9 @@ impl Allocator for LeaseService {
     }
 }
 
+/// Keys one housekeeping step looks at under the core's lock.
+const SWEEP_STEP_KEYS: usize = 1024;
+
 /// Background work: reload rules on change, sweep idle keys.
 pub async fn housekeeping(shared: Arc<Shared>, every: Duration) {
     let mut tick = tokio::time::interval(every);
@@ -273,7 +276,11 @@ pub async fn housekeeping(shared: Arc<Shared>, every: Duration) {
                 shared.reload();
             }
         }
-        shared.with_core(|c| c.sweep(shared.now()));
+        // In steps, the lock released between them: grants go on.
+        let now = shared.now();
+        while shared.with_core(|c| c.sweep_step(now, SWEEP_STEP_KEYS)) {
+            tokio::task::yield_now().await;
+        }
     }
 }
 

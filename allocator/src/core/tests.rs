@@ -447,3 +447,64 @@ fn a_protocol_1_agent_without_an_instance_is_one_holder_as_before() {
     assert_eq!(v.holders.len(), 1);
     assert_eq!(v.holders[0].0.instance, 0);
 }
+
+#[test]
+fn the_sweep_visits_only_due_keys_in_bounded_steps() {
+    let mut c = core_at(T, true);
+    let items: Vec<LeaseItem> = (0..3000)
+        .map(|i| renew("orders", &format!("t{i}"), "/api/orders", 0, 0, 1))
+        .collect();
+    let r = c.handle(T, &batch("a1", 1, 1, items));
+    assert!(r
+        .grants
+        .iter()
+        .all(|g| g.status == GrantStatus::Granted as i32));
+    assert_eq!(c.key_count(), 3000);
+    // TTL 1 s: before it, no key is due and a step looks at none.
+    assert!(!c.sweep_step(T + SEC / 2, 1024));
+    assert_eq!(c.key_count(), 3000);
+    // After expiry and refill every key is due: three steps of at most 1024.
+    let mut steps = 0;
+    while c.sweep_step(T + 3 * SEC, 1024) {
+        steps += 1;
+        assert!(
+            c.key_count() >= 3000 - 1024 * steps,
+            "a step went past its bound"
+        );
+    }
+    assert_eq!(steps, 2);
+    assert_eq!(c.key_count(), 0);
+    assert_eq!(c.stats().keys_dropped, 3000);
+    assert_eq!(c.stats().tokens_expired_unused, 3000);
+}
+
+#[test]
+fn a_key_in_use_is_swept_once_per_lease_and_kept() {
+    let mut c = core_at(T, true);
+    let key = KeyId {
+        rule: "orders".into(),
+        tenant: "t".into(),
+        route: "/api/orders".into(),
+    };
+    let mut lease = 0;
+    for s in 0..40u64 {
+        let now = T + s * 100 * MS;
+        let r = c.handle(
+            now,
+            &batch(
+                "a1",
+                1,
+                s + 1,
+                vec![renew("orders", "t", "/api/orders", lease, 0, 1)],
+            ),
+        );
+        lease = r.grants[0].lease_id;
+        c.sweep(now);
+        assert!(
+            c.key_view(now, &key).is_some(),
+            "dropped while leased at step {s}"
+        );
+    }
+    // One live queue entry for the key, however often it renewed.
+    assert!(c.sweep_due.len() <= 2, "{} entries", c.sweep_due.len());
+}

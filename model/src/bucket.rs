@@ -1,19 +1,51 @@
 //! Token bucket core: integer fixed-point tokens with lazy, exact refill.
 //!
-//! The level is kept in *fine units*: one token is `period_ns` fine units, and
-//! a rate of `N` tokens per period adds exactly `N` fine units per
-//! nanosecond. Refill is therefore exact integer arithmetic and keeps every
-//! remainder: 5/min loses no fractions, and stepping lazily over an interval
-//! equals stepping every tick (min(min(f + a, c) + b, c) = min(f + a + b, c)).
-//! All values fit in `u128` by construction: `burst <= 1e9` tokens and
-//! `period_ns <= 8.64e13`, so a full bucket is below 2^77 fine units, and
-//! `elapsed_ns * N <= 2^64 * 1e9 < 2^94`.
+//! The level is kept in *fine units*: one token is `period_ns * SCALE` fine
+//! units, and a rate of `N` tokens per period adds exactly `N * SCALE` fine
+//! units per nanosecond. Refill is therefore exact integer arithmetic and
+//! keeps every remainder: 5/min loses no fractions, and stepping lazily over
+//! an interval equals stepping every tick (min(min(f + a, c) + b, c) =
+//! min(f + a + b, c)). `SCALE` (10^6) makes a lease's rate in micro-tokens
+//! per second exact too: `u` utps add `u * period_s` fine units per
+//! nanosecond ([`lease_rate_fine`]), so a share of a rule's rate refills
+//! without rounding. All values fit in `u128` by construction: `burst <=
+//! 1e9` tokens and `period_ns <= 8.64e13`, so a full bucket is below 2^97
+//! fine units, and `elapsed_ns * N * SCALE <= 2^64 * 1e15 < 2^114`.
 //!
 //! [`Level`] is the bare refilling quantity with a caller-given cap (the
 //! allocator's ledger caps it at `B - outstanding`); [`TokenBucket`] is a
 //! level capped at the burst.
 
 use crate::rules::Rate;
+
+/// Fine units per token and period nanosecond (see the module docs).
+pub const SCALE: u128 = 1_000_000;
+
+/// Fine units per token under `rate`'s period.
+#[inline]
+fn unit(rate: Rate) -> u128 {
+    u128::from(rate.period_ns()) * SCALE
+}
+
+/// Fine units per nanosecond that `rate` itself adds.
+#[inline]
+pub fn rate_fine(rate: Rate) -> u128 {
+    u128::from(rate.tokens) * SCALE
+}
+
+/// Fine units per nanosecond (under `rate`'s period) that a lease rate of
+/// `utps` micro-tokens per second adds: exact.
+#[inline]
+pub fn lease_rate_fine(rate: Rate, utps: u64) -> u128 {
+    u128::from(utps) * u128::from(rate.period_s)
+}
+
+/// `rate` in micro-tokens per second, rounded down.
+#[inline]
+pub fn rate_utps(rate: Rate) -> u64 {
+    let u = u128::from(rate.tokens) * 1_000_000 / u128::from(rate.period_s.max(1));
+    u64::try_from(u).unwrap_or(u64::MAX)
+}
 
 /// Why a bucket said no.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +71,7 @@ impl Level {
     /// A level holding `tokens` at `now_ns`.
     pub fn new(tokens: u64, rate: Rate, now_ns: u64) -> Self {
         Self {
-            fine: u128::from(tokens) * u128::from(rate.period_ns()),
+            fine: u128::from(tokens) * unit(rate),
             last_ns: now_ns,
         }
     }
@@ -48,28 +80,35 @@ impl Level {
     /// runs backwards creates nothing and does not move the timestamp back.
     /// A level already above the cap (the cap was lowered) is left alone.
     pub fn refill(&mut self, rate: Rate, cap_tokens: u64, now_ns: u64) {
+        self.refill_fine(rate, rate_fine(rate), cap_tokens, now_ns);
+    }
+
+    /// [`Level::refill`] at `fine_per_ns` fine units per nanosecond instead
+    /// of `rate`'s own (which only sets the unit): a fraction of the rate,
+    /// for example what is left after the rates of leases out.
+    pub fn refill_fine(&mut self, rate: Rate, fine_per_ns: u128, cap_tokens: u64, now_ns: u64) {
         let Some(elapsed) = now_ns.checked_sub(self.last_ns) else {
             return;
         };
         self.last_ns = now_ns;
-        let cap = u128::from(cap_tokens) * u128::from(rate.period_ns());
+        let cap = u128::from(cap_tokens) * unit(rate);
         if self.fine >= cap {
             return;
         }
-        let added = u128::from(elapsed) * u128::from(rate.tokens);
-        self.fine = (self.fine + added).min(cap);
+        let added = u128::from(elapsed).saturating_mul(fine_per_ns);
+        self.fine = self.fine.saturating_add(added).min(cap);
     }
 
     /// Lower the level to at most `cap_tokens` (after a burst change or when
     /// outstanding tokens grew).
     pub fn clamp(&mut self, rate: Rate, cap_tokens: u64) {
-        let cap = u128::from(cap_tokens) * u128::from(rate.period_ns());
+        let cap = u128::from(cap_tokens) * unit(rate);
         self.fine = self.fine.min(cap);
     }
 
     /// Whole tokens available.
     pub fn tokens(&self, rate: Rate) -> u64 {
-        u64::try_from(self.fine / u128::from(rate.period_ns())).unwrap_or(u64::MAX)
+        u64::try_from(self.fine / unit(rate)).unwrap_or(u64::MAX)
     }
 
     /// Timestamp of the last refill.
@@ -79,7 +118,7 @@ impl Level {
 
     /// Take `n` whole tokens if present.
     pub fn take(&mut self, rate: Rate, n: u64) -> bool {
-        let need = u128::from(n) * u128::from(rate.period_ns());
+        let need = u128::from(n) * unit(rate);
         if self.fine >= need {
             self.fine -= need;
             true
@@ -90,19 +129,28 @@ impl Level {
 
     /// Add `n` whole tokens, never above `cap_tokens`.
     pub fn give(&mut self, rate: Rate, n: u64, cap_tokens: u64) {
-        let p = u128::from(rate.period_ns());
+        let p = unit(rate);
         self.fine = (self.fine + u128::from(n) * p).min(u128::from(cap_tokens) * p);
     }
 
     /// Milliseconds (rounded up, >= 1) until the level holds `n` tokens at
     /// `rate`; 0 if it already does.
     pub fn wait_ms(&self, rate: Rate, n: u64) -> u64 {
-        let need = u128::from(n) * u128::from(rate.period_ns());
+        self.wait_ms_fine(rate, rate_fine(rate), n)
+    }
+
+    /// [`Level::wait_ms`] at `fine_per_ns` (see [`Level::refill_fine`]);
+    /// `u64::MAX` when nothing refills.
+    pub fn wait_ms_fine(&self, rate: Rate, fine_per_ns: u128, n: u64) -> u64 {
+        let need = u128::from(n) * unit(rate);
         if self.fine >= need {
             return 0;
         }
+        if fine_per_ns == 0 {
+            return u64::MAX;
+        }
         let missing = need - self.fine;
-        let ns = missing.div_ceil(u128::from(rate.tokens));
+        let ns = missing.div_ceil(fine_per_ns);
         let ms = ns.div_ceil(1_000_000).max(1);
         u64::try_from(ms).unwrap_or(u64::MAX)
     }

@@ -252,6 +252,7 @@ fn run_allocator(n: usize) -> Run {
                 lease_id: 0,
                 spent: 0,
                 want: 4,
+                ..LeaseItem::default()
             })
             .collect();
         let reply = shared.handle(&LeaseBatch {

@@ -1502,6 +1502,7 @@ fn plan_key(
                 lease_id: k.lease_id,
                 spent,
                 want,
+                ..LeaseItem::default()
             };
             // Tagged with its batch's seq once the batch is made (`poll`).
             k.in_flight = Some(0);

@@ -674,6 +674,7 @@ impl Slot {
             lease_id,
             spent,
             want: 0,
+            ..LeaseItem::default()
         }
     }
 }

@@ -88,6 +88,7 @@ impl Holder {
                         lease_id: 0,
                         spent: 0,
                         want: WANT,
+                        ..LeaseItem::default()
                     })
                     .collect(),
                 ttl_ms: 1_000,

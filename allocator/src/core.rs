@@ -554,7 +554,9 @@ impl AllocatorCore {
     fn release(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem) -> Grant {
         let key = Self::key_of(item);
         if let Some(ledger) = self.keys.get_mut(&key) {
-            if let Some(rest) = ledger.release(now_ns, holder, item.lease_id, item.spent) {
+            if let Some(rest) =
+                ledger.release_with(now_ns, holder, item.lease_id, item.spent, item.left)
+            {
                 self.stats.releases += 1;
                 self.stats.tokens_released += rest;
             }
@@ -630,6 +632,7 @@ impl AllocatorCore {
                 want: item.want.min(burst),
                 ttl_ns,
                 new_id,
+                want_rate_utps: item.want_rate_utps,
             },
             self.cfg.active_window_ns,
         );
@@ -658,6 +661,9 @@ impl AllocatorCore {
             detail: String::new(),
             holders: g.holders,
             opening: opening && g.tokens == 0,
+            rate_utps: g.rate_utps,
+            capacity: g.capacity,
+            version_of: g.version_of,
         }
     }
 

@@ -32,7 +32,8 @@
 //! ([`KeyLedger::drain_pool`]), and every lease it grants expires no later
 //! than the pool's deadline (the parent lease's deadline on this clock).
 
-use quotalease_model::bucket::{Level, TokenBucket};
+use quotalease_model::bucket::{lease_rate_fine, rate_fine, rate_utps, Level, TokenBucket};
+use quotalease_model::protocol::RHO_PPM;
 use quotalease_model::rules::Rate;
 
 /// Index of a holder (an agent or a child allocator) in the allocator.
@@ -57,16 +58,34 @@ pub struct Lease {
     pub spent: u64,
     /// Allocator-clock instant at which it expires.
     pub expires_ns: u64,
+    /// A lease that carries a rate (SPEC §2): the holder refills it
+    /// locally at this many micro-tokens per second (slowed by its drift
+    /// margin) up to `capacity`. 0 with `capacity` 0: tokens only.
+    pub rate_utps: u64,
+    /// The most the holder's level of a rate lease may reach (>= 1); 0
+    /// for a lease of tokens only.
+    pub capacity: u64,
 }
 
 impl Lease {
+    /// What a lease of tokens only still counts in `outstanding`; 0 for a
+    /// rate lease (counted per holder, see [`KeyLedger::recount_rates`]).
     fn unspent(&self) -> u64 {
-        self.granted - self.spent
+        if self.is_rate() {
+            0
+        } else {
+            self.granted - self.spent
+        }
+    }
+
+    /// Whether this lease carries a rate.
+    pub fn is_rate(&self) -> bool {
+        self.capacity > 0
     }
 }
 
 /// A renewal request for one key from one holder.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Renewal {
     /// Holder asking.
     pub holder: HolderId,
@@ -80,6 +99,9 @@ pub struct Renewal {
     pub ttl_ns: u64,
     /// Id to give the new lease.
     pub new_id: u64,
+    /// A rate asked for (micro-tokens per second; 0: tokens only, unless
+    /// `lease_id` names a rate lease, whose new version may then carry 0).
+    pub want_rate_utps: u64,
 }
 
 /// What a renewal produced.
@@ -101,6 +123,14 @@ pub struct Granted {
     pub shadow_violation: bool,
     /// Holders that asked for this key within the active window.
     pub holders: u32,
+    /// A rate lease: its rate (micro-tokens per second) and capacity, and
+    /// the id of the version it follows (0: a new lease). All 0 for a
+    /// lease of tokens only.
+    pub rate_utps: u64,
+    /// See `rate_utps`.
+    pub capacity: u64,
+    /// See `rate_utps`.
+    pub version_of: u64,
 }
 
 /// Pooled-mode state of a ledger (see the module docs).
@@ -117,12 +147,21 @@ pub struct Pool {
     /// bucket is dry): a child the pool cannot serve is denied, not told to
     /// wait for the next upstream answer.
     pub parent_dry: bool,
+    /// The parent lease carries a rate: the pool refills at this many
+    /// micro-tokens per second (already slowed by the drift margin) until
+    /// `deadline_ns`, and `available + outstanding <= capacity`. 0 and 0:
+    /// the pool grows only by deposits.
+    pub rate_utps: u64,
+    /// See `rate_utps` (0: the rule's burst caps the pool).
+    pub capacity: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Demand {
     holder: HolderId,
     want: u64,
+    /// Rate asked for (micro-tokens per second), 0 for none.
+    want_rate: u64,
     last_ns: u64,
 }
 
@@ -133,7 +172,18 @@ pub struct KeyLedger {
     burst: u64,
     available: Level,
     leases: Vec<Lease>,
+    /// Counted tokens: `granted - spent` of every lease of tokens only,
+    /// plus `rate_out`.
     outstanding: u64,
+    /// The rate leases' part of `outstanding`: per holder, the largest
+    /// capacity over its unexpired versions.
+    rate_out: u64,
+    /// Per holder, the largest rate over its unexpired rate versions,
+    /// summed (micro-tokens per second): `available` refills that much
+    /// slower.
+    rates_out_utps: u64,
+    /// Rate leases among `leases` (0: nothing to recount).
+    rate_leases: u32,
     demand: Vec<Demand>,
     /// Independent alarm: a plain token bucket charged with every fresh
     /// grant and credited with every release. If the ledger is right, a grant
@@ -163,6 +213,9 @@ impl KeyLedger {
                 available: Level::new(burst, rate, now_ns),
                 leases: Vec::new(),
                 outstanding: 0,
+                rate_out: 0,
+                rates_out_utps: 0,
+                rate_leases: 0,
                 demand: Vec::new(),
                 shadow: TokenBucket::new_full(rate, burst, now_ns),
                 last_used_ns: now_ns,
@@ -178,6 +231,9 @@ impl KeyLedger {
             available: Level::new(0, rate, start),
             leases: Vec::new(),
             outstanding: 0,
+            rate_out: 0,
+            rates_out_utps: 0,
+            rate_leases: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
             last_used_ns: now_ns,
@@ -192,6 +248,8 @@ impl KeyLedger {
                 granted: burst,
                 spent: 0,
                 expires_ns: ready_at_ns,
+                rate_utps: 0,
+                capacity: 0,
             });
             l.outstanding = burst;
         } else {
@@ -212,6 +270,9 @@ impl KeyLedger {
             available: Level::new(0, rate, now_ns),
             leases: Vec::new(),
             outstanding: 0,
+            rate_out: 0,
+            rates_out_utps: 0,
+            rate_leases: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, now_ns),
             last_used_ns: now_ns,
@@ -221,6 +282,8 @@ impl KeyLedger {
                 retry_ms: 1,
                 min_ttl_ns: 0,
                 parent_dry: false,
+                rate_utps: 0,
+                capacity: 0,
             }),
             sweep_due_ns: 0,
         }
@@ -236,6 +299,8 @@ impl KeyLedger {
         if let Some(p) = self.pool {
             l.pool = Some(Pool {
                 deadline_ns: 0,
+                rate_utps: 0,
+                capacity: 0,
                 ..p
             });
         }
@@ -275,6 +340,34 @@ impl KeyLedger {
         }
     }
 
+    /// Pooled mode: the parent lease now carries `rate_utps` (already
+    /// slowed) and `capacity` (0 and 0: tokens only). Refill up to `now_ns`
+    /// happens under the old values; what no longer fits under the new
+    /// capacity is destroyed from the pool. Returns the tokens destroyed.
+    pub fn set_pool_rate(&mut self, now_ns: u64, rate_utps: u64, capacity: u64) -> u64 {
+        if self.pool.is_none() {
+            return 0;
+        }
+        self.advance(now_ns);
+        if let Some(p) = self.pool.as_mut() {
+            p.rate_utps = rate_utps;
+            p.capacity = capacity;
+        }
+        let before = self.available();
+        let cap = self.cap().saturating_sub(self.outstanding);
+        self.available.clamp(self.rate, cap);
+        before - self.available()
+    }
+
+    /// What caps `available + outstanding`: the burst, or for a pool backed
+    /// by a rate lease the smaller of the burst and the lease's capacity.
+    fn cap(&self) -> u64 {
+        match self.pool {
+            Some(p) if p.capacity > 0 => p.capacity.min(self.burst),
+            _ => self.burst,
+        }
+    }
+
     /// Pooled mode: add `n` tokens backed by a parent lease to `available`
     /// at `now_ns`, never above `B - outstanding`. Returns the tokens
     /// accepted (the rest is dropped: counted as destroyed by the caller).
@@ -285,7 +378,7 @@ impl KeyLedger {
         }
         self.advance(now_ns);
         let before = self.available();
-        let cap = self.burst.saturating_sub(self.outstanding);
+        let cap = self.cap().saturating_sub(self.outstanding);
         self.available.give(self.rate, n, cap.max(before));
         let taken = self.available() - before;
         debug_assert!(self.i2_holds(), "I2 broken after deposit");
@@ -396,6 +489,10 @@ impl KeyLedger {
             if lease.holder != PHANTOM {
                 self.expired_unused += lease.unspent();
             }
+            if lease.is_rate() {
+                self.rate_leases -= 1;
+                self.recount_rates();
+            }
         }
         self.refill_to(now_ns);
         self.shadow.tokens(now_ns);
@@ -403,25 +500,96 @@ impl KeyLedger {
     }
 
     fn refill_to(&mut self, at_ns: u64) {
-        if self.pool.is_some() {
-            // Pooled: tokens come only from deposits.
-            return;
+        let cap = self.cap().saturating_sub(self.outstanding);
+        match self.pool {
+            Some(p) if p.rate_utps > 0 => {
+                // A pool backed by a rate lease refills at that rate, only
+                // until the lease's use-by time.
+                let until = at_ns.min(p.deadline_ns);
+                self.available.refill_fine(
+                    self.rate,
+                    lease_rate_fine(self.rate, p.rate_utps),
+                    cap,
+                    until,
+                );
+                self.available.touch(at_ns);
+            }
+            Some(_) => self.available.touch(at_ns), // tokens come only from deposits
+            None if self.rates_out_utps == 0 => self.available.refill(self.rate, cap, at_ns),
+            None => {
+                // The rates lent out refill at their holders: this much less here.
+                let lent = lease_rate_fine(self.rate, self.rates_out_utps);
+                let own = rate_fine(self.rate).saturating_sub(lent);
+                self.available.refill_fine(self.rate, own, cap, at_ns);
+            }
         }
-        let cap = self.burst.saturating_sub(self.outstanding);
-        self.available.refill(self.rate, cap, at_ns);
+    }
+
+    /// Recompute the rate leases' part of `outstanding` and the rates lent
+    /// out: per holder, the largest capacity and the largest rate over its
+    /// unexpired versions (SPEC §2: a holder may be using any version it
+    /// has not acknowledged a later one over).
+    fn recount_rates(&mut self) {
+        self.outstanding -= self.rate_out;
+        let (mut cap, mut rate) = (0u64, 0u64);
+        if self.rate_leases > 0 {
+            let mut per: Vec<(HolderId, u64, u64)> = self
+                .leases
+                .iter()
+                .filter(|l| l.is_rate())
+                .map(|l| (l.holder, l.capacity, l.rate_utps))
+                .collect();
+            per.sort_unstable_by_key(|p| p.0);
+            let mut i = 0;
+            while i < per.len() {
+                let (h, mut c, mut r) = per[i];
+                i += 1;
+                while i < per.len() && per[i].0 == h {
+                    c = c.max(per[i].1);
+                    r = r.max(per[i].2);
+                    i += 1;
+                }
+                cap = cap.saturating_add(c);
+                rate = rate.saturating_add(r);
+            }
+        }
+        self.rate_out = cap;
+        self.rates_out_utps = rate;
+        self.outstanding += cap;
+    }
+
+    /// The largest capacity and rate over `holder`'s unexpired rate versions.
+    fn counted_for(&self, holder: HolderId) -> (u64, u64) {
+        self.leases
+            .iter()
+            .filter(|l| l.holder == holder && l.is_rate())
+            .fold((0, 0), |(c, r), l| (c.max(l.capacity), r.max(l.rate_utps)))
+    }
+
+    /// Rates lent out, summed over holders (micro-tokens per second).
+    pub fn rates_out_utps(&self) -> u64 {
+        self.rates_out_utps
     }
 
     /// I2: `available + outstanding <= B` (allowing for a burst lowered
     /// below what is outstanding, in which case available must be 0).
     pub fn i2_holds(&self) -> bool {
         let avail = self.available.tokens(self.rate);
-        avail + self.outstanding <= self.burst || avail == 0
+        avail + self.outstanding <= self.cap() || avail == 0
     }
 
     /// Renew (or open) the holder's lease at `now_ns`.
     pub fn renew(&mut self, now_ns: u64, req: Renewal, active_window_ns: u64) -> Granted {
         self.advance(now_ns);
         self.last_used_ns = self.last_used_ns.max(now_ns);
+        let names_rate = req.lease_id != 0
+            && self
+                .leases
+                .iter()
+                .any(|l| l.id == req.lease_id && l.holder == req.holder && l.is_rate());
+        if (req.want_rate_utps > 0 || names_rate) && self.pool.is_none() {
+            return self.renew_rate(now_ns, req, active_window_ns);
+        }
         // 1. The spent report and the carried rest.
         let mut carried = 0;
         if req.lease_id != 0 {
@@ -437,7 +605,7 @@ impl KeyLedger {
             }
         }
         // 2. Max-min fair share of what is available.
-        self.note_demand(req.holder, req.want, now_ns, active_window_ns);
+        self.note_demand(req.holder, req.want, 0, now_ns, active_window_ns);
         let avail = self.available.tokens(self.rate);
         let share = self.fair_level(avail);
         let mut fresh = req.want.min(share).min(avail);
@@ -452,7 +620,7 @@ impl KeyLedger {
         let took = self.available.take(self.rate, fresh);
         debug_assert!(took, "fresh <= available by construction");
         // What the holder still misses is its demand for the next fair share.
-        self.note_demand(req.holder, req.want - fresh, now_ns, active_window_ns);
+        self.note_demand(req.holder, req.want - fresh, 0, now_ns, active_window_ns);
         // 3. The shadow bucket, charged independently.
         let mut shadow_violation = false;
         if fresh > 0 && self.pool.is_none() {
@@ -470,6 +638,8 @@ impl KeyLedger {
                 granted: tokens,
                 spent: 0,
                 expires_ns,
+                rate_utps: 0,
+                capacity: 0,
             });
             self.outstanding += tokens;
             req.new_id
@@ -509,6 +679,158 @@ impl KeyLedger {
             expires_ns,
             shadow_violation,
             holders: u32::try_from(self.demand.len()).unwrap_or(u32::MAX),
+            ..Granted::default()
+        }
+    }
+
+    /// [`KeyLedger::renew`] of a lease that carries a rate (SPEC §2 "Leases
+    /// may carry a rate"), at the root (a refilling ledger):
+    ///
+    /// 1. Naming a rate version of this holder acknowledges it: the
+    ///    holder's older versions stop counting. Naming its lease of
+    ///    tokens only carries that lease's reported rest into the new
+    ///    version's level (the holder continues its level; the new
+    ///    capacity covers the rest, so a lost reply costs nothing).
+    /// 2. The rate is the holder's max-min fair share of `R (1 - rho)`
+    ///    over the rates asked for, never more than what other holders'
+    ///    counted rates leave.
+    /// 3. The capacity is the same share of `B` (at least the carried rest
+    ///    and 1), never more than what the other holders leave.
+    /// 4. Tokens: a fair share of `available` as asked for, plus whatever
+    ///    the larger count would otherwise clamp out of `available`
+    ///    (handed over rather than destroyed), at most the capacity.
+    fn renew_rate(&mut self, now_ns: u64, req: Renewal, active_window_ns: u64) -> Granted {
+        let mut carried = 0;
+        let mut version_of = 0;
+        if let Some(i) = self
+            .leases
+            .iter()
+            .position(|l| l.id == req.lease_id && l.holder == req.holder && req.lease_id != 0)
+        {
+            let named = self.leases[i].clone();
+            if named.is_rate() {
+                version_of = named.id;
+                let before = self.leases.len();
+                self.leases
+                    .retain(|l| !(l.holder == req.holder && l.is_rate() && l.id < named.id));
+                self.rate_leases -= (before - self.leases.len()) as u32;
+            } else {
+                let lease = self.leases.swap_remove(i);
+                let spent = lease.spent.max(req.spent).min(lease.granted);
+                self.outstanding -= lease.unspent();
+                carried = lease.granted - spent;
+            }
+            self.recount_rates();
+        }
+        self.note_demand(
+            req.holder,
+            req.want,
+            req.want_rate_utps,
+            now_ns,
+            active_window_ns,
+        );
+        let (own_cap, own_rate) = self.counted_for(req.holder);
+        // 2. The rate.
+        let full = rate_utps(self.rate);
+        let r_eff = full - full / 1_000_000 * RHO_PPM - full % 1_000_000 * RHO_PPM / 1_000_000;
+        let others_rate = self.rates_out_utps - own_rate;
+        let rate = req
+            .want_rate_utps
+            .min(self.fair_rate_level(r_eff))
+            .min(r_eff.saturating_sub(others_rate));
+        // 3. The capacity.
+        let room = self.cap().saturating_sub(self.outstanding - own_cap);
+        let share = if r_eff == 0 {
+            0
+        } else {
+            u64::try_from((u128::from(self.burst) * u128::from(rate)).div_ceil(u128::from(r_eff)))
+                .unwrap_or(u64::MAX)
+        };
+        let capacity = share.max(carried).max(1).min(room);
+        let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
+        if capacity == 0 {
+            // No room at all (the other holders' counts fill the burst):
+            // nothing new; the holder's versions still count until they
+            // are acknowledged past or expire.
+            self.note_demand(
+                req.holder,
+                req.want,
+                req.want_rate_utps,
+                now_ns,
+                active_window_ns,
+            );
+            let retry_after_ms = self
+                .available
+                .wait_ms(self.rate, 1)
+                .clamp(1, ECONOMY_WAIT_MS);
+            expires_ns = 0;
+            return Granted {
+                retry_after_ms,
+                expires_ns,
+                holders: u32::try_from(self.demand.len()).unwrap_or(u32::MAX),
+                version_of,
+                ..Granted::default()
+            };
+        }
+        // 4. Tokens.
+        let counted_after = self.outstanding - own_cap + own_cap.max(capacity);
+        let limit = self.cap().saturating_sub(counted_after);
+        let avail = self.available.tokens(self.rate);
+        let share = self.fair_level(avail);
+        let asked = req.want.min(share).min(avail);
+        let clamped = avail.saturating_sub(asked).saturating_sub(limit);
+        let fresh = (asked + clamped).min(capacity).min(avail);
+        let took = self.available.take(self.rate, fresh);
+        debug_assert!(took, "fresh <= available by construction");
+        self.note_demand(
+            req.holder,
+            req.want.saturating_sub(fresh),
+            req.want_rate_utps,
+            now_ns,
+            active_window_ns,
+        );
+        let shadow_violation = fresh > 0
+            && self
+                .shadow
+                .try_acquire(fresh.min(self.burst), now_ns)
+                .is_err();
+        self.leases.push(Lease {
+            id: req.new_id,
+            holder: req.holder,
+            granted: carried + fresh,
+            spent: 0,
+            expires_ns,
+            rate_utps: rate,
+            capacity,
+        });
+        self.rate_leases += 1;
+        self.recount_rates();
+        // Whatever no longer fits under the larger count is gone.
+        self.available
+            .clamp(self.rate, self.cap().saturating_sub(self.outstanding));
+        let retry_after_ms = if fresh < req.want {
+            let lent = lease_rate_fine(self.rate, self.rates_out_utps);
+            let own = rate_fine(self.rate).saturating_sub(lent);
+            let avail = self.available.tokens(self.rate);
+            self.available
+                .wait_ms_fine(self.rate, own, avail + 1)
+                .clamp(1, ECONOMY_WAIT_MS)
+        } else {
+            0
+        };
+        debug_assert!(self.i2_holds(), "I2 broken after a rate renewal");
+        Granted {
+            lease_id: req.new_id,
+            tokens: fresh,
+            carried,
+            fresh,
+            retry_after_ms,
+            expires_ns,
+            shadow_violation,
+            holders: u32::try_from(self.demand.len()).unwrap_or(u32::MAX),
+            rate_utps: rate,
+            capacity,
+            version_of,
         }
     }
 
@@ -522,11 +844,44 @@ impl KeyLedger {
         lease_id: u64,
         spent: u64,
     ) -> Option<u64> {
+        self.release_with(now_ns, holder, lease_id, spent, 0)
+    }
+
+    /// [`KeyLedger::release`]; for a rate lease, `left` is the level the
+    /// holder had when it stopped using it: that version and the holder's
+    /// older ones stop counting and `left` (at most their count) returns to
+    /// `available`. A later version the holder never acknowledged still
+    /// counts until it expires.
+    pub fn release_with(
+        &mut self,
+        now_ns: u64,
+        holder: HolderId,
+        lease_id: u64,
+        spent: u64,
+        left: u64,
+    ) -> Option<u64> {
         self.advance(now_ns);
         let i = self
             .leases
             .iter()
             .position(|l| l.id == lease_id && l.holder == holder && lease_id != 0)?;
+        if self.leases[i].is_rate() {
+            let (counted, _) = self.counted_for(holder);
+            let before = self.leases.len();
+            self.leases
+                .retain(|l| !(l.holder == holder && l.is_rate() && l.id <= lease_id));
+            self.rate_leases -= (before - self.leases.len()) as u32;
+            self.recount_rates();
+            let rest = left.min(counted);
+            let cap = self.cap().saturating_sub(self.outstanding);
+            let before = self.available.tokens(self.rate);
+            self.available.give(self.rate, rest, cap.max(before));
+            let given = self.available.tokens(self.rate) - before;
+            self.shadow.refund(given, now_ns);
+            self.demand.retain(|d| d.holder != holder);
+            debug_assert!(self.i2_holds(), "I2 broken after a rate release");
+            return Some(given);
+        }
         let lease = self.leases.swap_remove(i);
         let spent = lease.spent.max(spent).min(lease.granted);
         self.outstanding -= lease.unspent();
@@ -567,20 +922,52 @@ impl KeyLedger {
         self.leases.is_empty() && self.available.tokens(self.rate) >= self.burst
     }
 
-    fn note_demand(&mut self, holder: HolderId, want: u64, now_ns: u64, window_ns: u64) {
+    fn note_demand(
+        &mut self,
+        holder: HolderId,
+        want: u64,
+        want_rate: u64,
+        now_ns: u64,
+        window_ns: u64,
+    ) {
         self.demand
             .retain(|d| d.holder == holder || d.last_ns.saturating_add(window_ns) >= now_ns);
         match self.demand.iter_mut().find(|d| d.holder == holder) {
             Some(d) => {
                 d.want = want;
+                d.want_rate = want_rate;
                 d.last_ns = now_ns;
             }
             None => self.demand.push(Demand {
                 holder,
                 want,
+                want_rate,
                 last_ns: now_ns,
             }),
         }
+    }
+
+    /// Water-filling level over the rates asked for: the largest `L` such
+    /// that giving every holder asking for a rate `min(want_rate, L)` fits
+    /// in `budget` (micro-tokens per second).
+    fn fair_rate_level(&self, budget: u64) -> u64 {
+        let mut wants: Vec<u64> = self
+            .demand
+            .iter()
+            .map(|d| d.want_rate)
+            .filter(|&w| w > 0)
+            .collect();
+        wants.sort_unstable();
+        let mut left = budget;
+        let n = wants.len() as u64;
+        for (i, w) in wants.iter().enumerate() {
+            let share = left / (n - i as u64);
+            if *w > share {
+                return share;
+            }
+            left -= w;
+        }
+        u64::MAX
     }
 
     /// Water-filling level: the largest share `L` such that giving every

@@ -650,6 +650,7 @@ impl RegionalCore {
             lease_id,
             spent,
             want,
+            ..LeaseItem::default()
         }
     }
 

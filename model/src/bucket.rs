@@ -99,6 +99,12 @@ impl Level {
         self.fine = self.fine.saturating_add(added).min(cap);
     }
 
+    /// Move the timestamp to `now_ns` without adding anything (time during
+    /// which nothing refills). Never moves it back.
+    pub fn touch(&mut self, now_ns: u64) {
+        self.last_ns = self.last_ns.max(now_ns);
+    }
+
     /// Lower the level to at most `cap_tokens` (after a burst change or when
     /// outstanding tokens grew).
     pub fn clamp(&mut self, rate: Rate, cap_tokens: u64) {

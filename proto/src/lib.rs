@@ -60,8 +60,11 @@ pub mod envoy {
 /// Protocol version spoken by this build. Adjacent versions interoperate:
 /// an allocator accepts `PROTOCOL_VERSION - 1 ..= PROTOCOL_VERSION + 1`.
 /// Version 2 added `RequestHeader.instance`, `LeaseReply.request_digest`
-/// and `GrantStatus::SeqConflict`; version 1 peers leave them 0.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// and `GrantStatus::SeqConflict`; version 1 peers leave them 0. Version 3
+/// added leases that carry a rate (`LeaseItem.want_rate_utps` and `left`,
+/// `Grant.rate_utps`, `capacity` and `version_of`): a version-2 peer never
+/// asks for one and is never sent one.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// A fresh random `RequestHeader.instance` (never 0): std's `RandomState`
 /// keys come from the operating system's random source, mixed with the

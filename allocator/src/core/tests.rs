@@ -56,6 +56,7 @@ fn renew(rule: &str, tenant: &str, route: &str, lease_id: u64, spent: u64, want:
         lease_id,
         spent,
         want,
+        ..LeaseItem::default()
     }
 }
 
@@ -423,10 +424,11 @@ fn processes_sharing_an_agent_id_are_distinct_holders_by_instance() {
 }
 
 #[test]
-fn a_protocol_1_agent_without_an_instance_is_one_holder_as_before() {
-    // Version-1 agents send no instance (0) and ignore the digest: each
-    // agent id is one holder, as in version 1, and duplicates still hit
-    // the cache.
+fn an_agent_without_an_instance_is_one_holder_per_id() {
+    // Version-1 agents sent no instance (0); version 1 is no longer
+    // adjacent (refused, see the test above), but an instance of 0 is
+    // still served the way it was: each agent id is one holder, and
+    // duplicates still hit the cache.
     let mut c = core_at(T, true);
     let mut b = batch(
         "old",
@@ -434,7 +436,8 @@ fn a_protocol_1_agent_without_an_instance_is_one_holder_as_before() {
         1,
         vec![renew("orders", "t", "/api/orders", 0, 0, 3)],
     );
-    b.header.as_mut().unwrap().protocol_version = 1;
+    b.header.as_mut().unwrap().protocol_version = PROTOCOL_VERSION - 1;
+    b.header.as_mut().unwrap().instance = 0;
     let r = c.handle(T, &b);
     assert_eq!(r.grants[0].status, GrantStatus::Granted as i32);
     assert_eq!(c.handle(T + MS, &b), r, "a duplicate gets the cached reply");

@@ -21,6 +21,7 @@ fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) 
         want,
         ttl_ns: 2 * SEC,
         new_id,
+        want_rate_utps: 0,
     }
 }
 
@@ -186,7 +187,7 @@ proptest! {
                     let valid = me.id != 0 && now < me.until_ns;
                     // An inaccurate holder under-reports (a stale count): safe, never over.
                     let spent = if accurate { me.spent } else { me.spent / 2 };
-                    let g = l.renew(now, Renewal { holder: h, lease_id: if valid { me.id } else { 0 }, spent, want, ttl_ns, new_id: next_id }, SEC);
+                    let g = l.renew(now, Renewal { holder: h, lease_id: if valid { me.id } else { 0 }, spent, want, ttl_ns, new_id: next_id, want_rate_utps: 0 }, SEC);
                     next_id += 1;
                     prop_assert!(!g.shadow_violation, "shadow bucket fired");
                     // The holder installs: tokens = carried + fresh - spent since report.
@@ -220,7 +221,7 @@ proptest! {
                 Op::Stale(h, s) => {
                     let prev = held[h as usize].previous_id;
                     if prev != 0 {
-                        let g = l.renew(now, Renewal { holder: h, lease_id: prev, spent: s, want: 0, ttl_ns, new_id: next_id }, SEC);
+                        let g = l.renew(now, Renewal { holder: h, lease_id: prev, spent: s, want: 0, ttl_ns, new_id: next_id, want_rate_utps: 0 }, SEC);
                         next_id += 1;
                         // A stale report names a rolled lease: it carries nothing.
                         prop_assert_eq!(g.carried, 0);
@@ -260,7 +261,7 @@ proptest! {
         let r = rate(n, 1);
         let mut lazy = KeyLedger::new(r, burst, 0, None);
         for (i, (w, ttl_ms)) in wants.iter().enumerate() {
-            lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1 }, SEC);
+            lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1, want_rate_utps: 0 }, SEC);
         }
         let mut ticked = lazy.clone();
         for t in 1..=horizon_ms { ticked.advance(t * MS); }
@@ -268,4 +269,304 @@ proptest! {
         prop_assert_eq!(lazy.available(), ticked.available());
         prop_assert_eq!(lazy.outstanding(), ticked.outstanding());
     }
+}
+
+// --- Leases that carry a rate ----------------------------------------------
+
+/// Nano-tokens per token in the holders' model below.
+const NT: u128 = 1_000_000_000;
+
+#[test]
+fn rates_lent_out_slow_the_root_and_capacities_count_until_acknowledged() {
+    // 100/s burst 100, full.
+    let mut l = KeyLedger::new(rate(100, 1), 100, T0, None);
+    let ask = |holder, lease_id, want, rate_tps: u64, new_id| Renewal {
+        want_rate_utps: rate_tps * 1_000_000,
+        ..renewal(holder, lease_id, 0, want, new_id)
+    };
+    let g = l.renew(T0, ask(1, 0, 10, 40, 1), SEC);
+    // The rate asked for (under R (1 - rho)), its share of B as capacity
+    // (ceil(100 * 40 / 99.9) = 41), and tokens: the 10 asked for plus the
+    // 31 that the count of 41 would otherwise clamp out of `available`
+    // (100 - 10 > B - 41): handed over, not destroyed.
+    assert_eq!(
+        (g.rate_utps, g.capacity, g.tokens, g.version_of),
+        (40_000_000, 41, 41, 0)
+    );
+    assert_eq!(l.rates_out_utps(), 40_000_000);
+    assert_eq!(l.outstanding(), 41);
+    assert_eq!(l.available(), 59);
+    // The root refills at R - 40/s = 60/s: 20 spent here come back in 1/3 s.
+    let g_tokens = l.renew(T0, renewal(2, 0, 0, 20, 9), SEC);
+    assert_eq!(g_tokens.tokens, 20);
+    assert_eq!(l.available(), 39);
+    assert_eq!(l.release(T0, 2, 9, 20), Some(0), "all 20 spent");
+    l.advance(T0 + 200 * MS);
+    assert_eq!(l.available(), 39 + 12);
+    // A new version with a lower rate and capacity: until acknowledged,
+    // the larger of the two counts.
+    let g2 = l.renew(T0 + 100 * MS, ask(1, 1, 0, 10, 2), SEC);
+    assert_eq!(g2.version_of, 1);
+    assert_eq!((g2.rate_utps, g2.capacity), (10_000_000, 11));
+    assert_eq!(l.rates_out_utps(), 40_000_000, "version 1 still counts");
+    assert_eq!(l.outstanding(), 41);
+    // Naming version 2 acknowledges it: version 1 stops counting.
+    let g3 = l.renew(T0 + 200 * MS, ask(1, 2, 0, 10, 3), SEC);
+    assert_eq!(g3.version_of, 2);
+    assert_eq!(l.rates_out_utps(), 10_000_000);
+    assert_eq!(l.outstanding(), 11);
+    assert!(l.i2_holds());
+    // A release returns what the holder had left, at most its count, once.
+    let before = l.available();
+    assert_eq!(l.release_with(T0 + 200 * MS, 1, 3, 0, 500), Some(11));
+    assert_eq!(l.available(), before + 11);
+    assert_eq!((l.rates_out_utps(), l.outstanding()), (0, 0));
+    assert_eq!(
+        l.release_with(T0 + 200 * MS, 1, 3, 0, 500),
+        None,
+        "only once"
+    );
+}
+
+#[test]
+fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
+    let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
+    let ask = |holder, lease_id, rate_tps: u64, new_id| Renewal {
+        want_rate_utps: rate_tps * 1_000_000,
+        ..renewal(holder, lease_id, 0, 0, new_id)
+    };
+    // Three holders want 200/s each of 300/s: 1/3 of R (1 - rho) each once
+    // every one of them has asked and re-asked.
+    let mut ids = [0u64; 3];
+    let mut next = 1;
+    for round in 0..3 {
+        for h in 0..3u32 {
+            let g = l.renew(
+                T0 + round * 10 * MS,
+                ask(h, ids[h as usize], 200, next),
+                SEC,
+            );
+            ids[h as usize] = g.lease_id;
+            next += 1;
+            assert!(l.rates_out_utps() <= 299_700_000, "over R (1 - rho)");
+        }
+    }
+    let shares: Vec<u64> = (0..3)
+        .map(|h| {
+            l.leases()
+                .iter()
+                .filter(|x| x.holder == h)
+                .map(|x| x.rate_utps)
+                .max()
+                .unwrap()
+        })
+        .collect();
+    for s in &shares {
+        assert!((*s as i64 - 99_900_000).abs() <= 1, "shares {shares:?}");
+    }
+}
+
+#[derive(Clone, Debug)]
+enum ROp {
+    Advance(u64),
+    /// holder, tokens wanted, rate wanted (tokens/s), reply lost?
+    Renew(u32, u64, u64, bool),
+    /// a lost reply arrives late
+    Deliver(u32),
+    Spend(u32, u64),
+    /// the holder spends all it can
+    Drain(u32),
+    Release(u32),
+    Restart,
+}
+
+fn rop() -> impl Strategy<Value = ROp> {
+    prop_oneof![
+        4 => (1u64..120).prop_map(ROp::Advance),
+        5 => (0u32..3, 0u64..60, 0u64..60, prop::bool::weighted(0.2))
+            .prop_map(|(h, w, r, lost)| ROp::Renew(h, w, r, lost)),
+        1 => (0u32..3).prop_map(ROp::Deliver),
+        10 => (0u32..3, 1u64..8).prop_map(|(h, n)| ROp::Spend(h, n)),
+        3 => (0u32..3).prop_map(ROp::Drain),
+        1 => (0u32..3).prop_map(ROp::Release),
+        1 => Just(ROp::Restart),
+    ]
+}
+
+/// A holder of rate leases: its level in nano-tokens, the version it uses
+/// and the replies still on their way.
+#[derive(Clone, Debug, Default)]
+struct RateHolder {
+    level_nt: u128,
+    /// (id, rate utps, capacity, use-by), of the version in use.
+    current: Option<(u64, u64, u64, u64)>,
+    refilled_to_ns: u64,
+    /// A reply that was lost on the way (may still arrive): (grant, sent at).
+    late: Option<(Granted, u64)>,
+}
+
+impl RateHolder {
+    /// Refill up to `now` (at the rate slowed by rho, only until use-by).
+    fn refill(&mut self, now: u64) {
+        if let Some((_, r, c, use_by)) = self.current {
+            let until = now.min(use_by);
+            if until > self.refilled_to_ns {
+                let dt = u128::from(until - self.refilled_to_ns);
+                // r utps = r nano-tokens per ms; slowed by rho = 1e-3.
+                let per_ns_num = u128::from(r - r / 1000);
+                self.level_nt =
+                    (self.level_nt + dt * per_ns_num / 1_000_000).min(u128::from(c) * NT);
+            }
+        }
+        self.refilled_to_ns = self.refilled_to_ns.max(now);
+    }
+
+    fn usable(&self, now: u64) -> bool {
+        self.current.is_some_and(|(_, _, _, use_by)| now < use_by)
+    }
+
+    /// Apply a grant received at `now`: versions in order, level carried
+    /// over (dropped if the lease in use ran out), clipped, tokens added.
+    fn apply(&mut self, g: &Granted, now: u64) {
+        if g.lease_id == 0 || g.capacity == 0 {
+            return;
+        }
+        if self.current.is_some_and(|(id, ..)| id >= g.lease_id) {
+            return; // an older version arriving late
+        }
+        self.refill(now);
+        if !self.usable(now) {
+            self.level_nt = 0;
+        }
+        // The holder's use-by: a little before the allocator's expiry.
+        let use_by = g.expires_ns.saturating_sub(MS);
+        self.level_nt =
+            (self.level_nt + u128::from(g.tokens) * NT).min(u128::from(g.capacity) * NT);
+        self.current = Some((g.lease_id, g.rate_utps, g.capacity, use_by));
+        self.refilled_to_ns = now;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// I1 and I2 with leases that carry a rate: holders refill locally,
+    /// replies are lost and arrive late or never, versions are
+    /// acknowledged, released, the allocator restarts; admissions over
+    /// every window stay within `B + R*T`.
+    #[test]
+    fn i1_and_i2_hold_with_rate_leases(
+        n in 1u64..60,
+        burst in 1u64..60,
+        ops in proptest::collection::vec(rop(), 1..400),
+    ) {
+        let r = rate(n, 1);
+        let ttl_ns = 500 * MS;
+        let mut now = 0u64;
+        let mut l = KeyLedger::new(r, burst, now, None);
+        let mut hs: Vec<RateHolder> = vec![RateHolder::default(); 3];
+        let mut next_id = 1u64;
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for o in ops {
+            match o {
+                ROp::Advance(d) => { now += d * MS; l.advance(now); }
+                ROp::Renew(h, want, rate_tps, lost) => {
+                    let me = &mut hs[h as usize];
+                    let named = me.current.map_or(0, |c| c.0);
+                    let g = l.renew(now, Renewal {
+                        holder: h, lease_id: named, spent: 0, want, ttl_ns,
+                        new_id: next_id, want_rate_utps: rate_tps * 1_000_000 + 1,
+                    }, SEC);
+                    next_id += 1;
+                    prop_assert!(!g.shadow_violation, "shadow bucket fired");
+                    prop_assert!(g.capacity <= burst);
+                    if lost { me.late = Some((g, now)); } else { me.apply(&g, now); }
+                }
+                ROp::Deliver(h) => {
+                    let me = &mut hs[h as usize];
+                    if let Some((g, _)) = me.late.take() { me.apply(&g, now); }
+                }
+                ROp::Spend(h, k) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    if me.usable(now) && me.level_nt >= u128::from(k) * NT {
+                        me.level_nt -= u128::from(k) * NT;
+                        admitted.push((now, k));
+                    }
+                }
+                ROp::Drain(h) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    let k = u64::try_from(me.level_nt / NT).unwrap();
+                    if me.usable(now) && k > 0 {
+                        me.level_nt -= u128::from(k) * NT;
+                        admitted.push((now, k));
+                    }
+                }
+                ROp::Release(h) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    if let Some((id, ..)) = me.current {
+                        if me.usable(now) {
+                            let left = u64::try_from(me.level_nt / NT).unwrap();
+                            l.release_with(now, h, id, 0, left);
+                        }
+                    }
+                    // Stops using it either way; a late reply is ignored now.
+                    *me = RateHolder { refilled_to_ns: now, ..RateHolder::default() };
+                }
+                ROp::Restart => {
+                    l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
+                }
+            }
+            prop_assert!(l.i2_holds(), "I2 broken at {} ms: available {} outstanding {} burst {}", now / MS, l.available(), l.outstanding(), burst);
+            prop_assert!(l.rates_out_utps() <= n * 1_000_000, "rates out {} over R", l.rates_out_utps());
+        }
+        // I1 over every window [t_i, t_j] between admissions, exactly:
+        // sum <= B + n * t / 1e9.
+        for i in 0..admitted.len() {
+            let mut sum = 0u128;
+            for j in i..admitted.len() {
+                sum += u128::from(admitted[j].1);
+                let t = u128::from(admitted[j].0 - admitted[i].0);
+                prop_assert!(sum * 1_000_000_000 <= u128::from(burst) * 1_000_000_000 + u128::from(n) * t,
+                    "I1: {} admitted in {} ms, bound {}", sum, t / 1_000_000, burst as f64 + n as f64 * t as f64 / 1e9);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_holder_of_half_the_rate_and_the_root_together_admit_at_most_the_rate() {
+    // 100/s burst 100. One holder takes a rate lease of 50/s and, renewing
+    // every 100 ms, also every token the root has; it spends everything it
+    // can. Over 10 s it admits at most B + R*T = 1 100, and not much less.
+    let (r, burst) = (rate(100, 1), 100u64);
+    let mut l = KeyLedger::new(r, burst, 0, None);
+    let mut h = RateHolder::default();
+    let mut admitted = 0u64;
+    for (id, step) in (1..).zip(0..=100u64) {
+        let now = step * 100 * MS;
+        h.refill(now);
+        let spend = u64::try_from(h.level_nt / NT).unwrap();
+        if h.usable(now) {
+            h.level_nt -= u128::from(spend) * NT;
+            admitted += spend;
+        }
+        let named = h.current.map_or(0, |c| c.0);
+        let g = l.renew(
+            now,
+            Renewal {
+                want_rate_utps: 50_000_000,
+                ..renewal(1, named, 0, burst, id)
+            },
+            SEC,
+        );
+        h.apply(&g, now);
+    }
+    assert!(admitted <= 1_100, "admitted {admitted}");
+    assert!(
+        admitted >= 1_000,
+        "admitted {admitted}: the quota is not delivered"
+    );
 }

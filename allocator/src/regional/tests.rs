@@ -57,6 +57,7 @@ fn item(kind: ItemKind, lease_id: u64, spent: u64, want: u64) -> LeaseItem {
         lease_id,
         spent,
         want,
+        ..LeaseItem::default()
     }
 }
 

@@ -611,7 +611,10 @@ impl AllocatorCore {
         if let (Some(mode), Some(pool)) = (self.pooled, ledger.pool()) {
             // No parent lease yet, or the pool is short while the parent
             // has tokens: the regional is fetching, the child should wait.
-            opening = (pool.deadline_ns <= now_ns || !pool.parent_dry) && !mode.parent_unreachable;
+            // (A pool refilled by a rate lease is not fetching: it refills
+            // here, and the retry hint says when.)
+            opening = (pool.deadline_ns <= now_ns || (!pool.parent_dry && pool.rate_utps == 0))
+                && !mode.parent_unreachable;
             // A sub-lease never outlives the parent lease: whole
             // milliseconds up to the pool's deadline, and nothing new from
             // the pool when that is too short to be of use (the ledger

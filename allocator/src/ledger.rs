@@ -184,6 +184,10 @@ pub struct KeyLedger {
     rates_out_utps: u64,
     /// Rate leases among `leases` (0: nothing to recount).
     rate_leases: u32,
+    /// Pooled mode with a rate: whole tokens the pool refilled since the
+    /// last [`KeyLedger::take_refilled`] (for the regional's consumption
+    /// estimate).
+    refilled: u64,
     demand: Vec<Demand>,
     /// Independent alarm: a plain token bucket charged with every fresh
     /// grant and credited with every release. If the ledger is right, a grant
@@ -216,6 +220,7 @@ impl KeyLedger {
                 rate_out: 0,
                 rates_out_utps: 0,
                 rate_leases: 0,
+                refilled: 0,
                 demand: Vec::new(),
                 shadow: TokenBucket::new_full(rate, burst, now_ns),
                 last_used_ns: now_ns,
@@ -234,6 +239,7 @@ impl KeyLedger {
             rate_out: 0,
             rates_out_utps: 0,
             rate_leases: 0,
+            refilled: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
             last_used_ns: now_ns,
@@ -273,6 +279,7 @@ impl KeyLedger {
             rate_out: 0,
             rates_out_utps: 0,
             rate_leases: 0,
+            refilled: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, now_ns),
             last_used_ns: now_ns,
@@ -461,7 +468,7 @@ impl KeyLedger {
         if self.pool.is_some() {
             return None;
         }
-        let missing = self.burst.saturating_sub(self.outstanding);
+        let missing = self.cap().saturating_sub(self.outstanding);
         let ms = self.available.wait_ms(self.rate, missing);
         Some(now_ns.saturating_add(ms.saturating_mul(1_000_000)))
     }
@@ -506,6 +513,7 @@ impl KeyLedger {
                 // A pool backed by a rate lease refills at that rate, only
                 // until the lease's use-by time.
                 let until = at_ns.min(p.deadline_ns);
+                let before = self.available.tokens(self.rate);
                 self.available.refill_fine(
                     self.rate,
                     lease_rate_fine(self.rate, p.rate_utps),
@@ -513,6 +521,7 @@ impl KeyLedger {
                     until,
                 );
                 self.available.touch(at_ns);
+                self.refilled += self.available.tokens(self.rate).saturating_sub(before);
             }
             Some(_) => self.available.touch(at_ns), // tokens come only from deposits
             None if self.rates_out_utps == 0 => self.available.refill(self.rate, cap, at_ns),
@@ -521,6 +530,17 @@ impl KeyLedger {
                 let lent = lease_rate_fine(self.rate, self.rates_out_utps);
                 let own = rate_fine(self.rate).saturating_sub(lent);
                 self.available.refill_fine(self.rate, own, cap, at_ns);
+            }
+        }
+    }
+
+    /// Fine units per nanosecond `available` refills at: the pool's rate
+    /// lease, or `R` less the rates lent out (0 for a pool of deposits).
+    fn own_refill_fine(&self) -> u128 {
+        match self.pool {
+            Some(p) => lease_rate_fine(self.rate, p.rate_utps),
+            None => {
+                rate_fine(self.rate).saturating_sub(lease_rate_fine(self.rate, self.rates_out_utps))
             }
         }
     }
@@ -564,6 +584,12 @@ impl KeyLedger {
             .iter()
             .filter(|l| l.holder == holder && l.is_rate())
             .fold((0, 0), |(c, r), l| (c.max(l.capacity), r.max(l.rate_utps)))
+    }
+
+    /// Pooled mode: whole tokens refilled from a rate lease since the last
+    /// call.
+    pub fn take_refilled(&mut self) -> u64 {
+        std::mem::take(&mut self.refilled)
     }
 
     /// Rates lent out, summed over holders (micro-tokens per second).
@@ -652,19 +678,28 @@ impl KeyLedger {
         // share (B / 2 in all), whichever is later, but never more than
         // ECONOMY_WAIT_MS beyond the first.
         let retry_after_ms = if fresh < req.want {
-            if let Some(p) = self.pool {
-                // Pooled: the pool grows only when the parent answers.
-                p.retry_ms.max(1)
-            } else {
-                let holders = self.demand.len().max(1) as u64;
-                let useful = (self.burst / (2 * holders)).clamp(1, req.want - fresh);
-                let target = (useful * holders).min(self.burst);
-                let one = self.available.wait_ms(self.rate, avail - fresh + 1).max(1);
-                let economy = self
-                    .available
-                    .wait_ms(self.rate, target)
-                    .min(ECONOMY_WAIT_MS);
-                one.max(economy)
+            match self.pool {
+                // Pooled without a rate: the pool grows only when the parent answers.
+                Some(p) if p.rate_utps == 0 => p.retry_ms.max(1),
+                _ => {
+                    let fine = self.own_refill_fine();
+                    let cap = self.cap();
+                    let holders = self.demand.len().max(1) as u64;
+                    let useful = (cap / (2 * holders)).clamp(1, req.want - fresh);
+                    let target = (useful * holders).min(cap);
+                    let one = match fine {
+                        0 => ECONOMY_WAIT_MS, // nothing refills here now
+                        _ => self
+                            .available
+                            .wait_ms_fine(self.rate, fine, avail - fresh + 1)
+                            .max(1),
+                    };
+                    let economy = self
+                        .available
+                        .wait_ms_fine(self.rate, fine, target)
+                        .min(ECONOMY_WAIT_MS);
+                    one.max(economy)
+                }
             }
         } else {
             0
@@ -745,6 +780,14 @@ impl KeyLedger {
         } else {
             u64::try_from((u128::from(self.burst) * u128::from(rate)).div_ceil(u128::from(r_eff)))
                 .unwrap_or(u64::MAX)
+        };
+        // A holder keeps its capacity unless its share moved by more than
+        // a quarter: a smaller version destroys what no longer fits at the
+        // holder, so capacities must not follow every small move of rate.
+        let share = if own_cap > 0 && share <= own_cap && share.saturating_mul(4) >= own_cap * 3 {
+            own_cap
+        } else {
+            share
         };
         let capacity = share.max(carried).max(1).min(room);
         let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
@@ -886,7 +929,7 @@ impl KeyLedger {
         let spent = lease.spent.max(spent).min(lease.granted);
         self.outstanding -= lease.unspent();
         let rest = lease.granted - spent;
-        let cap = self.burst.saturating_sub(self.outstanding);
+        let cap = self.cap().saturating_sub(self.outstanding);
         self.available.give(self.rate, rest, cap);
         self.shadow.refund(rest, now_ns);
         self.demand.retain(|d| d.holder != holder);
@@ -906,8 +949,8 @@ impl KeyLedger {
         self.available.rescale(self.rate, rate);
         self.rate = rate;
         self.burst = burst;
-        self.available
-            .clamp(rate, burst.saturating_sub(self.outstanding));
+        let cap = self.cap().saturating_sub(self.outstanding);
+        self.available.clamp(rate, cap);
         self.shadow.set_limits(rate, burst, now_ns);
     }
 

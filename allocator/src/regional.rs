@@ -39,7 +39,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use quotalease_model::key::KeyId;
-use quotalease_model::protocol::use_by_ns;
+use quotalease_model::protocol::{use_by_ns, RHO_PPM};
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig, KeyView, Stats};
@@ -53,6 +53,10 @@ pub const HEARTBEAT_NS: u64 = 1_000 * MS;
 pub const MIN_CHILD_RETRY_MS: u64 = 5;
 /// Time constant of the per-key consumption estimate.
 const EWMA_TAU_S: f64 = 1.0;
+
+/// A rate chain asks for this much more than its children consume, so a
+/// region whose demand grows can grow its share.
+const RATE_HEADROOM: f64 = 1.25;
 
 /// Regional allocator configuration.
 #[derive(Clone, Debug)]
@@ -80,6 +84,11 @@ pub struct RegionalConfig {
     /// `region/NAME` id (SPEC §8): two regional processes of one region
     /// never share leases or sequence numbers. The driver draws it.
     pub instance: u64,
+    /// Ask the parent for leases that carry a rate (SPEC §2; protocol 3):
+    /// each pool then refills here at its lease's rate, so small bursts are
+    /// fully used however long spent reports take to reach the parent. A
+    /// parent that grants none (protocol 2) gets leases of tokens as before.
+    pub rate_leases: bool,
 }
 
 impl Default for RegionalConfig {
@@ -93,6 +102,7 @@ impl Default for RegionalConfig {
             lease_ttl_ns: 2_000 * MS,
             epsilon_ns: 50 * MS,
             instance: 0,
+            rate_leases: true,
         }
     }
 }
@@ -143,14 +153,61 @@ pub struct ChainView {
     pub granted: u64,
     /// Deadline of the parent lease on this clock (`E`).
     pub deadline_ns: u64,
+    /// A lease that carries a rate: its rate (micro-tokens per second, as
+    /// granted) and capacity; 0 and 0 for a lease of tokens only.
+    pub rate_utps: u64,
+    /// See `rate_utps`.
+    pub capacity: u64,
 }
 
 #[derive(Clone, Debug)]
 struct Chain {
     serial: u64,
+    /// The newest parent lease (version) applied.
     parent_lease_id: u64,
+    /// A chain of tokens only: `G`. A rate chain: the tokens of the grant
+    /// that opened it (informational).
     granted: u64,
     deadline_ns: u64,
+    /// A rate chain (capacity > 0): the newest version's rate (as granted,
+    /// micro-tokens per second) and capacity.
+    rate_utps: u64,
+    capacity: u64,
+    /// A rate chain: the version the next renewal names (acknowledges),
+    /// the newest one whose capacity what the region holds fits under;
+    /// and that version's capacity. Until then the parent counts the
+    /// larger of the versions in between (SPEC §2).
+    ack_id: u64,
+    ack_capacity: u64,
+    /// The acknowledged version's deadline on this clock. While a newer
+    /// version with a smaller capacity waits to be acknowledged, the pool
+    /// grants (and carries) no sub-lease past it: by then every sub-lease
+    /// made under the larger capacity has run out, so what the region
+    /// holds fits under the newer one before the parent stops counting
+    /// the older (at its own expiry, after this deadline).
+    ack_deadline_ns: u64,
+    /// The version the last renewal sent named.
+    told_ack_id: u64,
+}
+
+impl Chain {
+    fn is_rate(&self) -> bool {
+        self.capacity > 0
+    }
+
+    /// What the parent counts for this chain (a bound on `H`).
+    fn backing(&self) -> u64 {
+        if self.is_rate() {
+            self.capacity.max(self.ack_capacity)
+        } else {
+            self.granted
+        }
+    }
+}
+
+/// `rate_utps` slowed by the drift margin (a refill on this clock).
+fn slowed(rate_utps: u64) -> u64 {
+    rate_utps - rate_utps / 1_000_000 * RHO_PPM - rate_utps % 1_000_000 * RHO_PPM / 1_000_000
 }
 
 #[derive(Clone, Debug, Default)]
@@ -231,11 +288,13 @@ enum Plan {
     /// Ask for a new chain.
     Open {
         want: u64,
+        want_rate: u64,
         urgent: bool,
     },
     /// Renew the chain's parent lease.
     Renew {
         want: u64,
+        want_rate: u64,
         urgent: bool,
     },
     /// Give the chain's parent lease back (idle, nothing sub-leased).
@@ -413,6 +472,8 @@ impl RegionalCore {
             parent_lease_id: c.parent_lease_id,
             granted: c.granted,
             deadline_ns: c.deadline_ns,
+            rate_utps: c.rate_utps,
+            capacity: c.capacity,
         })
     }
 
@@ -592,19 +653,36 @@ impl RegionalCore {
                 Plan::Nothing => {}
                 Plan::Forget => forget.push(key),
                 _ if throttled && !urgent => {}
-                Plan::Open { want, .. } => {
-                    items.push(self.item(&key, ItemKind::Renew, 0, 0, want));
+                Plan::Open {
+                    want, want_rate, ..
+                } => {
+                    let mut item = self.item(&key, ItemKind::Renew, 0, 0, want);
+                    item.want_rate_utps = want_rate;
+                    items.push(item);
                     sent.push(SentItem {
                         key,
                         release: false,
                         chain_serial: None,
                     });
                 }
-                Plan::Renew { want, .. } => {
+                Plan::Renew {
+                    want, want_rate, ..
+                } => {
                     let h = self.holding(now_ns, &key);
                     let c = self.keys[&key].chain.clone().expect("planned for a chain");
-                    let spent = c.granted.saturating_sub(h);
-                    items.push(self.item(&key, ItemKind::Renew, c.parent_lease_id, spent, want));
+                    let mut item = if c.is_rate() {
+                        // A rate chain names the version it acknowledges;
+                        // spent reports mean nothing for it.
+                        if let Some(c) = self.keys.get_mut(&key).and_then(|k| k.chain.as_mut()) {
+                            c.told_ack_id = c.ack_id;
+                        }
+                        self.item(&key, ItemKind::Renew, c.ack_id, 0, want)
+                    } else {
+                        let spent = c.granted.saturating_sub(h);
+                        self.item(&key, ItemKind::Renew, c.parent_lease_id, spent, want)
+                    };
+                    item.want_rate_utps = want_rate;
+                    items.push(item);
                     sent.push(SentItem {
                         key,
                         release: false,
@@ -671,6 +749,12 @@ impl RegionalCore {
         );
         ks.sample_h = ks.sample_h.saturating_sub(pool);
         self.stats.tokens_returned += pool;
+        if c.is_rate() {
+            // Every version up to the newest stops counting; the pool goes back.
+            let mut item = self.item(key, ItemKind::Release, c.parent_lease_id, 0, 0);
+            item.left = pool;
+            return Some(item);
+        }
         let spent = c.granted.saturating_sub(pool);
         Some(self.item(key, ItemKind::Release, c.parent_lease_id, spent, 0))
     }
@@ -762,6 +846,7 @@ impl RegionalCore {
             horizon_s: (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9,
             rtt_ms,
             reachable: self.reachable,
+            rate_leases: cfg.rate_leases,
         }
     }
 
@@ -849,6 +934,10 @@ impl RegionalCore {
             ks.retry_at_ns = ks.retry_at_ns.max(now_ns.saturating_add(1_000 * MS));
             return;
         }
+        if g.capacity > 0 {
+            self.apply_rate_grant(now_ns, deadline, sent, g);
+            return;
+        }
         if g.carried > g.tokens {
             tracing::error!(rule = %key.rule, tokens = g.tokens, carried = g.carried, "malformed grant from the parent ignored");
             return;
@@ -927,6 +1016,122 @@ impl RegionalCore {
             parent_lease_id: g.lease_id,
             granted: g.tokens,
             deadline_ns: deadline,
+            rate_utps: 0,
+            capacity: 0,
+            ack_id: g.lease_id,
+            ack_capacity: 0,
+            ack_deadline_ns: deadline,
+            told_ack_id: g.lease_id,
+        });
+        self.chain_deadlines
+            .push(Reverse((deadline, self.next_serial, key.clone())));
+        self.next_serial += 1;
+    }
+
+    /// A grant of a lease that carries a rate (SPEC §2): the pool refills
+    /// here at the rate (slowed by the drift margin) up to the capacity
+    /// until `deadline`. A new version of this chain's lease (the parent
+    /// knew the version named, or carried the rest of its lease of tokens)
+    /// continues the chain: the pool keeps its level (clipped to the new
+    /// capacity) and gains the grant's tokens; the version is acknowledged
+    /// once what the region holds fits under it. Anything else starts a new
+    /// chain, as a break does for leases of tokens.
+    fn apply_rate_grant(&mut self, now_ns: u64, deadline: u64, sent: &SentItem, g: &Grant) {
+        let key = &sent.key;
+        let Some(ks) = self.keys.get_mut(key) else {
+            return;
+        };
+        let same_chain = sent.chain_serial.is_some()
+            && ks.chain.as_ref().map(|c| c.serial) == sent.chain_serial
+            && (g.version_of != 0 || g.carried > 0);
+        if same_chain && g.lease_id == 0 {
+            // No new version (no room at the parent): the chain keeps the
+            // versions it has.
+            return;
+        }
+        if same_chain && now_ns < deadline {
+            let c = ks.chain.as_mut().expect("same_chain");
+            let was_rate = c.is_rate();
+            c.parent_lease_id = g.lease_id;
+            c.rate_utps = g.rate_utps;
+            c.capacity = g.capacity;
+            if !was_rate {
+                // From a lease of tokens: the parent removed it and counts
+                // the new version alone (its capacity covers the rest).
+                c.ack_id = g.lease_id;
+                c.ack_capacity = g.capacity;
+                c.ack_deadline_ns = deadline;
+                c.told_ack_id = g.lease_id;
+            }
+            if deadline < c.deadline_ns {
+                let serial = c.serial;
+                self.chain_deadlines
+                    .push(Reverse((deadline, serial, key.clone())));
+            }
+            c.deadline_ns = deadline;
+            let Some(ledger) = self.core.ledger_mut(key) else {
+                return;
+            };
+            let d = ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
+            self.stats.tokens_destroyed += d;
+            ks.sample_h = ks.sample_h.saturating_sub(d);
+            let took = ledger.deposit(now_ns, g.tokens);
+            self.stats.tokens_from_parent += g.tokens;
+            self.stats.tokens_destroyed += g.tokens - took;
+            ks.sample_h += took;
+            if ledger.outstanding() <= g.capacity {
+                c.ack_id = g.lease_id;
+                c.ack_capacity = g.capacity;
+                c.ack_deadline_ns = deadline;
+            }
+            // Sub-leases live no longer than the acknowledged version
+            // (the newest, unless a smaller one waits, see `ack_deadline_ns`).
+            ledger.set_pool_deadline(c.ack_deadline_ns);
+            return;
+        }
+        // A new chain: the old one's pool is destroyed, its sub-leases stay
+        // backed by the old parent lease until they expire.
+        let had_chain = ks.chain.take().is_some();
+        if had_chain && sent.chain_serial.is_some() {
+            self.stats.chain_breaks += 1;
+        }
+        let rule = self.core.rules().get(&key.rule).map(|r| (r.rate, r.burst));
+        let old = self.core.ledger_mut(key);
+        let mut fresh_ledger = match (old, rule) {
+            (Some(l), _) => {
+                let d = l.drain_pool(now_ns);
+                self.stats.tokens_destroyed += d;
+                l.fresh_chain(now_ns)
+            }
+            (None, Some((rate, burst))) => KeyLedger::new_pooled(rate, burst, now_ns),
+            (None, None) => return,
+        };
+        if g.lease_id == 0 || now_ns >= deadline {
+            if had_chain {
+                self.core.replace_ledger(key, fresh_ledger);
+            }
+            ks.sample_h = 0;
+            return;
+        }
+        fresh_ledger.set_pool_deadline(deadline);
+        fresh_ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
+        let took = fresh_ledger.deposit(now_ns, g.tokens);
+        self.stats.tokens_from_parent += g.tokens;
+        self.stats.tokens_destroyed += g.tokens - took;
+        self.core.replace_ledger(key, fresh_ledger);
+        ks.sample_h = took;
+        ks.sample_ns = now_ns;
+        ks.chain = Some(Chain {
+            serial: self.next_serial,
+            parent_lease_id: g.lease_id,
+            granted: g.tokens,
+            deadline_ns: deadline,
+            rate_utps: g.rate_utps,
+            capacity: g.capacity,
+            ack_id: g.lease_id,
+            ack_capacity: g.capacity,
+            ack_deadline_ns: deadline,
+            told_ack_id: g.lease_id,
         });
         self.chain_deadlines
             .push(Reverse((deadline, self.next_serial, key.clone())));
@@ -993,6 +1198,11 @@ impl RegionalCore {
             self.stats.tokens_destroyed += d;
             let h = ledger.holding(now_ns);
             let c = self.keys[&key].chain.clone().expect("filtered on chain");
+            if c.is_rate() {
+                // Its count does not fall with reports: the parent counts
+                // it until the sub-leases (and so the lease) run out.
+                continue;
+            }
             items.push(self.item(
                 &key,
                 ItemKind::Renew,
@@ -1061,8 +1271,11 @@ impl RegionalCore {
         }
         match chain {
             Some(c) => {
-                if h > c.granted {
-                    return Err(format!("{key:?}: holding {h} > parent lease {}", c.granted));
+                if h > c.backing() {
+                    return Err(format!(
+                        "{key:?}: holding {h} > what the parent lease backs {}",
+                        c.backing()
+                    ));
                 }
                 if let Some(l) = ledger
                     .leases()
@@ -1094,6 +1307,7 @@ struct PlanCtx {
     horizon_s: f64,
     rtt_ms: u64,
     reachable: bool,
+    rate_leases: bool,
 }
 
 /// Plan one key (None: nothing to do); also samples its consumption and
@@ -1109,6 +1323,8 @@ fn plan_key(
         return ks.chain.is_none().then_some(Plan::Forget);
     };
     let h = ledger.holding(now_ns);
+    // What a rate lease refilled joined H as a deposit does.
+    ks.sample_h = ks.sample_h.saturating_add(ledger.take_refilled());
     // Consumption estimate: what left H since the last sample.
     let dt = now_ns.saturating_sub(ks.sample_ns);
     if dt >= ctx.renew_interval_ns.max(1) {
@@ -1137,14 +1353,58 @@ fn plan_key(
     };
     ledger.set_pool_retry_ms(hint);
     ledger.set_pool_parent_dry(!may_ask);
+    // The rate to ask for: what the children consume, with room to grow;
+    // twice the current rate while children miss tokens; for a key the
+    // region does not hold yet, what its children ask for now, spread over
+    // a low-water time. At most the rule's rate.
+    let want_rate = if ctx.rate_leases {
+        let rule = ledger.rate();
+        let rule_tps = rule.tokens as f64 / rule.period_s.max(1) as f64;
+        let current = ks.chain.as_ref().map_or(0.0, |c| c.rate_utps as f64 / 1e6);
+        let grow = if unmet > 0 { 2.0 * current } else { 0.0 };
+        let asked = unmet as f64 / ctx.low_water_s.max(1e-3);
+        let tps = (ks.rate * RATE_HEADROOM).max(grow).max(asked).min(rule_tps);
+        ((tps * 1e6) as u64).max(1)
+    } else {
+        0
+    };
+    if let Some(c) = ks.chain.as_mut().filter(|c| c.is_rate()) {
+        // What the region holds fits under the newest version now: the
+        // next renewal acknowledges it, and sub-leases may live as long.
+        if c.ack_id != c.parent_lease_id && outstanding <= c.capacity {
+            c.ack_id = c.parent_lease_id;
+            c.ack_capacity = c.capacity;
+            c.ack_deadline_ns = c.deadline_ns;
+            ledger.set_pool_deadline(c.deadline_ns);
+        }
+    }
     let plan = match &ks.chain {
         None if unmet > 0 && may_ask => Plan::Open {
             want: want.max(1),
+            want_rate,
             urgent: true,
         },
         None if idle && outstanding == 0 && pool == 0 => Plan::Forget,
         None => Plan::Nothing,
         Some(_) if idle && outstanding == 0 => Plan::Release,
+        Some(c) if c.is_rate() => {
+            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
+            let short = may_ask && want > 0 && unmet > pool;
+            // The rate asked for moved by more than a quarter (a share
+            // freed or needed), or a shrink waits to be acknowledged.
+            let moved = want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
+            // The parent counts the older versions until told.
+            let ack = c.ack_id != c.told_ack_id;
+            if ahead || short || (may_ask && moved) || ack {
+                Plan::Renew {
+                    want: if may_ask && short { want } else { 0 },
+                    want_rate,
+                    urgent: unmet > 0 && pool == 0 && may_ask,
+                }
+            } else {
+                Plan::Nothing
+            }
+        }
         Some(c) => {
             let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
             let short = may_ask && want > 0 && (unmet > pool || pool < low);
@@ -1157,6 +1417,7 @@ fn plan_key(
             if ahead || short || report {
                 Plan::Renew {
                     want: if may_ask { want } else { 0 },
+                    want_rate,
                     urgent: unmet > 0 && pool == 0 && may_ask,
                 }
             } else {

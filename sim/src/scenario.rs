@@ -20,6 +20,9 @@ use std::path::Path;
 fn d_warmup() -> f64 {
     5.0
 }
+fn d_true() -> bool {
+    true
+}
 fn d_2000() -> u64 {
     2000
 }
@@ -72,6 +75,11 @@ pub struct Scenario {
     /// An agent gives up waiting for a grant after this long (ms, default 250).
     #[serde(default = "d_fetch_timeout")]
     pub fetch_timeout_ms: u64,
+    /// Regional allocators ask their parent for leases that carry a rate
+    /// (default true, as in production; false: leases of tokens only, as a
+    /// protocol-2 parent grants).
+    #[serde(default = "d_true")]
+    pub upstream_rates: bool,
     /// The rules, as a rules YAML document (SPEC §4).
     pub rules: String,
     /// The parsed rules (filled by [`Scenario::load`] / [`Scenario::parse`];

@@ -535,6 +535,7 @@ impl World {
             epsilon_ns: 10_000_000,
             // A new process, a new instance (drawn deterministically).
             instance: (u64::from(r) + 1) << 32 | u64::from(node.life),
+            rate_leases: self.sc.upstream_rates,
         };
         let life = u64::from(node.life);
         node.core = Some(RegionalCore::new(

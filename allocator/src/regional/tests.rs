@@ -32,9 +32,12 @@ fn parent_at(now: u64) -> AllocatorCore {
     AllocatorCore::new(cfg, rules(5), 1, 1_000_000, now)
 }
 
+/// A regional of leases of tokens only (the chain tests below; rate
+/// chains have their own).
 fn regional_at(now: u64, bootstrap: bool) -> RegionalCore {
     let cfg = RegionalConfig {
         region: "eu".into(),
+        rate_leases: false,
         ..RegionalConfig::default()
     };
     RegionalCore::new(cfg, bootstrap.then(|| rules(0)), 7_000_000, 5_000_000, now)
@@ -459,9 +462,10 @@ struct Region {
     delivered: Option<LeaseBatch>,
 }
 
-fn region(now: u64, name: &str) -> Region {
+fn region(now: u64, name: &str, rate_leases: bool) -> Region {
     let cfg = RegionalConfig {
         region: name.into(),
+        rate_leases,
         ..RegionalConfig::default()
     };
     Region {
@@ -500,10 +504,12 @@ proptest! {
     #[test]
     fn both_tiers_keep_i1_and_i2_under_random_histories(
         ops in proptest::collection::vec(op(), 1..400),
+        rates in proptest::collection::vec(any::<bool>(), 2),
     ) {
         let mut now = T0;
         let mut parent = parent_at(now);
-        let mut regions = [region(now, "eu"), region(now, "us")];
+        // Each region with leases that carry a rate, or of tokens only.
+        let mut regions = [region(now, "eu", rates[0]), region(now, "us", rates[1])];
         let mut children: Vec<Child> = vec![Child::default(); CHILDREN];
         let mut admitted: Vec<(u64, u64)> = Vec::new();
         for op in ops {
@@ -637,4 +643,109 @@ proptest! {
             return Err(TestCaseError::fail(e));
         }
     }
+}
+
+/// Two regions behind a 30 ms upstream round trip, one child each spending
+/// all it can every millisecond and renewing every 10 ms, on a rule of
+/// 1 000/s with a burst of 50 (0.05 s of rate): returns the tokens the
+/// children admitted in each 100 ms over `secs` seconds.
+fn two_regions_behind_a_slow_parent(rate_leases: bool, secs: u64) -> Vec<u64> {
+    let text = "rules:\n  - id: hot\n    match: { tenant: \"*\" }\n    rate: 1000/s\n    burst: 50\n    fail_policy: closed\n";
+    let rules = RuleSet::parse(text, "t.yaml", 3).unwrap();
+    let mut now = T0;
+    let mut parent = AllocatorCore::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        rules.clone(),
+        1,
+        1_000_000,
+        now,
+    );
+    let mut regs: Vec<RegionalCore> = ["eu", "us"]
+        .iter()
+        .map(|name| {
+            let cfg = RegionalConfig {
+                region: (*name).into(),
+                rate_leases,
+                ..RegionalConfig::default()
+            };
+            RegionalCore::new(cfg, Some(rules.clone()), 7_000_000, 5_000_000, now)
+        })
+        .collect();
+    // Per region: (batch, parent handles at, reply back at) in flight.
+    type InFlight = (LeaseBatch, u64, u64, Option<LeaseReply>);
+    let mut wire: Vec<Option<InFlight>> = vec![None, None];
+    // Per child: (lease id, granted, spent, seq).
+    let mut kids = [(0u64, 0u64, 0u64, 0u64); 2];
+    let mut per_100ms = vec![0u64; (secs * 10) as usize];
+    let end = T0 + secs * SEC;
+    while now < end {
+        for r in 0..2 {
+            // The upstream link: 15 ms each way.
+            if let Some((b, at, back, reply)) = wire[r].as_mut() {
+                if reply.is_none() && now >= *at {
+                    *reply = Some(parent.handle(now, b));
+                }
+                if now >= *back {
+                    let (_, _, _, reply) = wire[r].take().unwrap();
+                    regs[r].handle_upstream_reply(now, &reply.unwrap());
+                }
+            }
+            if wire[r].is_none() {
+                if let Some(b) = regs[r].poll_upstream(now) {
+                    wire[r] = Some((b, now + 15 * MS, now + 30 * MS, None));
+                }
+            }
+            // The child: spends everything, renews every 10 ms.
+            let k = &mut kids[r];
+            let (k_lease, k_granted, k_spent) = (k.0, k.1, k.2);
+            if k_granted > k_spent {
+                per_100ms[((now - T0) / (100 * MS)) as usize] += k_granted - k_spent;
+                k.2 = k_granted;
+            }
+            if (now - T0).is_multiple_of(10 * MS) {
+                k.3 += 1;
+                let agent = format!("child-{r}");
+                let g = ask(&mut regs[r], now, &agent, k.3, k_lease, k.2, 100);
+                if g.status == GrantStatus::Granted as i32 && g.lease_id != 0 {
+                    *k = (g.lease_id, g.tokens, 0, k.3);
+                } else if g.status == GrantStatus::Granted as i32 {
+                    *k = (0, 0, 0, k.3);
+                }
+            }
+            regs[r].check_i2(now).unwrap();
+        }
+        now += MS;
+    }
+    per_100ms
+}
+
+#[test]
+fn rate_chains_deliver_a_small_burst_behind_a_slow_parent_within_the_bound() {
+    let windows = |w: &[u64]| {
+        // I1 over every window of whole 100 ms slots: B + R * T, with T
+        // the slots' span (each admission lies inside its slot).
+        for i in 0..w.len() {
+            let mut sum = 0;
+            for (j, x) in w.iter().enumerate().skip(i) {
+                sum += x;
+                let span_ms = (j - i + 1) as u64 * 100;
+                assert!(sum <= 50 + span_ms, "I1: {sum} in slots {i}..={j}");
+            }
+        }
+    };
+    let rates = two_regions_behind_a_slow_parent(true, 10);
+    let tokens = two_regions_behind_a_slow_parent(false, 10);
+    windows(&rates);
+    windows(&tokens);
+    // After a second of warm-up: 9 s at 1 000/s.
+    let after = |w: &[u64]| w[10..].iter().sum::<u64>();
+    let (r, t) = (after(&rates), after(&tokens));
+    assert!(
+        r >= 9_000 * 97 / 100,
+        "rate leases delivered {r} of 9 000 (tokens only: {t})"
+    );
+    assert!(r > t, "rate leases {r}, tokens only {t}");
 }

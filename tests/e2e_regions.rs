@@ -70,10 +70,16 @@ async fn two_regions_share_a_hot_key_within_the_bound() {
     let kv: serde_json::Value = serde_json::from_str(&kv).expect("json");
     assert_eq!(kv["known"], true, "{kv}");
     assert!(kv["parent_lease"]["lease_id"].as_u64().is_some(), "{kv}");
+    // What the region holds is backed by its parent lease (its tokens, or
+    // for a lease that carries a rate its capacity).
     assert!(
         kv["available"].as_u64().unwrap() + kv["outstanding"].as_u64().unwrap()
-            <= kv["parent_lease"]["granted"].as_u64().unwrap(),
+            <= kv["parent_lease"]["backs"].as_u64().unwrap(),
         "{kv}"
+    );
+    assert!(
+        kv["parent_lease"]["capacity"].as_u64().unwrap() > 0,
+        "a rate lease: {kv}"
     );
     let (_, gm0) = http_get(global.http, "/metrics");
     // Renewal economy, per tier (SPEC §2): checks per message for this key

@@ -694,11 +694,15 @@ impl KeyLedger {
                             .wait_ms_fine(self.rate, fine, avail - fresh + 1)
                             .max(1),
                     };
+                    // A pool with a rate waits at most as long as a pool of
+                    // tokens would (the next upstream answer): holders of a
+                    // slowly refilling pool must not sit out its refill.
+                    let longest = self.pool.map_or(ECONOMY_WAIT_MS, |p| p.retry_ms.max(1));
                     let economy = self
                         .available
                         .wait_ms_fine(self.rate, fine, target)
-                        .min(ECONOMY_WAIT_MS);
-                    one.max(economy)
+                        .min(longest);
+                    one.min(longest.max(ECONOMY_WAIT_MS)).max(economy)
                 }
             }
         } else {

@@ -158,6 +158,10 @@ pub struct ChainView {
     pub rate_utps: u64,
     /// See `rate_utps`.
     pub capacity: u64,
+    /// What the parent counts for this chain: a bound on what the region
+    /// holds of it (`G` for a lease of tokens; for a rate lease the larger
+    /// capacity of the newest and the acknowledged version).
+    pub backs: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -474,6 +478,7 @@ impl RegionalCore {
             deadline_ns: c.deadline_ns,
             rate_utps: c.rate_utps,
             capacity: c.capacity,
+            backs: c.backing(),
         })
     }
 

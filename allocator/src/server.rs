@@ -341,6 +341,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "rate": rule.rate.to_string(),
                 "holders": v.holders.iter().map(|(name, l)| serde_json::json!({
                     "holder": name.agent_id, "instance": format!("{:016x}", name.instance), "lease_id": l.id, "granted": l.granted, "spent": l.spent,
+                    "rate_utps": l.rate_utps, "capacity": l.capacity,
                     "expires_in_ms": l.expires_ns.saturating_sub(now) / 1_000_000,
                 })).collect::<Vec<_>>(),
             }),
@@ -360,6 +361,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
             body["parent_lease"] = match &chain {
                 Some(c) => serde_json::json!({
                     "lease_id": c.parent_lease_id, "granted": c.granted,
+                    "rate_utps": c.rate_utps, "capacity": c.capacity, "backs": c.backs,
                     "expires_in_ms": c.deadline_ns.saturating_sub(now) / 1_000_000,
                 }),
                 None => serde_json::Value::Null,

@@ -57,6 +57,9 @@ sweep clock-skew   0.3  1..20
 sweep flash-crowd  0.2  1..20
 sweep zipf-100k    0.01 1..5
 sweep speed-hot-key 0.05 1..5
+sweep small-burst 0.1 1..10
+sweep small-burst-below-rate 0.1 1..10
+sweep small-burst-flash 0.1 1..10
 
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)

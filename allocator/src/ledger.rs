@@ -694,15 +694,19 @@ impl KeyLedger {
                             .wait_ms_fine(self.rate, fine, avail - fresh + 1)
                             .max(1),
                     };
-                    // A pool with a rate waits at most as long as a pool of
-                    // tokens would (the next upstream answer): holders of a
-                    // slowly refilling pool must not sit out its refill.
-                    let longest = self.pool.map_or(ECONOMY_WAIT_MS, |p| p.retry_ms.max(1));
+                    // A pool with a rate makes a holder wait at most as long
+                    // as a pool of tokens would (the next upstream answer):
+                    // holders of a slowly refilling pool must not sit out
+                    // its refill. The root's hint is exact, as before.
+                    let (one, longest) = match self.pool {
+                        Some(p) => (one.min(p.retry_ms.max(1)), p.retry_ms.max(1)),
+                        None => (one, ECONOMY_WAIT_MS),
+                    };
                     let economy = self
                         .available
                         .wait_ms_fine(self.rate, fine, target)
                         .min(longest);
-                    one.min(longest.max(ECONOMY_WAIT_MS)).max(economy)
+                    one.max(economy)
                 }
             }
         } else {

@@ -101,6 +101,17 @@ impl KeyQuality {
         self.false_rejects.so_far()
     }
 
+    /// Shortfall (SPEC §2): tokens we admitted / tokens one ideal global
+    /// bucket admits over the same arrivals (NaN if it admits none).
+    pub fn versus_ideal(&self) -> f64 {
+        let (ours, ideal) = self.false_rejects.versus_ideal();
+        if ideal == 0 {
+            f64::NAN
+        } else {
+            ours as f64 / ideal as f64
+        }
+    }
+
     /// Utilization per window.
     pub fn utilization(&self) -> Vec<f64> {
         self.utilization.ratios(self.rate)
@@ -168,6 +179,10 @@ pub struct FalseRejectStream {
     before: MinWindow,
     after: MinWindow,
     out: FalseRejects,
+    /// Tokens we admitted, and tokens the ideal bucket admitted, over the
+    /// same arrivals (the shortfall figure, SPEC §2).
+    admitted_tokens: u64,
+    ideal_tokens: u64,
 }
 
 impl FalseRejectStream {
@@ -191,6 +206,8 @@ impl FalseRejectStream {
             before: MinWindow::default(),
             after: MinWindow::default(),
             out: FalseRejects::default(),
+            admitted_tokens: 0,
+            ideal_tokens: 0,
         }
     }
 
@@ -214,6 +231,12 @@ impl FalseRejectStream {
         } else {
             0
         };
+        if charge > 0 {
+            self.ideal_tokens += cost;
+        }
+        if admitted {
+            self.admitted_tokens += cost;
+        }
         self.buf.push_back(Ideal {
             t,
             level: self.fine,
@@ -239,6 +262,12 @@ impl FalseRejectStream {
     /// counts in `requests`).
     pub fn so_far(&self) -> FalseRejects {
         self.out
+    }
+
+    /// Tokens we admitted and tokens one ideal global bucket (exact,
+    /// starting full) admitted over the same arrivals, so far.
+    pub fn versus_ideal(&self) -> (u64, u64) {
+        (self.admitted_tokens, self.ideal_tokens)
     }
 
     fn at(&self, i: usize) -> &Ideal {
@@ -477,12 +506,35 @@ mod tests {
 
     const S: u64 = 1_000_000_000;
     const MS: u64 = 1_000_000;
+    const SEC: u64 = 1_000 * MS;
 
     fn per_s(n: u64) -> Rate {
         Rate {
             tokens: n,
             period_s: 1,
         }
+    }
+
+    #[test]
+    fn the_shortfall_compares_with_one_ideal_bucket_over_the_same_arrivals() {
+        // 20/s offered for 10 s to 10/s burst 10: the ideal bucket admits
+        // 10 + 100 = 110 (within one token); we admit every other request.
+        let mut q = KeyQuality::new(per_s(10), 10, MS, 0, 10 * SEC, SEC);
+        for i in 0..200u64 {
+            q.push(i * 50 * MS, 1, i % 2 == 0);
+        }
+        q.finish();
+        let ideal = q.false_rejects.versus_ideal().1;
+        assert!((109..=111).contains(&ideal), "ideal admitted {ideal}");
+        assert!((q.versus_ideal() - 100.0 / ideal as f64).abs() < 1e-9);
+        // Our decisions the ideal one's: 100 %.
+        let mut q = KeyQuality::new(per_s(10), 10, MS, 0, 10 * SEC, SEC);
+        let mut b = quotalease_model::bucket::TokenBucket::new_full(per_s(10), 10, 0);
+        for i in 0..200u64 {
+            let t = i * 50 * MS;
+            q.push(t, 1, b.try_acquire(1, t).is_ok());
+        }
+        assert_eq!(q.versus_ideal(), 1.0);
     }
 
     #[test]

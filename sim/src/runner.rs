@@ -105,6 +105,9 @@ pub struct KeyFigures {
     pub utilization_mean: f64,
     /// Falsely rejected requests / all requests.
     pub false_reject_ratio: f64,
+    /// Shortfall: tokens admitted / tokens one ideal global bucket admits
+    /// over the same arrivals.
+    pub versus_ideal: f64,
     /// Denied requests.
     pub denied: u64,
     /// Checks per allocator message, agent tier.
@@ -124,6 +127,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     let bound = k.burst as f64 + r_per_s * o.duration_s;
     let (mut umin, mut umean) = (f64::NAN, f64::NAN);
     let (mut fr, mut denied) = (f64::NAN, k.denied);
+    let mut versus_ideal = f64::NAN;
     if let Some(q) = &k.quality {
         let u = q.utilization();
         if !u.is_empty() {
@@ -131,6 +135,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
             umean = u.iter().sum::<f64>() / u.len() as f64;
         }
         let f = q.false_rejects();
+        versus_ideal = q.versus_ideal();
         denied = f.denied;
         if f.requests > 0 {
             fr = f.false_denied as f64 / f.requests as f64;
@@ -164,6 +169,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
         utilization_min: umin,
         utilization_mean: umean,
         false_reject_ratio: fr,
+        versus_ideal,
         denied,
         checks_per_msg_agent: per_msg(k.msgs_agent_tier),
         checks_per_msg_regional: per_msg(k.msgs_regional_tier),
@@ -259,6 +265,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 fmt_f(f.utilization_min * 100.0, 1),
                 fmt_f(f.utilization_mean * 100.0, 1),
                 fmt_f(f.false_reject_ratio * 100.0, 3),
+                fmt_f(f.versus_ideal * 100.0, 1),
                 fmt_f(f.checks_per_msg_agent, 1),
                 fmt_f(f.checks_per_msg_regional, 1),
                 fmt_f(f.economy_target, 1),
@@ -279,6 +286,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 "util. min %",
                 "util. mean %",
                 "false rejects %",
+                "vs ideal %",
                 "checks/msg agent tier",
                 "checks/msg regional tier",
                 "economy target",
@@ -353,7 +361,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 "Seed {seed}. Replay: `quotalease sim --scenario sim/scenarios/{}.yaml --seed {seed} --out DIR`.",
                 sc.name
             ),
-            "Columns: *bound* is B + R*T over the whole run; *largest window excess* is the largest `admitted - (B + R*T)` over every window [t, t+T] (<= 0: I1 held); *I3 allowance* is the sum over emergency buckets opened of b_e + r_e*T for the fault window; utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up (meaningful when demand exceeds R); a false reject is a denial that one ideal global bucket would have admitted under every shift of arrivals by up to one regional round trip (docs/simulation.md); the economy target is min(100, B / (2 x agents using the key)).".into(),
+            "Columns: *bound* is B + R*T over the whole run; *largest window excess* is the largest `admitted - (B + R*T)` over every window [t, t+T] (<= 0: I1 held); *I3 allowance* is the sum over emergency buckets opened of b_e + r_e*T for the fault window; utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up (meaningful when demand exceeds R); a false reject is a denial that one ideal global bucket would have admitted under every shift of arrivals by up to one regional round trip (docs/simulation.md); *vs ideal* is the shortfall figure: tokens admitted / tokens one ideal global bucket (exact, starting full) admits over the same arrivals, over the whole run; the economy target is min(100, B / (2 x agents using the key)).".into(),
         ],
         sections,
     }

@@ -42,6 +42,10 @@ pub type HolderId = u32;
 /// Longest extra wait the renewal economy adds to a retry hint.
 pub const ECONOMY_WAIT_MS: u64 = 250;
 
+/// Longest extra wait the renewal economy adds to a retry hint of a pool
+/// that a lease with a rate refills (a regional allocator's).
+pub const POOL_ECONOMY_WAIT_MS: u64 = ECONOMY_WAIT_MS / 2;
+
 /// The holder id of the phantom lease an allocator starts with.
 pub const PHANTOM: HolderId = u32::MAX;
 
@@ -694,12 +698,19 @@ impl KeyLedger {
                             .wait_ms_fine(self.rate, fine, avail - fresh + 1)
                             .max(1),
                     };
-                    // A pool with a rate makes a holder wait at most as long
-                    // as a pool of tokens would (the next upstream answer):
-                    // holders of a slowly refilling pool must not sit out
-                    // its refill. The root's hint is exact, as before.
+                    // A pool with a rate makes a holder wait at most half the
+                    // root's economy wait (or the next upstream answer, if
+                    // later): holders of a slowly refilling pool must not
+                    // sit out its refill (a 50/s tenant beside a hot one was
+                    // denied half its checks at 250 ms), and busy ones still
+                    // send few messages (hot-tenant: 125 checks a message at
+                    // 125 ms, 85 at one upstream answer). The root's hint is
+                    // exact, as before.
                     let (one, longest) = match self.pool {
-                        Some(p) => (one.min(p.retry_ms.max(1)), p.retry_ms.max(1)),
+                        Some(p) => (
+                            one.min(p.retry_ms.max(1)),
+                            p.retry_ms.max(POOL_ECONOMY_WAIT_MS),
+                        ),
                         None => (one, ECONOMY_WAIT_MS),
                     };
                     let economy = self

@@ -239,6 +239,9 @@ struct InFlight {
     seq: u64,
     /// `request_digest` of the batch, to match the reply.
     digest: u64,
+    /// The digest of the batch as a protocol-2 parent decodes it (without
+    /// the protocol-3 fields, which it drops): its reply names that one.
+    digest_v2: u64,
     sent_ns: u64,
     items: Vec<SentItem>,
 }
@@ -791,6 +794,14 @@ impl RegionalCore {
         self.in_flight = Some(InFlight {
             seq: self.seq,
             digest: quotalease_proto::request_digest(&batch),
+            digest_v2: {
+                let mut v2 = batch.clone();
+                for i in &mut v2.items {
+                    i.want_rate_utps = 0;
+                    i.left = 0;
+                }
+                quotalease_proto::request_digest(&v2)
+            },
             sent_ns: now_ns,
             items: sent,
         });
@@ -860,7 +871,10 @@ impl RegionalCore {
     /// request's).
     pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
         let Some(f) = self.in_flight.take_if(|f| {
-            f.seq == reply.seq && (reply.request_digest == 0 || reply.request_digest == f.digest)
+            f.seq == reply.seq
+                && (reply.request_digest == 0
+                    || reply.request_digest == f.digest
+                    || (reply.protocol_version < 3 && reply.request_digest == f.digest_v2))
         }) else {
             if self.in_flight.as_ref().is_some_and(|f| f.seq == reply.seq) {
                 self.stats.upstream_mismatched_replies += 1;

@@ -749,3 +749,71 @@ fn rate_chains_deliver_a_small_burst_behind_a_slow_parent_within_the_bound() {
     );
     assert!(r > t, "rate leases {r}, tokens only {t}");
 }
+
+/// Adjacent protocol versions interoperate: a regional that asks for rate
+/// leases under a protocol-2 parent (which knows no `want_rate_utps` and
+/// grants leases of tokens only: modelled by the field never reaching
+/// it) runs chains of tokens; and a protocol-2 regional (which never asks)
+/// under this parent gets leases of tokens only. Both serve their child
+/// within the parent's bound.
+#[test]
+fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
+    for (asks, parent_knows) in [(true, false), (false, true)] {
+        let mut now = T0;
+        let mut parent = parent_at(now);
+        let cfg = RegionalConfig {
+            region: "eu".into(),
+            rate_leases: asks,
+            ..RegionalConfig::default()
+        };
+        let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+        let (mut lease, mut seq, mut admitted) = (0u64, 0u64, 0u64);
+        for _ in 0..200 {
+            let g = {
+                seq += 1;
+                ask(&mut reg, now, "a", seq, lease, 0, 20)
+            };
+            if g.lease_id != 0 {
+                admitted += g.tokens;
+                // Spend all at once; report it with the next renewal.
+                lease = g.lease_id;
+                seq += 1;
+                ask(&mut reg, now, "a", seq, lease, g.tokens, 0);
+                lease = 0;
+            }
+            if let Some(mut b) = reg.poll_upstream(now) {
+                if !parent_knows {
+                    // A protocol-2 parent decodes the batch without the
+                    // fields it does not know, digests what it decoded and
+                    // answers as version 2.
+                    for i in &mut b.items {
+                        i.want_rate_utps = 0;
+                    }
+                }
+                let mut r = parent.handle(now, &b);
+                if !parent_knows {
+                    r.protocol_version = PROTOCOL_VERSION - 1;
+                }
+                assert!(
+                    r.grants.iter().all(|g| g.capacity == 0 && g.rate_utps == 0),
+                    "no rate lease without asking: {r:?}"
+                );
+                reg.handle_upstream_reply(now, &r);
+            }
+            reg.check_i2(now).unwrap();
+            now += 10 * MS;
+        }
+        // 2 s at 100/s, burst 50.
+        assert!(
+            admitted <= BURST + RATE * 2,
+            "admitted {admitted} ({asks}, {parent_knows})"
+        );
+        assert!(
+            admitted >= RATE,
+            "admitted {admitted} ({asks}, {parent_knows}): not served"
+        );
+        let c = reg.chain_view(&key()).expect("a chain");
+        assert_eq!(c.capacity, 0, "a chain of tokens");
+        assert_eq!(reg.stats().upstream_mismatched_replies, 0);
+    }
+}

@@ -118,6 +118,10 @@ pub struct KeyFigures {
     pub economy_target: f64,
     /// Fairness of the per-region shares (min of actual / max-min share).
     pub fairness: f64,
+    /// Steadiness of the per-region shares: over the whole seconds after
+    /// warm-up, the largest over regions of p95 / p5 of the region's
+    /// admitted tokens per second (SPEC §2: <= 1.2 at steady demand).
+    pub share_p95_p5: f64,
 }
 
 /// The quality figures of `k` (utilization over windows of 10 x `TTL_max`
@@ -164,6 +168,22 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     } else {
         f64::NAN
     };
+    let share_p95_p5 = if o.regions > 1 {
+        let from = o.warmup_s.ceil() as usize;
+        (0..usize::from(o.regions))
+            .map(|r| {
+                let mut v: Vec<u64> = k.per_second.iter().skip(from).map(|s| s[r]).collect();
+                v.sort_unstable();
+                if v.is_empty() {
+                    return f64::NAN;
+                }
+                let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64;
+                at(0.95) / at(0.05)
+            })
+            .fold(f64::NAN, f64::max)
+    } else {
+        f64::NAN
+    };
     KeyFigures {
         bound,
         utilization_min: umin,
@@ -175,6 +195,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
         checks_per_msg_regional: per_msg(k.msgs_regional_tier),
         economy_target,
         fairness,
+        share_p95_p5,
     }
 }
 
@@ -270,6 +291,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 fmt_f(f.checks_per_msg_regional, 1),
                 fmt_f(f.economy_target, 1),
                 fmt_f(f.fairness, 3),
+                fmt_f(f.share_p95_p5, 2),
             ]);
         }
         let table = Table {
@@ -291,6 +313,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 "checks/msg regional tier",
                 "economy target",
                 "region fairness",
+                "region share p95/p5",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -361,7 +384,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 "Seed {seed}. Replay: `quotalease sim --scenario sim/scenarios/{}.yaml --seed {seed} --out DIR`.",
                 sc.name
             ),
-            "Columns: *bound* is B + R*T over the whole run; *largest window excess* is the largest `admitted - (B + R*T)` over every window [t, t+T] (<= 0: I1 held); *I3 allowance* is the sum over emergency buckets opened of b_e + r_e*T for the fault window; utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up (meaningful when demand exceeds R); a false reject is a denial that one ideal global bucket would have admitted under every shift of arrivals by up to one regional round trip (docs/simulation.md); *vs ideal* is the shortfall figure: tokens admitted / tokens one ideal global bucket (exact, starting full) admits over the same arrivals, over the whole run; the economy target is min(100, B / (2 x agents using the key)).".into(),
+            "Columns: *bound* is B + R*T over the whole run; *largest window excess* is the largest `admitted - (B + R*T)` over every window [t, t+T] (<= 0: I1 held); *I3 allowance* is the sum over emergency buckets opened of b_e + r_e*T for the fault window; utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up (meaningful when demand exceeds R); a false reject is a denial that one ideal global bucket would have admitted under every shift of arrivals by up to one regional round trip (docs/simulation.md); *vs ideal* is the shortfall figure: tokens admitted / tokens one ideal global bucket (exact, starting full) admits over the same arrivals, over the whole run; the economy target is min(100, B / (2 x agents using the key)); *region share p95/p5* is, over the whole seconds after warm-up, the largest over regions of the 95th over the 5th percentile of the region's admitted tokens per second (steady shares: close to 1).".into(),
         ],
         sections,
     }

@@ -33,7 +33,7 @@
 //! than the pool's deadline (the parent lease's deadline on this clock).
 
 use quotalease_model::bucket::{lease_rate_fine, rate_fine, rate_utps, Level, TokenBucket};
-use quotalease_model::protocol::RHO_PPM;
+use quotalease_model::protocol::slowed_by_rho;
 use quotalease_model::rules::Rate;
 
 /// Index of a holder (an agent or a child allocator) in the allocator.
@@ -69,6 +69,11 @@ pub struct Lease {
     /// The most the holder's level of a rate lease may reach (>= 1); 0
     /// for a lease of tokens only.
     pub capacity: u64,
+    /// A rate version's tokens the holder may not have received yet: they
+    /// left `available` at the grant and join the holder's level when the
+    /// reply arrives, so they count on top of the capacity until the holder
+    /// names this version (or a later one) or it expires. 0 otherwise.
+    pub in_flight: u64,
 }
 
 impl Lease {
@@ -260,6 +265,7 @@ impl KeyLedger {
                 expires_ns: ready_at_ns,
                 rate_utps: 0,
                 capacity: 0,
+                in_flight: 0,
             });
             l.outstanding = burst;
         } else {
@@ -557,22 +563,16 @@ impl KeyLedger {
         self.outstanding -= self.rate_out;
         let (mut cap, mut rate) = (0u64, 0u64);
         if self.rate_leases > 0 {
-            let mut per: Vec<(HolderId, u64, u64)> = self
+            let mut per: Vec<HolderId> = self
                 .leases
                 .iter()
                 .filter(|l| l.is_rate())
-                .map(|l| (l.holder, l.capacity, l.rate_utps))
+                .map(|l| l.holder)
                 .collect();
-            per.sort_unstable_by_key(|p| p.0);
-            let mut i = 0;
-            while i < per.len() {
-                let (h, mut c, mut r) = per[i];
-                i += 1;
-                while i < per.len() && per[i].0 == h {
-                    c = c.max(per[i].1);
-                    r = r.max(per[i].2);
-                    i += 1;
-                }
+            per.sort_unstable();
+            per.dedup();
+            for h in per {
+                let (c, r) = self.counted_for(h);
                 cap = cap.saturating_add(c);
                 rate = rate.saturating_add(r);
             }
@@ -582,12 +582,26 @@ impl KeyLedger {
         self.outstanding += cap;
     }
 
-    /// The largest capacity and rate over `holder`'s unexpired rate versions.
+    /// What `holder`'s unexpired rate versions count: the largest
+    /// capacity plus the tokens still in flight, and the largest rate.
     fn counted_for(&self, holder: HolderId) -> (u64, u64) {
+        let (c, f, r) = self.counted_parts(holder);
+        (c.saturating_add(f), r)
+    }
+
+    /// `holder`'s unexpired rate versions: the largest capacity, the tokens
+    /// in flight, the largest rate.
+    fn counted_parts(&self, holder: HolderId) -> (u64, u64, u64) {
         self.leases
             .iter()
             .filter(|l| l.holder == holder && l.is_rate())
-            .fold((0, 0), |(c, r), l| (c.max(l.capacity), r.max(l.rate_utps)))
+            .fold((0, 0, 0), |(c, f, r), l| {
+                (
+                    c.max(l.capacity),
+                    f.saturating_add(l.in_flight),
+                    r.max(l.rate_utps),
+                )
+            })
     }
 
     /// Pooled mode: whole tokens refilled from a rate lease since the last
@@ -670,6 +684,7 @@ impl KeyLedger {
                 expires_ns,
                 rate_utps: 0,
                 capacity: 0,
+                in_flight: 0,
             });
             self.outstanding += tokens;
             req.new_id
@@ -768,6 +783,10 @@ impl KeyLedger {
                 self.leases
                     .retain(|l| !(l.holder == req.holder && l.is_rate() && l.id < named.id));
                 self.rate_leases -= (before - self.leases.len()) as u32;
+                // The holder uses it: its tokens have arrived.
+                if let Some(l) = self.leases.iter_mut().find(|l| l.id == named.id) {
+                    l.in_flight = 0;
+                }
             } else {
                 let lease = self.leases.swap_remove(i);
                 let spent = lease.spent.max(req.spent).min(lease.granted);
@@ -783,17 +802,22 @@ impl KeyLedger {
             now_ns,
             active_window_ns,
         );
-        let (own_cap, own_rate) = self.counted_for(req.holder);
+        let (own_count, own_rate) = self.counted_for(req.holder);
+        let (own_cap, own_in_flight, _) = self.counted_parts(req.holder);
         // 2. The rate.
-        let full = rate_utps(self.rate);
-        let r_eff = full - full / 1_000_000 * RHO_PPM - full % 1_000_000 * RHO_PPM / 1_000_000;
+        let r_eff = slowed_by_rho(rate_utps(self.rate));
         let others_rate = self.rates_out_utps - own_rate;
         let rate = req
             .want_rate_utps
             .min(self.fair_rate_level(r_eff))
             .min(r_eff.saturating_sub(others_rate));
-        // 3. The capacity.
-        let room = self.cap().saturating_sub(self.outstanding - own_cap);
+        // 3. The capacity: with the largest capacity, the tokens in flight
+        // and the new tokens, this holder's count must fit in what the
+        // others leave.
+        let room = self
+            .cap()
+            .saturating_sub(self.outstanding - own_count)
+            .saturating_sub(own_in_flight);
         let share = if r_eff == 0 {
             0
         } else {
@@ -814,13 +838,6 @@ impl KeyLedger {
             // No room at all (the other holders' counts fill the burst):
             // nothing new; the holder's versions still count until they
             // are acknowledged past or expire.
-            self.note_demand(
-                req.holder,
-                req.want,
-                req.want_rate_utps,
-                now_ns,
-                active_window_ns,
-            );
             let retry_after_ms = self
                 .available
                 .wait_ms(self.rate, 1)
@@ -834,14 +851,25 @@ impl KeyLedger {
                 ..Granted::default()
             };
         }
-        // 4. Tokens.
-        let counted_after = self.outstanding - own_cap + own_cap.max(capacity);
-        let limit = self.cap().saturating_sub(counted_after);
+        // 4. Tokens. A holder's first version starts its level at the
+        // carried rest: the capacity bounds that level and the tokens on
+        // their way together, so it gets up to its capacity (what the
+        // count would otherwise clamp out of `available`). A later
+        // version's tokens join a level the holder may still have in full:
+        // a fair share as asked, at most the capacity, counted on top of it
+        // (in flight) until the holder names this version.
         let avail = self.available.tokens(self.rate);
-        let share = self.fair_level(avail);
-        let asked = req.want.min(share).min(avail);
-        let clamped = avail.saturating_sub(asked).saturating_sub(limit);
-        let fresh = (asked + clamped).min(capacity).min(avail);
+        let first = own_count == 0;
+        let fresh = if first {
+            capacity.saturating_sub(carried).min(avail)
+        } else {
+            let fits = room.saturating_sub(own_cap.max(capacity));
+            req.want
+                .min(self.fair_level(avail))
+                .min(avail)
+                .min(capacity)
+                .min(fits)
+        };
         let took = self.available.take(self.rate, fresh);
         debug_assert!(took, "fresh <= available by construction");
         self.note_demand(
@@ -864,10 +892,12 @@ impl KeyLedger {
             expires_ns,
             rate_utps: rate,
             capacity,
+            in_flight: if first { 0 } else { fresh },
         });
         self.rate_leases += 1;
         self.recount_rates();
-        // Whatever no longer fits under the larger count is gone.
+        // Whatever no longer fits under the larger count is gone (a larger
+        // capacity is room the holder fills at its rate).
         self.available
             .clamp(self.rate, self.cap().saturating_sub(self.outstanding));
         let retry_after_ms = if fresh < req.want {

@@ -39,7 +39,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use quotalease_model::key::KeyId;
-use quotalease_model::protocol::{use_by_ns, RHO_PPM};
+use quotalease_model::protocol::{slowed_by_rho, use_by_ns};
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig, KeyView, Stats};
@@ -211,7 +211,7 @@ impl Chain {
 
 /// `rate_utps` slowed by the drift margin (a refill on this clock).
 fn slowed(rate_utps: u64) -> u64 {
-    rate_utps - rate_utps / 1_000_000 * RHO_PPM - rate_utps % 1_000_000 * RHO_PPM / 1_000_000
+    slowed_by_rho(rate_utps)
 }
 
 #[derive(Clone, Debug, Default)]
@@ -999,52 +999,7 @@ impl RegionalCore {
         // valid at the children until their own expiry (<= the old E) and
         // are backed by the old parent lease, which the parent counts until
         // it expires.
-        let had_chain = ks.chain.take().is_some();
-        if had_chain && sent.chain_serial.is_some() {
-            self.stats.chain_breaks += 1;
-        }
-        let rule = self.core.rules().get(&key.rule).map(|r| (r.rate, r.burst));
-        let old = self.core.ledger_mut(key);
-        let mut fresh_ledger = match (old, rule) {
-            (Some(l), _) => {
-                let d = l.drain_pool(now_ns);
-                self.stats.tokens_destroyed += d;
-                l.fresh_chain(now_ns)
-            }
-            (None, Some((rate, burst))) => KeyLedger::new_pooled(rate, burst, now_ns),
-            (None, None) => return,
-        };
-        if g.lease_id == 0 || g.tokens == 0 || now_ns >= deadline {
-            // Nothing to build a chain on (a parent lease arriving past its
-            // deadline is left to expire at the parent).
-            if had_chain {
-                self.core.replace_ledger(key, fresh_ledger);
-            }
-            ks.sample_h = 0;
-            return;
-        }
-        fresh_ledger.set_pool_deadline(deadline);
-        let took = fresh_ledger.deposit(now_ns, fresh);
-        self.stats.tokens_from_parent += fresh;
-        self.stats.tokens_destroyed += fresh - took;
-        self.core.replace_ledger(key, fresh_ledger);
-        ks.sample_h = took;
-        ks.sample_ns = now_ns;
-        ks.chain = Some(Chain {
-            serial: self.next_serial,
-            parent_lease_id: g.lease_id,
-            granted: g.tokens,
-            deadline_ns: deadline,
-            rate_utps: 0,
-            capacity: 0,
-            ack_id: g.lease_id,
-            ack_capacity: 0,
-            ack_deadline_ns: deadline,
-            told_ack_id: g.lease_id,
-        });
-        self.chain_deadlines
-            .push(Reverse((deadline, self.next_serial, key.clone())));
-        self.next_serial += 1;
+        self.new_chain(now_ns, deadline, sent, g, fresh);
     }
 
     /// A grant of a lease that carries a rate (SPEC §2): the pool refills
@@ -1108,8 +1063,21 @@ impl RegionalCore {
             ledger.set_pool_deadline(c.ack_deadline_ns);
             return;
         }
-        // A new chain: the old one's pool is destroyed, its sub-leases stay
-        // backed by the old parent lease until they expire.
+        // A new chain, as for leases of tokens.
+        self.new_chain(now_ns, deadline, sent, g, g.tokens);
+    }
+
+    /// Start a new chain for `sent.key` on grant `g` (or none, if it holds
+    /// nothing to build one on: a parent lease arriving past its deadline
+    /// is left to expire at the parent), depositing `deposit` of its tokens
+    /// in a fresh pool; a grant that carries a rate makes the pool refill
+    /// at it. The old chain's pool is destroyed; its sub-leases stay backed
+    /// by the old parent lease, which the parent counts until it expires.
+    fn new_chain(&mut self, now_ns: u64, deadline: u64, sent: &SentItem, g: &Grant, deposit: u64) {
+        let key = &sent.key;
+        let Some(ks) = self.keys.get_mut(key) else {
+            return;
+        };
         let had_chain = ks.chain.take().is_some();
         if had_chain && sent.chain_serial.is_some() {
             self.stats.chain_breaks += 1;
@@ -1125,7 +1093,9 @@ impl RegionalCore {
             (None, Some((rate, burst))) => KeyLedger::new_pooled(rate, burst, now_ns),
             (None, None) => return,
         };
-        if g.lease_id == 0 || now_ns >= deadline {
+        let carries_rate = g.capacity > 0;
+        // A lease of tokens with none is nothing; one with a rate refills.
+        if g.lease_id == 0 || (g.tokens == 0 && !carries_rate) || now_ns >= deadline {
             if had_chain {
                 self.core.replace_ledger(key, fresh_ledger);
             }
@@ -1133,10 +1103,12 @@ impl RegionalCore {
             return;
         }
         fresh_ledger.set_pool_deadline(deadline);
-        fresh_ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
-        let took = fresh_ledger.deposit(now_ns, g.tokens);
-        self.stats.tokens_from_parent += g.tokens;
-        self.stats.tokens_destroyed += g.tokens - took;
+        if carries_rate {
+            fresh_ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
+        }
+        let took = fresh_ledger.deposit(now_ns, deposit);
+        self.stats.tokens_from_parent += deposit;
+        self.stats.tokens_destroyed += deposit - took;
         self.core.replace_ledger(key, fresh_ledger);
         ks.sample_h = took;
         ks.sample_ns = now_ns;

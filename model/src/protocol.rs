@@ -16,6 +16,14 @@ pub const RHO_PPM: u64 = 1_000;
 /// or agent id, in bytes (SPEC §8).
 pub const MAX_ID_BYTES: usize = 256;
 
+/// `x * (1 - rho)`, rounded up in what it takes away (so never above the
+/// exact value), without overflow: a rate that a refill on a clock within
+/// `rho` of true time may use (SPEC §2).
+#[inline]
+pub const fn slowed_by_rho(x: u64) -> u64 {
+    x - x / 1_000_000 * RHO_PPM - (x % 1_000_000 * RHO_PPM).div_ceil(1_000_000)
+}
+
 /// `2 * rho * ttl_ns`, rounded down, computed exactly without overflow for
 /// every `ttl_ns` (no intermediate product exceeds `u64`).
 #[inline]

@@ -832,7 +832,11 @@ impl KeyLedger {
         } else {
             share
         };
-        let capacity = share.max(carried).max(1).min(room);
+        // A holder may always keep (or shrink to) what it is counted for
+        // already, even when a lowered burst leaves no room (SPEC §2:
+        // renewals that shrink are always allowed; a refusal would end a
+        // chain whose holder still spends).
+        let capacity = share.max(carried).max(1).min(room.max(own_cap));
         let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
         if capacity == 0 {
             // No room at all (the other holders' counts fill the burst):

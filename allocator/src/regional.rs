@@ -953,7 +953,10 @@ impl RegionalCore {
             ks.retry_at_ns = ks.retry_at_ns.max(now_ns.saturating_add(1_000 * MS));
             return;
         }
-        if g.capacity > 0 {
+        // A rate lease, or an answer to a rate chain's renewal (even one
+        // without a new version: "no room", the chain keeps its versions).
+        let rate_chain = ks.chain.as_ref().is_some_and(Chain::is_rate);
+        if g.capacity > 0 || g.version_of != 0 || rate_chain {
             self.apply_rate_grant(now_ns, deadline, sent, g);
             return;
         }

@@ -817,3 +817,7 @@ fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
         assert_eq!(reg.stats().upstream_mismatched_replies, 0);
     }
 }
+
+/// Rate chains under random histories and rule changes (an adversarial
+/// review's harness and the two cases it found).
+mod rate_chains;

@@ -824,6 +824,18 @@ impl KeyLedger {
             u64::try_from((u128::from(self.burst) * u128::from(rate)).div_ceil(u128::from(r_eff)))
                 .unwrap_or(u64::MAX)
         };
+        // At least a quarter of B's share per holder asking for a rate
+        // (within the room): a holder serving a few cold requests must not
+        // be cut to a token or two that its children then split and sit
+        // out (a 50/s tenant beside a hot one: 1 % false rejects, 0 with
+        // this floor).
+        let asking = self
+            .demand
+            .iter()
+            .filter(|d| d.want_rate > 0)
+            .count()
+            .max(1) as u64;
+        let share = share.max(self.burst / (4 * asking));
         // A holder keeps its capacity unless its share moved by more than
         // a quarter: a smaller version destroys what no longer fits at the
         // holder, so capacities must not follow every small move of rate.

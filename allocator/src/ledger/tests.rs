@@ -303,23 +303,24 @@ fn rates_lent_out_slow_the_root_and_capacities_count_until_acknowledged() {
     assert_eq!(l.release(T0, 2, 9, 20), Some(0), "all 20 spent");
     l.advance(T0 + 200 * MS);
     assert_eq!(l.available(), 39 + 12);
-    // A new version with a lower rate and capacity: until acknowledged,
-    // the larger of the two counts.
+    // A new version with a lower rate and capacity (its share of B is 11,
+    // raised to the floor of B / 4 for one holder asking for a rate):
+    // until acknowledged, the larger of the two counts.
     let g2 = l.renew(T0 + 100 * MS, ask(1, 1, 0, 10, 2), SEC);
     assert_eq!(g2.version_of, 1);
-    assert_eq!((g2.rate_utps, g2.capacity), (10_000_000, 11));
+    assert_eq!((g2.rate_utps, g2.capacity), (10_000_000, 25));
     assert_eq!(l.rates_out_utps(), 40_000_000, "version 1 still counts");
     assert_eq!(l.outstanding(), 41);
     // Naming version 2 acknowledges it: version 1 stops counting.
     let g3 = l.renew(T0 + 200 * MS, ask(1, 2, 0, 10, 3), SEC);
     assert_eq!(g3.version_of, 2);
     assert_eq!(l.rates_out_utps(), 10_000_000);
-    assert_eq!(l.outstanding(), 11);
+    assert_eq!(l.outstanding(), 25);
     assert!(l.i2_holds());
     // A release returns what the holder had left, at most its count, once.
     let before = l.available();
-    assert_eq!(l.release_with(T0 + 200 * MS, 1, 3, 0, 500), Some(11));
-    assert_eq!(l.available(), before + 11);
+    assert_eq!(l.release_with(T0 + 200 * MS, 1, 3, 0, 500), Some(25));
+    assert_eq!(l.available(), before + 25);
     assert_eq!((l.rates_out_utps(), l.outstanding()), (0, 0));
     assert_eq!(
         l.release_with(T0 + 200 * MS, 1, 3, 0, 500),

@@ -209,6 +209,20 @@ impl Chain {
     }
 }
 
+/// Give chain `c` of `key` its new deadline. Its entry in `due` moves on
+/// when it comes due; only a deadline that came closer needs one now.
+fn move_deadline(
+    due: &mut BinaryHeap<Reverse<(u64, u64, KeyId)>>,
+    c: &mut Chain,
+    key: &KeyId,
+    deadline: u64,
+) {
+    if deadline < c.deadline_ns {
+        due.push(Reverse((deadline, c.serial, key.clone())));
+    }
+    c.deadline_ns = deadline;
+}
+
 /// `rate_utps` slowed by the drift margin (a refill on this clock).
 fn slowed(rate_utps: u64) -> u64 {
     slowed_by_rho(rate_utps)
@@ -972,14 +986,7 @@ impl RegionalCore {
             let c = ks.chain.as_mut().expect("same_chain");
             c.parent_lease_id = g.lease_id;
             c.granted = g.tokens;
-            // The chain's entry in `chain_deadlines` moves on when it comes
-            // due; only a deadline that came closer needs one now.
-            if deadline < c.deadline_ns {
-                let serial = c.serial;
-                self.chain_deadlines
-                    .push(Reverse((deadline, serial, key.clone())));
-            }
-            c.deadline_ns = deadline;
+            move_deadline(&mut self.chain_deadlines, c, key, deadline);
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };
@@ -1040,12 +1047,7 @@ impl RegionalCore {
                 c.ack_deadline_ns = deadline;
                 c.told_ack_id = g.lease_id;
             }
-            if deadline < c.deadline_ns {
-                let serial = c.serial;
-                self.chain_deadlines
-                    .push(Reverse((deadline, serial, key.clone())));
-            }
-            c.deadline_ns = deadline;
+            move_deadline(&mut self.chain_deadlines, c, key, deadline);
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };

@@ -30,6 +30,11 @@ if command -v rustup >/dev/null 2>&1; then
   cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 fi
 
+# A test run builds from scratch more often than not: incremental caches
+# only cost disk. Show the disk so a full one is seen at once.
+export CARGO_INCREMENTAL=0
+log "disk: $(df -h . | awk 'NR==2 {print $4 " free of " $2}')"
+
 log "cargo fmt --check"
 cargo fmt --all --check
 
@@ -38,6 +43,14 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 log "unit, property and end-to-end tests"
 cargo test --workspace
+
+# The debug build is done with; on a machine short of disk (CI machines
+# have had a few GB free) its outputs make room for the release builds.
+free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+  log "less than 8 GiB free: removing target/debug before the release builds"
+  rm -rf target/debug
+fi
 
 log "loom model of the lease word"
 RUSTFLAGS="--cfg quotalease_loom" CARGO_TARGET_DIR=target/loom \

@@ -767,13 +767,14 @@ struct Plan {
 /// `quotalease bench`.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.serve_echo {
+        let stop = crate::run::Termination::catch();
         let grpc = args
             .grpc
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
         let http = args
             .http
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-        return serve_echo(grpc, http, !args.no_tcp_nodelay).await;
+        return serve_echo(grpc, http, !args.no_tcp_nodelay, stop).await;
     }
     // The load runs on its own runtime: with one thread (the default) every
     // wake-up stays on that thread, which costs far fewer context switches
@@ -895,7 +896,7 @@ async fn watch<F: std::future::Future>(
     let mut tick =
         tokio::time::interval_at((t0 + Duration::from_secs(1)).into(), Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let signal = crate::run::terminated();
+    let signal = crate::run::Termination::catch().wait();
     tokio::pin!(signal, done);
     let mut signalled = false;
     loop {
@@ -1193,7 +1194,12 @@ async fn bind(flag: &str, addr: SocketAddr) -> anyhow::Result<TcpListener> {
 
 /// `quotalease bench --serve-echo`: the same servers as the agent (tonic
 /// with the same message limits, axum), answering without any work.
-async fn serve_echo(grpc: SocketAddr, http: SocketAddr, nodelay: bool) -> anyhow::Result<()> {
+async fn serve_echo(
+    grpc: SocketAddr,
+    http: SocketAddr,
+    nodelay: bool,
+    stop: crate::run::Termination,
+) -> anyhow::Result<()> {
     let grpc = bind("--grpc", grpc).await?;
     let http = bind("--http", http).await?;
     println!(
@@ -1235,7 +1241,7 @@ async fn serve_echo(grpc: SocketAddr, http: SocketAddr, nodelay: bool) -> anyhow
                 },
             ),
     );
-    crate::run::terminated().await;
+    stop.wait().await;
     let _ = tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;

@@ -41,19 +41,43 @@ pub fn validate(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn terminated() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(%e, "cannot install the SIGTERM handler");
-            std::future::pending::<()>().await;
-            unreachable!()
+/// SIGTERM and Ctrl-C, caught from the moment this is made: a process
+/// makes it before it serves anything, so a signal that arrives as soon as
+/// it answers (a supervisor, a test) stops it gracefully instead of killing
+/// it with the default action.
+pub struct Termination {
+    signals: Vec<tokio::signal::unix::Signal>,
+}
+
+impl Termination {
+    /// Install the handlers (within a tokio runtime).
+    pub fn catch() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        let signals = [SignalKind::terminate(), SignalKind::interrupt()]
+            .into_iter()
+            .filter_map(|kind| {
+                signal(kind)
+                    .map_err(|e| tracing::error!(%e, ?kind, "cannot install a signal handler"))
+                    .ok()
+            })
+            .collect();
+        Self { signals }
+    }
+
+    /// Resolves on the first SIGTERM or SIGINT.
+    pub async fn wait(mut self) {
+        if self.signals.is_empty() {
+            return std::future::pending().await;
         }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+        std::future::poll_fn(|cx| {
+            for s in &mut self.signals {
+                if s.poll_recv(cx).is_ready() {
+                    return std::task::Poll::Ready(());
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
     }
 }
 
@@ -80,8 +104,9 @@ fn first_start(dir: &Path) -> anyhow::Result<bool> {
 
 /// `quotalease allocator`.
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
+    let stop = Termination::catch();
     match (&args.parent, &args.region) {
-        (Some(_), Some(_)) => return regional(args).await,
+        (Some(_), Some(_)) => return regional(args, stop).await,
         (Some(_), None) => {
             return Err(anyhow!(
                 "--parent needs --region NAME: a regional allocator is named by its region"
@@ -128,7 +153,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let (server, admin) = serve_allocator(shared, grpc, http, rx);
-    terminated().await;
+    stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
     hk.abort();
@@ -172,7 +197,7 @@ fn serve_allocator(
 }
 
 /// `quotalease allocator --parent URL --region NAME`: a regional allocator.
-async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
+async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> {
     let parent = args.parent.clone().unwrap_or_default();
     let region = args.region.clone().unwrap_or_default();
     if region.is_empty() || region.len() > 200 {
@@ -218,7 +243,7 @@ async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     let up = tokio::spawn(upstream::run(shared.clone(), client.clone(), rx.clone()));
     let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
-    terminated().await;
+    stop.wait().await;
     tracing::info!("stopping: giving unused pools back to the parent");
     let _ = tx.send(true);
     hk.abort();
@@ -231,6 +256,7 @@ async fn regional(args: AllocatorArgs) -> anyhow::Result<()> {
 
 /// `quotalease agent`.
 pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
+    let stop = Termination::catch();
     let bootstrap = match &args.rules {
         Some(p) => Some(load_rules(p, 0)?),
         None => None,
@@ -286,7 +312,7 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
                 },
             ),
     );
-    terminated().await;
+    stop.wait().await;
     tracing::info!("stopping: releasing unused lease tokens");
     let _ = tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;

@@ -110,7 +110,13 @@ impl Transport for Ledgered {
                         if item.kind == ItemKind::Renew as i32
                             && g.status == GrantStatus::Granted as i32
                         {
-                            *f.1.entry(k.clone()).or_default() += g.tokens - g.carried;
+                            // A rate grant's tokens are an increment (its
+                            // carry is a rest moved, not granted).
+                            *f.1.entry(k.clone()).or_default() += if g.capacity > 0 {
+                                g.tokens
+                            } else {
+                                g.tokens - g.carried
+                            };
                             if g.lease_id != 0 {
                                 l.0.insert(g.lease_id, (k, g.tokens));
                             }
@@ -137,7 +143,7 @@ struct Setup {
     log: PathBuf,
 }
 
-fn setup(name: &str, yaml: &str, flaky: bool) -> Setup {
+fn setup(name: &str, yaml: &str, flaky: bool, rate_leases: bool) -> Setup {
     let rules = RuleSet::parse(yaml, "stress", 1).expect("valid rules");
     let shared = Shared::new(
         CoreConfig {
@@ -158,6 +164,7 @@ fn setup(name: &str, yaml: &str, flaky: bool) -> Setup {
             renew_interval: Duration::from_millis(2),
             low_water: Duration::from_millis(3),
             idle_release: Duration::from_millis(150),
+            rate_leases,
             ..PlanConfig::default()
         },
         fetch_timeout: Duration::from_millis(50),
@@ -478,7 +485,7 @@ rules:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_rule_refunds_keep_exact_accounting() {
-    let s = setup("multi", MULTI, false);
+    let s = setup("multi", MULTI, false, false);
     wait_ready(&s.agent).await;
     let all = hammer(&s.agent, "m").await;
     s.agent.shutdown().await;
@@ -515,6 +522,44 @@ async fn multi_rule_refunds_keep_exact_accounting() {
     let _ = std::fs::remove_dir_all(s.log.parent().expect("dir"));
 }
 
+/// The same hammering with leases that carry a rate: the agent's lease
+/// words refill themselves (GCRA) under the checks' CASes, renewals change
+/// rates and capacities, refunds move arrival times back. A rate lease
+/// reports nothing spent, so the check is the bound itself: I1 over every
+/// window of every key, exactly, plus the log and the answers agreeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_leases_keep_i1_under_multi_rule_refunds() {
+    let s = setup("multi-rate", MULTI, false, true);
+    wait_ready(&s.agent).await;
+    let all = hammer(&s.agent, "r").await;
+    s.agent.shutdown().await;
+    let keys = account(&s, &all);
+    summary("multi-rate", &s, &all, 0);
+    assert_eq!(keys.len(), 3 + 2 + 6, "{:?}", keys.keys());
+    let admitted = all.iter().filter(|a| a.admitted).count();
+    assert!(
+        admitted > 0 && admitted < all.len(),
+        "{admitted} of {}",
+        all.len()
+    );
+    let rates_granted = s.shared.with_core(|c| c.stats().rate_grants);
+    assert!(rates_granted > 0, "no lease carried a rate");
+    for (k, e) in &keys {
+        let rule = s.rules.get(&k.0).expect("rule");
+        let mut log = e.logged.clone();
+        let w = quotalease_sim::checker::worst_window(&mut log, rule.rate, rule.burst);
+        assert!(
+            w.held(),
+            "{k:?}: I1 broken: {} admitted in [{}, {}] ns, excess {}",
+            w.admitted,
+            w.from_ns,
+            w.to_ns,
+            w.excess
+        );
+    }
+    let _ = std::fs::remove_dir_all(s.log.parent().expect("dir"));
+}
+
 const OPEN: &str = r#"
 rules:
   - id: open-tenant
@@ -531,7 +576,7 @@ rules:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_under_a_flapping_allocator_stays_bounded() {
-    let s = setup("open", OPEN, true);
+    let s = setup("open", OPEN, true, false);
     wait_ready(&s.agent).await;
     let start = s.agent.now();
     let all = hammer(&s.agent, "o").await;

@@ -236,6 +236,14 @@ fn agent_host(
             fetch_timeout: AGENT_FETCH,
             clock: ClockSource::Other(Arc::new(SimClock)),
             incarnation: Some(1),
+            // Leases of tokens: the held link's retry below needs a renewal
+            // within its 400 ms, and a lease that carries a rate is renewed
+            // about once a TTL (the agents behind the regional get leases
+            // of tokens anyway: a regional's pool lends no rates).
+            plan: quotalease_agent::renewal::PlanConfig {
+                rate_leases: false,
+                ..Default::default()
+            },
             ..AgentConfig::default()
         };
         let t: Arc<dyn Transport> = Arc::new(Recording {

@@ -365,6 +365,25 @@ fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64) -> Option<(u64, usize)> 
     Some(min)
 }
 
+/// How long a request of `cost` denied on `slot` (a key of `rule`) at `t`
+/// should wait: until the allocator said the bucket has more
+/// (`dry_until`), and, for a lease that carries a rate, at least until its
+/// own refill holds `cost` (the allocator's hint to a holder of a rate is
+/// about its own bucket, which the holders' rates may leave empty: a `1/m`
+/// rule's single holder waits a minute, not the allocator's economy wait).
+/// The refill part is at most what the rule's rate takes to refill `cost`
+/// (what an ideal bucket says from empty): the holder's refill runs slower
+/// by the clock-drift margin, a safety margin not passed on to clients.
+fn denial_wait_ns(slot: &crate::lease_table::SlotHead, rule: &Rule, cost: u64, t: u64) -> u64 {
+    let dry = slot.dry_until().saturating_sub(t);
+    let Some(local) = slot.word.refill_wait_ns(cost, t) else {
+        return dry;
+    };
+    let ideal = u128::from(cost) * u128::from(rule.rate.period_s) * 1_000_000_000
+        / u128::from(rule.rate.tokens.max(1));
+    dry.max(local.min(u64::try_from(ideal).unwrap_or(u64::MAX)))
+}
+
 /// Count an admission for every rule (by index) a request matched.
 #[inline]
 fn count_admitted(
@@ -1185,8 +1204,15 @@ impl Agent {
                     slot.add_denied(cost);
                     inner.metrics.over_limit.add(1);
                     // The answer names the denying rule with the largest retry.
-                    let (ms, idx) =
-                        self.largest_retry(rules, m, input, cost, t, rule_idx, dry_until - t);
+                    let (ms, idx) = self.largest_retry(
+                        rules,
+                        m,
+                        input,
+                        cost,
+                        t,
+                        rule_idx,
+                        denial_wait_ns(&slot, rule, cost, t),
+                    );
                     return Step::Done(Ok(self.over_limit(&rules.rules[idx], rules, ms)));
                 }
                 if cut_off {
@@ -1339,10 +1365,10 @@ impl Agent {
             let Some(slot) = table.get(&Lookup::of(r, input.tenant, input.route)) else {
                 continue;
             };
-            let dry = slot.dry_until();
             let short = slot.word.peek(t).is_none_or(|held| held < cost);
-            if short && dry > t && dry - t > best.0 {
-                best = (dry - t, ri as usize);
+            let wait = denial_wait_ns(&slot, r, cost, t);
+            if short && wait > best.0 {
+                best = (wait, ri as usize);
             }
         }
         (best.0.div_ceil(1_000_000).max(1), best.1)
@@ -1560,7 +1586,7 @@ impl Agent {
         let inner = &*self.inner;
         inner.stop.store(true, Ordering::Release);
         inner.stopped.notify_waiters();
-        let batch = inner.core.lock().shutdown();
+        let batch = inner.core.lock().shutdown(self.now());
         self.flush_admission_log();
         let (Some(batch), Some(transport)) = (batch, inner.transport.as_ref()) else {
             return;

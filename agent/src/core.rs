@@ -42,7 +42,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 
 use crate::agent::{EmergencyConfig, EmergencyOpened};
-use crate::lease_table::{pack, Lookup, Slot, SlotHead, Table};
+use crate::lease_table::{pack, Lookup, Refill, Slot, SlotHead, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
@@ -142,6 +142,8 @@ struct KeyState {
     /// The core holds the key: false once it was forgotten (its slot may
     /// live on in handles and lists; the core skips it).
     held: bool,
+    /// The rate asked for in the last renewal (micro-tokens per second).
+    asked_rate_utps: u64,
 }
 
 /// Bits of a batch sequence number kept per key in flight. A key's
@@ -191,6 +193,7 @@ impl KeyState {
             parked: false,
             listed: true,
             held: true,
+            asked_rate_utps: 0,
         }
     }
 
@@ -219,6 +222,7 @@ impl KeyState {
             parked: flags & F_PARKED != 0,
             listed: flags & F_LISTED != 0,
             held: flags & F_HELD != 0,
+            asked_rate_utps: w(8),
         }
     }
 
@@ -249,6 +253,7 @@ impl KeyState {
         put(5, self.usage.last_tick_ns);
         put(6, self.usage.last_active_ns);
         put(7, self.quiet_until_ns);
+        put(8, self.asked_rate_utps);
         let bit = |on: bool, f: u16| if on { f } else { 0 };
         let flags = bit(self.held, F_HELD)
             | bit(self.listed, F_LISTED)
@@ -256,6 +261,18 @@ impl KeyState {
             | bit(self.in_flight.is_some(), F_IN_FLIGHT);
         if s.core_flags.load(Relaxed) != flags {
             s.core_flags.store(flags, Relaxed);
+        }
+    }
+}
+
+impl KeyState {
+    /// The RELEASE of this key's lease, retired with `left` tokens: a
+    /// lease of tokens reports what it spent, a rate lease its level.
+    fn release_item(&self, slot: &Slot, rate: bool, left: u64) -> LeaseItem {
+        if rate {
+            slot.release_item(self.lease_id, 0, left)
+        } else {
+            slot.release_item(self.lease_id, self.granted.saturating_sub(left), 0)
         }
     }
 }
@@ -659,7 +676,7 @@ impl AgentCore {
 
     /// Stop: retire every lease and return the batch that releases their
     /// unused tokens (sent once, best effort), if anything is held.
-    pub fn shutdown(&mut self) -> Option<LeaseBatch> {
+    pub fn shutdown(&mut self, now: u64) -> Option<LeaseBatch> {
         self.stopping = true;
         let mut items = std::mem::take(&mut self.late_releases);
         if let Some(walk) = self.walk.take() {
@@ -672,12 +689,13 @@ impl AgentCore {
         for s in self.table.pin().iter() {
             let slot = &s.to_owned();
             let mut k = KeyState::load(slot);
-            let (left, new_gen) = slot.word.retire();
+            let was_rate = slot.word.refill().is_rate();
+            let (left, new_gen) = slot.word.retire(now);
             k.generation = new_gen;
             k.store(slot);
             if k.lease_id != 0 {
                 released += left;
-                leases.push(slot.release_item(k.lease_id, k.granted.saturating_sub(left)));
+                leases.push(k.release_item(slot, was_rate, left));
             }
         }
         // In key order, whatever the table's (seeded) order.
@@ -1153,22 +1171,27 @@ impl AgentCore {
         let metrics = &self.metrics;
         let late = &mut self.late_releases;
         let slot = f.slot.clone();
-        let mut release = |lease_id: u64, spent: u64| {
+        // A grant that carries a rate: its `tokens` are an increment on the
+        // holder's level, its `carried` the rest of a lease of tokens.
+        let rate_grant = g.capacity > 0;
+        // (lease id, spent, left) of a RELEASE to send.
+        let mut release = |lease_id: u64, spent: u64, left: u64| {
             if lease_id != 0 {
-                late.push(slot.release_item(lease_id, spent));
+                late.push(slot.release_item(lease_id, spent, left));
             }
         };
         if k.in_flight != Some(seq_tag(seq)) {
             // A grant for a request we gave up on. Fresh tokens go back; a
-            // grant that carried our old lease is left to expire, because
-            // the old lease may still be spending that part.
-            if g.carried == 0 {
-                release(g.lease_id, 0);
+            // grant that carried our old lease (or continues our rate
+            // chain) is left to expire, because the old lease may still be
+            // spending that part.
+            if g.carried == 0 && g.version_of == 0 {
+                release(g.lease_id, 0, g.tokens);
             }
             return Installed::Done;
         };
         k.in_flight = None;
-        if g.carried > g.tokens {
+        if g.carried > g.tokens && !rate_grant {
             tracing::error!(rule = %slot.rule_id(), tokens = g.tokens, carried = g.carried, "malformed grant ignored");
             return Installed::Done;
         }
@@ -1216,23 +1239,37 @@ impl AgentCore {
             tracing::info!("the regional allocator reaches its parent again");
         }
         k.holders = u64::from(g.holders.max(1));
-        // A grant we cannot use: give it back. If it carried the old lease,
-        // retire that lease first, so that what we report as spent is final.
-        let give_back = |k: &mut KeyState, release: &mut dyn FnMut(u64, u64)| {
-            if g.carried == 0 {
-                release(g.lease_id, 0);
-            } else if k.generation == f.generation {
-                let (left, new_gen) = f.slot.word.retire();
-                let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
-                release(g.lease_id, spent_since);
-                k.generation = new_gen;
-                k.baseline = 0;
-                k.lease_id = 0;
-                k.granted = 0;
-            } else {
-                // The generation the carry came from is already dead.
-                release(g.lease_id, g.carried);
+        let same_lease = k.generation == f.generation;
+        // The grant continues what the word holds: it carried our lease of
+        // tokens, or the allocator knew the rate version we named.
+        let continues = same_lease && (g.carried > 0 || (rate_grant && g.version_of != 0));
+        // A grant we cannot use: give it back. If it continues the lease we
+        // hold, retire that lease first, so that what we report is final.
+        let give_back = |k: &mut KeyState, release: &mut dyn FnMut(u64, u64, u64)| {
+            if !continues {
+                if g.carried == 0 {
+                    release(g.lease_id, 0, g.tokens);
+                } else {
+                    // The generation the carry came from is already dead.
+                    release(g.lease_id, g.carried, 0);
+                }
+                return;
             }
+            let was_rate = f.slot.word.refill().is_rate();
+            let (left, new_gen) = f.slot.word.retire(t);
+            if rate_grant {
+                // What we held plus the increment we never added.
+                release(g.lease_id, 0, left + g.tokens);
+            } else if was_rate {
+                release(g.lease_id, 0, left);
+            } else {
+                let spent_since = f.tokens_at_send.saturating_sub(left).min(g.carried);
+                release(g.lease_id, spent_since, 0);
+            }
+            k.generation = new_gen;
+            k.baseline = 0;
+            k.lease_id = 0;
+            k.granted = 0;
         };
         if g.rule_version > version {
             // Never spend a grant stamped with a rule version we do not enforce.
@@ -1255,7 +1292,8 @@ impl AgentCore {
         if g.lease_id == 0 {
             // Nothing leased and nothing carried: the lease we named is
             // unknown to the allocator (rolled by a lost reply, expired, or
-            // a predecessor's); it stays usable under its own deadline.
+            // a predecessor's), or it had no room for a new rate version;
+            // ours stays usable under its own deadline.
             return Installed::Done;
         }
         // deadline = first send + TTL * (1 - 2 rho) - epsilon
@@ -1265,10 +1303,23 @@ impl AgentCore {
             give_back(k, &mut release);
             return Installed::Done;
         }
-        let same_lease = k.generation == f.generation;
+        let old_refill = slot.word.refill();
         let old_deadline = slot.word.deadline_ns();
-        let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, |cur| {
-            if same_lease {
+        let refill = if rate_grant {
+            Refill::of_grant(g.rate_utps, g.capacity)
+        } else {
+            Refill::NONE
+        };
+        let (old_seen, new_gen, new_tokens) = slot.word.install(deadline, refill, t, |cur| {
+            if rate_grant {
+                // The level goes on, clipped to the new capacity (the word
+                // clips), plus the increment; a new chain starts at it.
+                if continues {
+                    cur.saturating_add(g.tokens)
+                } else {
+                    g.tokens
+                }
+            } else if same_lease {
                 // Carried = what the lease held at the cut; what was spent
                 // since then comes out of the new lease.
                 let spent_since = f.tokens_at_send.saturating_sub(cur);
@@ -1279,19 +1330,25 @@ impl AgentCore {
                 g.tokens - g.carried
             }
         });
-        if same_lease {
+        if same_lease && !old_refill.is_rate() {
             k.usage.since_tick += k.baseline.saturating_sub(old_seen);
         }
-        if g.carried == 0 && old_deadline <= t && k.lease_id != 0 {
+        if g.carried == 0 && g.version_of == 0 && old_deadline <= t && k.lease_id != 0 {
             // The old lease ran out before it was renewed: what it still held
             // is lost.
             metrics.tokens_expired_unused.add(old_seen);
         }
         k.lease_id = g.lease_id;
-        k.granted = g.tokens;
+        // What a lease of tokens was granted (its spent reports count from
+        // it); a rate lease reports no spent.
+        k.granted = if rate_grant { 0 } else { g.tokens };
         k.generation = new_gen;
         k.baseline = new_tokens;
-        metrics.tokens_leased.add(g.tokens - g.carried);
+        metrics.tokens_leased.add(if rate_grant {
+            g.tokens
+        } else {
+            g.tokens - g.carried
+        });
         Installed::Done
     }
 }
@@ -1404,7 +1461,7 @@ fn plan_key(
     // A quiet key (nothing spent, denied or waiting since the last visit)
     // is skipped until the planner's answer can change: a tick costs
     // O(active keys) of work, not O(keys held).
-    let (gen, tokens) = slot.word.load();
+    let (gen, tokens) = slot.word.level_at(t);
     let packed = pack(gen, tokens);
     // The word as the last visit left it: a visit that waits leaves
     // (generation, baseline) = the word it read.
@@ -1414,6 +1471,7 @@ fn plan_key(
         && seen_word == packed
         && slot.waiting() == 0
         && slot.denied_peek() == 0
+        && slot.word.taken_peek() == 0
     {
         // Nothing changed, so a full visit would plan as before; idle for
         // the EWMA's time constant now: parked until its plan can change.
@@ -1421,10 +1479,14 @@ fn plan_key(
         k.parked = k.usage.last_active_ns.saturating_add(idle_ns) <= t;
         return;
     }
-    if gen == k.generation {
+    // Consumption: a lease of tokens tells it by its level, a rate lease
+    // (which refills) by its count of tokens taken.
+    let refill = slot.word.refill();
+    if gen == k.generation && !refill.is_rate() {
         let consumed = k.baseline.saturating_sub(tokens);
         k.usage.since_tick += consumed;
     }
+    k.usage.since_tick += slot.word.take_taken();
     // Demand, not just admissions, sizes the next lease.
     k.usage.denied_since_tick += slot.take_denied();
     k.baseline = tokens;
@@ -1454,6 +1516,14 @@ fn plan_key(
                 waiting_cost: waiting,
                 dry_until_ns: slot.dry_until(),
                 in_flight: k.in_flight.is_some(),
+                rule_rate_utps: rule.rate.tokens.saturating_mul(1_000_000)
+                    / rule.rate.period_s.max(1),
+                lease_rate_utps: if refill.is_rate() && t < deadline {
+                    1_000_000_000_000_000 / refill.ns_per_token
+                } else {
+                    0
+                },
+                asked_rate_utps: k.asked_rate_utps,
             },
             t,
         ),
@@ -1481,17 +1551,21 @@ fn plan_key(
         && slot.waiting() == 0;
     match decision {
         Plan::Wait => {}
-        Plan::Renew { want } => {
+        Plan::Renew {
+            want,
+            want_rate_utps,
+        } => {
             // Cut a new generation at the report: a refund of a charge taken
             // before it must not come back after the allocator counted that
             // charge as spent.
-            let (at_cut, new_gen) = slot.word.cut();
-            let spent = if gen == k.generation {
+            let (at_cut, new_gen) = slot.word.cut(t);
+            let spent = if gen == k.generation && !refill.is_rate() {
                 k.usage.since_tick += tokens.saturating_sub(at_cut);
                 k.granted.saturating_sub(at_cut)
             } else {
                 0
             };
+            k.asked_rate_utps = want_rate_utps;
             k.generation = new_gen;
             k.baseline = at_cut;
             let item = LeaseItem {
@@ -1502,6 +1576,7 @@ fn plan_key(
                 lease_id: k.lease_id,
                 spent,
                 want,
+                want_rate_utps,
                 ..LeaseItem::default()
             };
             // Tagged with its batch's seq once the batch is made (`poll`).
@@ -1529,11 +1604,11 @@ fn plan_key(
             {
                 return;
             }
-            let (left, new_gen) = slot.word.retire();
+            let (left, new_gen) = slot.word.retire(t);
             k.generation = new_gen;
             if k.lease_id != 0 {
-                let spent = k.granted.saturating_sub(left);
-                ctx.releases.push(slot.release_item(k.lease_id, spent));
+                ctx.releases
+                    .push(k.release_item(slot, refill.is_rate(), left));
                 if deadline <= t {
                     metrics.tokens_expired_unused.add(left);
                 } else {

@@ -1,10 +1,36 @@
 //! The agent's lease table: the hot path.
 //!
 //! Each key has a [`Slot`](crate::agent::Slot) whose lease lives in one `AtomicU64` word:
-//! `[generation: 24 bits | tokens: 40 bits]`, plus the lease's deadline on
-//! the agent clock in a second atomic. A decision with a lease held is
-//! `load deadline, load word, compare_exchange_weak` — no lock, no
-//! allocation, no await; a denial writes nothing.
+//! `[generation: 24 bits | value: 40 bits]`, plus the lease's deadline on
+//! the agent clock and how the lease refills, in atomics beside it on the
+//! same cache line. A decision with a lease held is `load deadline, load
+//! word, load refill, compare_exchange_weak` — no lock, no allocation, no
+//! await; a denial writes nothing.
+//!
+//! Two kinds of lease (SPEC §2, "Leases may carry a rate"):
+//!
+//! * **tokens only**: `value` is the token count;
+//! * **a rate**: the lease is a small token bucket, `capacity` tokens
+//!   refilled at one token per `ns_per_token` (the granted rate slowed by
+//!   `rho`), until its deadline. `value` is then the bucket's *theoretical
+//!   arrival time* (GCRA, as governor keeps it) modulo 2^40 ns on the agent
+//!   clock: the bucket holds `capacity - (tat - now)⁺ / ns_per_token`
+//!   tokens at `now`, and taking `c` moves `tat` to `max(tat, now) + c *
+//!   ns_per_token`. That is a continuous, capped refill computed at the
+//!   instant of each take, so it never admits more than `level + rate * T`
+//!   over any `T`, however the takes fall (a refill added at the next
+//!   shortage would count the time the bucket sat full).
+//!
+//! Which kind a generation is, and its rate and capacity, sit in one of
+//! two refill words, chosen by the generation's parity: an installer writes
+//! the next generation's refill word before it swaps the lease word to that
+//! generation, so a checker that read a generation reads its refill (a
+//! checker that was overtaken by two installs fails its CAS).
+//!
+//! A rate lease is used only where the 40-bit arrival time cannot wrap:
+//! capacity times `ns_per_token` and the lease's remaining life both below
+//! 2^38 ns (about 4.5 minutes); otherwise it is held as tokens only (it
+//! then never refills: conservative).
 //!
 //! Ordering. A checker reads the deadline *before* the word; an installer
 //! swaps the word (new generation) *before* storing the new deadline. So a
@@ -30,9 +56,20 @@ use std::sync::atomic::Ordering;
 const TOKEN_BITS: u32 = 40;
 const TOKEN_MASK: u64 = (1 << TOKEN_BITS) - 1;
 const GEN_MASK: u64 = (1 << (64 - TOKEN_BITS)) - 1;
+/// Arrival times ahead of `now` by less than this are ahead; the rest are
+/// behind (a full bucket).
+const AHEAD: u64 = 1 << (TOKEN_BITS - 1);
+/// A rate lease is held as one only while its bucket's span and its life
+/// stay under this (so an arrival time is never more than 2^39 ns from
+/// the clock reading it).
+pub const RATE_SPAN_NS: u64 = 1 << 38;
+const CAPACITY_BITS: u32 = 24;
+const CAPACITY_MASK: u64 = (1 << CAPACITY_BITS) - 1;
 
 /// Largest token count a lease word holds.
 pub const MAX_WORD_TOKENS: u64 = TOKEN_MASK;
+/// Largest capacity of a rate lease as held (a larger one is held smaller).
+pub const MAX_RATE_CAPACITY: u64 = CAPACITY_MASK;
 
 /// Pack a generation and a token count.
 #[inline]
@@ -44,6 +81,104 @@ pub const fn pack(generation: u64, tokens: u64) -> u64 {
 #[inline]
 pub const fn unpack(word: u64) -> (u64, u64) {
     (word >> TOKEN_BITS, word & TOKEN_MASK)
+}
+
+/// How a lease refills: not at all ([`Refill::NONE`], a lease of tokens),
+/// or one token every `ns_per_token` up to `capacity`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Refill {
+    /// Agent-clock nanoseconds per token (0: no refill).
+    pub ns_per_token: u64,
+    /// Most tokens the lease holds.
+    pub capacity: u64,
+}
+
+impl Refill {
+    /// A lease of tokens only.
+    pub const NONE: Refill = Refill {
+        ns_per_token: 0,
+        capacity: 0,
+    };
+
+    /// The refill of a grant of `rate_utps` micro-tokens per second and
+    /// `capacity`, as the holder may run it on its clock: the rate slowed
+    /// by `rho`, rounded down (one token every so many ns, rounded up).
+    /// `NONE` for a grant without a rate.
+    pub fn of_grant(rate_utps: u64, capacity: u64) -> Refill {
+        let slowed = quotalease_model::protocol::slowed_by_rho(rate_utps);
+        if slowed == 0 || capacity == 0 {
+            return Refill::NONE;
+        }
+        let ns = (1_000_000_000_000_000u128).div_ceil(u128::from(slowed));
+        Refill {
+            ns_per_token: u64::try_from(ns).unwrap_or(u64::MAX),
+            capacity: capacity.min(MAX_RATE_CAPACITY),
+        }
+    }
+
+    /// Whether it refills.
+    pub fn is_rate(self) -> bool {
+        self.ns_per_token != 0
+    }
+
+    /// Whether a lease with this refill, installed at `now_ns` until
+    /// `deadline_ns`, can be held as a rate lease (see the module docs).
+    fn fits(self, now_ns: u64, deadline_ns: u64) -> bool {
+        self.ns_per_token != 0
+            && self.ns_per_token < TOKEN_MASK
+            && (1..=MAX_RATE_CAPACITY).contains(&self.capacity)
+            && self
+                .capacity
+                .checked_mul(self.ns_per_token)
+                .is_some_and(|span| span < RATE_SPAN_NS)
+            && deadline_ns.saturating_sub(now_ns) < RATE_SPAN_NS
+    }
+
+    const fn encode(self) -> u64 {
+        (self.ns_per_token << CAPACITY_BITS) | (self.capacity & CAPACITY_MASK)
+    }
+
+    const fn decode(x: u64) -> Refill {
+        Refill {
+            ns_per_token: x >> CAPACITY_BITS,
+            capacity: x & CAPACITY_MASK,
+        }
+    }
+}
+
+/// Nanoseconds a rate bucket whose arrival time is `tat` (low 40 bits) is
+/// behind being full at `now`: `(tat - now)⁺`.
+#[inline]
+fn debt(tat: u64, now_ns: u64) -> u64 {
+    let d = tat.wrapping_sub(now_ns) & TOKEN_MASK;
+    if d < AHEAD {
+        d
+    } else {
+        0
+    }
+}
+
+/// Tokens a word's `value` stands for at `now` under `refill`.
+#[inline]
+fn level(value: u64, refill: Refill, now_ns: u64) -> u64 {
+    if refill.ns_per_token == 0 {
+        value
+    } else {
+        let span = refill.capacity * refill.ns_per_token;
+        span.saturating_sub(debt(value, now_ns)) / refill.ns_per_token
+    }
+}
+
+/// The `value` that stands for `tokens` at `now` under `refill` (at most
+/// the capacity of a rate lease).
+#[inline]
+fn value_of(tokens: u64, refill: Refill, now_ns: u64) -> u64 {
+    if refill.ns_per_token == 0 {
+        tokens.min(TOKEN_MASK)
+    } else {
+        let missing = refill.capacity - tokens.min(refill.capacity);
+        now_ns.wrapping_add(missing * refill.ns_per_token) & TOKEN_MASK
+    }
 }
 
 /// Outcome of one consumption attempt.
@@ -65,17 +200,24 @@ pub enum Take {
     NoLease,
 }
 
-/// The atomic part of a key's lease: the word and its deadline, side by
-/// side (a decision reads the deadline and CASes the word), 64 bytes into
-/// the key's [`Slot`] block, whose own bytes fill the word's cache line
-/// wherever the block starts: two keys' words never share a line, nor does
-/// any other allocation; the slot's other fields on that line are written
-/// only on slow paths and by the core (at most once a renew interval).
+/// The atomic part of a key's lease: the word, its deadline and its two
+/// refill words, side by side (a decision reads the deadline and the refill
+/// and CASes the word), 64 bytes into the key's [`Slot`] block, whose own
+/// bytes fill the word's cache line wherever the block starts: two keys'
+/// words never share a line, nor does any other allocation; the slot's
+/// other fields on that line are written only on slow paths and by the
+/// core (at most once a renew interval).
 #[derive(Debug)]
 #[repr(C)]
 pub struct LeaseWord {
     word: AtomicU64,
     deadline_ns: AtomicU64,
+    /// [`Refill::encode`] of the generations of each parity.
+    refill: [AtomicU64; 2],
+    /// Tokens taken from rate leases (net of refunds), for the core's
+    /// consumption figures: a rate lease's level does not tell them (it
+    /// refills). Leases of tokens do not count here (their level does).
+    taken: AtomicU64,
 }
 
 impl Default for LeaseWord {
@@ -90,7 +232,31 @@ impl LeaseWord {
         Self {
             word: AtomicU64::new(0),
             deadline_ns: AtomicU64::new(0),
+            refill: [AtomicU64::new(0), AtomicU64::new(0)],
+            taken: AtomicU64::new(0),
         }
+    }
+
+    /// Whether tokens were taken from rate leases since the last
+    /// [`LeaseWord::take_taken`] (reads only).
+    pub fn taken_peek(&self) -> u64 {
+        self.taken.load(Ordering::Relaxed)
+    }
+
+    /// Tokens taken from rate leases since the last call (net of refunds).
+    pub fn take_taken(&self) -> u64 {
+        let n = self.taken.swap(0, Ordering::Relaxed);
+        // A refund after the last call of a charge counted before it.
+        if n > u64::MAX / 2 {
+            0
+        } else {
+            n
+        }
+    }
+
+    #[inline]
+    fn refill_of(&self, generation: u64) -> Refill {
+        Refill::decode(self.refill[(generation & 1) as usize].load(Ordering::Acquire))
     }
 
     /// The hot path: take `cost` tokens at `now_ns` if a valid lease holds them.
@@ -101,20 +267,44 @@ impl LeaseWord {
         }
         let mut w = self.word.load(Ordering::Acquire);
         loop {
-            let (generation, tokens) = unpack(w);
-            if tokens < cost {
-                return Take::Short { remaining: tokens };
-            }
-            let next = pack(generation, tokens - cost);
-            match self
-                .word
-                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
-            {
+            let (generation, value) = unpack(w);
+            let refill = self.refill_of(generation);
+            let (next, remaining) = if refill.ns_per_token == 0 {
+                if value < cost {
+                    return Take::Short { remaining: value };
+                }
+                (value - cost, value - cost)
+            } else {
+                let span = refill.capacity * refill.ns_per_token;
+                let owed = debt(value, now_ns);
+                let after = cost
+                    .checked_mul(refill.ns_per_token)
+                    .and_then(|c| c.checked_add(owed))
+                    .filter(|&d| d <= span);
+                let Some(after) = after else {
+                    return Take::Short {
+                        remaining: span.saturating_sub(owed) / refill.ns_per_token,
+                    };
+                };
+                (
+                    now_ns.wrapping_add(after) & TOKEN_MASK,
+                    (span - after) / refill.ns_per_token,
+                )
+            };
+            match self.word.compare_exchange_weak(
+                w,
+                pack(generation, next),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => {
+                    if refill.ns_per_token != 0 {
+                        self.taken.fetch_add(cost, Ordering::Relaxed);
+                    }
                     return Take::Taken {
                         generation,
-                        remaining: tokens - cost,
-                    }
+                        remaining,
+                    };
                 }
                 Err(seen) => w = seen,
             }
@@ -126,7 +316,35 @@ impl LeaseWord {
         if now_ns >= self.deadline_ns.load(Ordering::Acquire) {
             return None;
         }
-        Some(unpack(self.word.load(Ordering::Acquire)).1)
+        Some(self.level_at(now_ns).1)
+    }
+
+    /// (generation, tokens the lease stands for at `now_ns`), whatever its
+    /// deadline.
+    pub fn level_at(&self, now_ns: u64) -> (u64, u64) {
+        let (g, value) = unpack(self.word.load(Ordering::Acquire));
+        (g, level(value, self.refill_of(g), now_ns))
+    }
+
+    /// For a valid rate lease: how long until it holds `cost` tokens at
+    /// `now_ns` by its own refill, as if renewals keep its rate past its
+    /// deadline (None for a lease of tokens, an expired lease, or a cost
+    /// above its capacity).
+    pub fn refill_wait_ns(&self, cost: u64, now_ns: u64) -> Option<u64> {
+        let deadline = self.deadline_ns.load(Ordering::Acquire);
+        let (g, value) = unpack(self.word.load(Ordering::Acquire));
+        let refill = self.refill_of(g);
+        if refill.ns_per_token == 0 || cost > refill.capacity || now_ns >= deadline {
+            return None;
+        }
+        let span = refill.capacity * refill.ns_per_token;
+        let need = debt(value, now_ns) + cost * refill.ns_per_token;
+        Some(need.saturating_sub(span))
+    }
+
+    /// How the current generation refills.
+    pub fn refill(&self) -> Refill {
+        self.refill_of(self.load_raw().0)
     }
 
     /// Give `cost` back to `generation`; dropped if the lease was replaced
@@ -134,23 +352,40 @@ impl LeaseWord {
     pub fn refund(&self, generation: u64, cost: u64) -> bool {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
-            let (g, tokens) = unpack(w);
+            let (g, value) = unpack(w);
             if g != generation & GEN_MASK {
                 return false;
             }
-            let next = pack(g, (tokens + cost).min(TOKEN_MASK));
-            match self
-                .word
-                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
+            let refill = self.refill_of(g);
+            let next = if refill.ns_per_token == 0 {
+                (value + cost).min(TOKEN_MASK)
+            } else {
+                // Move the arrival time back by what the charge moved it
+                // forward (a bucket that refilled meanwhile may end up
+                // "fuller than full", which its next take reads as full).
+                value.wrapping_sub(cost.saturating_mul(refill.ns_per_token)) & TOKEN_MASK
+            };
+            match self.word.compare_exchange_weak(
+                w,
+                pack(g, next),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    if refill.ns_per_token != 0 {
+                        // Wrapping: the take's count may not have landed yet.
+                        self.taken.fetch_sub(cost, Ordering::Relaxed);
+                    }
+                    return true;
+                }
                 Err(seen) => w = seen,
             }
         }
     }
 
-    /// Current (generation, tokens).
-    pub fn load(&self) -> (u64, u64) {
+    /// Current (generation, raw value): the token count of a lease of
+    /// tokens, the arrival time of a rate lease (see [`LeaseWord::level_at`]).
+    pub fn load_raw(&self) -> (u64, u64) {
         unpack(self.word.load(Ordering::Acquire))
     }
 
@@ -159,47 +394,87 @@ impl LeaseWord {
         self.deadline_ns.load(Ordering::Acquire)
     }
 
-    /// Replace the lease: compute the new token count from the current one
-    /// (which may still be falling under concurrent checks) and bump the
-    /// generation, then publish the deadline. Returns (old tokens seen,
-    /// new generation, new tokens). Callers serialize installs per key.
-    pub fn install(&self, deadline_ns: u64, tokens_from: impl Fn(u64) -> u64) -> (u64, u64, u64) {
+    /// Replace the lease at `now_ns`: compute the new level from the
+    /// current one (which may still be falling under concurrent checks) and
+    /// bump the generation, with `refill` (held as tokens only if it cannot
+    /// be held as a rate, see the module docs), then publish the deadline.
+    /// Returns (old level seen, new generation, new level). Callers
+    /// serialize installs per key.
+    pub fn install(
+        &self,
+        deadline_ns: u64,
+        refill: Refill,
+        now_ns: u64,
+        level_from: impl Fn(u64) -> u64,
+    ) -> (u64, u64, u64) {
+        let refill = if refill.fits(now_ns, deadline_ns) {
+            refill
+        } else {
+            Refill::NONE
+        };
+        self.swap(deadline_ns, |g, value| {
+            let old = level(value, self.refill_of(g), now_ns);
+            let new = level_from(old);
+            let new = if refill.is_rate() {
+                new.min(refill.capacity)
+            } else {
+                new.min(TOKEN_MASK)
+            };
+            (old, value_of(new, refill, now_ns), refill, new)
+        })
+    }
+
+    /// Swap the word to the next generation, its value and refill computed
+    /// by `next(generation, value) -> (old level, value, refill, new
+    /// level)`; then publish `deadline_ns`.
+    fn swap(
+        &self,
+        deadline_ns: u64,
+        next: impl Fn(u64, u64) -> (u64, u64, Refill, u64),
+    ) -> (u64, u64, u64) {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
-            let (g, tokens) = unpack(w);
-            let new_tokens = tokens_from(tokens).min(TOKEN_MASK);
+            let (g, value) = unpack(w);
             let new_gen = (g + 1) & GEN_MASK;
+            let (old, new_value, refill, new_level) = next(g, value);
+            // The next generation's refill first: a checker that reads the
+            // new word reads it (see the module docs).
+            self.refill[(new_gen & 1) as usize].store(refill.encode(), Ordering::Release);
             match self.word.compare_exchange_weak(
                 w,
-                pack(new_gen, new_tokens),
+                pack(new_gen, new_value),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
                     self.deadline_ns.store(deadline_ns, Ordering::Release);
-                    return (tokens, new_gen, new_tokens);
+                    return (old, new_gen, new_level);
                 }
                 Err(seen) => w = seen,
             }
         }
     }
 
-    /// Retire the lease: no tokens, expired. Returns (the tokens it held
-    /// when retired, the new generation); nothing can be taken from it, or
-    /// refunded into it, afterwards.
-    pub fn retire(&self) -> (u64, u64) {
+    /// Retire the lease at `now_ns`: no tokens, expired. Returns (the
+    /// tokens it held when retired, the new generation); nothing can be
+    /// taken from it, or refunded into it, afterwards.
+    pub fn retire(&self, now_ns: u64) -> (u64, u64) {
         self.deadline_ns.store(0, Ordering::Release);
-        let (old, generation, _) = self.install(0, |_| 0);
+        let (old, generation, _) = self.install(0, Refill::NONE, now_ns, |_| 0);
         (old, generation)
     }
 
-    /// Start a new generation holding the same tokens under the same
-    /// deadline: charges taken before this point can no longer be refunded.
-    /// Used when the tokens spent so far are reported to the allocator.
-    /// Returns (tokens at the cut, new generation).
-    pub fn cut(&self) -> (u64, u64) {
+    /// Start a new generation holding the same lease (value, refill,
+    /// deadline): charges taken before this point can no longer be
+    /// refunded. Used when the tokens spent so far are reported to the
+    /// allocator. Returns (level at the cut at `now_ns`, new generation).
+    pub fn cut(&self, now_ns: u64) -> (u64, u64) {
         let deadline = self.deadline_ns.load(Ordering::Acquire);
-        let (seen, generation, _) = self.install(deadline, |cur| cur);
+        let (seen, generation, _) = self.swap(deadline, |g, value| {
+            let refill = self.refill_of(g);
+            let l = level(value, refill, now_ns);
+            (l, value, refill, l)
+        });
         (seen, generation)
     }
 }
@@ -269,8 +544,8 @@ pub struct SlotHead {
     core_a: [std::sync::atomic::AtomicU64; 3],
     /// The lease word (hot path), 64 bytes in.
     pub word: LeaseWord,
-    /// Core-owned words 3-7.
-    core_b: [std::sync::atomic::AtomicU64; 5],
+    /// Core-owned words 3-8.
+    core_b: [std::sync::atomic::AtomicU64; 6],
 }
 
 /// Offset of the lease word in a slot's block.
@@ -281,7 +556,7 @@ const _: () = assert!(
 );
 
 impl SlotHead {
-    /// Core-owned word `i` (0..8) of the key's renewal state.
+    /// Core-owned word `i` (0..9) of the key's renewal state.
     #[inline]
     pub(crate) fn core(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
         match i {
@@ -507,7 +782,7 @@ impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Slot")
             .field("key", &self.key_ref())
-            .field("word", &self.word.load())
+            .field("word", &self.word.load_raw())
             .field("deadline_ns", &self.word.deadline_ns())
             .finish()
     }
@@ -659,11 +934,13 @@ impl SlotHead {
 }
 
 impl Slot {
-    /// A RELEASE item for this key.
+    /// A RELEASE item for this key: `spent` of a lease of tokens, or the
+    /// level `left` of a rate lease when it stopped being used.
     pub(crate) fn release_item(
         &self,
         lease_id: u64,
         spent: u64,
+        left: u64,
     ) -> quotalease_proto::lease::LeaseItem {
         use quotalease_proto::lease::{ItemKind, LeaseItem};
         LeaseItem {
@@ -673,6 +950,7 @@ impl Slot {
             kind: ItemKind::Release as i32,
             lease_id,
             spent,
+            left,
             want: 0,
             ..LeaseItem::default()
         }
@@ -690,7 +968,7 @@ mod tests {
     fn take_until_short_then_refund_same_generation_only() {
         let w = LeaseWord::new();
         assert_eq!(w.try_take(1, 0), Take::NoLease);
-        let (_, g1, t) = w.install(100, |_| 5);
+        let (_, g1, t) = w.install(100, Refill::NONE, 0, |_| 5);
         assert_eq!(t, 5);
         assert_eq!(
             w.try_take(3, 10),
@@ -701,12 +979,12 @@ mod tests {
         );
         assert_eq!(w.try_take(3, 10), Take::Short { remaining: 2 });
         assert!(w.refund(g1, 3));
-        assert_eq!(w.load(), (g1, 5));
+        assert_eq!(w.load_raw(), (g1, 5));
         // A renewal replaces the lease: a late refund into g1 is dropped.
-        let (old, g2, _) = w.install(200, |cur| cur + 10);
+        let (old, g2, _) = w.install(200, Refill::NONE, 10, |cur| cur + 10);
         assert_eq!(old, 5);
         assert!(!w.refund(g1, 3));
-        assert_eq!(w.load(), (g2, 15));
+        assert_eq!(w.load_raw(), (g2, 15));
         // Expiry is checked on every decision.
         assert_eq!(w.try_take(1, 200), Take::NoLease);
         // A cut keeps tokens and deadline but drops refunds of older charges.
@@ -716,11 +994,11 @@ mod tests {
         else {
             panic!("lease valid at 150")
         };
-        let (seen, g3) = w.cut();
+        let (seen, g3) = w.cut(150);
         assert_eq!((seen, w.deadline_ns()), (14, 200));
         assert!(!w.refund(g2b, 1));
-        assert_eq!(w.load(), (g3, 14));
-        assert_eq!(w.retire().0, 14);
+        assert_eq!(w.load_raw(), (g3, 14));
+        assert_eq!(w.retire(150).0, 14);
         assert_eq!(w.try_take(1, 10), Take::NoLease);
     }
 
@@ -779,7 +1057,7 @@ mod tests {
     #[test]
     fn concurrent_takes_never_exceed_the_lease() {
         let w = std::sync::Arc::new(LeaseWord::new());
-        w.install(u64::MAX, |_| 10_000);
+        w.install(u64::MAX, Refill::NONE, 0, |_| 10_000);
         let handles: Vec<_> = (0..4)
             .map(|_| {
                 let w = w.clone();
@@ -794,6 +1072,204 @@ mod tests {
             .collect();
         let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
         assert_eq!(total, 10_000);
+    }
+
+    const MS: u64 = 1_000_000;
+
+    /// 1 000 tokens/s (one per ms), capacity 10.
+    fn per_ms(capacity: u64) -> Refill {
+        Refill {
+            ns_per_token: MS,
+            capacity,
+        }
+    }
+
+    #[test]
+    fn a_rate_lease_refills_continuously_up_to_its_capacity() {
+        let w = LeaseWord::new();
+        let t0 = 5_000 * MS;
+        let (_, g, level) = w.install(t0 + 1_000 * MS, per_ms(10), t0, |_| 4);
+        assert_eq!(level, 4);
+        assert_eq!(w.peek(t0), Some(4));
+        for left in (0..4).rev() {
+            assert!(
+                matches!(w.try_take(1, t0), Take::Taken { remaining, .. } if remaining == left)
+            );
+        }
+        assert_eq!(w.try_take(1, t0), Take::Short { remaining: 0 });
+        // Half a token's time: still short; a whole one: one token.
+        assert_eq!(w.try_take(1, t0 + MS / 2), Take::Short { remaining: 0 });
+        assert!(
+            matches!(w.try_take(1, t0 + MS), Take::Taken { generation, remaining: 0 } if generation == g)
+        );
+        // Sitting idle fills it to its capacity, never beyond.
+        assert_eq!(w.peek(t0 + 500 * MS), Some(10));
+        assert!(matches!(
+            w.try_take(10, t0 + 500 * MS),
+            Take::Taken { remaining: 0, .. }
+        ));
+        assert_eq!(w.try_take(1, t0 + 500 * MS), Take::Short { remaining: 0 });
+        // A refund gives back what the charge took.
+        let Take::Taken { generation, .. } = w.try_take(1, t0 + 502 * MS) else {
+            panic!("one token refilled")
+        };
+        assert!(w.refund(generation, 1));
+        assert_eq!(w.peek(t0 + 502 * MS), Some(2));
+        // A cut keeps the bucket; a renewal to a smaller capacity clips it
+        // and adds its increment on top.
+        let (at_cut, g2) = w.cut(t0 + 502 * MS);
+        assert_eq!((at_cut, w.refill()), (2, per_ms(10)));
+        assert!(!w.refund(generation, 1));
+        let (seen, g3, new) = w.install(t0 + 2_000 * MS, per_ms(3), t0 + 505 * MS, |cur| {
+            cur.min(3) + 2
+        });
+        assert_eq!((seen, new, w.peek(t0 + 505 * MS)), (5, 3, Some(3)));
+        assert!(g3 != g2);
+        // Expiry ends the refill with the lease.
+        assert_eq!(w.try_take(1, t0 + 2_000 * MS), Take::NoLease);
+        // Back to tokens only: the level carries over, no refill.
+        w.install(t0 + 3_000 * MS, Refill::NONE, t0 + 1_000 * MS, |cur| cur);
+        assert_eq!(w.peek(t0 + 2_500 * MS), Some(3));
+        assert_eq!(w.retire(t0 + 2_500 * MS).0, 3);
+    }
+
+    #[test]
+    fn rates_that_could_wrap_are_held_as_tokens() {
+        let w = LeaseWord::new();
+        // 1 token per 100 s with capacity 10 000: a span of 11 days.
+        let slow = Refill {
+            ns_per_token: 100_000 * MS,
+            capacity: 10_000,
+        };
+        w.install(1_000 * MS, slow, 0, |_| 7);
+        assert_eq!((w.refill(), w.peek(0)), (Refill::NONE, Some(7)));
+        // A lease living longer than 2^38 ns likewise.
+        w.install(RATE_SPAN_NS + 1, per_ms(10), 0, |_| 7);
+        assert_eq!(w.refill(), Refill::NONE);
+        // The grant's rate, slowed by rho, rounded against the holder.
+        let r = Refill::of_grant(1_000_000_000, 5);
+        assert_eq!(r.capacity, 5);
+        assert!(
+            r.ns_per_token > MS && r.ns_per_token < MS + MS / 500,
+            "{r:?}"
+        );
+        assert_eq!(Refill::of_grant(0, 5), Refill::NONE);
+        assert_eq!(Refill::of_grant(1_000, 0), Refill::NONE);
+    }
+
+    /// A small deterministic generator (no dependency).
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
+    /// Against a reference bucket (level as a fraction, refilled
+    /// continuously): the word admits exactly what the reference admits,
+    /// and over every window of every history admits at most the level at
+    /// its start plus the rate times its length plus what was installed in
+    /// it; across the 40-bit wrap of the clock too.
+    #[test]
+    fn a_rate_lease_matches_a_reference_bucket_over_random_histories() {
+        for seed in 1..=300u64 {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let ns = 1 + next(&mut x) % (3 * MS);
+            let cap = 1 + next(&mut x) % 40;
+            let refill = Refill {
+                ns_per_token: ns,
+                capacity: cap,
+            };
+            let w = LeaseWord::new();
+            // Start close to a wrap of the 40-bit value for some seeds.
+            let mut now = if seed % 3 == 0 {
+                (1 << 40) - 50 * ns
+            } else {
+                10_000 * MS
+            };
+            let start_level = next(&mut x) % (cap + 1);
+            let deadline = now + (100_000 * ns).min(200_000 * MS);
+            w.install(deadline, refill, now, |_| start_level);
+            assert_eq!(w.refill(), refill, "seed {seed}: held as a rate lease");
+            // Reference: level in units of ns (tokens * ns), continuous.
+            let mut ref_level = u128::from(start_level) * u128::from(ns);
+            let span = u128::from(cap) * u128::from(ns);
+            let mut last = now;
+            let mut admitted: Vec<(u64, u64)> = Vec::new();
+            for _ in 0..400 {
+                now += next(&mut x) % (2 * ns + 1);
+                if now >= deadline {
+                    break;
+                }
+                ref_level = (ref_level + u128::from(now - last)).min(span);
+                last = now;
+                let cost = 1 + next(&mut x) % 3;
+                let want = u128::from(cost) * u128::from(ns);
+                let got = w.try_take(cost, now);
+                if ref_level >= want {
+                    ref_level -= want;
+                    assert!(
+                        matches!(got, Take::Taken { .. }),
+                        "seed {seed}: reference admits at {now}, word said {got:?}"
+                    );
+                    admitted.push((now, cost));
+                } else {
+                    assert!(
+                        matches!(got, Take::Short { .. }),
+                        "seed {seed}: reference denies at {now}, word said {got:?}"
+                    );
+                }
+                let floor = u64::try_from(ref_level / u128::from(ns)).unwrap();
+                assert_eq!(w.peek(now), Some(floor), "seed {seed} at {now}");
+            }
+            // Every window [a, b]: admitted <= capacity + (b - a) / ns + 1.
+            for i in 0..admitted.len() {
+                let mut sum = 0;
+                for &(t, c) in &admitted[i..] {
+                    sum += c;
+                    let bound = cap + (t - admitted[i].0) / ns;
+                    assert!(
+                        sum <= bound,
+                        "seed {seed}: {sum} admitted over a window allowing {bound}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn concurrent_takes_from_a_rate_lease_never_exceed_its_refill() {
+        use std::time::Instant;
+        let w = std::sync::Arc::new(LeaseWord::new());
+        let t0 = Instant::now();
+        let now = move || t0.elapsed().as_nanos() as u64 + 1_000 * MS;
+        // One token every 10 us, capacity 50, for 200 ms.
+        let refill = Refill {
+            ns_per_token: 10_000,
+            capacity: 50,
+        };
+        let start = now();
+        w.install(start + 200 * MS, refill, start, |_| 50);
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let w = w.clone();
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    loop {
+                        match w.try_take(1, now()) {
+                            Take::Taken { .. } => n += 1,
+                            Take::Short { .. } => std::hint::spin_loop(),
+                            Take::NoLease => return n,
+                        }
+                    }
+                })
+            })
+            .collect();
+        let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let end = w.deadline_ns();
+        let bound = 50 + (end - start) / 10_000;
+        assert!(total <= bound, "{total} taken, at most {bound} refilled");
+        assert!(total > 0);
     }
 }
 
@@ -810,7 +1286,7 @@ mod loom_tests {
     fn loom_takes_refunds_and_install() {
         loom::model(|| {
             let w = Arc::new(LeaseWord::new());
-            let (_, g1, _) = w.install(100, |_| 2);
+            let (_, g1, _) = w.install(100, Refill::NONE, 0, |_| 2);
             let taker = |w: Arc<LeaseWord>| {
                 thread::spawn(move || match w.try_take(1, 1) {
                     Take::Taken { .. } => 1u64,
@@ -822,17 +1298,54 @@ mod loom_tests {
             let w2 = w.clone();
             let c = thread::spawn(move || {
                 // Renewal carries the current remainder and adds 1 new token.
-                let (seen, _, new_tokens) = w2.install(200, |cur| cur + 1);
+                let (seen, _, new_tokens) = w2.install(200, Refill::NONE, 1, |cur| cur + 1);
                 (seen, new_tokens)
             });
             let ta = a.join().unwrap();
             let tb = b.join().unwrap();
             let (seen, new_tokens) = c.join().unwrap();
-            let (_, left) = w.load();
+            let (_, left) = w.load_raw();
             // Old lease: 2 tokens; the install saw `seen` of them still there and
             // carried them plus 1. Everything taken + left == 2 + 1.
             assert_eq!(ta + tb + left, 3, "seen {seen} new {new_tokens}");
             // The install replaced generation g1: a refund into it is dropped.
+            assert!(!w.refund(g1, 1));
+        });
+    }
+
+    /// The same race on a rate lease whose renewal changes its rate and
+    /// capacity: a taker (that refunds when it can) reads each generation's
+    /// own refill word, and nothing is taken that neither lease held.
+    #[test]
+    fn loom_rate_lease_take_refund_and_renewal() {
+        loom::model(|| {
+            let slow = Refill {
+                ns_per_token: 1_000,
+                capacity: 2,
+            };
+            let fast = Refill {
+                ns_per_token: 10,
+                capacity: 3,
+            };
+            let w = Arc::new(LeaseWord::new());
+            let (_, g1, _) = w.install(100_000, slow, 1, |_| 2);
+            let a = {
+                let w = w.clone();
+                thread::spawn(move || match w.try_take(1, 1) {
+                    // A refund lands only in the generation charged.
+                    Take::Taken { generation, .. } => u64::from(!w.refund(generation, 1)),
+                    _ => 0,
+                })
+            };
+            let w2 = w.clone();
+            let c = thread::spawn(move || w2.install(200_000, fast, 1, |cur| cur + 1));
+            let taken = a.join().unwrap();
+            let (_, g2, _) = c.join().unwrap();
+            let (g, left) = w.level_at(1);
+            assert_eq!(g, g2);
+            assert_eq!(w.refill(), fast);
+            // At the same instant nothing refilled: taken + left == 2 + 1.
+            assert_eq!(taken + left, 3);
             assert!(!w.refund(g1, 1));
         });
     }

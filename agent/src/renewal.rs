@@ -16,6 +16,15 @@
 //!   report spent tokens and carry the rest) before it lapses.
 //! * **Idle.** A key that consumed nothing for `idle_release` releases its
 //!   lease and is dropped from the table.
+//! * **Rates** (SPEC §2, "Leases may carry a rate"; with
+//!   [`PlanConfig::rate_leases`]). A key with a consumption history asks
+//!   for a rate of `1.25 x` its demand (admitted and denied), at most the
+//!   rule's; a cold key's first lease is tokens only. A lease that carries
+//!   a rate refills itself, so it is renewed only to refresh it before its
+//!   deadline, when requests wait for more than it holds, or when the
+//!   rate wanted moved by more than a quarter from the rate last asked for
+//!   (a holder held at its fair share below what it asks does not ask
+//!   again on every tick).
 
 use std::time::Duration;
 
@@ -30,6 +39,8 @@ pub struct PlanConfig {
     pub idle_release: Duration,
     /// EWMA time constant.
     pub ewma_tau: Duration,
+    /// Ask for leases that carry a rate (protocol 3).
+    pub rate_leases: bool,
 }
 
 impl Default for PlanConfig {
@@ -39,6 +50,7 @@ impl Default for PlanConfig {
             low_water: Duration::from_millis(100),
             idle_release: Duration::from_secs(10),
             ewma_tau: Duration::from_secs(1),
+            rate_leases: true,
         }
     }
 }
@@ -97,10 +109,12 @@ impl Usage {
 pub enum Plan {
     /// Nothing.
     Wait,
-    /// Renew (or open) the lease asking for `want` more tokens.
+    /// Renew (or open) the lease asking for `want` more tokens and a rate.
     Renew {
         /// New tokens wanted on top of what is held.
         want: u64,
+        /// Rate asked for, in micro-tokens per second (0: tokens only).
+        want_rate_utps: u64,
     },
     /// Give the lease back and forget the key.
     Release,
@@ -123,6 +137,33 @@ pub struct KeyNow {
     pub dry_until_ns: u64,
     /// A request for this key is in flight.
     pub in_flight: bool,
+    /// The rule's rate in micro-tokens per second.
+    pub rule_rate_utps: u64,
+    /// The held lease's rate (micro-tokens per second; 0: tokens only).
+    pub lease_rate_utps: u64,
+    /// The rate asked for in the last renewal (micro-tokens per second).
+    pub asked_rate_utps: u64,
+}
+
+/// Rate to ask for: `1.25 x` the demand, at most the rule's rate; 0 for
+/// a key without history (its first lease is tokens only) or when rates
+/// are off.
+pub fn rate_wanted(cfg: &PlanConfig, usage: &Usage, rule_rate_utps: u64) -> u64 {
+    if !cfg.rate_leases || usage.rate <= 0.0 {
+        return 0;
+    }
+    let want = (usage.rate * 1.25 * 1e6).ceil();
+    if want >= rule_rate_utps as f64 {
+        rule_rate_utps
+    } else {
+        (want as u64).max(1)
+    }
+}
+
+/// Whether `want` moved by more than a quarter from `asked`.
+fn moved(want: u64, asked: u64) -> bool {
+    let (lo, hi) = (want.min(asked), want.max(asked));
+    hi - lo > hi / 4
 }
 
 /// Decide for one key at `now_ns`.
@@ -135,9 +176,26 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
     if idle && k.waiting_cost == 0 {
         return Plan::Release;
     }
+    let rate_lease = k.lease_rate_utps > 0;
+    let lead = (4 * cfg.renew_interval.as_nanos() as u64).max(cfg.low_water.as_nanos() as u64);
+    let recently_active = usage
+        .last_active_ns
+        .saturating_add(2 * cfg.renew_interval.as_nanos() as u64)
+        >= now_ns;
     if now_ns < k.dry_until_ns {
-        return Plan::Wait;
+        // The allocator has nothing more before then; a rate lease still
+        // refreshes before it lapses (its refill would stop with it).
+        let refresh =
+            rate_lease && recently_active && k.valid && k.deadline_ns.saturating_sub(now_ns) < lead;
+        if !refresh {
+            return Plan::Wait;
+        }
     }
+    let want_rate_utps = rate_wanted(cfg, usage, k.rule_rate_utps);
+    let renew = |want: u64| Plan::Renew {
+        want,
+        want_rate_utps,
+    };
     let low_water = (usage.rate * cfg.low_water.as_secs_f64()).ceil() as u64;
     let horizon = 2.0 * cfg.low_water.as_secs_f64() + cfg.renew_interval.as_secs_f64();
     let target = (usage.rate * horizon).ceil() as u64;
@@ -151,29 +209,30 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
             0
         })
         .clamp(1, k.burst.max(1));
-    let recently_active = usage
-        .last_active_ns
-        .saturating_add(2 * cfg.renew_interval.as_nanos() as u64)
-        >= now_ns;
     if k.waiting_cost > 0 {
-        return Plan::Renew { want };
+        return renew(want);
     }
     if !k.valid {
         return if recently_active {
-            Plan::Renew { want }
+            renew(want)
         } else {
             Plan::Wait
         };
     }
-    if usage.rate > 0.0 && k.held <= low_water {
-        return Plan::Renew { want };
+    if !rate_lease && usage.rate > 0.0 && k.held <= low_water {
+        return renew(want);
+    }
+    // A rate lease refills itself: renew when the rate wanted moved.
+    if rate_lease && recently_active && moved(want_rate_utps, k.asked_rate_utps) {
+        return renew(0);
     }
     // Refresh an active lease before it lapses: report spent, carry the rest.
-    let lead = (4 * cfg.renew_interval.as_nanos() as u64).max(cfg.low_water.as_nanos() as u64);
     if recently_active && k.deadline_ns.saturating_sub(now_ns) < lead {
-        return Plan::Renew {
-            want: target.saturating_sub(k.held).min(k.burst),
-        };
+        return renew(if rate_lease {
+            0
+        } else {
+            target.saturating_sub(k.held).min(k.burst)
+        });
     }
     Plan::Wait
 }
@@ -193,6 +252,9 @@ mod tests {
             waiting_cost: 0,
             dry_until_ns: 0,
             in_flight: false,
+            rule_rate_utps: 1_000 * 1_000_000,
+            lease_rate_utps: 0,
+            asked_rate_utps: 0,
         }
     }
 
@@ -214,7 +276,10 @@ mod tests {
         k.waiting_cost = 1;
         assert_eq!(
             plan(&cfg, &Usage::default(), k, MS),
-            Plan::Renew { want: 6 }
+            Plan::Renew {
+                want: 6,
+                want_rate_utps: 0
+            }
         );
     }
 
@@ -234,7 +299,10 @@ mod tests {
         // horizon 250 ms -> 125 wanted, minus 40 held, clamped to the burst.
         assert_eq!(
             plan(&cfg, &u, key(40), 1_000 * MS),
-            Plan::Renew { want: 85 }
+            Plan::Renew {
+                want: 85,
+                want_rate_utps: 625 * 1_000_000
+            }
         );
     }
 
@@ -257,5 +325,59 @@ mod tests {
         let mut busy = key(5);
         busy.in_flight = true;
         assert_eq!(plan(&cfg, &u, busy, 1_000 * MS), Plan::Wait);
+    }
+
+    #[test]
+    fn a_rate_lease_renews_to_refresh_or_when_its_rate_moves() {
+        let cfg = PlanConfig::default();
+        let u = Usage {
+            rate: 400.0,
+            admitted_rate: 400.0,
+            denied_since_tick: 0,
+            last_active_ns: 1_000 * MS,
+            last_tick_ns: 1_000 * MS,
+            since_tick: 0,
+        };
+        // Wanted: 1.25 x 400 = 500/s.
+        let mut k = key(3);
+        k.lease_rate_utps = 480 * 1_000_000;
+        k.asked_rate_utps = 500 * 1_000_000;
+        // Few tokens held do not matter: it refills.
+        assert_eq!(plan(&cfg, &u, k, 1_000 * MS), Plan::Wait);
+        // Granted less than asked (a fair share): still no renewal.
+        k.lease_rate_utps = 100 * 1_000_000;
+        assert_eq!(plan(&cfg, &u, k, 1_000 * MS), Plan::Wait);
+        // Demand moved by more than a quarter: ask again, for no tokens.
+        k.asked_rate_utps = 350 * 1_000_000;
+        assert_eq!(
+            plan(&cfg, &u, k, 1_000 * MS),
+            Plan::Renew {
+                want: 0,
+                want_rate_utps: 500 * 1_000_000
+            }
+        );
+        k.asked_rate_utps = 500 * 1_000_000;
+        // The allocator said it has nothing for a day: no renewal...
+        k.dry_until_ns = 86_400_000 * MS;
+        k.asked_rate_utps = 350 * 1_000_000;
+        assert_eq!(plan(&cfg, &u, k, 1_000 * MS), Plan::Wait);
+        k.asked_rate_utps = 500 * 1_000_000;
+        // ...but near its deadline a rate lease refreshes, dry or not (a
+        // lease of tokens waits).
+        k.deadline_ns = 1_100 * MS;
+        assert!(matches!(plan(&cfg, &u, k, 1_000 * MS), Plan::Renew { .. }));
+        let mut tokens_only = k;
+        tokens_only.lease_rate_utps = 0;
+        assert_eq!(plan(&cfg, &u, tokens_only, 1_000 * MS), Plan::Wait);
+        k.dry_until_ns = 0;
+        // The rule caps the rate; without rates nothing is asked.
+        k.rule_rate_utps = 200 * 1_000_000;
+        assert_eq!(rate_wanted(&cfg, &u, k.rule_rate_utps), 200 * 1_000_000);
+        let off = PlanConfig {
+            rate_leases: false,
+            ..cfg
+        };
+        assert_eq!(rate_wanted(&off, &u, k.rule_rate_utps), 0);
+        assert_eq!(rate_wanted(&cfg, &Usage::default(), k.rule_rate_utps), 0);
     }
 }

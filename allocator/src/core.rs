@@ -102,6 +102,8 @@ pub struct Stats {
     pub grants: u64,
     /// New tokens leased out.
     pub tokens_granted: u64,
+    /// New versions of leases that carry a rate.
+    pub rate_grants: u64,
     /// Tokens carried from renewed leases.
     pub tokens_carried: u64,
     /// Releases applied.
@@ -650,6 +652,9 @@ impl AllocatorCore {
         if g.fresh > 0 {
             self.stats.grants += 1;
             self.stats.tokens_granted += g.fresh;
+        }
+        if g.capacity > 0 && g.lease_id != 0 {
+            self.stats.rate_grants += 1;
         }
         self.stats.tokens_carried += g.carried;
         Grant {

@@ -726,7 +726,15 @@ impl KeyLedger {
                             one.min(p.retry_ms.max(1)),
                             p.retry_ms.max(POOL_ECONOMY_WAIT_MS),
                         ),
-                        None => (one, ECONOMY_WAIT_MS),
+                        // The root: while rates are lent out, the holders'
+                        // buckets refill the rest of `R` and their versions
+                        // come back when they expire, so a token is never
+                        // further than the rule's own rate makes it (a
+                        // `1/d` rule with its rate lent told a week).
+                        None => (
+                            one.min(self.available.wait_ms(self.rate, avail - fresh + 1).max(1)),
+                            ECONOMY_WAIT_MS,
+                        ),
                     };
                     let economy = self
                         .available

@@ -564,6 +564,7 @@ impl World {
             plan: PlanConfig {
                 renew_interval: Duration::from_millis(sc.renew_interval_ms),
                 low_water: Duration::from_millis(sc.low_water_ms),
+                rate_leases: sc.agent_rates,
                 ..PlanConfig::default()
             },
             fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),

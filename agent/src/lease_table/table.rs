@@ -511,7 +511,7 @@ mod tests {
                                 Some(s) => {
                                     hits += 1;
                                     assert_eq!(s.tenant(), k);
-                                    let _ = s.word.load();
+                                    let _ = s.word.load_raw();
                                     if x.is_multiple_of(7) {
                                         drop(s.to_owned());
                                     }
@@ -585,7 +585,7 @@ mod tests {
                             let k = key(i);
                             if let Some(s) = t.get(&Lookup(KeyRef::new("r", &k, ""))) {
                                 assert_eq!(s.tenant(), k);
-                                let _ = s.word.load();
+                                let _ = s.word.load_raw();
                                 let owned = s.to_owned();
                                 assert_eq!(owned.tenant(), k);
                                 if kept.len() < 64 {
@@ -693,7 +693,7 @@ mod tests {
                 done_rx.recv().unwrap();
                 for (i, s) in borrowed.iter().enumerate() {
                     assert_eq!(s.tenant(), key(i));
-                    let _ = s.word.load();
+                    let _ = s.word.load_raw();
                     // Still a slot with a handle: the table's (retired,
                     // not yet released) and ours.
                     assert!(s.refs.load(Ordering::Relaxed) >= 2);

@@ -197,7 +197,11 @@ impl StreamChecker {
         }
         // Round up to whole tokens (positive = broken).
         let f = self.best_fine;
-        let excess = if f > 0 { (f + FINE - 1) / FINE } else { f / FINE };
+        let excess = if f > 0 {
+            (f + FINE - 1) / FINE
+        } else {
+            f / FINE
+        };
         Worst {
             excess: excess.clamp(i64::MIN as i128, i64::MAX as i128) as i64,
             ..self.best
@@ -300,7 +304,8 @@ mod tests {
                     .map(|(_, s)| s.2)
                     .max()
                     .unwrap_or(rate_at(a[i].0).2);
-                let fine = sum * i128::from(SEC) - refill(a[i].0, a[j].0)
+                let fine = sum * i128::from(SEC)
+                    - refill(a[i].0, a[j].0)
                     - i128::from(b_max) * i128::from(SEC);
                 worst = worst.max(fine);
             }

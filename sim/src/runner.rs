@@ -13,12 +13,31 @@ use crate::world::{KeyStats, Outcome, World};
 
 const SEC: u64 = 1_000_000_000;
 
-/// Run every variant of `sc` with `seed`.
+/// Run every variant of `sc` with `seed` (and, if it judges liveness, the
+/// reference run of each, [`crate::liveness::reference`]).
 pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
     sc.runs()
         .iter()
-        .map(|v| World::new(sc.clone(), v, seed).map(World::run))
+        .map(|v| {
+            let mut o = World::new(sc.clone(), v, seed)?.run();
+            with_reference(sc, v, seed, &mut o)?;
+            Ok(o)
+        })
         .collect()
+}
+
+/// Attach the reference run to `o` when `sc` judges liveness.
+fn with_reference(
+    sc: &Scenario,
+    v: &crate::scenario::Variant,
+    seed: u64,
+    o: &mut Outcome,
+) -> Result<(), String> {
+    if sc.liveness {
+        let r = World::new(crate::liveness::reference(sc), v, seed)?.run();
+        o.reference = Some(Box::new(r));
+    }
+    Ok(())
 }
 
 /// [`run_all`], printing a progress line to stderr every 10 simulated
@@ -36,14 +55,16 @@ pub fn run_all_with_progress(
         } else {
             format!("{}/{}", sc.name, v.name)
         };
-        out.push(w.run_with_progress(10 * SEC, |t, end| {
+        let mut o = w.run_with_progress(10 * SEC, |t, end| {
             eprintln!(
                 "{name}: seed {seed}: {} / {} simulated s ({:.1} s wall)",
                 t / SEC,
                 end / SEC,
                 started.elapsed().as_secs_f64()
             );
-        }));
+        });
+        with_reference(sc, &v, seed, &mut o)?;
+        out.push(o);
     }
     Ok(out)
 }
@@ -484,10 +505,13 @@ pub fn swarm_report(run: &SwarmRun, replay: &str) -> Report {
             Err(why) => live.push(format!("- {}: {why}", o.name)),
             Ok(keys) => live.extend(keys.iter().map(|(k, l)| {
                 format!(
-                    "- {}: key {k}: requested {}, admitted {} of a target of {:.0}: {:.1}%{}",
+                    "- {}: key {k}: requested {}, admitted {}{} of a target of {:.0}: {:.1}%{}",
                     o.name,
                     l.requested,
                     l.admitted,
+                    l.reference.map_or(String::new(), |r| format!(
+                        " (the reference run without the faults that heal: {r})"
+                    )),
                     l.target,
                     l.ratio * 100.0,
                     if l.held() { "" } else { " (BROKEN)" }

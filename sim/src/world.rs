@@ -314,6 +314,10 @@ pub struct Outcome {
     pub live_from_ns: Option<u64>,
     /// `TTL_max` (ns).
     pub ttl_max_ns: u64,
+    /// The run of [`liveness::reference`] with the same seed, when
+    /// liveness is judged: what the deployment admits without the faults
+    /// that heal.
+    pub reference: Option<Box<Outcome>>,
 }
 
 impl Outcome {
@@ -335,18 +339,27 @@ impl Outcome {
             .iter()
             .filter(|k| k.quality.is_some())
             .map(|k| {
-                let (mut req, mut ok) = (0, 0);
-                for &(r, a) in k
-                    .live_per_second
-                    .iter()
-                    .take(end_s as usize)
-                    .skip(from_s as usize)
-                {
-                    req += r;
-                    ok += a;
-                }
+                let window = |k: &KeyStats| {
+                    let (mut req, mut ok) = (0, 0);
+                    for &(r, a) in k
+                        .live_per_second
+                        .iter()
+                        .take(end_s as usize)
+                        .skip(from_s as usize)
+                    {
+                        req += r;
+                        ok += a;
+                    }
+                    (req, ok)
+                };
+                let (req, ok) = window(k);
+                let reference = self.reference.as_ref().map(|r| {
+                    r.keys
+                        .binary_search_by(|x| x.key.cmp(&k.key))
+                        .map_or(0, |i| window(&r.keys[i]).1)
+                });
                 let name = format!("{}/{}/{}", k.key.rule, k.key.tenant, k.key.route);
-                (name, liveness::judge(req, ok, k.rate, window_ns))
+                (name, liveness::judge(req, ok, k.rate, window_ns, reference))
             })
             .collect())
     }
@@ -848,7 +861,9 @@ impl World {
         let (batch, parent) = match node {
             Node::Agent(i) => {
                 let n = &mut self.agents[i as usize];
-                let Some(agent) = n.agent.as_ref() else { return };
+                let Some(agent) = n.agent.as_ref() else {
+                    return;
+                };
                 n.clock_cell.set(n.clock.local(t));
                 (agent.core().shutdown(), n.parent)
             }
@@ -1309,8 +1324,11 @@ impl World {
     /// so far (one still lagging counts for this key too).
     fn checker_for(&self, id: &str, rate: Rate, burst: u64) -> StreamChecker {
         let lag = self.sc.rule_change_lag_ns();
-        let changes: Vec<&(u64, RuleChange)> =
-            self.rule_history.iter().filter(|(_, c)| c.rule == id).collect();
+        let changes: Vec<&(u64, RuleChange)> = self
+            .rule_history
+            .iter()
+            .filter(|(_, c)| c.rule == id)
+            .collect();
         let Some(first) = changes.first() else {
             return StreamChecker::new(rate, burst);
         };
@@ -1474,6 +1492,7 @@ impl World {
             tier_notes,
             live_from_ns: self.sc.liveness.then(|| self.sc.live_from_ns()),
             ttl_max_ns: self.sc.ttl_max_ms * 1_000_000,
+            reference: None,
         }
     }
 }

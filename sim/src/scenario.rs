@@ -1251,6 +1251,65 @@ scale: 0.1
     }
 
     #[test]
+    fn new_fault_kinds_parse_and_errors_name_the_field() {
+        let with = |faults: &str| GOOD.replace("  clock_drift_ppm: 500\n", faults);
+        let good = with(
+            "  clock_drift_ppm: 500
+  storms:
+    - { at_s: 3, for_s: 2, link: regional_global, net: { median_ms: 40, p99_ms: 400, loss: 0.2 } }
+  suspends:
+    - { at_s: 4, for_s: 1.5, node: region/1 }
+  shutdowns:
+    - { at_s: 5, node: agent/3, restart_after_s: 1 }
+    - { at_s: 6, node: region/0 }
+  rule_changes:
+    - { at_s: 7, rule: hot, rate: 1500/s, burst: 300 }
+  sweep_every_s: 0.5
+",
+        );
+        let sc = Scenario::parse(&good, "good.yaml").unwrap();
+        assert_eq!(sc.storms()[0].from_ns, 3_000_000_000);
+        assert!(sc.storms()[0].regional_global);
+        assert_eq!(
+            sc.suspends(),
+            vec![(Node::Regional(1), 4_000_000_000, 5_500_000_000)]
+        );
+        assert_eq!(sc.shutdowns()[0].restart_ns, Some(6_000_000_000));
+        assert_eq!(sc.shutdowns()[1].restart_ns, None);
+        assert_eq!(sc.rule_changes()[0].rate.tokens, 1500);
+        // The last to heal: the crash of agent/15 restarts at 15 s; the
+        // rule change at 7 s is in force everywhere a TTL_max later.
+        assert_eq!(sc.heal_ns(), 15_000_000_000);
+        let bad = with(
+            "  storms:
+    - { at_s: 3, for_s: 40, link: wan, net: { loss: 2 } }
+  suspends:
+    - { at_s: 4, for_s: 0, node: agent/99 }
+  shutdowns:
+    - { at_s: 5, node: global }
+  rule_changes:
+    - { at_s: 7, rule: nope, rate: 5/y, burst: 0 }
+  sweep_every_s: 0
+",
+        );
+        let e = Scenario::parse(&bad, "bad.yaml").unwrap_err();
+        for want in [
+            "bad.yaml: faults.storms[0].for_s: ends at 43 s, after the run",
+            "bad.yaml: faults.storms[0].link: must be agent_parent or regional_global",
+            "bad.yaml: faults.storms[0].net.loss: must be a probability",
+            "bad.yaml: faults.suspends[0].for_s: must be > 0",
+            "bad.yaml: faults.suspends[0].node: \"agent/99\" does not exist",
+            "bad.yaml: faults.shutdowns[0].node: the global allocator has no graceful shutdown",
+            "bad.yaml: faults.rule_changes[0].rule: no rule \"nope\"",
+            "bad.yaml: faults.rule_changes[0].rate:",
+            "bad.yaml: faults.rule_changes[0].burst: must be >= 1",
+            "bad.yaml: faults.sweep_every_s: must be > 0",
+        ] {
+            assert!(e.contains(want), "missing {want:?} in:\n{e}");
+        }
+    }
+
+    #[test]
     fn shipped_scenarios_load() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
         let mut files: Vec<_> = std::fs::read_dir(&dir)

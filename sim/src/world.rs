@@ -768,6 +768,9 @@ impl World {
             Event::Tick(n) | Event::Timeout { node: n, .. } => Some(*n),
             Event::Deliver { to, .. } => Some(*to),
             Event::Recheck { agent, .. } => Some(Node::Agent(*agent)),
+            // SIGTERM is handled when the machine wakes (a power loss,
+            // `Crash`, is not).
+            Event::Shutdown(n) => Some(*n),
             _ => None,
         };
         if let Some(node) = target {

@@ -62,6 +62,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     if !(args.scale > 0.0 && args.scale <= 1.0) {
         bail!("--scale {}: must be in (0, 1]", args.scale);
     }
+    if args.scale < 1.0 && args.scenario.is_none() {
+        bail!(
+            "--scale {}: needs --scenario (the built-in swarm bases are already small)",
+            args.scale
+        );
+    }
     let scale = if args.scale < 1.0 {
         format!(" --scale {}", args.scale)
     } else {

@@ -405,6 +405,23 @@ mod tests {
     }
 
     #[test]
+    fn a_storm_replaces_its_kind_of_link_while_it_lasts() {
+        let storm = Storm {
+            from_ns: 10,
+            until_ns: 20,
+            regional_global: false,
+            spec: spec(50.0, 50.0, 1.0, 0.0),
+        };
+        let mut net = Net::new(cfg(spec(1.0, 1.0, 0.0, 0.0)), Vec::new(), SimRng::new(1))
+            .with_storms(&[storm]);
+        let (a, g, r) = (Node::Agent(0), Node::Global, Node::Regional(0));
+        assert_eq!(net.deliveries(5, a, g).as_slice(), &[1_000_005]);
+        assert!(net.deliveries(15, a, g).is_empty(), "all lost in the storm");
+        assert_eq!(net.deliveries(15, r, g).as_slice(), &[1_000_015]);
+        assert_eq!(net.deliveries(20, g, a).as_slice(), &[1_000_020]);
+    }
+
+    #[test]
     fn node_names_round_trip() {
         for n in [Node::Global, Node::Regional(3), Node::Agent(299)] {
             assert_eq!(Node::parse(&n.to_string()), Ok(n));

@@ -116,3 +116,93 @@ fn liveness_needs_room_to_judge() {
         "{e}"
     );
 }
+
+/// The global allocator's count of tokens released, from its report line.
+fn released(o: &quotalease_sim::world::Outcome) -> u64 {
+    let line = o
+        .tier_notes
+        .iter()
+        .find(|n| n.starts_with("global:"))
+        .expect("the global allocator reports");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let i = words
+        .iter()
+        .position(|w| w.starts_with("released"))
+        .expect("a released count");
+    words[i - 1].parse().expect("a number")
+}
+
+#[test]
+fn faults_take_effect() {
+    // A graceful shutdown goes through the agent core's shutdown path: its
+    // leases come back to the allocator as a release.
+    let plain = run_all(&flat_with(|_| {}), 4).expect("runs");
+    let shut = run_all(
+        &flat_with(|sc| {
+            sc.faults.shutdowns.push(CrashSpec {
+                at_s: 6.0,
+                node: "agent/0".into(),
+                restart_after_s: Some(1.0),
+            })
+        }),
+        4,
+    )
+    .expect("runs");
+    assert!(shut[0].failures().is_empty(), "{:?}", shut[0].failures());
+    assert!(
+        released(&shut[0]) > released(&plain[0]),
+        "{} vs {}",
+        released(&shut[0]),
+        released(&plain[0])
+    );
+    // A suspended agent's gateway answers nothing while it sleeps.
+    let slept = run_all(
+        &flat_with(|sc| {
+            sc.faults
+                .suspends
+                .push(quotalease_sim::scenario::SuspendSpec {
+                    at_s: 6.0,
+                    for_s: 2.0,
+                    node: "agent/1".into(),
+                })
+        }),
+        4,
+    )
+    .expect("runs");
+    assert!(slept[0].failures().is_empty(), "{:?}", slept[0].failures());
+    // A rule change reaches the allocator: the hot key follows the new
+    // rate (500/s from 1000/s) once the old leases are gone.
+    let changed = run_all(
+        &flat_with(|sc| {
+            sc.faults
+                .rule_changes
+                .push(quotalease_sim::scenario::RuleChangeSpec {
+                    at_s: 6.0,
+                    rule: "hot".into(),
+                    rate: "500/s".into(),
+                    burst: 100,
+                })
+        }),
+        4,
+    )
+    .expect("runs");
+    assert!(
+        changed[0].failures().is_empty(),
+        "{:?}",
+        changed[0].failures()
+    );
+    let live = changed[0].liveness_from(10_000_000_000).expect("judged");
+    let hot = &live.iter().find(|(k, _)| k.starts_with("hot/")).unwrap().1;
+    let window_s = 14.0;
+    assert!(
+        (hot.admitted as f64) <= 500.0 * window_s + 100.0
+            && hot.admitted as f64 >= 0.95 * 500.0 * window_s,
+        "{hot:?}"
+    );
+    assert!(
+        slept[0].unavailable > plain[0].unavailable + 500,
+        "{} vs {}",
+        slept[0].unavailable,
+        plain[0].unavailable
+    );
+}

@@ -13,7 +13,7 @@
 //! - its rule's rate times the window, `R * T` (the rate in force after
 //!   the last rule change);
 //! - what the same deployment admits over the same window without the
-//!   faults that heal: the [`reference`] run, same seed (same arrivals,
+//!   faults that heal: the [`reference()`] run, same seed (same arrivals,
 //!   same clocks), with the final rules from the start and the nodes that
 //!   never come back gone from the start. Recovery is judged against what
 //!   the deployment can do, not against a quality figure it may miss

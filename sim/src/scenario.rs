@@ -864,8 +864,21 @@ impl Scenario {
                 }
             }
         }
-        for (i, c) in self.faults.crashes.iter().enumerate() {
-            let at = format!("faults.crashes[{i}]");
+        // Crashes and graceful shutdowns: when, which node, the restart.
+        let downs = self
+            .faults
+            .crashes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (format!("faults.crashes[{i}]"), c, true))
+            .chain(
+                self.faults
+                    .shutdowns
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (format!("faults.shutdowns[{i}]"), c, false)),
+            );
+        for (at, c, global_ok) in downs {
             if !nonneg(c.at_s) || (pos(self.duration_s) && c.at_s >= self.duration_s) {
                 err(
                     &format!("{at}.at_s"),
@@ -875,8 +888,13 @@ impl Scenario {
                     ),
                 );
             }
-            if let Err(r) = node_ok(&c.node) {
-                err(&format!("{at}.node"), r);
+            match node_ok(&c.node) {
+                Err(r) => err(&format!("{at}.node"), r),
+                Ok(Node::Global) if !global_ok => err(
+                    &format!("{at}.node"),
+                    "the global allocator has no graceful shutdown to model (its state is durable): use crashes".into(),
+                ),
+                Ok(_) => {}
             }
             if let Some(r) = c.restart_after_s {
                 if !pos(r) {
@@ -929,34 +947,6 @@ impl Scenario {
             }
             if let Err(r) = node_ok(&su.node) {
                 err(&format!("{at}.node"), r);
-            }
-        }
-        for (i, c) in self.faults.shutdowns.iter().enumerate() {
-            let at = format!("faults.shutdowns[{i}]");
-            if !nonneg(c.at_s) || (pos(self.duration_s) && c.at_s >= self.duration_s) {
-                err(
-                    &format!("{at}.at_s"),
-                    format!(
-                        "must be >= 0 and within the run (duration_s {}), got {}",
-                        self.duration_s, c.at_s
-                    ),
-                );
-            }
-            match node_ok(&c.node) {
-                Err(r) => err(&format!("{at}.node"), r),
-                Ok(Node::Global) => err(
-                    &format!("{at}.node"),
-                    "the global allocator has no graceful shutdown to model (its state is durable): use crashes".into(),
-                ),
-                Ok(_) => {}
-            }
-            if let Some(r) = c.restart_after_s {
-                if !pos(r) {
-                    err(
-                        &format!("{at}.restart_after_s"),
-                        format!("must be > 0, got {r}"),
-                    );
-                }
             }
         }
         for (i, c) in self.faults.rule_changes.iter().enumerate() {

@@ -11,6 +11,11 @@
 //! timeouts) are scheduled in true time; the drift only changes what the
 //! cores read, which is what a drifting crystal does.
 //!
+//! Faults: cuts and storms live in [`Net`]; crashes, graceful shutdowns
+//! (the cores' own `shutdown`), suspends (a sleeping node handles nothing
+//! until it wakes, its clock counting on), rule changes (`set_rules` on the
+//! global allocator) and housekeeping sweeps are events here.
+//!
 //! Determinism: events are ordered by (time, insertion number); every map
 //! that is iterated is a `BTreeMap` or a `Vec`; random draws come from
 //! [`SimRng`] streams forked per purpose. Same seed and build, same bytes.
@@ -22,7 +27,9 @@
 //!   (I2 can only change at such events: between them, refill is capped at
 //!   `B - outstanding` and expiries only lower `outstanding`);
 //! - I3 for fail-open keys: the excess against the sum over the emergency
-//!   buckets the agents opened of `b_e + r_e * T`.
+//!   buckets the agents opened of `b_e + r_e * T`;
+//! - liveness, when the scenario asks ([`crate::liveness`]), from the
+//!   per-second demand and `OK` admissions of the tracked keys.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};

@@ -30,7 +30,7 @@ use quotalease_model::rules::Rate;
 /// least `10 x TTL_max` long and starts `3 x TTL_max` after the last fault
 /// healed, so a recovered deployment is back to what it does without those
 /// faults; 95% leaves room for the noise between two runs that differ in
-/// their message and refill timing (the lowest ratio over a 600-seed sweep
+/// their message and refill timing (the lowest ratio over a 1000-seed sweep
 /// was 97.3%), and none for a partial recovery (a region still starved
 /// costs its share of the rate, a third or half of it in the bases).
 pub const THRESHOLD: f64 = 0.95;

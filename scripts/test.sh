@@ -74,6 +74,9 @@ sweep small-burst 0.1 1..10
 sweep small-burst-below-rate 0.1 1..10
 sweep small-burst-flash 0.1 1..10
 
+log "simulator: swarm sweep (a fault plan per seed, liveness after the faults heal)"
+"$sim" sim --swarm --seeds 1..100
+
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -273,6 +273,7 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
             renew_interval: args.renew_interval,
             low_water: args.low_water,
             idle_release: args.idle_release,
+            rate_leases: args.rate_leases,
             ..PlanConfig::default()
         },
         fetch_timeout: args.fetch_timeout,

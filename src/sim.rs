@@ -1,5 +1,7 @@
 //! `quotalease sim`: one deterministic run with a report, or a seed sweep
-//! that names every failing seed with the command that replays it.
+//! that names every failing seed with the command that replays it; with
+//! `--swarm`, every seed draws its own fault plan (sim/src/swarm.rs) and
+//! liveness is judged after the faults heal.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -12,9 +14,15 @@ use quotalease_sim::scenario::Scenario;
 /// `quotalease sim` flags.
 #[derive(Args, Debug)]
 pub struct SimArgs {
-    /// Scenario file (see sim/scenarios/).
+    /// Scenario file (see sim/scenarios/); optional with --swarm (a
+    /// built-in small base is used).
+    #[arg(long, required_unless_present = "swarm")]
+    scenario: Option<PathBuf>,
+    /// Swarm mode: each seed draws a fault plan on top of the scenario
+    /// (or a built-in base), prints it, and liveness is checked after the
+    /// faults heal.
     #[arg(long)]
-    scenario: PathBuf,
+    swarm: bool,
     /// Seed of the run.
     #[arg(long, default_value_t = 1, conflicts_with = "seeds")]
     seed: u64,
@@ -54,14 +62,38 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     if !(args.scale > 0.0 && args.scale <= 1.0) {
         bail!("--scale {}: must be in (0, 1]", args.scale);
     }
-    let mut sc = Scenario::load(&args.scenario).map_err(|e| anyhow!("{e}"))?;
-    if args.scale < 1.0 {
-        sc = sc.scaled(args.scale);
+    if args.scale < 1.0 && args.scenario.is_none() {
+        bail!(
+            "--scale {}: needs --scenario (the built-in swarm bases are already small)",
+            args.scale
+        );
     }
     let scale = if args.scale < 1.0 {
         format!(" --scale {}", args.scale)
     } else {
         String::new()
+    };
+    let base = match &args.scenario {
+        Some(path) => {
+            let sc = Scenario::load(path).map_err(|e| anyhow!("{e}"))?;
+            Some(if args.scale < 1.0 {
+                sc.scaled(args.scale)
+            } else {
+                sc
+            })
+        }
+        None => None,
+    };
+    if args.swarm {
+        let scenario = args
+            .scenario
+            .as_ref()
+            .map(|p| format!(" --scenario {}", p.display()))
+            .unwrap_or_default();
+        return swarm(&args, base.as_ref(), &format!("{scenario}{scale}"));
+    }
+    let (Some(sc), Some(path)) = (base, &args.scenario) else {
+        bail!("--scenario FILE is required without --swarm");
     };
     let started = Instant::now();
     match args.seeds {
@@ -90,7 +122,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 println!(
                     "FAILED seed {}: replay: quotalease sim --scenario {} --seed {}{scale} --out sim-out",
                     f.seed,
-                    args.scenario.display(),
+                    path.display(),
                     f.seed
                 );
                 for w in &f.what {
@@ -108,6 +140,70 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 Ok(())
             } else {
                 bail!("{}: {} seed(s) failed", sc.name, failed.len())
+            }
+        }
+    }
+}
+
+/// `--swarm`: one seed (plan on stdout, report in `--out`) or a sweep (one
+/// line per seed on stdout, the plan and the failures of failing ones; the
+/// wall time on stderr, so stdout is the same bytes for the same seeds).
+fn swarm(args: &SimArgs, base: Option<&Scenario>, flags: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let replay = |seed: u64| format!("quotalease sim --swarm{flags} --seed {seed} --out sim-out");
+    match args.seeds {
+        None => {
+            let run = runner::swarm_run(base, args.seed).map_err(|e| anyhow!("{e}"))?;
+            let report = runner::swarm_report(&run, &replay(args.seed));
+            std::fs::create_dir_all(&args.out)
+                .map_err(|e| anyhow!("--out {}: {e}", args.out.display()))?;
+            quotalease_sim::report::write(&report, &args.out)
+                .map_err(|e| anyhow!("--out {}: {e}", args.out.display()))?;
+            print!("{}", run.plan.yaml);
+            println!("{}", run.summary());
+            println!("report in {}", args.out.join("report.md").display());
+            let failures = run.failures();
+            for f in &failures {
+                println!("  FAILED {f}");
+            }
+            eprintln!("({:.1} s wall)", started.elapsed().as_secs_f64());
+            if failures.is_empty() {
+                Ok(())
+            } else {
+                bail!("swarm seed {} failed", args.seed)
+            }
+        }
+        Some((a, b)) => {
+            let mut failed = Vec::new();
+            for seed in a..=b {
+                let run = runner::swarm_run(base, seed).map_err(|e| anyhow!("{e}"))?;
+                println!("{}", run.summary());
+                let failures = run.failures();
+                if !failures.is_empty() {
+                    println!("FAILED seed {seed}: replay: {}", replay(seed));
+                    for f in &failures {
+                        println!("  {f}");
+                    }
+                    for line in run.plan.yaml.lines() {
+                        println!("  | {line}");
+                    }
+                    failed.push(seed);
+                }
+            }
+            let total = b - a + 1;
+            println!(
+                "swarm: {} passed, {} failed",
+                total - failed.len() as u64,
+                failed.len()
+            );
+            eprintln!(
+                "swarm: seeds {a}..{b} in {:.1} s wall",
+                started.elapsed().as_secs_f64()
+            );
+            if failed.is_empty() {
+                Ok(())
+            } else {
+                bail!("swarm: {} seed(s) failed: {failed:?}", failed.len())
             }
         }
     }

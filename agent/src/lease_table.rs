@@ -169,15 +169,37 @@ fn level(value: u64, refill: Refill, now_ns: u64) -> u64 {
     }
 }
 
-/// The `value` that stands for `tokens` at `now` under `refill` (at most
-/// the capacity of a rate lease).
+/// Nanoseconds of refill a rate lease's `value` holds beyond its whole
+/// tokens at `now` (0 for a lease of tokens, or a full bucket).
 #[inline]
-fn value_of(tokens: u64, refill: Refill, now_ns: u64) -> u64 {
+fn part_ns(value: u64, refill: Refill, now_ns: u64) -> u64 {
+    if refill.ns_per_token == 0 {
+        return 0;
+    }
+    let span = refill.capacity * refill.ns_per_token;
+    let owed = debt(value, now_ns);
+    if owed == 0 {
+        0
+    } else {
+        (span - owed.min(span)) % refill.ns_per_token
+    }
+}
+
+/// The `value` that stands for `tokens` at `now` under `refill` (at most
+/// the capacity of a rate lease), plus `part` of a token of refill under
+/// way (ns of `refill`; dropped when the bucket is full).
+#[inline]
+fn value_of(tokens: u64, refill: Refill, now_ns: u64, part: u64) -> u64 {
     if refill.ns_per_token == 0 {
         tokens.min(TOKEN_MASK)
     } else {
         let missing = refill.capacity - tokens.min(refill.capacity);
-        now_ns.wrapping_add(missing * refill.ns_per_token) & TOKEN_MASK
+        let owed = (missing * refill.ns_per_token).saturating_sub(if missing > 0 {
+            part.min(refill.ns_per_token - 1)
+        } else {
+            0
+        });
+        now_ns.wrapping_add(owed) & TOKEN_MASK
     }
 }
 
@@ -413,14 +435,27 @@ impl LeaseWord {
             Refill::NONE
         };
         self.swap(deadline_ns, |g, value| {
-            let old = level(value, self.refill_of(g), now_ns);
+            let old_refill = self.refill_of(g);
+            let old = level(value, old_refill, now_ns);
             let new = level_from(old);
             let new = if refill.is_rate() {
                 new.min(refill.capacity)
             } else {
                 new.min(TOKEN_MASK)
             };
-            (old, value_of(new, refill, now_ns), refill, new)
+            // The part of a token refilled so far carries over, as the same
+            // fraction of a token at the new rate (rounded down): renewals
+            // every few ms would otherwise lose up to a token each (a
+            // fifth of the rate at one renewal per two tokens' time).
+            let part = if refill.is_rate() && old_refill.is_rate() {
+                let p = u128::from(part_ns(value, old_refill, now_ns));
+                let scaled =
+                    p * u128::from(refill.ns_per_token) / u128::from(old_refill.ns_per_token);
+                u64::try_from(scaled).unwrap_or(0)
+            } else {
+                0
+            };
+            (old, value_of(new, refill, now_ns, part), refill, new)
         })
     }
 
@@ -1131,6 +1166,44 @@ mod tests {
         w.install(t0 + 3_000 * MS, Refill::NONE, t0 + 1_000 * MS, |cur| cur);
         assert_eq!(w.peek(t0 + 2_500 * MS), Some(3));
         assert_eq!(w.retire(t0 + 2_500 * MS).0, 3);
+    }
+
+    /// Renewals every half token must not lose the half: the part of a
+    /// token refilled so far carries over (as the same fraction at a new
+    /// rate), and never as more.
+    #[test]
+    fn a_renewal_keeps_the_part_of_a_token_refilled_so_far() {
+        let w = LeaseWord::new();
+        let t0 = 5_000 * MS;
+        w.install(t0 + 1_000 * MS, per_ms(10), t0, |_| 0);
+        let mut t = t0;
+        let mut taken = 0;
+        for _ in 0..100 {
+            t += MS / 2;
+            w.install(t + 1_000 * MS, per_ms(10), t, |cur| cur);
+            while let Take::Taken { .. } = w.try_take(1, t) {
+                taken += 1;
+            }
+        }
+        // 50 ms at one token per ms.
+        assert_eq!(taken, 50);
+        // Half a token refilled at 1/ms is half a token at 1 per 2 ms: one
+        // more ms completes it.
+        let w = LeaseWord::new();
+        w.install(t0 + 1_000 * MS, per_ms(10), t0, |_| 0);
+        let slower = Refill {
+            ns_per_token: 2 * MS,
+            capacity: 10,
+        };
+        w.install(t0 + 1_000 * MS, slower, t0 + MS / 2, |cur| cur);
+        assert_eq!(
+            w.try_take(1, t0 + MS / 2 + MS - 1),
+            Take::Short { remaining: 0 }
+        );
+        assert!(matches!(
+            w.try_take(1, t0 + MS / 2 + MS),
+            Take::Taken { .. }
+        ));
     }
 
     #[test]

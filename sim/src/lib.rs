@@ -5,11 +5,13 @@
 #![warn(missing_docs)]
 
 pub mod checker;
+pub mod liveness;
 pub mod net;
 pub mod quality;
 pub mod report;
 pub mod rng;
 pub mod runner;
 pub mod scenario;
+pub mod swarm;
 pub mod workload;
 pub mod world;

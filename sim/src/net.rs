@@ -75,7 +75,7 @@ fn default_p99() -> f64 {
 }
 
 /// One kind of link: one-way latency distribution, loss and duplication.
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkSpec {
     /// Median one-way latency in milliseconds (default 1).
@@ -192,6 +192,20 @@ pub struct Cut {
     pub kind: CutKind,
 }
 
+/// A spell during `[from_ns, until_ns)` when one kind of link behaves as
+/// `spec` instead of its base configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Storm {
+    /// First instant.
+    pub from_ns: u64,
+    /// First instant after it (exclusive end).
+    pub until_ns: u64,
+    /// The regional-global links (else the agent-parent ones).
+    pub regional_global: bool,
+    /// How the link behaves meanwhile.
+    pub spec: LinkSpec,
+}
+
 /// When the copies of one message arrive: 0, 1 or 2 instants, in the order
 /// drawn (not sorted). Iterate it, or use [`Deliveries::as_slice`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -285,6 +299,8 @@ pub struct Net {
     agent_parent: Link,
     regional_global: Link,
     cuts: Vec<Cut>,
+    /// Storms with their links precomputed.
+    storms: Vec<(Storm, Link)>,
     rng: SimRng,
 }
 
@@ -296,8 +312,16 @@ impl Net {
             agent_parent: Link::new(&cfg.agent_parent),
             regional_global: Link::new(&cfg.regional_global),
             cuts,
+            storms: Vec::new(),
             rng,
         }
+    }
+
+    /// The same network with storms: while one is on, its links behave
+    /// as it says (the first storm that covers an instant wins).
+    pub fn with_storms(mut self, storms: &[Storm]) -> Net {
+        self.storms = storms.iter().map(|s| (*s, Link::new(&s.spec))).collect();
+        self
     }
 
     /// The cuts this network applies.
@@ -316,11 +340,18 @@ impl Net {
     /// allocator, `regional_global` for a regional and the global allocator.
     /// Other pairs (which the protocol does not use) get `agent_parent` if
     /// an agent is involved and `regional_global` otherwise.
-    fn link(&self, from: Node, to: Node) -> &Link {
-        if matches!(from, Node::Agent(_)) || matches!(to, Node::Agent(_)) {
-            &self.agent_parent
-        } else {
+    /// A storm on that kind of link at `now_ns` replaces it.
+    fn link(&self, now_ns: u64, from: Node, to: Node) -> &Link {
+        let regional_global = !(matches!(from, Node::Agent(_)) || matches!(to, Node::Agent(_)));
+        if let Some((_, l)) = self.storms.iter().find(|(s, _)| {
+            s.regional_global == regional_global && s.from_ns <= now_ns && now_ns < s.until_ns
+        }) {
+            return l;
+        }
+        if regional_global {
             &self.regional_global
+        } else {
+            &self.agent_parent
         }
     }
 
@@ -333,7 +364,7 @@ impl Net {
         if self.is_cut(now_ns, from, to) {
             return Deliveries::NONE;
         }
-        let link = *self.link(from, to);
+        let link = *self.link(now_ns, from, to);
         if self.rng.chance(link.loss) {
             return Deliveries::NONE;
         }
@@ -371,6 +402,23 @@ mod tests {
             agent_parent: l,
             regional_global: l,
         }
+    }
+
+    #[test]
+    fn a_storm_replaces_its_kind_of_link_while_it_lasts() {
+        let storm = Storm {
+            from_ns: 10,
+            until_ns: 20,
+            regional_global: false,
+            spec: spec(50.0, 50.0, 1.0, 0.0),
+        };
+        let mut net = Net::new(cfg(spec(1.0, 1.0, 0.0, 0.0)), Vec::new(), SimRng::new(1))
+            .with_storms(&[storm]);
+        let (a, g, r) = (Node::Agent(0), Node::Global, Node::Regional(0));
+        assert_eq!(net.deliveries(5, a, g).as_slice(), &[1_000_005]);
+        assert!(net.deliveries(15, a, g).is_empty(), "all lost in the storm");
+        assert_eq!(net.deliveries(15, r, g).as_slice(), &[1_000_015]);
+        assert_eq!(net.deliveries(20, g, a).as_slice(), &[1_000_020]);
     }
 
     #[test]

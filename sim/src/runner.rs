@@ -13,12 +13,31 @@ use crate::world::{KeyStats, Outcome, World};
 
 const SEC: u64 = 1_000_000_000;
 
-/// Run every variant of `sc` with `seed`.
+/// Run every variant of `sc` with `seed` (and, if it judges liveness, the
+/// reference run of each, [`crate::liveness::reference`]).
 pub fn run_all(sc: &Scenario, seed: u64) -> Result<Vec<Outcome>, String> {
     sc.runs()
         .iter()
-        .map(|v| World::new(sc.clone(), v, seed).map(World::run))
+        .map(|v| {
+            let mut o = World::new(sc.clone(), v, seed)?.run();
+            with_reference(sc, v, seed, &mut o)?;
+            Ok(o)
+        })
         .collect()
+}
+
+/// Attach the reference run to `o` when `sc` judges liveness.
+fn with_reference(
+    sc: &Scenario,
+    v: &crate::scenario::Variant,
+    seed: u64,
+    o: &mut Outcome,
+) -> Result<(), String> {
+    if sc.liveness {
+        let r = World::new(crate::liveness::reference(sc), v, seed)?.run();
+        o.reference = Some(Box::new(r));
+    }
+    Ok(())
 }
 
 /// [`run_all`], printing a progress line to stderr every 10 simulated
@@ -36,14 +55,16 @@ pub fn run_all_with_progress(
         } else {
             format!("{}/{}", sc.name, v.name)
         };
-        out.push(w.run_with_progress(10 * SEC, |t, end| {
+        let mut o = w.run_with_progress(10 * SEC, |t, end| {
             eprintln!(
                 "{name}: seed {seed}: {} / {} simulated s ({:.1} s wall)",
                 t / SEC,
                 end / SEC,
                 started.elapsed().as_secs_f64()
             );
-        }));
+        });
+        with_reference(sc, &v, seed, &mut o)?;
+        out.push(o);
     }
     Ok(out)
 }
@@ -388,4 +409,124 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         ],
         sections,
     }
+}
+
+/// One seed of a swarm run: its plan and what each run of it produced.
+pub struct SwarmRun {
+    /// The plan (scenario and printable YAML).
+    pub plan: crate::swarm::Plan,
+    /// One outcome per variant (the plan has one).
+    pub outcomes: Vec<Outcome>,
+}
+
+impl SwarmRun {
+    /// Every failure: I1, I2, I3 and liveness.
+    pub fn failures(&self) -> Vec<String> {
+        self.outcomes
+            .iter()
+            .flat_map(|o| o.failures().into_iter().map(|f| format!("{}: {f}", o.name)))
+            .collect()
+    }
+
+    /// One line: the plan in counts, when it heals, the verdicts and the
+    /// lowest liveness ratio over the tracked keys.
+    pub fn summary(&self) -> String {
+        let sc = &self.plan.scenario;
+        let f = &sc.faults;
+        let mut parts = Vec::new();
+        for (n, what) in [
+            (f.cuts.len(), "cut"),
+            (f.storms.len(), "storm"),
+            (f.crashes.len(), "crash"),
+            (f.shutdowns.len(), "shutdown"),
+            (f.suspends.len(), "suspend"),
+            (f.rule_changes.len(), "rule change"),
+        ] {
+            if n > 0 {
+                parts.push(format!("{n} {what}"));
+            }
+        }
+        if f.clock_drift_ppm > 0.0 {
+            parts.push(format!("drift {:.0} ppm", f.clock_drift_ppm));
+        }
+        if let Some(s) = f.sweep_every_s {
+            parts.push(format!("sweep {s} s"));
+        }
+        let faults = if parts.is_empty() {
+            "no faults".to_string()
+        } else {
+            parts.join(", ")
+        };
+        let from = sc.live_from_ns();
+        let live = self
+            .outcomes
+            .iter()
+            .filter_map(|o| o.liveness_from(from).ok())
+            .flatten()
+            .map(|(_, l)| l.ratio)
+            .fold(f64::NAN, f64::min);
+        let verdict = if self.failures().is_empty() {
+            "ok"
+        } else {
+            "FAILED"
+        };
+        format!(
+            "seed {}: {} ({}): {faults}; heals at {:.1} s; liveness from {} s: {:.1}% of target: {verdict}",
+            self.plan.seed,
+            sc.name,
+            sc.variants.first().map_or("", |v| v.name.as_str()),
+            sc.heal_ns() as f64 / SEC as f64,
+            from.div_ceil(SEC),
+            live * 100.0
+        )
+    }
+}
+
+/// Draw seed `seed`'s plan on `base` (a built-in base if `None`) and run it.
+pub fn swarm_run(base: Option<&Scenario>, seed: u64) -> Result<SwarmRun, String> {
+    let plan = crate::swarm::plan(base, seed);
+    let outcomes = run_all(&plan.scenario, seed)?;
+    Ok(SwarmRun { plan, outcomes })
+}
+
+/// The report of one swarm seed: the plan first, then the usual report
+/// (every check; liveness among the failures if it broke).
+pub fn swarm_report(run: &SwarmRun, replay: &str) -> Report {
+    let mut report = build_report(&run.plan.scenario, run.plan.seed, &run.outcomes);
+    let sc = &run.plan.scenario;
+    let mut live = vec![format!(
+        "Liveness: the last fault heals at {:.3} s; from {} s (3 x TTL_max later, whole seconds) to the end, every tracked key must admit at least {:.0}% of min(tokens requested, R x T) (docs/simulation.md, \"Swarm mode\").",
+        sc.heal_ns() as f64 / SEC as f64,
+        sc.live_from_ns().div_ceil(SEC),
+        crate::liveness::THRESHOLD * 100.0
+    )];
+    for o in &run.outcomes {
+        match o.liveness_from(sc.live_from_ns()) {
+            Err(why) => live.push(format!("- {}: {why}", o.name)),
+            Ok(keys) => live.extend(keys.iter().map(|(k, l)| {
+                format!(
+                    "- {}: key {k}: requested {}, admitted {}{} of a target of {:.0}: {:.1}%{}",
+                    o.name,
+                    l.requested,
+                    l.admitted,
+                    l.reference.map_or(String::new(), |r| format!(
+                        " (the reference run without the faults that heal: {r})"
+                    )),
+                    l.target,
+                    l.ratio * 100.0,
+                    if l.held() { "" } else { " (BROKEN)" }
+                )
+            })),
+        }
+    }
+    report.preamble = vec![
+        sc.description.clone(),
+        format!("Swarm seed {}. Replay: `{replay}`. The plan (the `faults` and fields it set, as a scenario file takes them):", run.plan.seed),
+        format!("```yaml\n{}```", run.plan.yaml),
+        live.join("\n"),
+    ]
+    .into_iter()
+    .chain(report.preamble.into_iter().skip(2))
+    .collect();
+    report
 }

@@ -10,10 +10,10 @@
 //! Agents are numbered `0..total_agents()` across regions: with `R`
 //! regions of `A` agents each, agent `i` belongs to region `i / A`.
 
-use crate::net::{Cut, CutKind, NetConfig, Node};
+use crate::net::{Cut, CutKind, LinkSpec, NetConfig, Node, Storm};
 use crate::rng::SimRng;
 use crate::workload::WorkloadSpec;
-use quotalease_model::rules::{FailPolicy, RuleSet};
+use quotalease_model::rules::{FailPolicy, Rate, RuleSet};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -34,6 +34,9 @@ fn d_low_water() -> u64 {
 }
 fn d_fetch_timeout() -> u64 {
     250
+}
+fn d_idle_release() -> u64 {
+    10_000
 }
 
 /// One simulation scenario.
@@ -75,15 +78,23 @@ pub struct Scenario {
     /// An agent gives up waiting for a grant after this long (ms, default 250).
     #[serde(default = "d_fetch_timeout")]
     pub fetch_timeout_ms: u64,
+    /// Agents release and forget a key idle this long (ms, default 10000).
+    #[serde(default = "d_idle_release")]
+    pub idle_release_ms: u64,
+    /// Judge liveness: after the last fault heals, the tracked keys'
+    /// utilization must recover (see [`crate::liveness`]). Default false
+    /// (`quotalease sim --swarm` sets it).
+    #[serde(default)]
+    pub liveness: bool,
     /// Regional allocators ask their parent for leases that carry a rate
     /// (default true, as in production; false: leases of tokens only, as a
     /// protocol-2 parent grants).
     #[serde(default = "d_true")]
     pub upstream_rates: bool,
-    /// Agents ask for leases that carry a rate (default true, as in
+    /// Agents ask for leases that carry a rate (default false, as in
     /// production; a regional allocator's pool lends none yet, so this
     /// matters for agents on the global allocator).
-    #[serde(default = "d_true")]
+    #[serde(default)]
     pub agent_rates: bool,
     /// The rules, as a rules YAML document (SPEC §4).
     pub rules: String,
@@ -110,23 +121,86 @@ pub struct Scenario {
 }
 
 /// Faults injected into a run.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Faults {
     /// Network cuts.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuts: Vec<CutSpec>,
     /// Process crashes.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub crashes: Vec<CrashSpec>,
     /// Each node's clock runs at a rate drawn uniformly in `[-x, +x]` ppm
     /// (at most 1000, the protocol's `rho`).
     #[serde(default)]
     pub clock_drift_ppm: f64,
+    /// Spells during which one kind of link has other latency, loss and
+    /// duplication (the base `net` again afterwards).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storms: Vec<StormSpec>,
+    /// Suspends: a node's machine sleeps (it runs nothing, hears nothing)
+    /// while its monotonic clock keeps counting, as `CLOCK_BOOTTIME` does;
+    /// from the process's view its clock steps forward by `for_s`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub suspends: Vec<SuspendSpec>,
+    /// Graceful shutdowns (SIGTERM): the node releases what it holds
+    /// through its own shutdown path, then is down; optionally restarted.
+    /// Agents and regional allocators (`agent/N`, `region/N`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shutdowns: Vec<CrashSpec>,
+    /// Rule changes: a new rules document (the one in force with one rule's
+    /// rate and burst changed) published to the global allocator with the
+    /// next version, as a rules-file reload does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rule_changes: Vec<RuleChangeSpec>,
+    /// Every allocator runs its housekeeping sweep (expired leases
+    /// collected, full idle keys dropped) this often (s); `None`: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep_every_s: Option<f64>,
+}
+
+/// A spell of bad weather on one kind of link.
+#[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StormSpec {
+    /// Start (s).
+    pub at_s: f64,
+    /// Length (s, > 0).
+    pub for_s: f64,
+    /// `agent_parent` or `regional_global`.
+    pub link: String,
+    /// The link's behaviour during the storm.
+    pub net: LinkSpec,
+}
+
+/// A suspend of one node.
+#[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuspendSpec {
+    /// Start (s).
+    pub at_s: f64,
+    /// Length (s, > 0).
+    pub for_s: f64,
+    /// `global`, `region/N` or `agent/N`.
+    pub node: String,
+}
+
+/// A change of one rule's rate and burst.
+#[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleChangeSpec {
+    /// When it is published (s).
+    pub at_s: f64,
+    /// The rule's id.
+    pub rule: String,
+    /// New rate (`N/s`, `N/m`, ...).
+    pub rate: String,
+    /// New burst (>= 1).
+    pub burst: u64,
 }
 
 /// A one-way cut, by node names (`global`, `region/N`, `agent/N`).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct OneWaySpec {
     /// Sender.
@@ -136,7 +210,7 @@ pub struct OneWaySpec {
 }
 
 /// A cut: exactly one of `region`, `agent`, `one_way`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CutSpec {
     /// Start (s).
@@ -144,18 +218,18 @@ pub struct CutSpec {
     /// Length (s, > 0).
     pub for_s: f64,
     /// Cut this region's allocator from the global one (both directions).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<u16>,
     /// Cut this agent from its allocator (both directions).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<u32>,
     /// Drop only the messages from one node to another.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub one_way: Option<OneWaySpec>,
 }
 
 /// A crash of one node (it loses all memory), optionally restarted.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CrashSpec {
     /// When (s).
@@ -163,7 +237,7 @@ pub struct CrashSpec {
     /// `global`, `region/N` or `agent/N`.
     pub node: String,
     /// Restart this long after the crash (s); `None`: stays down.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_after_s: Option<f64>,
 }
 
@@ -179,7 +253,7 @@ pub struct Crash {
 }
 
 /// One run of a scenario with every rule's fail policy overridden.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Variant {
     /// Name (report section).
@@ -201,6 +275,46 @@ fn parse_policy(s: &str) -> Result<FailPolicy, String> {
         .into_iter()
         .find(|p| p.as_str() == s)
         .ok_or_else(|| format!("must be open, closed or lease_only, got {s:?}"))
+}
+
+/// Crashes or shutdowns in simulated time (invalid node names skipped).
+fn to_crashes(specs: &[CrashSpec]) -> Vec<Crash> {
+    specs
+        .iter()
+        .filter_map(|c| {
+            let at_ns = secs_to_ns(c.at_s);
+            Some(Crash {
+                at_ns,
+                node: Node::parse(&c.node).ok()?,
+                restart_ns: c
+                    .restart_after_s
+                    .map(|r| at_ns.saturating_add(secs_to_ns(r))),
+            })
+        })
+        .collect()
+}
+
+/// A rule change in simulated time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleChange {
+    /// When it is published (ns).
+    pub at_ns: u64,
+    /// The rule.
+    pub rule: String,
+    /// Its new rate.
+    pub rate: Rate,
+    /// Its new burst.
+    pub burst: u64,
+}
+
+/// The unit of a rate's period, as the rules files spell it.
+pub fn rate_unit(period_s: u64) -> &'static str {
+    match period_s {
+        60 => "m",
+        3600 => "h",
+        86400 => "d",
+        _ => "s",
+    }
 }
 
 fn secs_to_ns(s: f64) -> u64 {
@@ -365,20 +479,122 @@ impl Scenario {
     /// The crashes in simulated time, in file order. Call on a validated
     /// scenario (invalid node names are skipped).
     pub fn crashes(&self) -> Vec<Crash> {
+        to_crashes(&self.faults.crashes)
+    }
+
+    /// The storms as the network applies them. Call on a validated
+    /// scenario (unknown link names are skipped).
+    pub fn storms(&self) -> Vec<Storm> {
         self.faults
-            .crashes
+            .storms
             .iter()
-            .filter_map(|c| {
-                let at_ns = secs_to_ns(c.at_s);
-                Some(Crash {
-                    at_ns,
-                    node: Node::parse(&c.node).ok()?,
-                    restart_ns: c
-                        .restart_after_s
-                        .map(|r| at_ns.saturating_add(secs_to_ns(r))),
+            .filter_map(|s| {
+                let from_ns = secs_to_ns(s.at_s);
+                Some(Storm {
+                    from_ns,
+                    until_ns: from_ns.saturating_add(secs_to_ns(s.for_s)),
+                    regional_global: match s.link.as_str() {
+                        "agent_parent" => false,
+                        "regional_global" => true,
+                        _ => return None,
+                    },
+                    spec: s.net,
                 })
             })
             .collect()
+    }
+
+    /// The suspends in simulated time: `(node, from_ns, until_ns)`. Call on
+    /// a validated scenario (invalid node names are skipped).
+    pub fn suspends(&self) -> Vec<(Node, u64, u64)> {
+        self.faults
+            .suspends
+            .iter()
+            .filter_map(|s| {
+                let from = secs_to_ns(s.at_s);
+                Some((
+                    Node::parse(&s.node).ok()?,
+                    from,
+                    from.saturating_add(secs_to_ns(s.for_s)),
+                ))
+            })
+            .collect()
+    }
+
+    /// The graceful shutdowns in simulated time (as crashes: when, which
+    /// node, when it starts again). Call on a validated scenario.
+    pub fn shutdowns(&self) -> Vec<Crash> {
+        to_crashes(&self.faults.shutdowns)
+    }
+
+    /// The rule changes in simulated time, in file order. Call on a
+    /// validated scenario (unparsable rates are skipped).
+    pub fn rule_changes(&self) -> Vec<RuleChange> {
+        self.faults
+            .rule_changes
+            .iter()
+            .filter_map(|c| {
+                Some(RuleChange {
+                    at_ns: secs_to_ns(c.at_s),
+                    rule: c.rule.clone(),
+                    rate: Rate::parse(&c.rate).ok()?,
+                    burst: c.burst,
+                })
+            })
+            .collect()
+    }
+
+    /// How long after a rule change the old rule may still be in force
+    /// somewhere, in true time: the allocator's `TTL_max * (1 + 2 rho) +
+    /// epsilon` on its own clock (SPEC §2), plus the clock's own rate
+    /// error (rho) to turn it into true time.
+    pub fn rule_change_lag_ns(&self) -> u64 {
+        let cfg = quotalease_allocator::core::CoreConfig {
+            ttl_max_ns: self.ttl_max_ms * 1_000_000,
+            ..Default::default()
+        };
+        let d = cfg.restart_wait_ns();
+        d + d / 1000 + 1
+    }
+
+    /// Every fault that makes a node unreachable or its messages fail,
+    /// as `(start, end)` in ns (`None`: it never ends — a node that never
+    /// restarts): cuts, storms, suspends, crashes and shutdowns. Clock
+    /// drift is constant (within `rho`) and rule changes are not failures:
+    /// neither is here.
+    pub fn fault_spans(&self) -> Vec<(u64, Option<u64>)> {
+        let mut spans: Vec<(u64, Option<u64>)> = self
+            .cuts()
+            .iter()
+            .map(|c| (c.from_ns, Some(c.until_ns)))
+            .collect();
+        spans.extend(self.storms().iter().map(|s| (s.from_ns, Some(s.until_ns))));
+        spans.extend(self.suspends().iter().map(|s| (s.1, Some(s.2))));
+        spans.extend(
+            self.crashes()
+                .iter()
+                .chain(self.shutdowns().iter())
+                .map(|c| (c.at_ns, c.restart_ns)),
+        );
+        spans
+    }
+
+    /// When the last fault that ends has healed (ns; 0 without faults):
+    /// every span of [`Scenario::fault_spans`] that ends over, and every
+    /// rule change in force everywhere ([`Scenario::rule_change_lag_ns`]
+    /// after it). A node that never restarts does not count: it stays
+    /// down, and liveness is judged on what remains.
+    pub fn heal_ns(&self) -> u64 {
+        let lag = self.rule_change_lag_ns();
+        let spans = self.fault_spans().into_iter().filter_map(|s| s.1);
+        let changes = self.rule_changes().into_iter().map(|c| c.at_ns + lag);
+        spans.chain(changes).max().unwrap_or(0)
+    }
+
+    /// Where liveness is judged from: `RECOVERY_TTLS x TTL_max` after
+    /// [`Scenario::heal_ns`].
+    pub fn live_from_ns(&self) -> u64 {
+        self.heal_ns() + crate::liveness::RECOVERY_TTLS * self.ttl_max_ms * 1_000_000
     }
 
     /// A reduced-scale copy for quick test runs: agents per region (or
@@ -441,20 +657,37 @@ impl Scenario {
                 ow.to = map_node(&ow.to);
             }
         }
-        for c in &mut sc.faults.crashes {
+        for c in sc
+            .faults
+            .crashes
+            .iter_mut()
+            .chain(sc.faults.shutdowns.iter_mut())
+        {
             c.node = map_node(&c.node);
         }
-        // Mapping can make two crashes of different agents hit the same
-        // one; keep the first of each node.
-        let mut seen = Vec::new();
-        sc.faults.crashes.retain(|c| {
-            if seen.contains(&c.node) {
-                false
-            } else {
-                seen.push(c.node.clone());
-                true
+        for s in &mut sc.faults.suspends {
+            s.node = map_node(&s.node);
+        }
+        // Mapping can make two crashes (or shutdowns) of different agents
+        // hit the same one; keep the first of each node.
+        for list in [&mut sc.faults.crashes, &mut sc.faults.shutdowns] {
+            let mut seen = Vec::new();
+            list.retain(|c| {
+                if seen.contains(&c.node) {
+                    false
+                } else {
+                    seen.push(c.node.clone());
+                    true
+                }
+            });
+        }
+        for c in &mut sc.faults.rule_changes {
+            if let Ok(r) = Rate::parse(&c.rate) {
+                let tokens = ((r.tokens as f64 * f).round() as u64).max(1);
+                c.rate = format!("{tokens}/{}", rate_unit(r.period_s));
             }
-        });
+            c.burst = ((c.burst as f64 * f).round() as u64).max(max_cost).max(1);
+        }
         sc.scale = None;
         sc
     }
@@ -512,6 +745,7 @@ impl Scenario {
             ("lease_ttl_ms", self.lease_ttl_ms),
             ("renew_interval_ms", self.renew_interval_ms),
             ("fetch_timeout_ms", self.fetch_timeout_ms),
+            ("idle_release_ms", self.idle_release_ms),
         ] {
             if v == 0 {
                 err(name, "must be > 0".into());
@@ -635,8 +869,21 @@ impl Scenario {
                 }
             }
         }
-        for (i, c) in self.faults.crashes.iter().enumerate() {
-            let at = format!("faults.crashes[{i}]");
+        // Crashes and graceful shutdowns: when, which node, the restart.
+        let downs = self
+            .faults
+            .crashes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (format!("faults.crashes[{i}]"), c, true))
+            .chain(
+                self.faults
+                    .shutdowns
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (format!("faults.shutdowns[{i}]"), c, false)),
+            );
+        for (at, c, global_ok) in downs {
             if !nonneg(c.at_s) || (pos(self.duration_s) && c.at_s >= self.duration_s) {
                 err(
                     &format!("{at}.at_s"),
@@ -646,8 +893,13 @@ impl Scenario {
                     ),
                 );
             }
-            if let Err(r) = node_ok(&c.node) {
-                err(&format!("{at}.node"), r);
+            match node_ok(&c.node) {
+                Err(r) => err(&format!("{at}.node"), r),
+                Ok(Node::Global) if !global_ok => err(
+                    &format!("{at}.node"),
+                    "the global allocator has no graceful shutdown to model (its state is durable): use crashes".into(),
+                ),
+                Ok(_) => {}
             }
             if let Some(r) = c.restart_after_s {
                 if !pos(r) {
@@ -656,6 +908,93 @@ impl Scenario {
                         format!("must be > 0, got {r}"),
                     );
                 }
+            }
+        }
+        // Problems of a span [at_s, at_s + for_s) that must lie in the run.
+        let duration_s = self.duration_s;
+        let span = |at: &str, at_s: f64, for_s: f64| {
+            let mut out = Vec::new();
+            if !nonneg(at_s) {
+                out.push((format!("{at}.at_s"), format!("must be >= 0, got {at_s}")));
+            }
+            if !pos(for_s) {
+                out.push((format!("{at}.for_s"), format!("must be > 0, got {for_s}")));
+            } else if nonneg(at_s) && pos(duration_s) && at_s + for_s > duration_s {
+                out.push((
+                    format!("{at}.for_s"),
+                    format!(
+                        "ends at {} s, after the run (duration_s {duration_s})",
+                        at_s + for_s
+                    ),
+                ));
+            }
+            out
+        };
+        for (i, st) in self.faults.storms.iter().enumerate() {
+            let at = format!("faults.storms[{i}]");
+            for (f, r) in span(&at, st.at_s, st.for_s) {
+                err(&f, r);
+            }
+            if !["agent_parent", "regional_global"].contains(&st.link.as_str()) {
+                err(
+                    &format!("{at}.link"),
+                    format!("must be agent_parent or regional_global, got {:?}", st.link),
+                );
+            }
+            if let Err(reason) = st.net.validate() {
+                err(&format!("{at}.net.{reason}"), String::new());
+            }
+        }
+        for (i, su) in self.faults.suspends.iter().enumerate() {
+            let at = format!("faults.suspends[{i}]");
+            for (f, r) in span(&at, su.at_s, su.for_s) {
+                err(&f, r);
+            }
+            if let Err(r) = node_ok(&su.node) {
+                err(&format!("{at}.node"), r);
+            }
+        }
+        for (i, c) in self.faults.rule_changes.iter().enumerate() {
+            let at = format!("faults.rule_changes[{i}]");
+            if !nonneg(c.at_s) || (pos(self.duration_s) && c.at_s >= self.duration_s) {
+                err(
+                    &format!("{at}.at_s"),
+                    format!(
+                        "must be >= 0 and within the run (duration_s {}), got {}",
+                        self.duration_s, c.at_s
+                    ),
+                );
+            }
+            if self.rule_set.get(&c.rule).is_none() && !self.rule_set.rules.is_empty() {
+                err(
+                    &format!("{at}.rule"),
+                    format!("no rule {:?} in rules", c.rule),
+                );
+            }
+            if let Err(r) = Rate::parse(&c.rate) {
+                err(&format!("{at}.rate"), r);
+            }
+            if c.burst == 0 {
+                err(&format!("{at}.burst"), "must be >= 1".into());
+            }
+        }
+        if self.liveness && pos(self.duration_s) {
+            let from = self.live_from_ns().div_ceil(1_000_000_000);
+            let need = from * 1000 + crate::liveness::MIN_WINDOW_TTLS * self.ttl_max_ms;
+            if (self.duration_s * 1000.0) < need as f64 {
+                err(
+                    "liveness",
+                    format!(
+                        "the last fault heals at {:.3} s: judging recovery needs duration_s >= {} (3 x TTL_max to recover, 10 x TTL_max to measure)",
+                        self.heal_ns() as f64 / 1e9,
+                        need as f64 / 1000.0
+                    ),
+                );
+            }
+        }
+        if let Some(x) = self.faults.sweep_every_s {
+            if !pos(x) {
+                err("faults.sweep_every_s", format!("must be > 0, got {x}"));
             }
         }
         let mut names: Vec<&str> = Vec::new();
@@ -904,6 +1243,65 @@ scale: 0.1
         );
         let e = Scenario::load(Path::new("/nonexistent/s.yaml")).unwrap_err();
         assert!(e.starts_with("/nonexistent/s.yaml: "), "{e}");
+    }
+
+    #[test]
+    fn new_fault_kinds_parse_and_errors_name_the_field() {
+        let with = |faults: &str| GOOD.replace("  clock_drift_ppm: 500\n", faults);
+        let good = with(
+            "  clock_drift_ppm: 500
+  storms:
+    - { at_s: 3, for_s: 2, link: regional_global, net: { median_ms: 40, p99_ms: 400, loss: 0.2 } }
+  suspends:
+    - { at_s: 4, for_s: 1.5, node: region/1 }
+  shutdowns:
+    - { at_s: 5, node: agent/3, restart_after_s: 1 }
+    - { at_s: 6, node: region/0 }
+  rule_changes:
+    - { at_s: 7, rule: hot, rate: 1500/s, burst: 300 }
+  sweep_every_s: 0.5
+",
+        );
+        let sc = Scenario::parse(&good, "good.yaml").unwrap();
+        assert_eq!(sc.storms()[0].from_ns, 3_000_000_000);
+        assert!(sc.storms()[0].regional_global);
+        assert_eq!(
+            sc.suspends(),
+            vec![(Node::Regional(1), 4_000_000_000, 5_500_000_000)]
+        );
+        assert_eq!(sc.shutdowns()[0].restart_ns, Some(6_000_000_000));
+        assert_eq!(sc.shutdowns()[1].restart_ns, None);
+        assert_eq!(sc.rule_changes()[0].rate.tokens, 1500);
+        // The last to heal: the crash of agent/15 restarts at 15 s; the
+        // rule change at 7 s is in force everywhere a TTL_max later.
+        assert_eq!(sc.heal_ns(), 15_000_000_000);
+        let bad = with(
+            "  storms:
+    - { at_s: 3, for_s: 40, link: wan, net: { loss: 2 } }
+  suspends:
+    - { at_s: 4, for_s: 0, node: agent/99 }
+  shutdowns:
+    - { at_s: 5, node: global }
+  rule_changes:
+    - { at_s: 7, rule: nope, rate: 5/y, burst: 0 }
+  sweep_every_s: 0
+",
+        );
+        let e = Scenario::parse(&bad, "bad.yaml").unwrap_err();
+        for want in [
+            "bad.yaml: faults.storms[0].for_s: ends at 43 s, after the run",
+            "bad.yaml: faults.storms[0].link: must be agent_parent or regional_global",
+            "bad.yaml: faults.storms[0].net.loss: must be a probability",
+            "bad.yaml: faults.suspends[0].for_s: must be > 0",
+            "bad.yaml: faults.suspends[0].node: \"agent/99\" does not exist",
+            "bad.yaml: faults.shutdowns[0].node: the global allocator has no graceful shutdown",
+            "bad.yaml: faults.rule_changes[0].rule: no rule \"nope\"",
+            "bad.yaml: faults.rule_changes[0].rate:",
+            "bad.yaml: faults.rule_changes[0].burst: must be >= 1",
+            "bad.yaml: faults.sweep_every_s: must be > 0",
+        ] {
+            assert!(e.contains(want), "missing {want:?} in:\n{e}");
+        }
     }
 
     #[test]

@@ -11,6 +11,11 @@
 //! timeouts) are scheduled in true time; the drift only changes what the
 //! cores read, which is what a drifting crystal does.
 //!
+//! Faults: cuts and storms live in [`Net`]; crashes, graceful shutdowns
+//! (the cores' own `shutdown`), suspends (a sleeping node handles nothing
+//! until it wakes, its clock counting on), rule changes (`set_rules` on the
+//! global allocator) and housekeeping sweeps are events here.
+//!
 //! Determinism: events are ordered by (time, insertion number); every map
 //! that is iterated is a `BTreeMap` or a `Vec`; random draws come from
 //! [`SimRng`] streams forked per purpose. Same seed and build, same bytes.
@@ -22,7 +27,9 @@
 //!   (I2 can only change at such events: between them, refill is capped at
 //!   `B - outstanding` and expiries only lower `outstanding`);
 //! - I3 for fail-open keys: the excess against the sum over the emergency
-//!   buckets the agents opened of `b_e + r_e * T`.
+//!   buckets the agents opened of `b_e + r_e * T`;
+//! - liveness, when the scenario asks ([`crate::liveness`]), from the
+//!   per-second demand and `OK` admissions of the tracked keys.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -40,6 +47,7 @@ use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::v1::Reason;
 
 use crate::checker::{StreamChecker, Worst};
+use crate::liveness::{self, KeyLiveness};
 use crate::net::{Net, Node};
 use crate::quality::KeyQuality;
 use crate::rng::SimRng;
@@ -86,6 +94,15 @@ enum Event {
     },
     Crash(Node),
     Restart(Node),
+    /// A graceful shutdown: the node releases what it holds, then is down.
+    Shutdown(Node),
+    /// The node's machine sleeps until the given true time.
+    Suspend(Node, u64),
+    Resume(Node),
+    /// Rule change number `n` of the scenario is published.
+    RuleChange(usize),
+    /// Housekeeping sweep of every allocator.
+    Sweep,
 }
 
 struct Ev {
@@ -197,6 +214,8 @@ struct AgentNode {
     timer_at: u64,
     /// Parked requests: park id -> (arrival, attempt).
     parked: BTreeMap<u64, (Arrival, u32)>,
+    /// Suspended until this true time (0: awake).
+    asleep_until: u64,
 }
 
 struct RegionalNode {
@@ -206,12 +225,16 @@ struct RegionalNode {
     awaiting: Awaiting,
     /// True time of the pending poll (a `Tick` at another time is stale).
     poll_at: u64,
+    /// Suspended until this true time (0: awake).
+    asleep_until: u64,
 }
 
 struct GlobalNode {
     core: Option<AllocatorCore>,
     clock: NodeClock,
     life: u32,
+    /// Suspended until this true time (0: awake).
+    asleep_until: u64,
 }
 
 /// Per-key observations.
@@ -253,6 +276,10 @@ pub struct KeyStats {
     pub per_second: Vec<Vec<u64>>,
     /// Requests per region (demand, for fairness).
     pub per_region_requests: Vec<u64>,
+    /// Tracked keys, per second: tokens requested at agents that were up,
+    /// and tokens admitted `OK` (not through an emergency bucket); for
+    /// liveness.
+    pub live_per_second: Vec<(u64, u64)>,
 }
 
 /// Everything a run produced.
@@ -290,9 +317,85 @@ pub struct Outcome {
     pub i3_window_ns: u64,
     /// What the allocators counted, one line per node (for the report).
     pub tier_notes: Vec<String>,
+    /// Judge liveness from this true time on (whole seconds), if asked.
+    pub live_from_ns: Option<u64>,
+    /// `TTL_max` (ns).
+    pub ttl_max_ns: u64,
+    /// The run of [`liveness::reference`] with the same seed, when
+    /// liveness is judged: what the deployment admits without the faults
+    /// that heal.
+    pub reference: Option<Box<Outcome>>,
 }
 
 impl Outcome {
+    /// The liveness of every tracked key over `[from_ns, end)` (`from_ns`
+    /// rounded up to a whole second), or why it cannot be judged (the
+    /// window is shorter than [`liveness::MIN_WINDOW_TTLS`] x `TTL_max`).
+    pub fn liveness_from(&self, from_ns: u64) -> Result<Vec<(String, KeyLiveness)>, String> {
+        let from_s = from_ns.div_ceil(SEC);
+        let end_s = (self.duration_s * SEC as f64) as u64 / SEC;
+        let window_ns = end_s.saturating_sub(from_s) * SEC;
+        if window_ns < liveness::MIN_WINDOW_TTLS * self.ttl_max_ns {
+            return Err(format!(
+                "liveness not judged: the window from {from_s} s to {end_s} s is shorter than {} x TTL_max",
+                liveness::MIN_WINDOW_TTLS
+            ));
+        }
+        Ok(self
+            .keys
+            .iter()
+            .filter(|k| k.quality.is_some())
+            .map(|k| {
+                let window = |k: &KeyStats| {
+                    let (mut req, mut ok) = (0, 0);
+                    for &(r, a) in k
+                        .live_per_second
+                        .iter()
+                        .take(end_s as usize)
+                        .skip(from_s as usize)
+                    {
+                        req += r;
+                        ok += a;
+                    }
+                    (req, ok)
+                };
+                let (req, ok) = window(k);
+                let reference = self.reference.as_ref().map(|r| {
+                    r.keys
+                        .binary_search_by(|x| x.key.cmp(&k.key))
+                        .map_or(0, |i| window(&r.keys[i]).1)
+                });
+                let name = format!("{}/{}/{}", k.key.rule, k.key.tenant, k.key.route);
+                (name, liveness::judge(req, ok, k.rate, window_ns, reference))
+            })
+            .collect())
+    }
+
+    /// Liveness failures over the scenario's judged window (none if the
+    /// scenario does not ask for liveness).
+    fn liveness_failures(&self) -> Vec<String> {
+        let Some(from) = self.live_from_ns else {
+            return Vec::new();
+        };
+        match self.liveness_from(from) {
+            Err(why) => vec![format!("liveness: {why}")],
+            Ok(keys) => keys
+                .into_iter()
+                .filter(|(_, l)| !l.held())
+                .map(|(name, l)| {
+                    format!(
+                        "liveness: key {name}: {} of a target of {:.0} tokens admitted from {:.0} s ({:.1}% < {:.0}%)",
+                        l.admitted,
+                        l.target,
+                        (from as f64 / SEC as f64).ceil(),
+                        l.ratio * 100.0,
+                        liveness::THRESHOLD * 100.0
+                    )
+                })
+                .collect(),
+        }
+    }
+
     /// I1 held for every key whose rule is `closed` or `lease_only`, and
     /// I3 for every `open` key; I2 held at every step.
     pub fn failures(&self) -> Vec<String> {
@@ -340,6 +443,7 @@ impl Outcome {
                 }
             }
         }
+        out.extend(self.liveness_failures());
         out
     }
 }
@@ -374,6 +478,18 @@ pub struct World {
     unavailable: u64,
     tracked_tenants: std::collections::BTreeSet<u32>,
     fault_window_ns: u64,
+    /// Rule changes published so far: (true time, change).
+    rule_history: Vec<(u64, RuleChange)>,
+}
+
+/// A published rule change, as the checkers need it.
+#[derive(Clone, Debug)]
+struct RuleChange {
+    rule: String,
+    /// Rate and burst before it.
+    old: (Rate, u64),
+    rate: Rate,
+    burst: u64,
 }
 
 impl World {
@@ -397,6 +513,7 @@ impl World {
             core: None,
             clock: draw_clock(Node::Global),
             life: 0,
+            asleep_until: 0,
         };
         let regionals = (0..regions)
             .map(|r| RegionalNode {
@@ -405,6 +522,7 @@ impl World {
                 life: 0,
                 awaiting: BTreeMap::new(),
                 poll_at: u64::MAX,
+                asleep_until: 0,
             })
             .collect();
         let agents = (0..n_agents)
@@ -419,10 +537,11 @@ impl World {
                     life: 0,
                     timer_at: u64::MAX,
                     parked: BTreeMap::new(),
+                    asleep_until: 0,
                 }
             })
             .collect();
-        let net = Net::new(sc.net, sc.cuts(), root.fork(2));
+        let net = Net::new(sc.net, sc.cuts(), root.fork(2)).with_storms(&sc.storms());
         let workload = Workload::new(&sc.workloads, n_agents, root.fork(3));
         let mut tracked_tenants = std::collections::BTreeSet::new();
         for w in &sc.workloads {
@@ -464,6 +583,7 @@ impl World {
             unavailable: 0,
             tracked_tenants,
             fault_window_ns,
+            rule_history: Vec::new(),
             sc,
         };
         w.boot_global(true);
@@ -478,6 +598,22 @@ impl World {
             if let Some(back) = c.restart_ns {
                 w.schedule(back, Event::Restart(c.node));
             }
+        }
+        for c in w.sc.shutdowns() {
+            w.schedule(c.at_ns, Event::Shutdown(c.node));
+            if let Some(back) = c.restart_ns {
+                w.schedule(back, Event::Restart(c.node));
+            }
+        }
+        for (node, from, until) in w.sc.suspends() {
+            w.schedule(from, Event::Suspend(node, until));
+            w.schedule(until, Event::Resume(node));
+        }
+        for (i, c) in w.sc.rule_changes().into_iter().enumerate() {
+            w.schedule(c.at_ns, Event::RuleChange(i));
+        }
+        if let Some(every) = w.sc.faults.sweep_every_s {
+            w.schedule((every * SEC as f64) as u64, Event::Sweep);
         }
         Ok(w)
     }
@@ -565,6 +701,7 @@ impl World {
                 renew_interval: Duration::from_millis(sc.renew_interval_ms),
                 low_water: Duration::from_millis(sc.low_water_ms),
                 rate_leases: sc.agent_rates,
+                idle_release: Duration::from_millis(sc.idle_release_ms),
                 ..PlanConfig::default()
             },
             fetch_timeout: Duration::from_millis(sc.fetch_timeout_ms),
@@ -632,6 +769,27 @@ impl World {
     }
 
     fn handle(&mut self, ev: Event) {
+        // A sleeping machine runs nothing: what would reach or wake it
+        // waits until it resumes (its clock, CLOCK_BOOTTIME, kept
+        // counting); its own timers are re-armed when it resumes.
+        let target = match &ev {
+            Event::Tick(n) | Event::Timeout { node: n, .. } => Some(*n),
+            Event::Deliver { to, .. } => Some(*to),
+            Event::Recheck { agent, .. } => Some(Node::Agent(*agent)),
+            // SIGTERM is handled when the machine wakes (a power loss,
+            // `Crash`, is not).
+            Event::Shutdown(n) => Some(*n),
+            _ => None,
+        };
+        if let Some(node) = target {
+            let until = self.asleep_until(node);
+            if self.t < until {
+                if !matches!(ev, Event::Tick(_)) {
+                    self.schedule(until, ev);
+                }
+                return;
+            }
+        }
         match ev {
             Event::Tick(node) => self.tick(node),
             Event::Deliver { from, to, msg } => self.deliver(from, to, *msg),
@@ -651,6 +809,128 @@ impl World {
                 Node::Regional(r) => self.boot_regional(r),
                 Node::Agent(i) => self.boot_agent(i),
             },
+            Event::Shutdown(node) => self.shutdown(node),
+            Event::Suspend(node, until) => *self.asleep_mut(node) = until,
+            Event::Resume(node) => {
+                *self.asleep_mut(node) = 0;
+                // Its timers fire now (they were due while it slept).
+                match node {
+                    Node::Agent(i) => {
+                        self.agents[i as usize].timer_at = self.t;
+                        self.tick(node);
+                    }
+                    Node::Regional(r) => {
+                        self.regionals[r as usize].poll_at = self.t;
+                        self.tick(node);
+                    }
+                    Node::Global => {}
+                }
+            }
+            Event::RuleChange(i) => self.change_rule(i),
+            Event::Sweep => {
+                let t = self.t;
+                if let Some(core) = self.global.core.as_mut() {
+                    if t >= self.global.asleep_until {
+                        core.sweep(self.global.clock.local(t));
+                    }
+                }
+                for n in &mut self.regionals {
+                    if let Some(core) = n.core.as_mut() {
+                        if t >= n.asleep_until {
+                            core.core_mut().sweep(n.clock.local(t));
+                        }
+                    }
+                }
+                if let Some(every) = self.sc.faults.sweep_every_s {
+                    self.schedule(t + (every * SEC as f64) as u64, Event::Sweep);
+                }
+            }
+        }
+    }
+
+    fn asleep_until(&self, node: Node) -> u64 {
+        match node {
+            Node::Global => self.global.asleep_until,
+            Node::Regional(r) => self.regionals[r as usize].asleep_until,
+            Node::Agent(i) => self.agents[i as usize].asleep_until,
+        }
+    }
+
+    fn asleep_mut(&mut self, node: Node) -> &mut u64 {
+        match node {
+            Node::Global => &mut self.global.asleep_until,
+            Node::Regional(r) => &mut self.regionals[r as usize].asleep_until,
+            Node::Agent(i) => &mut self.agents[i as usize].asleep_until,
+        }
+    }
+
+    /// A graceful shutdown (SIGTERM), as the drivers do it: the core's
+    /// `shutdown` returns the batch that gives back what it holds, sent
+    /// once, best effort; then the process is gone (as after a crash).
+    fn shutdown(&mut self, node: Node) {
+        let t = self.t;
+        let (batch, parent) = match node {
+            Node::Agent(i) => {
+                let n = &mut self.agents[i as usize];
+                let Some(agent) = n.agent.as_ref() else {
+                    return;
+                };
+                n.clock_cell.set(n.clock.local(t));
+                (agent.core().shutdown(n.clock.local(t)), n.parent)
+            }
+            Node::Regional(r) => {
+                let n = &mut self.regionals[r as usize];
+                let Some(core) = n.core.as_mut() else { return };
+                (core.shutdown(n.clock.local(t)), Node::Global)
+            }
+            Node::Global => return,
+        };
+        if let Some(batch) = batch {
+            self.count_message(node, &batch);
+            self.transmit(node, parent, Msg::Batch(batch));
+        }
+        self.crash(node);
+    }
+
+    /// Publish rule change `i` of the scenario: the rules in force with
+    /// that rule's rate and burst changed, under the next version, handed
+    /// to the global allocator as a rules-file reload does (`set_rules`);
+    /// agents and regional allocators adopt it from the replies. A node
+    /// that boots later starts from it (its rules file on disk). Each
+    /// checker of the rule's keys takes the change (SPEC §4's bound).
+    fn change_rule(&mut self, i: usize) {
+        let Some(c) = self.sc.rule_changes().into_iter().nth(i) else {
+            return;
+        };
+        let mut rules = self.rules.clone();
+        rules.version += 1;
+        let Some(rule) = rules.rules.iter_mut().find(|r| r.id == c.rule) else {
+            return;
+        };
+        let old = (rule.rate, rule.burst);
+        rule.rate = c.rate;
+        rule.burst = c.burst;
+        self.rules = rules;
+        let t = self.t;
+        self.rule_history.push((
+            t,
+            RuleChange {
+                old,
+                rate: c.rate,
+                burst: c.burst,
+                rule: c.rule.clone(),
+            },
+        ));
+        if let Some(core) = self.global.core.as_mut() {
+            core.set_rules(self.rules.clone(), self.global.clock.local(t));
+        }
+        let lag = self.sc.rule_change_lag_ns();
+        for k in &mut self.keys {
+            if k.key.rule == c.rule {
+                k.checker.change(t, lag, c.rate, c.burst);
+                k.rate = c.rate;
+                k.burst = c.burst;
+            }
         }
     }
 
@@ -1022,7 +1302,7 @@ impl World {
                         msgs_regional_tier: 0,
                         agents: vec![false; self.agents.len()],
                         agent_count: 0,
-                        checker: StreamChecker::new(rule.rate, rule.burst),
+                        checker: self.checker_for(&rule.id, rule.rate, rule.burst),
                         i3_allowance: 0.0,
                         quality: tracked.then(|| {
                             KeyQuality::new(
@@ -1036,6 +1316,7 @@ impl World {
                         }),
                         per_second: Vec::new(),
                         per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],
+                        live_per_second: Vec::new(),
                     });
                     self.key_index.insert(key.as_key_ref(), k);
                     k
@@ -1049,13 +1330,35 @@ impl World {
         slot
     }
 
+    /// An I1 checker for a key of rule `id` (now at `rate` and `burst`)
+    /// first seen now: the rule as it started, with every change published
+    /// so far (one still lagging counts for this key too).
+    fn checker_for(&self, id: &str, rate: Rate, burst: u64) -> StreamChecker {
+        let lag = self.sc.rule_change_lag_ns();
+        let changes: Vec<&(u64, RuleChange)> = self
+            .rule_history
+            .iter()
+            .filter(|(_, c)| c.rule == id)
+            .collect();
+        let Some(first) = changes.first() else {
+            return StreamChecker::new(rate, burst);
+        };
+        let (r0, b0) = first.1.old;
+        let mut c = StreamChecker::new(r0, b0);
+        for (at, ch) in changes {
+            c.change(*at, lag, ch.rate, ch.burst);
+        }
+        c
+    }
+
     /// A request arrives at its agent (or re-checks after parking).
     fn arrive(&mut self, a: Arrival, attempt: u32) {
         let t = self.t;
         let slot = self.tenant_keys(a.tenant, a.route);
         let node = &mut self.agents[a.agent as usize];
-        let Some(agent) = node.agent.as_ref() else {
-            // The gateway's sidecar is down: the gateway fails the request.
+        let Some(agent) = node.agent.as_ref().filter(|_| t >= node.asleep_until) else {
+            // The gateway's sidecar is down (or its machine asleep): the
+            // gateway fails the request.
             self.unavailable += 1;
             return;
         };
@@ -1122,6 +1425,14 @@ impl World {
             }
             if let Some(q) = ks.quality.as_mut() {
                 q.push(t, u64::from(a.cost), allowed);
+                if ks.live_per_second.len() <= sec {
+                    ks.live_per_second.resize(sec + 1, (0, 0));
+                }
+                let live = &mut ks.live_per_second[sec];
+                live.0 += u64::from(a.cost);
+                if allowed && !emergency {
+                    live.1 += u64::from(a.cost);
+                }
             }
             if allowed {
                 ks.admitted += u64::from(a.cost);
@@ -1190,20 +1501,22 @@ impl World {
             round_trip_ns: rtt,
             i3_window_ns: self.fault_window_ns,
             tier_notes,
+            live_from_ns: self.sc.liveness.then(|| self.sc.live_from_ns()),
+            ttl_max_ns: self.sc.ttl_max_ms * 1_000_000,
+            reference: None,
         }
     }
 }
 
 /// The window of I3's allowance: from the first fault to the end of the
-/// last one (a crash without restart lasts to the end), plus `TTL_max`.
+/// last one (one that never ends lasts to the end), plus `TTL_max`.
 fn fault_window_ns(sc: &Scenario) -> u64 {
     let end = sc.duration_ns();
-    let mut spans: Vec<(u64, u64)> = sc.cuts().iter().map(|c| (c.from_ns, c.until_ns)).collect();
-    spans.extend(
-        sc.crashes()
-            .iter()
-            .map(|c| (c.at_ns, c.restart_ns.unwrap_or(end))),
-    );
+    let spans: Vec<(u64, u64)> = sc
+        .fault_spans()
+        .into_iter()
+        .map(|(from, until)| (from, until.unwrap_or(end)))
+        .collect();
     let Some(first) = spans.iter().map(|s| s.0).min() else {
         return 0;
     };

@@ -839,3 +839,92 @@ rules:
     let total: u64 = admitted.iter().map(|c| c.load(Ordering::Relaxed)).sum();
     assert!(total > 0);
 }
+
+const TWENTY: &str = r#"
+rules:
+  - id: twenty
+    match: { tenant: "*" }
+    rate: 20/m
+    burst: 20
+"#;
+
+/// SPEC §5 "What the headers say": `remaining` is the key's global
+/// remaining tokens as the agent estimates them, not its lease's few
+/// tokens (a cold key's first lease is `burst / 16` = 1 token here), and
+/// 0 on a denial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remaining_is_the_keys_global_estimate_and_zero_on_a_denial() {
+    let (a, _shared) = start_with(TWENTY);
+    wait_ready(&a).await;
+    let i = input("fresh", "/x");
+    let mut remaining = Vec::new();
+    for _ in 0..2 {
+        let r = a.check(i).await.unwrap();
+        assert!(r.allowed, "{r:?}");
+        remaining.push(r.remaining);
+    }
+    // 2 of 20 spent: 18 left (a lease-only answer would say 0).
+    assert!((15..=18).contains(&remaining[1]), "{remaining:?}");
+    assert!(remaining[0] >= remaining[1], "{remaining:?}");
+    // The fast path answers the same estimate.
+    if let Some(f) = a.check_fast(&i) {
+        assert!((14..=17).contains(&f.remaining), "{f:?}");
+    }
+    // Spend the rest: every answer stays within the burst and never
+    // counts more than is left; the 429 says 0.
+    let mut admitted = 2 + u64::from(a.check_fast(&i).is_some());
+    let denied = loop {
+        let r = a.check(i).await.unwrap();
+        if !r.allowed {
+            break r;
+        }
+        admitted += 1;
+        assert!(admitted <= 21, "a 20-token burst admitted {admitted}");
+        // At most one token refilled in the test's few seconds (20/m).
+        assert!(r.remaining + admitted <= 21, "{admitted}: {r:?}");
+    };
+    assert_eq!(denied.reason, Reason::OverLimit as i32, "{denied:?}");
+    assert_eq!(denied.remaining, 0, "{denied:?}");
+}
+
+/// SPEC §5: after another agent has spent 15 of a fresh key's 20, the
+/// remaining here, after this agent's next renewal, is at most 5 plus
+/// what refills in one renew interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_agents_spending_shows_in_remaining_after_a_renewal() {
+    let rules = RuleSet::parse(TWENTY, "test", 1).expect("valid rules");
+    let core = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(core, rules, None);
+    let cfg = |id: &str| AgentConfig {
+        agent_id: id.into(),
+        ..AgentConfig::default()
+    };
+    let renew_interval = cfg("x").plan.renew_interval;
+    let a = Agent::start(cfg("a"), Arc::new(in_process(&shared)), None).expect("agent a");
+    let b = Agent::start(cfg("b"), Arc::new(in_process(&shared)), None).expect("agent b");
+    wait_ready(&a).await;
+    wait_ready(&b).await;
+    let i = input("shared", "/x");
+    // B holds the key first: nearly all of it is left.
+    let r = b.check(i).await.unwrap();
+    assert!(r.allowed && (15..=19).contains(&r.remaining), "{r:?}");
+    for n in 0..15 {
+        let r = a.check(i).await.unwrap();
+        assert!(r.allowed, "a's check {n}: {r:?}");
+    }
+    // B's next check may still be answered from the lease (and bucket
+    // report) it got before A spent; it makes B renew (its lease is used
+    // up). Its answer after that renewal knows of A's 15.
+    let _ = b.check(i).await.unwrap();
+    tokio::time::sleep(4 * renew_interval).await;
+    let r = b.check(i).await.unwrap();
+    // 20/m over one renew interval, rounded up.
+    let refill = (20 * renew_interval.as_millis() as u64).div_ceil(60_000);
+    assert!(r.remaining <= 5 + refill, "{r:?}");
+    if !r.allowed {
+        assert_eq!(r.remaining, 0, "{r:?}");
+    }
+}

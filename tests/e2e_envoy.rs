@@ -92,6 +92,23 @@ async fn should_rate_limit_over_a_real_socket() {
         let limit = st.current_limit.as_ref().unwrap();
         assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("login", 5));
         assert_eq!(limit.unit, Unit::Minute as i32);
+        // SPEC §5: `limit_remaining` and the headers are one number, the
+        // key's global estimate: the first login leaves 4 of 5 (the cold
+        // lease holds 1 token, so a lease-only answer would say 0); never
+        // more than is left (one token refills in 12 s).
+        let left = st.limit_remaining;
+        assert!(left + i <= 5, "login {i}: {left}");
+        if i == 0 {
+            assert!(left >= 3, "login 0: {left}");
+        }
+        assert_eq!(
+            header(&r, "ratelimit-remaining"),
+            Some(left.to_string().as_str())
+        );
+        assert_eq!(
+            header(&r, "ratelimit"),
+            Some(format!("\"login\";r={left};t=0").as_str())
+        );
     }
     let r = c
         .should_rate_limit(request(

@@ -206,7 +206,9 @@ pub enum CheckError {
 /// An admission decided on the fast path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FastAdmit {
-    /// Tokens left in the most constrained lease charged.
+    /// The key's global remaining tokens as this agent estimates them, for
+    /// the most constrained rule charged
+    /// ([`crate::lease_table::SlotHead::global_remaining`]).
     pub remaining: u64,
     /// Index (in the rule set) of that rule; None when no rule matched.
     pub rule_index: Option<usize>,
@@ -339,8 +341,9 @@ impl KeyHandle {
 type Unpaid = (usize, Option<Slot>);
 
 /// Take `cost` from every slot's lease, all or none: (the smallest
-/// remainder, its rule index), or None (nothing charged).
-fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64) -> Option<(u64, usize)> {
+/// global remaining estimate, capped at `max_burst`, the smallest burst of
+/// the slots' rules, and its rule index), or None (nothing charged).
+fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64, max_burst: u64) -> Option<(u64, usize)> {
     let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
     let mut min = (u64::MAX, slots.first().map_or(0, |s| s.0 as usize));
     for (j, (ri, slot)) in slots.iter().enumerate() {
@@ -350,6 +353,9 @@ fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64) -> Option<(u64, usize)> 
                 remaining,
             } => {
                 taken[j] = generation;
+                // min over slots of min(max_burst, x) = min(max_burst, min x)
+                // = min over slots of min(own burst, x).
+                let remaining = slot.global_remaining(remaining, max_burst);
                 if remaining < min.0 {
                     min = (remaining, *ri as usize);
                 }
@@ -953,11 +959,14 @@ impl Agent {
         }
         let (remaining, rule_index) = match h.slots.as_slice() {
             // The common shape: one rule, one word.
+            // (`max_cost` is then the rule's burst.)
             [(ri, slot)] => match slot.word.try_take(cost, now) {
-                Take::Taken { remaining, .. } => (remaining, *ri as usize),
+                Take::Taken { remaining, .. } => {
+                    (slot.global_remaining(remaining, h.max_cost), *ri as usize)
+                }
                 Take::Short { .. } | Take::NoLease => return None,
             },
-            slots => take_all(slots, cost, now)?,
+            slots => take_all(slots, cost, now, h.max_cost)?,
         };
         if inner.admission_log.is_some() {
             self.log_handle(h, cost, now);
@@ -1314,6 +1323,8 @@ impl Agent {
                     remaining,
                 } => {
                     taken[j] = slot.map(|s| (s, generation));
+                    let remaining =
+                        slot.map_or(remaining, |s| s.global_remaining(remaining, r.burst));
                     if remaining < min_remaining {
                         min_remaining = remaining;
                         min_rule = ri;
@@ -1436,6 +1447,7 @@ impl Agent {
                 remaining,
             } = slot.word.try_take(cost, t)
             {
+                let remaining = slot.global_remaining(remaining, r.burst);
                 if remaining < min.0 {
                     min = (remaining, ri as usize);
                 }

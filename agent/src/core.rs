@@ -143,7 +143,16 @@ struct KeyState {
     /// live on in handles and lists; the core skips it).
     held: bool,
     /// The rate asked for in the last renewal (micro-tokens per second).
+    /// Kept (as `f32`, in `granted`'s bits) only while `granted` is 0,
+    /// which it is whenever the lease carries a rate, the only time the
+    /// planner reads it; a renewal in flight also keeps it in its
+    /// [`Renewing`] entry, and the grant that answers it restores it.
     asked_rate_utps: u64,
+    /// What the allocator last reported is left in the key's bucket beyond
+    /// our lease (`Grant.bucket_available`): the request path reads it
+    /// (the one core-owned word it reads) to answer `remaining`, see
+    /// [`crate::lease_table::SlotHead::global_remaining`].
+    bucket_available: u64,
 }
 
 /// Bits of a batch sequence number kept per key in flight. A key's
@@ -160,6 +169,9 @@ const F_HELD: u16 = 1;
 const F_LISTED: u16 = 2;
 const F_PARKED: u16 = 4;
 const F_IN_FLIGHT: u16 = 8;
+/// Word 1's low 40 bits hold `asked_rate_utps` as `f32` bits, not
+/// `granted` (which is then 0).
+const F_ASKED_RATE: u16 = 16;
 
 /// The tag of batch `seq` in a key's state.
 fn seq_tag(seq: u64) -> u32 {
@@ -194,18 +206,21 @@ impl KeyState {
             listed: true,
             held: true,
             asked_rate_utps: 0,
+            bucket_available: 0,
         }
     }
 
-    /// Decode the core-owned words of `s`. Relaxed: only the core reads
-    /// and writes them, always under its mutex, which orders its accesses.
+    /// Decode the core-owned words of `s`. Relaxed: only the core writes
+    /// them, always under its mutex, which orders its accesses (the
+    /// request path only loads word 3, an estimate).
     fn load(s: &SlotHead) -> Self {
         let w = |i: usize| s.core(i).load(Relaxed);
         let flags = s.core_flags.load(Relaxed);
-        let (granted_gen, baseline_holders, rates, since_seq) = (w(1), w(2), w(3), w(4));
+        let (granted_gen, baseline_holders, rates, since_seq) = (w(1), w(2), w(8), w(4));
+        let asked_rate = flags & F_ASKED_RATE != 0;
         Self {
             lease_id: w(0),
-            granted: granted_gen & LOW40,
+            granted: if asked_rate { 0 } else { granted_gen & LOW40 },
             generation: granted_gen >> 40,
             baseline: baseline_holders & LOW40,
             holders: baseline_holders >> 40,
@@ -222,7 +237,12 @@ impl KeyState {
             parked: flags & F_PARKED != 0,
             listed: flags & F_LISTED != 0,
             held: flags & F_HELD != 0,
-            asked_rate_utps: w(8),
+            asked_rate_utps: if asked_rate {
+                f32::from_bits(granted_gen as u32) as u64
+            } else {
+                0
+            },
+            bucket_available: w(3),
         }
     }
 
@@ -238,13 +258,21 @@ impl KeyState {
         };
         debug_assert!(self.generation < 1 << 24, "a word's generation has 24 bits");
         put(0, self.lease_id);
-        put(1, self.granted.min(LOW40) | (self.generation << 40));
+        // `granted`, or, while it is 0, the rate asked for.
+        let asked_rate = self.granted == 0 && self.asked_rate_utps > 0;
+        let low = if asked_rate {
+            u64::from((self.asked_rate_utps as f32).to_bits())
+        } else {
+            self.granted.min(LOW40)
+        };
+        put(1, low | (self.generation << 40));
         put(
             2,
             self.baseline.min(LOW40) | (self.holders.min(HOLDERS_MAX) << 40),
         );
+        put(3, self.bucket_available);
         put(
-            3,
+            8,
             u64::from(rate_bits(self.usage.rate))
                 | (u64::from(rate_bits(self.usage.admitted_rate)) << 32),
         );
@@ -253,12 +281,12 @@ impl KeyState {
         put(5, self.usage.last_tick_ns);
         put(6, self.usage.last_active_ns);
         put(7, self.quiet_until_ns);
-        put(8, self.asked_rate_utps);
         let bit = |on: bool, f: u16| if on { f } else { 0 };
         let flags = bit(self.held, F_HELD)
             | bit(self.listed, F_LISTED)
             | bit(self.parked, F_PARKED)
-            | bit(self.in_flight.is_some(), F_IN_FLIGHT);
+            | bit(self.in_flight.is_some(), F_IN_FLIGHT)
+            | bit(asked_rate, F_ASKED_RATE);
         if s.core_flags.load(Relaxed) != flags {
             s.core_flags.store(flags, Relaxed);
         }
@@ -294,6 +322,9 @@ struct Renewing {
     generation: u64,
     /// Tokens in the word at the cut.
     tokens_at_send: u64,
+    /// The rate the renewal asked for (the key's `asked_rate_utps`, which
+    /// its slot may not keep while a lease of tokens is held).
+    asked_rate_utps: u64,
 }
 
 /// A batch on its way to the allocator.
@@ -1191,6 +1222,7 @@ impl AgentCore {
             return Installed::Done;
         };
         k.in_flight = None;
+        k.asked_rate_utps = f.asked_rate_utps;
         if g.carried > g.tokens && !rate_grant {
             tracing::error!(rule = %slot.rule_id(), tokens = g.tokens, carried = g.carried, "malformed grant ignored");
             return Installed::Done;
@@ -1220,6 +1252,10 @@ impl AgentCore {
                 return Installed::Done;
             }
         }
+        // What the allocator knows is left in the bucket beyond our lease
+        // (0 from an allocator that predates the field: `remaining` is
+        // then the lease's level, as it was).
+        k.bucket_available = g.bucket_available;
         if let Some(rare) = self.rare.get_mut(&f.slot) {
             rare.refused = None;
             if rare.emergency.is_none() {
@@ -1587,6 +1623,7 @@ fn plan_key(
                     slot: slot.clone(),
                     generation: new_gen,
                     tokens_at_send: at_cut,
+                    asked_rate_utps: want_rate_utps,
                 },
             ));
         }

@@ -550,7 +550,12 @@ impl<'a> Lookup<'a> {
 ///   `unsafe`; the core accesses them with `Relaxed` ordering, always
 ///   under its own mutex, which orders its accesses, and writes a word
 ///   only when its value changed (at most once a visit, every renew
-///   interval for a busy key).
+///   interval for a busy key). One exception is read outside the core:
+///   word 3, what the allocator last reported is left in the bucket
+///   beyond this lease, which the request path loads (`Relaxed`: an
+///   estimate for `remaining`, never used to admit) in
+///   [`SlotHead::global_remaining`]; it sits on the lease word's cache
+///   line, so that read costs no other line.
 #[derive(Debug)]
 #[repr(C)]
 pub struct SlotHead {
@@ -579,7 +584,8 @@ pub struct SlotHead {
     core_a: [std::sync::atomic::AtomicU64; 3],
     /// The lease word (hot path), 64 bytes in.
     pub word: LeaseWord,
-    /// Core-owned words 3-8.
+    /// Core-owned words 3-8; word 3 (at offset 104, on the lease word's
+    /// line) is the bucket snapshot the request path reads.
     core_b: [std::sync::atomic::AtomicU64; 6],
 }
 
@@ -588,6 +594,10 @@ pub const WORD_OFFSET: usize = std::mem::offset_of!(SlotHead, word);
 const _: () = assert!(
     WORD_OFFSET == 64,
     "the word's line holds only its own block"
+);
+const _: () = assert!(
+    std::mem::offset_of!(SlotHead, core_b) + 8 <= WORD_OFFSET + 64,
+    "the bucket snapshot the request path reads is on the lease word's line"
 );
 
 impl SlotHead {
@@ -598,6 +608,22 @@ impl SlotHead {
             0..3 => &self.core_a[i],
             _ => &self.core_b[i - 3],
         }
+    }
+
+    /// The key's global remaining tokens as this agent estimates them
+    /// (SPEC §5 "What the headers say"), `lease_level` being what its
+    /// lease holds now: `min(burst, lease_level + what the allocator last
+    /// reported is left in the bucket beyond the lease)`. What was spent
+    /// since the report has left the lease's level; what refilled since is
+    /// not added. With an allocator that reports nothing (older than the
+    /// field) it is the lease's level. Every interface's `remaining`
+    /// (Check, Envoy RLS `limit_remaining`, the `RateLimit` headers) is
+    /// this, taken at the admission.
+    #[inline]
+    pub fn global_remaining(&self, lease_level: u64, burst: u64) -> u64 {
+        lease_level
+            .saturating_add(self.core_b[0].load(Ordering::Relaxed))
+            .min(burst)
     }
 }
 

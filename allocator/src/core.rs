@@ -641,6 +641,15 @@ impl AllocatorCore {
             },
             self.cfg.active_window_ns,
         );
+        // What is left in the bucket beyond the leases, at the grant's
+        // instant (the ledger is advanced to `now_ns` by the renewal): the
+        // holder's estimate of the key's global remaining (SPEC §5). A
+        // pooled ledger's is its pool's plus what the parent last
+        // reported above the region's lease. Part of the reply, so a
+        // duplicate gets the same figure.
+        let bucket_available = ledger
+            .available()
+            .saturating_add(ledger.pool().map_or(0, |p| p.parent_available));
         if g.shadow_violation {
             *self
                 .stats
@@ -672,6 +681,7 @@ impl AllocatorCore {
             rate_utps: g.rate_utps,
             capacity: g.capacity,
             version_of: g.version_of,
+            bucket_available,
         }
     }
 

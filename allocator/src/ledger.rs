@@ -163,6 +163,10 @@ pub struct Pool {
     pub rate_utps: u64,
     /// See `rate_utps` (0: the rule's burst caps the pool).
     pub capacity: u64,
+    /// The parent's `Grant.bucket_available` in its last grant for this
+    /// key: what is left above the region's lease (for the children's
+    /// `remaining` estimate only, never granted from).
+    pub parent_available: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -301,6 +305,7 @@ impl KeyLedger {
                 parent_dry: false,
                 rate_utps: 0,
                 capacity: 0,
+                parent_available: 0,
             }),
             sweep_due_ns: 0,
         }
@@ -333,6 +338,14 @@ impl KeyLedger {
     pub fn set_pool_deadline(&mut self, deadline_ns: u64) {
         if let Some(p) = self.pool.as_mut() {
             p.deadline_ns = deadline_ns;
+        }
+    }
+
+    /// Pooled mode: what the parent last reported is left above the
+    /// region's lease ([`Pool::parent_available`]).
+    pub fn set_pool_parent_available(&mut self, tokens: u64) {
+        if let Some(p) = self.pool.as_mut() {
+            p.parent_available = tokens;
         }
     }
 

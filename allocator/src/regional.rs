@@ -946,6 +946,14 @@ impl RegionalCore {
                 continue;
             }
             self.apply_grant(now_ns, f.sent_ns, sent, g);
+            if g.status == GrantStatus::Granted as i32 {
+                // What the parent knows is left beyond the region's lease:
+                // the pool adds it to its own on every grant to a child
+                // (SPEC §5 "What the headers say").
+                if let Some(ledger) = self.core.ledger_mut(&sent.key) {
+                    ledger.set_pool_parent_available(g.bucket_available);
+                }
+            }
         }
         self.update_reachable(now_ns);
     }

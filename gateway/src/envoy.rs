@@ -25,7 +25,7 @@ use quotalease_proto::v1::{CheckResponse, Reason};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::headers::LimitInfo;
+use crate::headers::{remaining_of, LimitInfo};
 use quotalease_agent::agent::{Agent, CheckError, CheckInput};
 
 /// Most descriptors in one request (SPEC §8).
@@ -94,7 +94,7 @@ fn status_of(resp: &CheckResponse, rules: Option<&RuleSet>) -> DescriptorStatus 
     DescriptorStatus {
         code: if denied { Code::OverLimit } else { Code::Ok } as i32,
         current_limit,
-        limit_remaining: u32::try_from(resp.remaining).unwrap_or(u32::MAX),
+        limit_remaining: u32::try_from(remaining_of(resp)).unwrap_or(u32::MAX),
         duration_until_reset: Some(duration_ms(until_ms)),
         quota: None,
     }
@@ -192,7 +192,7 @@ impl RateLimitService for EnvoyService {
             .and_then(|(_, resp)| {
                 let rules = rules.as_deref()?;
                 let rule = rules.get(&resp.rule_id)?;
-                let info = LimitInfo::new(rule, resp.remaining, resp.retry_after_ms);
+                let info = LimitInfo::of_response(rule, &resp);
                 Some(
                     info.headers()
                         .into_iter()

@@ -4,6 +4,20 @@
 //! `Retry-After`.
 
 use quotalease_model::rules::Rule;
+use quotalease_proto::v1::CheckResponse;
+
+/// The `remaining` every interface reports for an answer (Envoy RLS
+/// `limit_remaining`, `RateLimit` `r=`, `RateLimit-Remaining`): when
+/// admitted, the agent's estimate of the key's *global* remaining tokens
+/// (`CheckResponse.remaining`, see `SlotHead::global_remaining` in the
+/// agent crate), never just its own lease's; 0 when denied (SPEC §5).
+pub fn remaining_of(resp: &CheckResponse) -> u64 {
+    if resp.allowed {
+        resp.remaining
+    } else {
+        0
+    }
+}
 
 /// What the headers describe: one rule's bucket as seen by this answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,7 +28,8 @@ pub struct LimitInfo<'a> {
     pub quota: u64,
     /// Window: the rule's rate period in seconds.
     pub window_s: u64,
-    /// Tokens left (in this agent's lease).
+    /// The key's global remaining tokens as the agent estimates them (0 on
+    /// a denial): [`remaining_of`].
     pub remaining: u64,
     /// Seconds until a retry can pass (0 when admitted).
     pub reset_s: u64,
@@ -30,6 +45,12 @@ impl<'a> LimitInfo<'a> {
             remaining,
             reset_s: retry_after_ms.div_ceil(1000),
         }
+    }
+
+    /// For `rule` and the agent's answer `resp`: [`remaining_of`] it, a
+    /// retry after its `retry_after_ms`.
+    pub fn of_response(rule: &'a Rule, resp: &CheckResponse) -> Self {
+        Self::new(rule, remaining_of(resp), resp.retry_after_ms)
     }
 
     /// The five rate-limit headers.
@@ -66,6 +87,37 @@ mod tests {
         assert_eq!(retry_after_secs(1), 1);
         assert_eq!(retry_after_secs(1000), 1);
         assert_eq!(retry_after_secs(1001), 2);
+    }
+
+    #[test]
+    fn remaining_is_the_agents_global_estimate_and_zero_on_a_denial() {
+        let rule = quotalease_model::rules::RuleSet::parse(
+            "rules:\n  - id: orders\n    match: { tenant: \"*\" }\n    rate: 20/m\n    burst: 20\n",
+            "test",
+            1,
+        )
+        .expect("valid rules")
+        .rules
+        .remove(0);
+        let admitted = CheckResponse {
+            allowed: true,
+            remaining: 17,
+            ..CheckResponse::default()
+        };
+        let h = LimitInfo::of_response(&rule, &admitted).headers();
+        assert_eq!(h[1], ("ratelimit", "\"orders\";r=17;t=0".to_string()));
+        assert_eq!(h[3], ("ratelimit-remaining", "17".to_string()));
+        // A denial says 0, whatever the answer carries.
+        let denied = CheckResponse {
+            allowed: false,
+            remaining: 17,
+            retry_after_ms: 2_500,
+            ..CheckResponse::default()
+        };
+        assert_eq!(remaining_of(&denied), 0);
+        let h = LimitInfo::of_response(&rule, &denied).headers();
+        assert_eq!(h[1], ("ratelimit", "\"orders\";r=0;t=3".to_string()));
+        assert_eq!(h[3], ("ratelimit-remaining", "0".to_string()));
     }
 
     #[test]

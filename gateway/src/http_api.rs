@@ -24,8 +24,11 @@
 //!   pass), and the legacy `RateLimit-Limit` (burst), `RateLimit-Remaining`
 //!   and `RateLimit-Reset` (seconds, rounded up).
 //! - 200 with a (non-shadow) rule: the same rate-limit headers with `r` =
-//!   `remaining` and `t` = 0. `remaining` is what this agent still holds
-//!   for the most constrained rule, a lower bound of what the key has left.
+//!   `remaining` and `t` = 0. `remaining` (here, in the body, and on a
+//!   429 where it is 0) is the agent's estimate of the key's *global*
+//!   remaining tokens for the most constrained rule (SPEC §5): its lease's
+//!   level plus what the allocator last reported is left in the bucket,
+//!   at most the burst ([`crate::headers::remaining_of`]).
 //!   Shadow rules never deny, so they get no headers.
 //! - 503: `Retry-After: 1`.
 //!
@@ -450,7 +453,7 @@ fn decision_headers(rule: Option<&Rule>, resp: &CheckResponse) -> HeaderMap {
     if let Some(rule) = rule.filter(|r| !r.shadow) {
         let info = LimitInfo {
             reset_s,
-            ..LimitInfo::new(rule, resp.remaining, 0)
+            ..LimitInfo::of_response(rule, resp)
         };
         for (name, value) in info.headers() {
             // Valid names and visible ASCII values by construction; a header

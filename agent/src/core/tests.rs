@@ -404,6 +404,7 @@ fn key_state_round_trips_through_its_slot() {
     k.parked = true;
     k.listed = false;
     k.held = true;
+    k.bucket_available = u64::MAX - 4;
     k.store(&slot);
     assert!(
         same(&KeyState::load(&slot), &k),
@@ -420,4 +421,44 @@ fn key_state_round_trips_through_its_slot() {
     assert!(back.usage.rate > 0.0);
     assert_eq!(back.lease_id, u64::MAX, "neighbours untouched");
     assert!(!KeyState::fresh().parked);
+}
+
+/// The rate asked for shares `granted`'s bits: kept while `granted` is 0
+/// (always, while the lease carries a rate: the only time it is read),
+/// dropped while a lease of tokens counts its grant; the bucket report is
+/// a word of its own that the request path reads.
+#[test]
+fn the_rate_asked_lives_in_granteds_bits_and_the_bucket_report_is_read_by_requests() {
+    let slot = Slot::new("r", "t", "");
+    let mut k = KeyState::fresh();
+    k.generation = (1 << 24) - 1;
+    k.asked_rate_utps = 333_333_333;
+    k.granted = 0;
+    k.bucket_available = 17;
+    k.store(&slot);
+    let back = KeyState::load(&slot);
+    assert_eq!(back.granted, 0);
+    assert_eq!(back.generation, (1 << 24) - 1, "the generation untouched");
+    let asked = back.asked_rate_utps as f64;
+    assert!((asked / 333_333_333.0 - 1.0).abs() < 1e-6, "{asked}");
+    assert_eq!(back.bucket_available, 17);
+    // A lease of tokens: `granted` is kept, the rate asked is not.
+    k.granted = 12;
+    k.store(&slot);
+    let back = KeyState::load(&slot);
+    assert_eq!((back.granted, back.asked_rate_utps), (12, 0));
+    assert_eq!(back.generation, (1 << 24) - 1);
+    // The request path: lease level + the report, at most the burst.
+    assert_eq!(slot.global_remaining(2, 20), 19);
+    assert_eq!(slot.global_remaining(1, 20), 18);
+    k.bucket_available = 0;
+    k.store(&slot);
+    assert_eq!(
+        slot.global_remaining(3, 20),
+        3,
+        "no report: the lease's level"
+    );
+    k.bucket_available = u64::MAX;
+    k.store(&slot);
+    assert_eq!(slot.global_remaining(u64::MAX, 20), 20);
 }

@@ -157,6 +157,35 @@ fn a_chain_carries_over_and_reports_exactly_what_left_it() {
     reg.check_i2(t).unwrap();
 }
 
+/// SPEC §5: a grant tells what is left in the bucket beyond the holder's
+/// lease: the root its `available`, a regional its pool's plus what the
+/// parent last reported above the region's lease. A duplicate gets the
+/// cached figure.
+#[test]
+fn grants_report_what_is_left_beyond_the_lease_at_both_tiers() {
+    let t = T0;
+    // The root: a fresh bucket of 50, 3 leased.
+    let mut root = parent_at(t);
+    let b = child_batch("x", 1, vec![item(ItemKind::Renew, 0, 0, 3)]);
+    let r = root.handle(t, &b);
+    assert_eq!(
+        (r.grants[0].tokens, r.grants[0].bucket_available),
+        (3, BURST - 3)
+    );
+    // The region leased G from the root, its child holds 10 of them: the
+    // child hears of the pool's G - 10 and the root's 50 - G.
+    let (mut reg, _parent, g) = opened(t);
+    let c = reg.chain_view(&key()).expect("chain");
+    assert!(c.granted >= 10 && c.granted <= BURST, "{}", c.granted);
+    assert_eq!(g.bucket_available, BURST - 10, "{g:?}");
+    // Another child: whatever the pool gives it, the rest is reported.
+    let b = child_batch("b", 1, vec![item(ItemKind::Renew, 0, 0, 2)]);
+    let r = reg.handle(t, &b);
+    let g = &r.grants[0];
+    assert_eq!(g.bucket_available, BURST - 10 - g.tokens, "{g:?}");
+    assert_eq!(reg.handle(t, &b), r, "a duplicate gets the cached reply");
+}
+
 #[test]
 fn a_lost_reply_breaks_the_chain_and_old_sub_leases_carry_nothing() {
     let t = T0;

@@ -22,6 +22,12 @@ pub struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[String]) -> Proc {
+        Self::try_spawn(name, args).unwrap_or_else(|line| panic!("{name}: no start line: {line:?}"))
+    }
+
+    /// Start a child; `Err(its first line)` if it exited before printing
+    /// its addresses (it could not listen, say).
+    fn try_spawn(name: &str, args: &[String]) -> Result<Proc, String> {
         let mut child = Command::new(BIN)
             .args(args)
             .env("RUST_LOG", "warn")
@@ -42,13 +48,18 @@ impl Proc {
                 .parse()
                 .expect("socket address")
         };
+        if !line.contains("grpc=") {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(line);
+        }
         let (grpc, http) = (field("grpc"), field("http"));
-        Proc {
+        Ok(Proc {
             child,
             grpc,
             http,
             name: name.to_string(),
-        }
+        })
     }
 
     pub fn url(&self) -> String {
@@ -120,25 +131,38 @@ pub fn allocator(
     listen: Option<SocketAddr>,
     ttl_max: &str,
 ) -> Proc {
+    let fixed = listen.is_some();
     let listen = listen
         .map(|a| a.to_string())
         .unwrap_or("127.0.0.1:0".into());
-    Proc::spawn(
-        "allocator",
-        &[
-            "allocator".into(),
-            "--listen".into(),
-            listen,
-            "--http".into(),
-            "127.0.0.1:0".into(),
-            "--rules".into(),
-            rules.display().to_string(),
-            "--state-dir".into(),
-            state_dir.display().to_string(),
-            "--ttl-max".into(),
-            ttl_max.into(),
-        ],
-    )
+    let args = [
+        "allocator".into(),
+        "--listen".into(),
+        listen,
+        "--http".into(),
+        "127.0.0.1:0".into(),
+        "--rules".into(),
+        rules.display().to_string(),
+        "--state-dir".into(),
+        state_dir.display().to_string(),
+        "--ttl-max".into(),
+        ttl_max.into(),
+    ];
+    // A restart on the same address: the port was free when the old
+    // process died, but another test's (or an agent's reconnecting)
+    // socket may hold it as its ephemeral port for a moment. Try again for
+    // a few seconds rather than fail on that.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match Proc::try_spawn("allocator", &args) {
+            Ok(p) => return p,
+            Err(line) if fixed && Instant::now() < deadline => {
+                eprintln!("allocator did not start ({line:?}); trying again");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(line) => panic!("allocator: no start line: {line:?}"),
+        }
+    }
 }
 
 /// Start an agent with a test-only admission log.

@@ -76,6 +76,8 @@ sweep small-burst-flash 0.1 1..10
 
 log "simulator: swarm sweep (a fault plan per seed, liveness after the faults heal)"
 "$sim" sim --swarm --seeds 1..100
+# Swarm findings reduced to a scenario, fixed, kept as regressions.
+"$sim" sim --scenario sim/findings/agent-rate-liveness.yaml --seeds 1..3
 
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)

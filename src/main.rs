@@ -188,10 +188,9 @@ pub struct AgentArgs {
     /// Release and forget keys idle this long.
     #[arg(long = "idle-release", default_value = "10s", value_parser = parse_duration)]
     idle_release: Duration,
-    /// Ask the allocator for leases that carry a rate (experimental: off
-    /// by default until the simulator's swarm shows them recovering from
-    /// every fault; see docs/protocol.md).
-    #[arg(long = "rate-leases")]
+    /// Ask the allocator for leases that carry a rate (`--rate-leases
+    /// false`: leases of tokens only; see docs/protocol.md).
+    #[arg(long = "rate-leases", default_value_t = true, action = clap::ArgAction::Set)]
     rate_leases: bool,
     /// Fail-open emergency bucket rate, as a fraction of each rule's rate
     /// (default: max(this agent's recent share, R / agents using the key)).

@@ -39,7 +39,7 @@ pub struct PlanConfig {
     pub idle_release: Duration,
     /// EWMA time constant.
     pub ewma_tau: Duration,
-    /// Ask for leases that carry a rate (protocol 3; off by default).
+    /// Ask for leases that carry a rate (protocol 3).
     pub rate_leases: bool,
 }
 
@@ -50,9 +50,7 @@ impl Default for PlanConfig {
             low_water: Duration::from_millis(100),
             idle_release: Duration::from_secs(10),
             ewma_tau: Duration::from_secs(1),
-            // Off until the swarm shows rate leases recovering from every
-            // fault (docs/protocol.md, "Leases that carry a rate").
-            rate_leases: false,
+            rate_leases: true,
         }
     }
 }
@@ -303,7 +301,7 @@ mod tests {
             plan(&cfg, &u, key(40), 1_000 * MS),
             Plan::Renew {
                 want: 85,
-                want_rate_utps: 0
+                want_rate_utps: 625 * 1_000_000
             }
         );
     }

@@ -201,6 +201,11 @@ pub struct KeyLedger {
     /// last [`KeyLedger::take_refilled`] (for the regional's consumption
     /// estimate).
     refilled: u64,
+    /// Until then a holder asking for a rate got less capacity than its
+    /// share because the others' counts fill the burst: no holder keeps a
+    /// capacity above its share (the hysteresis below is off), so room
+    /// comes back for it.
+    squeezed_until_ns: u64,
     demand: Vec<Demand>,
     /// Independent alarm: a plain token bucket charged with every fresh
     /// grant and credited with every release. If the ledger is right, a grant
@@ -234,6 +239,7 @@ impl KeyLedger {
                 rates_out_utps: 0,
                 rate_leases: 0,
                 refilled: 0,
+                squeezed_until_ns: 0,
                 demand: Vec::new(),
                 shadow: TokenBucket::new_full(rate, burst, now_ns),
                 last_used_ns: now_ns,
@@ -253,6 +259,7 @@ impl KeyLedger {
             rates_out_utps: 0,
             rate_leases: 0,
             refilled: 0,
+            squeezed_until_ns: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, ready_at_ns),
             last_used_ns: now_ns,
@@ -294,6 +301,7 @@ impl KeyLedger {
             rates_out_utps: 0,
             rate_leases: 0,
             refilled: 0,
+            squeezed_until_ns: 0,
             demand: Vec::new(),
             shadow: TokenBucket::new_empty(rate, burst, now_ns),
             last_used_ns: now_ns,
@@ -860,7 +868,16 @@ impl KeyLedger {
         // A holder keeps its capacity unless its share moved by more than
         // a quarter: a smaller version destroys what no longer fits at the
         // holder, so capacities must not follow every small move of rate.
-        let share = if own_cap > 0 && share <= own_cap && share.saturating_mul(4) >= own_cap * 3 {
+        // Not while another holder is squeezed: kept capacities could fill
+        // the burst for good (the swarm found a key at 4/5 of its rate: an
+        // agent back from a cut got no room, ever, because four others
+        // each kept the quarter of B they had while it was away).
+        let squeezed = now_ns < self.squeezed_until_ns;
+        let share = if !squeezed
+            && own_cap > 0
+            && share <= own_cap
+            && share.saturating_mul(4) >= own_cap * 3
+        {
             own_cap
         } else {
             share
@@ -870,6 +887,9 @@ impl KeyLedger {
         // renewals that shrink are always allowed; a refusal would end a
         // chain whose holder still spends).
         let capacity = share.max(carried).max(1).min(room.max(own_cap));
+        if capacity < share.min(self.cap()) {
+            self.squeezed_until_ns = now_ns.saturating_add(active_window_ns.max(req.ttl_ns));
+        }
         let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
         if capacity == 0 {
             // No room at all (the other holders' counts fill the burst):

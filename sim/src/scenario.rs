@@ -91,10 +91,10 @@ pub struct Scenario {
     /// protocol-2 parent grants).
     #[serde(default = "d_true")]
     pub upstream_rates: bool,
-    /// Agents ask for leases that carry a rate (default false, as in
+    /// Agents ask for leases that carry a rate (default true, as in
     /// production; a regional allocator's pool lends none yet, so this
     /// matters for agents on the global allocator).
-    #[serde(default)]
+    #[serde(default = "d_true")]
     pub agent_rates: bool,
     /// The rules, as a rules YAML document (SPEC §4).
     pub rules: String,

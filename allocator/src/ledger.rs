@@ -1053,11 +1053,21 @@ impl KeyLedger {
         }
         self.advance(now_ns);
         self.available.rescale(self.rate, rate);
+        let raised = burst.saturating_sub(self.burst);
         self.rate = rate;
         self.burst = burst;
         let cap = self.cap().saturating_sub(self.outstanding);
         self.available.clamp(rate, cap);
         self.shadow.set_limits(rate, burst, now_ns);
+        if raised > 0 && self.leases.iter().any(|l| l.holder == PHANTOM) {
+            // A restart's phantom counts the old burst as leased; the raise
+            // is room the ledger fills at once (SPEC §2 allows max(B_old,
+            // B_new) across a change). The shadow bucket, empty until the
+            // restart wait ends, gets the same room, or it would alarm on a
+            // grant the bound allows (found by the swarm:
+            // sim/findings/shadow-after-restart-burst-raise.yaml).
+            self.shadow.refund(raised, now_ns);
+        }
     }
 
     /// True when the key may be forgotten: nothing outstanding and the

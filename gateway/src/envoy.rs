@@ -10,6 +10,12 @@
 //! independent checks: each is atomic over the rules it matches, but a
 //! descriptor admitted before another one is denied stays charged.
 //! Fail-closed without a lease answers gRPC `UNAVAILABLE`.
+//!
+//! `response_headers_to_add` carries the rate-limit headers of one
+//! descriptor's rule (the denied one with the longest retry time, else the
+//! admitted one with the fewest tokens left) and, on `OVER_LIMIT`,
+//! `retry-after` in whole seconds (rounded up, at least 1): Envoy puts them
+//! on its 429, and on the upstream's answer when the request passes.
 
 use quotalease_model::rules::RuleSet;
 use quotalease_proto::envoy::config::core::v3::HeaderValue;
@@ -25,7 +31,7 @@ use quotalease_proto::v1::{CheckResponse, Reason};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
-use crate::headers::{remaining_of, LimitInfo};
+use crate::headers::{remaining_of, retry_after_secs, LimitInfo};
 use quotalease_agent::agent::{Agent, CheckError, CheckInput};
 
 /// Most descriptors in one request (SPEC §8).
@@ -117,9 +123,12 @@ impl RateLimitService for EnvoyService {
         let rules = self.agent.rules();
         let mut statuses = Vec::with_capacity(req.descriptors.len());
         let mut overall = Code::Ok;
-        // The descriptor whose rule headers go back to the client: the first
-        // denied one, else the one with the fewest tokens left.
+        // The descriptor whose rule headers go back to the client: the
+        // denied one with the longest retry time (the request cannot pass
+        // before it), else the admitted one with the fewest tokens left.
         let mut shown: Option<(bool, CheckResponse)> = None;
+        // On OVER_LIMIT: the longest retry time of the denied descriptors.
+        let mut retry_after_ms: Option<u64> = None;
         for (i, d) in req.descriptors.iter().enumerate() {
             let find = |k: &str| {
                 d.entries
@@ -175,41 +184,131 @@ impl RateLimitService for EnvoyService {
             let denied = !resp.allowed;
             if denied {
                 overall = Code::OverLimit;
+                retry_after_ms = retry_after_ms.max(Some(resp.retry_after_ms));
             }
             let better = match &shown {
                 None => resp.reason != Reason::NoRule as i32,
-                Some((was_denied, prev)) => {
-                    (denied && !was_denied)
-                        || (denied == *was_denied && !denied && resp.remaining < prev.remaining)
-                }
+                Some((was_denied, prev)) => match (denied, *was_denied) {
+                    (true, false) => true,
+                    (true, true) => resp.retry_after_ms > prev.retry_after_ms,
+                    (false, false) => resp.remaining < prev.remaining,
+                    (false, true) => false,
+                },
             };
             if better {
                 shown = Some((denied, resp));
             }
             statuses.push(status);
         }
-        let response_headers_to_add = shown
-            .and_then(|(_, resp)| {
-                let rules = rules.as_deref()?;
-                let rule = rules.get(&resp.rule_id)?;
-                let info = LimitInfo::of_response(rule, &resp);
-                Some(
-                    info.headers()
-                        .into_iter()
-                        .map(|(k, v)| HeaderValue {
-                            key: k.to_string(),
-                            value: v,
-                            raw_value: Vec::new(),
-                        })
-                        .collect(),
-                )
-            })
-            .unwrap_or_default();
+        let response_headers_to_add = response_headers(
+            rules.as_deref(),
+            shown.map(|(_, resp)| resp).as_ref(),
+            retry_after_ms.map(retry_after_secs),
+        );
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
             response_headers_to_add,
             ..RateLimitResponse::default()
         }))
+    }
+}
+
+/// The headers Envoy adds to the client's answer: `retry-after` when
+/// `retry_after_s` is given (an `OVER_LIMIT` answer), and the rate-limit
+/// headers of the rule that decided `shown` (none for a shadow rule or an
+/// answer no rule decided), with `t` / `RateLimit-Reset` equal to
+/// `retry-after` on a denial and 0 on an admission, as the HTTP API does.
+fn response_headers(
+    rules: Option<&RuleSet>,
+    shown: Option<&CheckResponse>,
+    retry_after_s: Option<u64>,
+) -> Vec<HeaderValue> {
+    let header = |key: &str, value: String| HeaderValue {
+        key: key.to_string(),
+        value,
+        raw_value: Vec::new(),
+    };
+    let mut out = Vec::with_capacity(6);
+    if let Some(secs) = retry_after_s {
+        out.push(header("retry-after", secs.to_string()));
+    }
+    let rule = shown.and_then(|resp| Some((rules?.get(&resp.rule_id)?, resp)));
+    if let Some((rule, resp)) = rule.filter(|(r, _)| !r.shadow) {
+        let reset_s = if resp.allowed {
+            0
+        } else {
+            retry_after_secs(resp.retry_after_ms)
+        };
+        let info = LimitInfo {
+            reset_s,
+            ..LimitInfo::of_response(rule, resp)
+        };
+        out.extend(info.headers().into_iter().map(|(k, v)| header(k, v)));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> RuleSet {
+        RuleSet::parse(
+            "rules:\n  - id: orders\n    match: { tenant: \"*\" }\n    rate: 10/s\n    burst: 20\n  - id: quiet\n    match: { tenant: \"*\", route: /q }\n    rate: 10/s\n    burst: 20\n    shadow: true\n",
+            "test",
+            1,
+        )
+        .expect("valid rules")
+    }
+
+    fn get<'a>(h: &'a [HeaderValue], k: &str) -> Option<&'a str> {
+        h.iter().find(|x| x.key == k).map(|x| x.value.as_str())
+    }
+
+    #[test]
+    fn over_limit_carries_retry_after_rounded_up_and_the_policy_as_a_bucket() {
+        let rules = rules();
+        let denied = CheckResponse {
+            allowed: false,
+            remaining: 3,
+            retry_after_ms: 1_200,
+            rule_id: "orders".into(),
+            ..CheckResponse::default()
+        };
+        let h = response_headers(Some(&rules), Some(&denied), Some(retry_after_secs(1_200)));
+        assert_eq!(get(&h, "retry-after"), Some("2"));
+        assert_eq!(get(&h, "ratelimit-policy"), Some("\"orders\";q=20;w=2"));
+        assert_eq!(get(&h, "ratelimit"), Some("\"orders\";r=0;t=2"));
+        assert_eq!(get(&h, "ratelimit-reset"), Some("2"));
+        // A denial with a zero retry time still says 1 s, both ways.
+        let zero = CheckResponse {
+            retry_after_ms: 0,
+            ..denied.clone()
+        };
+        let h = response_headers(Some(&rules), Some(&zero), Some(retry_after_secs(0)));
+        assert_eq!(get(&h, "retry-after"), Some("1"));
+        assert_eq!(get(&h, "ratelimit-reset"), Some("1"));
+    }
+
+    #[test]
+    fn ok_carries_the_headers_without_retry_after_and_shadow_rules_none() {
+        let rules = rules();
+        let ok = CheckResponse {
+            allowed: true,
+            remaining: 7,
+            rule_id: "orders".into(),
+            ..CheckResponse::default()
+        };
+        let h = response_headers(Some(&rules), Some(&ok), None);
+        assert_eq!(get(&h, "retry-after"), None);
+        assert_eq!(get(&h, "ratelimit"), Some("\"orders\";r=7;t=0"));
+        assert_eq!(get(&h, "ratelimit-remaining"), Some("7"));
+        let shadow = CheckResponse {
+            rule_id: "quiet".into(),
+            ..ok
+        };
+        assert!(response_headers(Some(&rules), Some(&shadow), None).is_empty());
+        assert!(response_headers(Some(&rules), None, None).is_empty());
     }
 }

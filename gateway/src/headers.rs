@@ -26,7 +26,9 @@ pub struct LimitInfo<'a> {
     pub policy: &'a str,
     /// Quota: the burst.
     pub quota: u64,
-    /// Window: the rule's rate period in seconds.
+    /// Window: the seconds the rule's rate takes to refill the burst,
+    /// rounded up ([`refill_window_secs`]): a token bucket of `q` tokens
+    /// per `w` seconds on average, never more than `q` at once (SPEC §5).
     pub window_s: u64,
     /// The key's global remaining tokens as the agent estimates them (0 on
     /// a denial): [`remaining_of`].
@@ -41,7 +43,7 @@ impl<'a> LimitInfo<'a> {
         Self {
             policy: &rule.id,
             quota: rule.burst,
-            window_s: rule.rate.period_s,
+            window_s: refill_window_secs(rule),
             remaining,
             reset_s: retry_after_ms.div_ceil(1000),
         }
@@ -72,6 +74,16 @@ impl<'a> LimitInfo<'a> {
     }
 }
 
+/// The `w` of `RateLimit-Policy`: the seconds `rule`'s rate takes to refill
+/// its burst, `ceil(burst * period / tokens)`, at least 1 (10/s with burst
+/// 20 is `w=2`; 5/m with burst 5 is `w=60`). Computed in `u128`, so it
+/// cannot overflow; saturates at `u64::MAX` (unreachable with valid rules).
+pub fn refill_window_secs(rule: &Rule) -> u64 {
+    let num = u128::from(rule.burst) * u128::from(rule.rate.period_s);
+    let den = u128::from(rule.rate.tokens.max(1));
+    u64::try_from(num.div_ceil(den).max(1)).unwrap_or(u64::MAX)
+}
+
 /// `Retry-After` in whole seconds: rounded up, at least 1.
 pub fn retry_after_secs(retry_after_ms: u64) -> u64 {
     retry_after_ms.div_ceil(1000).max(1)
@@ -87,6 +99,41 @@ mod tests {
         assert_eq!(retry_after_secs(1), 1);
         assert_eq!(retry_after_secs(1000), 1);
         assert_eq!(retry_after_secs(1001), 2);
+    }
+
+    fn rule(rate: &str, burst: u64) -> Rule {
+        quotalease_model::rules::RuleSet::parse(
+            &format!(
+                "rules:\n  - id: orders\n    match: {{ tenant: \"*\" }}\n    rate: {rate}\n    burst: {burst}\n"
+            ),
+            "test",
+            1,
+        )
+        .expect("valid rules")
+        .rules
+        .remove(0)
+    }
+
+    #[test]
+    fn the_policy_window_is_the_time_the_rate_takes_to_refill_the_burst() {
+        // 10/s with burst 20: 20 tokens per 2 s, not 20 per 1 s.
+        let r = rule("10/s", 20);
+        assert_eq!(refill_window_secs(&r), 2);
+        assert_eq!(
+            LimitInfo::new(&r, 20, 0).headers()[0],
+            ("ratelimit-policy", "\"orders\";q=20;w=2".to_string())
+        );
+        // Rounded up: 10 tokens at 3/s take 3.33 s.
+        assert_eq!(refill_window_secs(&rule("3/s", 10)), 4);
+        // A burst below the rate per second still says at least 1 s.
+        assert_eq!(refill_window_secs(&rule("100/s", 10)), 1);
+        // Burst equal to the rate per period: the period.
+        assert_eq!(refill_window_secs(&rule("5/m", 5)), 60);
+        assert_eq!(refill_window_secs(&rule("600/m", 200)), 20);
+        // The slowest rate with a huge burst does not overflow.
+        let mut r = rule("1/d", 1);
+        r.burst = u64::MAX;
+        assert_eq!(refill_window_secs(&r), u64::MAX);
     }
 
     #[test]

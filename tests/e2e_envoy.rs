@@ -881,3 +881,122 @@ fn real_envoy_burst_then_429_headers_i1_and_counters() {
         k.admitted, k.bound, k.t_s, k.util
     );
 }
+
+/// RULES with a login refilling at 1/s: a restarted allocator refills a
+/// key it cannot vouch for at the rule's rate, and the test waits for that.
+const FAIL_RULES: &str = r#"
+rules:
+  - id: login
+    match: { tenant: "*", route: /api/login }
+    rate: 1/s
+    burst: 5
+    fail_policy: closed
+  - id: edge-orders
+    domain: edge
+    match: { tenant: "*", route: /api/orders }
+    rate: 2/s
+    burst: 2
+    fail_policy: lease_only
+"#;
+
+/// The shipped `envoy.yaml` under a real Envoy with the allocator dead: a
+/// `closed` rule's request is 503 (the agent's UNAVAILABLE, Envoy's
+/// `failure_mode_deny` and `status_on_error`), a `lease_only` rule's is 429
+/// with `Retry-After`; both pass again once the allocator is back.
+#[test]
+fn real_envoy_closed_503_lease_only_429_and_recovery() {
+    let Some(bin) = real::envoy_bin() else { return };
+    let dir = tempdir("real-envoy-fail");
+    let rules = write_rules(&dir, FAIL_RULES);
+    let alloc_addr = free_addr();
+    let alloc = allocator(&rules, &dir.join("state"), Some(alloc_addr), "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let a = agent("real-envoy-fail", &alloc.url(), None, &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let up = real::Upstream::start();
+    let envoy = real::Envoy::start(&bin, &dir, "envoy.yaml", a.grpc, up.addr);
+    let mut c = real::Client::new(envoy.listen);
+
+    // Allocator up: both rules pass.
+    let r = c.get("/api/login", Some("warm"));
+    check_headers(&r, "login", 5, 5);
+    let r = c.get("/api/orders", Some("warm"));
+    // edge-orders: 2/s with burst 2, 1 s to refill the burst.
+    check_headers(&r, "edge-orders", 2, 1);
+    assert_eq!((r.status, envoy.ratelimit_stats()), (200, (2, 0, 0)));
+
+    alloc.kill9();
+    // A fresh key of the closed rule: 503, never 500 (Envoy's default), never
+    // let through (failure_mode_deny).
+    let r = c.get("/api/login", Some("cold-1"));
+    assert_eq!(r.status, 503, "closed with the allocator dead: {r:?}");
+    assert_eq!(r.header("ratelimit-policy"), None, "{r:?}");
+    // A fresh key of the lease_only rule: 429 with Retry-After.
+    let r = c.get("/api/orders", Some("cold-1"));
+    assert_eq!(r.status, 429, "lease_only with the allocator dead: {r:?}");
+    let ra: u64 = r
+        .header("retry-after")
+        .expect("retry-after")
+        .parse()
+        .expect("seconds");
+    assert!(ra >= 1, "{r:?}");
+    let r = c.get("/api/login", Some("cold-2"));
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(envoy.ratelimit_stats(), (2, 1, 2), "ok, over_limit, error");
+    let m = agent_metrics(&a);
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"unavailable\"}"),
+        2
+    );
+    assert_eq!(
+        real::sample(
+            &m,
+            "quotalease_agent_checks_total{result=\"failure_mode_denied\"}"
+        ),
+        1
+    );
+    assert_eq!(
+        up.hits.load(std::sync::atomic::Ordering::Relaxed),
+        2,
+        "nothing denied reached the upstream"
+    );
+
+    // The allocator returns on its address (restart wait: TTL_max): the
+    // same requests pass again.
+    let alloc = allocator(&rules, &dir.join("state"), Some(alloc_addr), "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let back = Instant::now();
+    let deadline = back + Duration::from_secs(20);
+    let mut tenant = 0;
+    let (mut login, mut orders) = (None, None);
+    while login.is_none() || orders.is_none() {
+        tenant += 1;
+        let t = format!("back-{tenant}");
+        // Until the agent has grants again (the allocator's restart wait
+        // answers "nothing yet": a 429): the fail policies, nothing else.
+        for (path, got, allowed) in [
+            ("/api/login", &mut login, &[200, 429, 503][..]),
+            ("/api/orders", &mut orders, &[200, 429][..]),
+        ] {
+            if got.is_some() {
+                continue;
+            }
+            let r = c.get(path, Some(&t));
+            assert!(
+                allowed.contains(&r.status),
+                "{path} while the allocator returns: {r:?}"
+            );
+            if r.status == 200 {
+                *got = Some(r);
+            }
+        }
+        assert!(Instant::now() < deadline, "no recovery within 20 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    check_headers(&login.expect("login passed"), "login", 5, 5);
+    check_headers(&orders.expect("orders passed"), "edge-orders", 2, 1);
+    eprintln!(
+        "recovered {:?} after the allocator was back",
+        back.elapsed()
+    );
+}

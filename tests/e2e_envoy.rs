@@ -246,13 +246,13 @@ async fn fail_closed_without_a_lease_is_unavailable() {
     assert_eq!(r.overall_code, Code::OverLimit as i32);
 }
 
-#[test]
-fn shipped_envoy_example_uses_the_agent_with_failure_mode_deny() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/examples/envoy/envoy.yaml"
-    ))
-    .expect("examples/envoy/envoy.yaml");
+/// The ratelimit filter of a shipped Envoy example, checked for what the
+/// product needs of it: the agent's cluster over HTTP/2 on its default
+/// port, V3, `failure_mode_deny` with `status_on_error` 503 (Envoy's
+/// default for an error is 500); returns the parsed file.
+fn shipped_example(name: &str) -> serde_yaml::Value {
+    let path = format!("{}/examples/envoy/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let v: serde_yaml::Value = serde_yaml::from_str(&text).expect("valid YAML");
     let listeners = v["static_resources"]["listeners"]
         .as_sequence()
@@ -264,7 +264,11 @@ fn shipped_envoy_example_uses_the_agent_with_failure_mode_deny() {
         .find(|f| f["name"] == "envoy.filters.http.ratelimit")
         .expect("a ratelimit filter");
     let cfg = &rl["typed_config"];
-    assert_eq!(cfg["failure_mode_deny"], true);
+    assert_eq!(cfg["failure_mode_deny"], true, "{name}");
+    assert_eq!(
+        cfg["status_on_error"]["code"], "ServiceUnavailable",
+        "{name}"
+    );
     assert_eq!(cfg["rate_limit_service"]["transport_api_version"], "V3");
     let cluster_name = cfg["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"]
         .as_str()
@@ -284,16 +288,74 @@ fn shipped_envoy_example_uses_the_agent_with_failure_mode_deny() {
     let addr = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         ["address"]["socket_address"];
     assert_eq!(addr["port_value"], 7080);
-    // Descriptor keys match the agent's defaults.
-    let actions = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["rate_limits"][0]
-        ["actions"]
+    // The admin interface only on loopback.
+    assert_eq!(
+        v["admin"]["address"]["socket_address"]["address"],
+        "127.0.0.1"
+    );
+    v
+}
+
+/// Descriptor keys of one `rate_limits` entry of a route.
+fn descriptor_keys(actions: &serde_yaml::Value) -> Vec<String> {
+    actions
         .as_sequence()
-        .expect("actions");
-    let keys: Vec<&str> = actions
+        .expect("actions")
         .iter()
-        .filter_map(|a| a["request_headers"]["descriptor_key"].as_str())
+        .filter_map(|a| {
+            a["request_headers"]["descriptor_key"]
+                .as_str()
+                .or(a["generic_key"]["descriptor_key"].as_str())
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn shipped_envoy_example_uses_the_agent_with_failure_mode_deny() {
+    let v = shipped_example("envoy.yaml");
+    let hcm =
+        &v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    // Descriptor keys match the agent's defaults.
+    let actions =
+        &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["rate_limits"][0]["actions"];
+    assert_eq!(descriptor_keys(actions), ["tenant", "route"]);
+}
+
+#[test]
+fn shipped_envoy_routes_example_has_two_descriptors_per_limited_route() {
+    let v = shipped_example("envoy-routes.yaml");
+    let hcm =
+        &v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        .as_sequence()
+        .expect("routes");
+    let limited: Vec<_> = routes
+        .iter()
+        .filter_map(|r| r["route"]["rate_limits"].as_sequence())
         .collect();
-    assert_eq!(keys, ["tenant", "route"]);
+    assert_eq!(
+        limited.len(),
+        2,
+        "orders and login are limited, the rest not"
+    );
+    for limits in limited {
+        assert_eq!(limits.len(), 2, "the route's bucket and the tenant's total");
+        for l in limits {
+            assert_eq!(descriptor_keys(&l["actions"]), ["tenant", "route"]);
+        }
+    }
+    // Its rules file is valid and names the descriptors' routes.
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/envoy/rules-routes.yaml"
+    ))
+    .expect("examples/envoy/rules-routes.yaml");
+    let set = quotalease_model::rules::RuleSet::parse(&rules, "rules-routes.yaml", 1)
+        .expect("valid rules");
+    for id in ["orders", "login", "tenant-total"] {
+        assert!(set.get(id).is_some(), "rule {id}");
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -999,4 +1061,122 @@ fn real_envoy_closed_503_lease_only_429_and_recovery() {
         "recovered {:?} after the allocator was back",
         back.elapsed()
     );
+}
+
+/// Rules for `envoy-routes.yaml` in the test below: slow refill, so the
+/// counts are exact whatever the machine's speed.
+const ROUTES_RULES: &str = r#"
+rules:
+  - id: orders
+    match: { tenant: "*", route: /api/orders }
+    rate: 1/s
+    burst: 20
+    fail_policy: lease_only
+  - id: login
+    match: { tenant: "*", route: /api/login }
+    rate: 1/m
+    burst: 5
+    fail_policy: closed
+  - id: tenant-total
+    match: { tenant: "*", route: tenant-total }
+    rate: 1/m
+    burst: 24
+"#;
+
+/// The shipped `envoy-routes.yaml` under a real Envoy: per-route limits and
+/// two descriptors per request (the route's bucket and the tenant's total).
+/// A request passes only if both are OK; the headers name the rule that
+/// decided; a route without limits never asks the agent; every descriptor
+/// is charged on its own, as the docs say.
+#[test]
+fn real_envoy_per_route_limits_with_two_descriptors() {
+    let Some(bin) = real::envoy_bin() else { return };
+    let dir = tempdir("real-envoy-routes");
+    let rules = write_rules(&dir, ROUTES_RULES);
+    let alloc = allocator(&rules, &dir.join("state"), None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(10));
+    let log = dir.join("admissions.tsv");
+    let a = agent("real-envoy-routes", &alloc.url(), Some(&log), &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let up = real::Upstream::start();
+    let envoy = real::Envoy::start(&bin, &dir, "envoy-routes.yaml", a.grpc, up.addr);
+    let mut c = real::Client::new(envoy.listen);
+
+    // Five logins pass; the login bucket (fewer left than the total) is shown.
+    for i in 0..5u64 {
+        let r = c.get("/api/login?user=x", Some("acme"));
+        let (remaining, _) = check_headers(&r, "login", 5, 300);
+        assert!(remaining < 5 - i, "login {i}: {remaining}");
+    }
+    // The sixth is over the login limit (and charged to the total).
+    let r = c.get("/api/login", Some("acme"));
+    let (_, ra) = check_headers(&r, "login", 5, 300);
+    assert!(ra.is_some_and(|s| s <= 60), "{r:?}");
+
+    // Orders: the total (24, 6 spent) is the tighter of the two, shown on
+    // every pass, and denies the 19th while the orders bucket has room.
+    for i in 0..18u64 {
+        let r = c.get("/api/orders/42", Some("acme"));
+        let (remaining, ra) = check_headers(&r, "tenant-total", 24, 1440);
+        assert_eq!(ra, None, "order {i}: {r:?}");
+        assert!(remaining < 18 - i, "order {i}: {remaining}");
+    }
+    let r = c.get("/api/orders/43", Some("acme"));
+    let (_, ra) = check_headers(&r, "tenant-total", 24, 1440);
+    // At most the time a token of the total takes (1/m). (The agent answers
+    // about its next renewal, 1 s here, rather than the bucket's 60 s.)
+    assert!(ra.is_some_and(|s| s <= 60), "{r:?}");
+    // Another tenant has its own buckets (orders, 19 of 20 left, is shown).
+    let r = c.get("/api/orders/1", Some("other"));
+    let (left, ra) = check_headers(&r, "orders", 20, 20);
+    assert!(ra.is_none() && (10..=19).contains(&left), "{r:?}");
+
+    // No descriptor, no question: a route without limits, and a request
+    // without x-tenant-id (the descriptor needs the header).
+    for (path, tenant) in [("/health", Some("acme")), ("/api/orders/1", None)] {
+        let r = c.get(path, tenant);
+        assert_eq!((r.status, r.body.as_str()), (200, "ok"), "{r:?}");
+        assert_eq!(r.header("ratelimit-policy"), None, "{r:?}");
+    }
+
+    // Envoy counts requests, the agent descriptors: 24 passed and 2 denied
+    // requests were 52 checks; the upstream saw the passes and the two
+    // unlimited requests.
+    assert_eq!(envoy.ratelimit_stats(), (24, 2, 0), "ok, over_limit, error");
+    let m = agent_metrics(&a);
+    let rule = |id: &str, result: &str| {
+        real::sample(
+            &m,
+            &format!("quotalease_agent_rule_checks_total{{rule=\"{id}\",result=\"{result}\"}}"),
+        )
+    };
+    assert_eq!(
+        (rule("login", "allowed"), rule("login", "over_limit")),
+        (5, 1)
+    );
+    assert_eq!(
+        (rule("orders", "allowed"), rule("orders", "over_limit")),
+        (20, 0)
+    );
+    assert_eq!(
+        (
+            rule("tenant-total", "allowed"),
+            rule("tenant-total", "over_limit")
+        ),
+        (25, 1)
+    );
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"allowed\"}"),
+        50
+    );
+    assert_eq!(
+        real::sample(&m, "quotalease_agent_checks_total{result=\"over_limit\"}"),
+        2
+    );
+    assert_eq!(up.hits.load(std::sync::atomic::Ordering::Relaxed), 26);
+
+    // I1 for the total from the admissions: all 24 tokens, no more.
+    assert!(a.terminate().success(), "agent stops cleanly");
+    let k = check_key_i1(&[log], ("tenant-total", "acme", "tenant-total"), 1, 24, 24);
+    assert_eq!(k.admitted, 24);
 }

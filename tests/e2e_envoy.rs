@@ -576,10 +576,11 @@ mod real {
         }
     }
 
+    /// An HTTP/1.1 message: start line, lower-case headers, body.
+    type Message = (String, Vec<(String, String)>, Vec<u8>);
+
     /// Read one HTTP/1.1 message head and body (Content-Length or chunked).
-    fn read_message(
-        r: &mut BufReader<TcpStream>,
-    ) -> std::io::Result<(String, Vec<(String, String)>, Vec<u8>)> {
+    fn read_message(r: &mut BufReader<TcpStream>) -> std::io::Result<Message> {
         let mut start = String::new();
         if r.read_line(&mut start)? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());

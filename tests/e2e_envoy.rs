@@ -109,6 +109,7 @@ async fn should_rate_limit_over_a_real_socket() {
             header(&r, "ratelimit"),
             Some(format!("\"login\";r={left};t=0").as_str())
         );
+        assert_eq!(header(&r, "retry-after"), None, "login {i}");
     }
     let r = c
         .should_rate_limit(request(
@@ -128,6 +129,13 @@ async fn should_rate_limit_over_a_real_socket() {
         .unwrap()
         .starts_with("\"login\";r=0;t="));
     assert_eq!(header(&r, "ratelimit-limit"), Some("5"));
+    // Retry-After for Envoy's 429: whole seconds, rounded up, the reset.
+    let ra = header(&r, "retry-after").expect("retry-after on OVER_LIMIT");
+    assert_eq!(
+        ra.parse::<i64>().ok(),
+        Some(reset.seconds + i64::from(reset.nanos > 0))
+    );
+    assert_eq!(header(&r, "ratelimit-reset"), Some(ra));
 
     // A descriptor no rule matches is OK; overall is OVER_LIMIT if any is.
     let r = c

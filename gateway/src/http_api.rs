@@ -18,8 +18,10 @@
 //!
 //! - 429: `Retry-After` (whole seconds, rounded up, at least 1), the IETF
 //!   httpapi ratelimit-headers draft structured fields
-//!   `RateLimit-Policy: "login";q=5;w=60` (quota = the rule's burst, window =
-//!   the rule's period in seconds, the policy named by rule id) and
+//!   `RateLimit-Policy: "login";q=5;w=60` (the rule as a token bucket:
+//!   quota = the burst, window = the seconds the rate takes to refill the
+//!   burst, rounded up, so 10/s with burst 20 is `q=20;w=2`; the policy
+//!   named by rule id) and
 //!   `RateLimit: "login";r=0;t=3` (remaining, seconds until a retry can
 //!   pass), and the legacy `RateLimit-Limit` (burst), `RateLimit-Remaining`
 //!   and `RateLimit-Reset` (seconds, rounded up).
@@ -484,6 +486,10 @@ mod tests {
     rate: 10/s
     burst: 20
     shadow: true
+  - id: orders
+    match: { tenant: \"*\", route: /api/orders }
+    rate: 10/s
+    burst: 20
 ";
 
     fn rules() -> RuleSet {
@@ -540,6 +546,15 @@ mod tests {
         assert_eq!(header(&h, "ratelimit-reset"), Some("12"));
         assert_eq!(header(&h, "retry-after"), Some("12"));
         assert_eq!(header(&h, "cache-control"), Some("no-store"));
+    }
+
+    #[test]
+    fn the_policy_window_is_the_time_to_refill_the_burst() {
+        // 10/s with burst 20 allows 20 per 2 s, not 20 per 1 s.
+        let rules = rules();
+        let h = decision_headers(rules.get("orders"), &denial("orders", 100));
+        assert_eq!(header(&h, "ratelimit-policy"), Some(r#""orders";q=20;w=2"#));
+        assert_eq!(header(&h, "retry-after"), Some("1"));
     }
 
     #[test]

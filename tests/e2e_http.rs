@@ -205,7 +205,8 @@ fn get_form_and_requests_that_match_no_rule() {
     assert_eq!(j["allowed"], true);
     assert_eq!(j["rule_id"], "orders");
     assert_eq!(j["reason"], "OK");
-    assert_eq!(a.must("RateLimit-Policy"), r#""orders";q=20;w=60"#);
+    // 60/m with burst 20: the burst refills in 20 s (SPEC §5).
+    assert_eq!(a.must("RateLimit-Policy"), r#""orders";q=20;w=20"#);
     // Cost 21 > burst 20: INVALID, never a retry time of infinity.
     let a = get(addr, "/v1/check?tenant=bob&route=/api/orders&cost=21");
     assert_invalid(&a, 400, "cost");
@@ -343,7 +344,7 @@ fn closed_rule_without_allocator_is_503_and_lease_only_is_429() {
     assert_eq!(j["reason"], "FAILURE_MODE_DENIED");
     assert_eq!(j["rule_id"], "orders");
     assert!(r.must("Retry-After").parse::<u64>().unwrap() >= 1);
-    assert_eq!(r.must("RateLimit-Policy"), r#""orders";q=20;w=60"#);
+    assert_eq!(r.must("RateLimit-Policy"), r#""orders";q=20;w=20"#);
     // Without bootstrap rules: 503 until the allocator is reached.
     let b = agent("http-lonelier", &format!("http://{dead}"), None, &[]);
     let r = post(b.http, r#"{"tenant_id":"t","route_id":"/api/orders"}"#);

@@ -142,7 +142,10 @@ fn promtool() -> Option<PathBuf> {
              /usr/local/bin/promtool from Debian's prometheus package), or set PROMTOOL"
         ),
         None => {
-            eprintln!(
+            // Straight to stderr: the test harness captures eprintln! of
+            // passing tests, and this notice must be seen.
+            let _ = writeln!(
+                std::io::stderr(),
                 "SKIP: promtool not found (PATH or PROMTOOL); scripts/test.sh installs it. \
                  Under CI this is a failure."
             );

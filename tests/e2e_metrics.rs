@@ -398,6 +398,43 @@ fn dashboard_queries_only_exported_metrics() {
     }
 }
 
+/// docs/operations.md lists every metric the processes export, with its
+/// type, and no other.
+#[test]
+fn operations_doc_lists_the_exported_metrics() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md");
+    let doc = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    // Table rows: | `name` | type | ...
+    let documented: BTreeSet<(String, String)> = doc
+        .lines()
+        .filter_map(|l| {
+            let mut cells = l.split('|').map(str::trim).skip(1);
+            let name = cells.next()?.strip_prefix('`')?.strip_suffix('`')?;
+            let kind = cells.next()?;
+            name.starts_with("quotalease_")
+                .then(|| (name.to_string(), kind.to_string()))
+        })
+        .collect();
+    let exported: BTreeSet<(String, String)> = scrapes()
+        .iter()
+        .flat_map(|s| s.body.lines())
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(n, t)| (n.to_string(), t.to_string()))
+        .collect();
+    assert!(
+        exported.len() >= 45,
+        "only {} families exported",
+        exported.len()
+    );
+    let missing: Vec<_> = exported.difference(&documented).collect();
+    let extra: Vec<_> = documented.difference(&exported).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "docs/operations.md is not true to /metrics:\nexported, not documented: {missing:?}\ndocumented, not exported: {extra:?}"
+    );
+}
+
 #[test]
 fn metric_names_are_found_in_promql() {
     assert_eq!(

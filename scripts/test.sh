@@ -6,7 +6,8 @@
 #
 # Nothing external is needed beyond Rust, a C compiler and Python 3 (for
 # a real Envoy, below): protos compile with protox (no protoc), and no etcd
-# is used yet.
+# is used yet. promtool (for tests/e2e_metrics.rs) is taken from Debian's
+# `prometheus` package, the binary alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,6 +59,34 @@ find_envoy() {
 find_envoy
 export QUOTALEASE_ENVOY
 log "envoy: $QUOTALEASE_ENVOY ($("$QUOTALEASE_ENVOY" --version 2>/dev/null | grep -o '[0-9]*\.[0-9]*\.[0-9]*/' | head -1 | tr -d /))"
+
+# promtool only: installing the `prometheus` package would run its postinst,
+# which starts a Prometheus server on 0.0.0.0:9090. Extract the binary from
+# the .deb instead. Without apt (or root) the e2e_metrics test skips its
+# promtool checks, and fails under CI.
+install_promtool() {
+  command -v promtool >/dev/null 2>&1 && return 0
+  if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+    echo "promtool is missing and cannot be installed here (needs apt-get as root):" \
+      "put Prometheus' promtool on PATH (or set PROMTOOL); under CI tests/e2e_metrics.rs fails without it" >&2
+    return 0
+  fi
+  log "installing promtool (the binary of Debian's prometheus package, no server)"
+  local tmp
+  tmp=$(mktemp -d)
+  # apt downloads as its _apt user where it can.
+  chown _apt "$tmp" 2>/dev/null || true
+  (
+    cd "$tmp"
+    apt-get update -qq
+    apt-get download prometheus
+    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool
+    install -m 755 usr/bin/promtool /usr/local/bin/promtool
+  )
+  rm -rf "$tmp"
+  promtool --version | head -1
+}
+install_promtool
 
 # A test run builds from scratch more often than not: incremental caches
 # only cost disk. Show the disk so a full one is seen at once.

@@ -1,11 +1,12 @@
-//! Agent counters and their Prometheus text form. Labels are rule ids and
-//! results, never tenant or route values.
+//! Agent counters and their Prometheus text form (through
+//! `quotalease_model::exposition`). Labels are rule ids and results, never
+//! tenant or route values.
 
-use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use quotalease_model::exposition::{self, Collector, DescriptorEncoder, Histogram};
 
 /// Threads (this many alive at once; an exited thread's index is reused)
 /// that get a cell of their own in every counter: their adds are a plain
@@ -214,7 +215,8 @@ pub struct AgentMetrics {
     pub stale_replies: Counter,
     /// Renewal tasks that died (a panic); the agent is then not ready.
     pub renewal_task_failures: Counter,
-    renewal_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+    /// Renewal round trips (an allocator call; never the request path).
+    renewal: RenewalLatency,
     /// Per rule: allocator messages that carried at least one of its keys.
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
     /// Per rule: checks by result.
@@ -234,12 +236,7 @@ impl AgentMetrics {
 
     /// Record one allocator round trip.
     pub fn record_renewal(&self, d: Duration) {
-        let mut h = self.renewal_us.lock();
-        let h = h.get_or_insert_with(|| {
-            hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2)
-                .expect("static histogram bounds are valid")
-        });
-        let _ = h.record((d.as_micros() as u64).clamp(1, 60_000_000));
+        self.renewal.0.observe(d.as_secs_f64());
     }
 
     /// Count one message for each rule it carried keys of.
@@ -263,152 +260,201 @@ impl AgentMetrics {
         self.messages_by_rule.lock().get(rule).copied().unwrap_or(0)
     }
 
-    /// Renewal round-trip percentile in microseconds.
-    pub fn renewal_percentile_us(&self, q: f64) -> u64 {
-        self.renewal_us
-            .lock()
-            .as_ref()
-            .map(|h| h.value_at_quantile(q))
-            .unwrap_or(0)
-    }
-
-    /// Prometheus text exposition.
+    /// Prometheus text exposition (format 0.0.4; serve it with
+    /// [`quotalease_model::exposition::CONTENT_TYPE`]).
     pub fn render(&self, keys_held: usize, rule_version: u64, ready: bool) -> String {
         let g = |a: &Counter| a.get();
-        let mut s = String::new();
-        let _ = writeln!(s, "# TYPE quotalease_agent_checks_total counter");
-        for (result, v) in [
-            ("allowed", g(&self.allowed)),
-            ("over_limit", g(&self.over_limit)),
-            ("no_rule", g(&self.no_rule)),
-            ("invalid", g(&self.invalid)),
-            ("unavailable", g(&self.unavailable)),
-            ("failure_mode_denied", g(&self.failure_mode_denied)),
-        ] {
-            let _ = writeln!(
-                s,
-                "quotalease_agent_checks_total{{result=\"{result}\"}} {v}"
-            );
+        let snapshot = Snapshot {
+            checks: [
+                ("allowed", g(&self.allowed)),
+                ("over_limit", g(&self.over_limit)),
+                ("no_rule", g(&self.no_rule)),
+                ("invalid", g(&self.invalid)),
+                ("unavailable", g(&self.unavailable)),
+                ("failure_mode_denied", g(&self.failure_mode_denied)),
+            ],
+            totals: [
+                (
+                    "quotalease_agent_failure_mode_allowed_total",
+                    "Checks admitted by a fail policy (the fail-open emergency bucket).",
+                    g(&self.failure_mode_allowed),
+                ),
+                (
+                    "quotalease_agent_failure_mode_denied_total",
+                    "Checks denied by a fail policy (lease_only and open denials, closed unavailable answers).",
+                    g(&self.failure_mode_denied) + g(&self.closed_unavailable),
+                ),
+                (
+                    "quotalease_agent_shadow_over_limit_total",
+                    "Checks that a shadow rule would have denied (admitted all the same).",
+                    g(&self.shadow_over_limit),
+                ),
+                (
+                    "quotalease_agent_replays_total",
+                    "Repeated checks (same request id) answered from memory, charging nothing.",
+                    g(&self.replays),
+                ),
+                (
+                    "quotalease_agent_lease_waits_total",
+                    "Checks that waited for a lease.",
+                    g(&self.waits),
+                ),
+                (
+                    "quotalease_agent_allocator_messages_total",
+                    "Lease batches sent to the allocator (retries included).",
+                    g(&self.messages),
+                ),
+                (
+                    "quotalease_agent_allocator_errors_total",
+                    "Failed allocator calls.",
+                    g(&self.rpc_errors),
+                ),
+                (
+                    "quotalease_agent_tokens_leased_total",
+                    "New tokens received in leases.",
+                    g(&self.tokens_leased),
+                ),
+                (
+                    "quotalease_agent_tokens_expired_unused_total",
+                    "Tokens a lease still held when it ran out.",
+                    g(&self.tokens_expired_unused),
+                ),
+                (
+                    "quotalease_agent_tokens_released_total",
+                    "Unused tokens given back to the allocator.",
+                    g(&self.tokens_released),
+                ),
+                (
+                    "quotalease_agent_mismatched_replies_total",
+                    "Allocator replies ignored because they answer another request.",
+                    g(&self.mismatched_replies),
+                ),
+                (
+                    "quotalease_agent_stale_replies_total",
+                    "Grants answered STALE (reordered past the duplicate window) and asked again.",
+                    g(&self.stale_replies),
+                ),
+                (
+                    "quotalease_agent_seq_conflicts_total",
+                    "Batches the allocator refused as a repeated sequence number with other content (must stay 0).",
+                    g(&self.seq_conflicts),
+                ),
+                (
+                    "quotalease_agent_renewal_task_failures_total",
+                    "Renewal tasks that died; the agent is not ready after one.",
+                    g(&self.renewal_task_failures),
+                ),
+            ],
+            by_rule: self
+                .by_rule
+                .load()
+                .rules
+                .iter()
+                .map(|(rule, c)| {
+                    (
+                        rule.clone(),
+                        [
+                            ("allowed", c.allowed.get()),
+                            ("over_limit", c.over_limit.get()),
+                            ("failure_mode_denied", c.failure_mode_denied.get()),
+                            ("failure_mode_allowed", c.failure_mode_allowed.get()),
+                        ],
+                    )
+                })
+                .collect(),
+            messages_by_rule: self
+                .messages_by_rule
+                .lock()
+                .iter()
+                .map(|(r, v)| (r.clone(), *v))
+                .collect(),
+            keys_held: keys_held as u64,
+            rule_version,
+            ready,
+            renewal: self.renewal.0.clone(),
+        };
+        exposition::render(snapshot)
+    }
+}
+
+/// What one scrape shows, read from the counters at once; encoded after.
+#[derive(Debug)]
+struct Snapshot {
+    checks: [(&'static str, u64); 6],
+    /// (name, help, value) of the unlabelled counters.
+    totals: [(&'static str, &'static str, u64); 14],
+    by_rule: Vec<(String, [(&'static str, u64); 4])>,
+    messages_by_rule: Vec<(String, u64)>,
+    keys_held: u64,
+    rule_version: u64,
+    ready: bool,
+    renewal: Histogram,
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_checks_total",
+            "Checks decided, by result (replays excluded).",
+            self.checks
+                .iter()
+                .map(|&(result, v)| ([("result", result)], v)),
+        )?;
+        for &(name, help, v) in &self.totals {
+            exposition::counter(&mut enc, name, help, v)?;
         }
-        for (name, help, v) in [
-            (
-                "failure_mode_allowed_total",
-                "admitted by a fail policy",
-                g(&self.failure_mode_allowed),
-            ),
-            (
-                "failure_mode_denied_total",
-                "denied by a fail policy (lease_only and open denials, closed unavailable answers)",
-                g(&self.failure_mode_denied) + g(&self.closed_unavailable),
-            ),
-            (
-                "shadow_over_limit_total",
-                "shadow rules that would have denied",
-                g(&self.shadow_over_limit),
-            ),
-            (
-                "replays_total",
-                "idempotent replays answered from memory",
-                g(&self.replays),
-            ),
-            (
-                "lease_waits_total",
-                "checks that waited for a lease",
-                g(&self.waits),
-            ),
-            (
-                "allocator_messages_total",
-                "allocator messages sent",
-                g(&self.messages),
-            ),
-            (
-                "allocator_errors_total",
-                "failed allocator calls",
-                g(&self.rpc_errors),
-            ),
-            (
-                "tokens_leased_total",
-                "new tokens received",
-                g(&self.tokens_leased),
-            ),
-            (
-                "tokens_expired_unused_total",
-                "tokens a lease still held when it ran out",
-                g(&self.tokens_expired_unused),
-            ),
-            (
-                "tokens_released_total",
-                "unused tokens given back",
-                g(&self.tokens_released),
-            ),
-            (
-                "mismatched_replies_total",
-                "allocator replies ignored because they answer another request",
-                g(&self.mismatched_replies),
-            ),
-            (
-                "stale_replies_total",
-                "grants answered STALE (reordered past the duplicate window) and asked again",
-                g(&self.stale_replies),
-            ),
-            (
-                "seq_conflicts_total",
-                "batches refused as a repeated sequence number with other content",
-                g(&self.seq_conflicts),
-            ),
-            (
-                "renewal_task_failures_total",
-                "renewal tasks that died; the agent is not ready after one",
-                g(&self.renewal_task_failures),
-            ),
-        ] {
-            let _ = writeln!(s, "# HELP quotalease_agent_{name} {help}\n# TYPE quotalease_agent_{name} counter\nquotalease_agent_{name} {v}");
-        }
-        let _ = writeln!(s, "# TYPE quotalease_agent_rule_checks_total counter");
-        for (rule, c) in self.by_rule.load().rules.iter() {
-            let rule = rule.escape_default();
-            for (result, v) in [
-                ("allowed", c.allowed.get()),
-                ("over_limit", c.over_limit.get()),
-                ("failure_mode_denied", c.failure_mode_denied.get()),
-                ("failure_mode_allowed", c.failure_mode_allowed.get()),
-            ] {
-                let _ = writeln!(
-                    s,
-                    "quotalease_agent_rule_checks_total{{rule=\"{rule}\",result=\"{result}\"}} {v}"
-                );
-            }
-        }
-        let _ = writeln!(
-            s,
-            "# TYPE quotalease_agent_allocator_messages_by_rule_total counter"
-        );
-        for (rule, v) in self.messages_by_rule.lock().iter() {
-            let _ = writeln!(
-                s,
-                "quotalease_agent_allocator_messages_by_rule_total{{rule=\"{}\"}} {v}",
-                rule.escape_default()
-            );
-        }
-        let _ = writeln!(
-            s,
-            "# TYPE quotalease_agent_keys_held gauge\nquotalease_agent_keys_held {keys_held}"
-        );
-        let _ = writeln!(s, "# TYPE quotalease_agent_rule_version gauge\nquotalease_agent_rule_version {rule_version}");
-        let _ = writeln!(
-            s,
-            "# TYPE quotalease_agent_ready gauge\nquotalease_agent_ready {}",
-            u8::from(ready)
-        );
-        let _ = writeln!(s, "# TYPE quotalease_agent_renewal_latency_us summary");
-        for q in [0.5, 0.99, 0.999] {
-            let _ = writeln!(
-                s,
-                "quotalease_agent_renewal_latency_us{{quantile=\"{q}\"}} {}",
-                self.renewal_percentile_us(q)
-            );
-        }
-        s
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_rule_checks_total",
+            "Checks by rule and result: an admission counts for every rule the request matched, a denial for the rule that denied it.",
+            self.by_rule.iter().flat_map(|(rule, rows)| {
+                rows.iter()
+                    .map(move |&(result, v)| ([("rule", rule.as_str()), ("result", result)], v))
+            }),
+        )?;
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_allocator_messages_by_rule_total",
+            "Lease batches sent to the allocator that carried at least one key of the rule.",
+            self.messages_by_rule
+                .iter()
+                .map(|(rule, v)| ([("rule", rule.as_str())], *v)),
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_agent_keys_held",
+            "Keys this agent holds state for.",
+            self.keys_held,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_agent_rule_version",
+            "Version of the rules this agent applies (0: none yet).",
+            self.rule_version,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_agent_ready",
+            "1 when the agent has rules and reached its allocator, else 0.",
+            u64::from(self.ready),
+        )?;
+        exposition::histogram(
+            &mut enc,
+            "quotalease_agent_renewal_latency_seconds",
+            "Round trip of a lease batch to the allocator, from its first send to the reply (retries included).",
+            &self.renewal,
+        )
+    }
+}
+
+/// Renewal round trips, in seconds, in Prometheus histogram buckets.
+#[derive(Debug)]
+struct RenewalLatency(Histogram);
+
+impl Default for RenewalLatency {
+    fn default() -> Self {
+        Self(exposition::latency_histogram())
     }
 }
 

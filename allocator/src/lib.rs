@@ -8,6 +8,7 @@
 
 pub mod core;
 pub mod ledger;
+pub mod metrics;
 pub mod regional;
 pub mod server;
 pub mod upstream;

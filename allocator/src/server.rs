@@ -4,13 +4,12 @@
 //! face (`/metrics`, `/healthz`, `/readyz`, `GET /v1/keys`). The regional's
 //! upstream loop is in [`crate::upstream`].
 
-use std::collections::HashMap;
-use std::fmt::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Query, State};
+use axum::http::header::CONTENT_TYPE;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::get;
@@ -26,7 +25,9 @@ use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig};
+use crate::metrics::Snapshot;
 use crate::regional::{RegionalConfig, RegionalCore};
+use quotalease_model::exposition;
 
 /// Wall-clock milliseconds since the Unix epoch (only for versions and
 /// epochs, never for refill arithmetic).
@@ -371,79 +372,21 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
     })
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> String {
+async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     let reload_failures = shared
         .reload_failures
         .load(std::sync::atomic::Ordering::Relaxed);
-    let regional = shared
-        .with_regional(|r| {
-            let st = r.stats();
-            let mut s = String::new();
-            for (name, v) in [
-                ("upstream_messages_total", st.upstream_messages),
-                ("upstream_items_total", st.upstream_items),
-                ("upstream_heartbeats_total", st.upstream_heartbeats),
-                ("upstream_replies_total", st.upstream_replies),
-                ("upstream_failures_total", st.upstream_failures),
-                ("tokens_from_parent_total", st.tokens_from_parent),
-                ("tokens_returned_total", st.tokens_returned),
-                ("tokens_destroyed_total", st.tokens_destroyed),
-                ("chain_breaks_total", st.chain_breaks),
-                ("chains_lapsed_total", st.chains_lapsed),
-                ("rules_adopted_total", st.rules_adopted),
-                ("upstream_mismatched_replies_total", st.upstream_mismatched_replies),
-            ] {
-                let _ = writeln!(s, "# TYPE quotalease_regional_{name} counter\nquotalease_regional_{name} {v}");
-            }
-            let _ = writeln!(
-                s,
-                "# HELP quotalease_regional_parent_reachable 1 when the last call to the parent succeeded within the fetch timeout\n# TYPE quotalease_regional_parent_reachable gauge\nquotalease_regional_parent_reachable {}",
-                u8::from(r.parent_reachable())
-            );
-            s
-        })
-        .unwrap_or_default();
-    shared.with_core(|core| {
-        let st = core.stats();
-        let mut s = String::new();
-        for (name, v) in [
-            ("lease_messages_total", st.messages),
-            ("lease_items_total", st.items),
-            ("duplicate_messages_total", st.duplicates),
-            ("stale_messages_total", st.stale),
-            ("seq_conflict_messages_total", st.seq_conflicts),
-            ("grants_total", st.grants),
-            ("tokens_granted_total", st.tokens_granted),
-            ("tokens_carried_total", st.tokens_carried),
-            ("releases_total", st.releases),
-            ("tokens_released_total", st.tokens_released),
-            ("key_limit_refusals_total", st.key_limit_refusals),
-            ("keys_dropped_total", st.keys_dropped),
-            ("tokens_expired_unused_total", st.tokens_expired_unused),
-            ("rules_reload_failures_total", reload_failures),
-        ] {
-            let _ = writeln!(s, "# TYPE quotalease_allocator_{name} counter\nquotalease_allocator_{name} {v}");
+    let snapshot = {
+        let mut node = shared.core.lock();
+        match &mut *node {
+            Node::Global(core) => Snapshot::of_core(core, reload_failures),
+            Node::Regional(r) => Snapshot::of_core(r.core_mut(), reload_failures).with_regional(r),
         }
-        let _ = writeln!(s, "# TYPE quotalease_allocator_keys gauge\nquotalease_allocator_keys {}", core.key_count());
-        let _ = writeln!(s, "# TYPE quotalease_allocator_rule_version gauge\nquotalease_allocator_rule_version {}", core.rules().version);
-        let _ = writeln!(s, "# TYPE quotalease_allocator_epoch gauge\nquotalease_allocator_epoch {}", core.epoch());
-        let _ = writeln!(s, "# HELP quotalease_allocator_shadow_violations_total grants the independent shadow bucket says would break I1 (must stay 0)\n# TYPE quotalease_allocator_shadow_violations_total counter");
-        let mut per_rule: HashMap<&str, u64> = core.rules().rules.iter().map(|r| (r.id.as_str(), 0)).collect();
-        for (rule, v) in &st.shadow_violations {
-            per_rule.insert(rule.as_str(), *v);
-        }
-        let mut rows: Vec<_> = per_rule.into_iter().collect();
-        rows.sort();
-        for (rule, v) in rows {
-            let _ = writeln!(s, "quotalease_allocator_shadow_violations_total{{rule=\"{rule}\"}} {v}");
-        }
-        let _ = writeln!(s, "# HELP quotalease_allocator_agent_rule_version_lag published rule versions each agent is behind\n# TYPE quotalease_allocator_agent_rule_version_lag gauge");
-        for (agent, lag) in core.rule_lag() {
-            let _ = writeln!(s, "quotalease_allocator_agent_rule_version_lag{{agent=\"{}\"}} {lag}", agent.escape_default());
-        }
-        s.push_str(&regional);
-        s
-    })
+    };
+    (
+        [(CONTENT_TYPE, exposition::CONTENT_TYPE)],
+        snapshot.render(),
+    )
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {

@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 
 use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
 use axum::http::StatusCode;
+use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use quotalease_proto::v1::rate_limiter_server::{RateLimiter, RateLimiterServer};
@@ -13,6 +15,7 @@ use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
 use quotalease_agent::agent::{Agent, CheckError, CheckInput};
+use quotalease_model::exposition;
 
 /// The gRPC service.
 #[derive(Clone, Debug)]
@@ -65,11 +68,12 @@ impl RateLimiter for CheckService {
     }
 }
 
-async fn metrics(State(agent): State<Agent>) -> String {
+async fn metrics(State(agent): State<Agent>) -> impl IntoResponse {
     let version = agent.rules().map(|r| r.version).unwrap_or(0);
-    agent
+    let body = agent
         .metrics()
-        .render(agent.key_count(), version, agent.is_ready())
+        .render(agent.key_count(), version, agent.is_ready());
+    ([(CONTENT_TYPE, exposition::CONTENT_TYPE)], body)
 }
 
 async fn readyz(State(agent): State<Agent>) -> (StatusCode, &'static str) {

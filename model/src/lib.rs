@@ -6,12 +6,15 @@
 //! Everything here is sans-IO and shared by the allocator, the agent, the
 //! gateway faces and the simulator. The YAML rule file parser is behind the
 //! `yaml` feature (the allocator and the binary enable it; the agent does
-//! not need it: it receives rules from its allocator).
+//! not need it: it receives rules from its allocator). The Prometheus exposition
+//! helpers are behind the `prometheus` feature.
 #![warn(missing_docs)]
 
 pub mod bucket;
 pub mod clock;
 pub mod endpoint;
+#[cfg(feature = "prometheus")]
+pub mod exposition;
 pub mod key;
 pub mod matching;
 pub mod protocol;

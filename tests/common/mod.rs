@@ -188,6 +188,13 @@ pub fn agent(id: &str, allocator_url: &str, log: Option<&Path>, extra: &[&str]) 
 
 /// Minimal HTTP/1.1 GET (test helper): (status, body).
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let (status, _, body) = http_get_with_headers(addr, path);
+    (status, body)
+}
+
+/// Minimal HTTP/1.1 GET: (status, response headers as
+/// (lower-case name, value), body).
+pub fn http_get_with_headers(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, String) {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect http");
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
     write!(
@@ -202,8 +209,14 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-    (status, body)
+    let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers, body.to_string())
 }
 
 /// Wait until GET `path` answers 200.

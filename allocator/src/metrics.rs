@@ -1,0 +1,259 @@
+//! The allocator's `/metrics`: a snapshot of the global core's counters
+//! (and, on a regional allocator, of its upstream counters), taken under
+//! the core's lock and encoded after it is released, in the Prometheus
+//! text format through `quotalease_model::exposition`. Labels are rule ids
+//! and agent ids, never tenant or route values.
+
+use std::collections::BTreeMap;
+
+use quotalease_model::exposition::{self, Collector, DescriptorEncoder};
+
+use crate::core::{AllocatorCore, Stats};
+use crate::regional::{RegionalCore, RegionalStats};
+
+/// What one scrape of an allocator shows.
+#[derive(Debug)]
+pub struct Snapshot {
+    stats: Stats,
+    reload_failures: u64,
+    keys: u64,
+    rule_version: u64,
+    epoch: u64,
+    /// Every current rule (0 if none) and every rule that has violations.
+    shadow_violations: BTreeMap<String, u64>,
+    rule_lag: Vec<(String, u64)>,
+    regional: Option<Regional>,
+}
+
+#[derive(Debug)]
+struct Regional {
+    stats: RegionalStats,
+    parent_reachable: bool,
+}
+
+impl Snapshot {
+    /// Read the counters of `core` (the global core, or a regional's core).
+    pub fn of_core(core: &AllocatorCore, reload_failures: u64) -> Self {
+        let mut shadow_violations: BTreeMap<String, u64> = core
+            .rules()
+            .rules
+            .iter()
+            .map(|r| (r.id.clone(), 0))
+            .collect();
+        for (rule, v) in &core.stats().shadow_violations {
+            shadow_violations.insert(rule.clone(), *v);
+        }
+        Self {
+            stats: core.stats().clone(),
+            reload_failures,
+            keys: core.key_count() as u64,
+            rule_version: core.rules().version,
+            epoch: core.epoch(),
+            shadow_violations,
+            rule_lag: core.rule_lag(),
+            regional: None,
+        }
+    }
+
+    /// Add the upstream counters of a regional allocator.
+    pub fn with_regional(mut self, r: &RegionalCore) -> Self {
+        self.regional = Some(Regional {
+            stats: r.stats().clone(),
+            parent_reachable: r.parent_reachable(),
+        });
+        self
+    }
+
+    /// The Prometheus text form.
+    pub fn render(self) -> String {
+        exposition::render(self)
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let st = &self.stats;
+        for (name, help, v) in [
+            (
+                "quotalease_allocator_lease_messages_total",
+                "Lease batches handled (duplicates included).",
+                st.messages,
+            ),
+            (
+                "quotalease_allocator_lease_items_total",
+                "Items in the lease batches handled.",
+                st.items,
+            ),
+            (
+                "quotalease_allocator_duplicate_messages_total",
+                "Lease batches answered from the reply cache (a repeated sequence number).",
+                st.duplicates,
+            ),
+            (
+                "quotalease_allocator_stale_messages_total",
+                "Lease batches answered STALE (older than the duplicate window).",
+                st.stale,
+            ),
+            (
+                "quotalease_allocator_seq_conflict_messages_total",
+                "Lease batches refused as a repeated sequence number with other content (must stay 0).",
+                st.seq_conflicts,
+            ),
+            (
+                "quotalease_allocator_grants_total",
+                "Leases granted with new tokens.",
+                st.grants,
+            ),
+            (
+                "quotalease_allocator_tokens_granted_total",
+                "New tokens leased out.",
+                st.tokens_granted,
+            ),
+            (
+                "quotalease_allocator_tokens_carried_total",
+                "Tokens carried over from renewed leases.",
+                st.tokens_carried,
+            ),
+            (
+                "quotalease_allocator_releases_total",
+                "Lease releases applied.",
+                st.releases,
+            ),
+            (
+                "quotalease_allocator_tokens_released_total",
+                "Tokens returned by releases.",
+                st.tokens_released,
+            ),
+            (
+                "quotalease_allocator_key_limit_refusals_total",
+                "Items refused because their rule reached max_keys.",
+                st.key_limit_refusals,
+            ),
+            (
+                "quotalease_allocator_keys_dropped_total",
+                "Keys dropped because their bucket was full and nothing was outstanding.",
+                st.keys_dropped,
+            ),
+            (
+                "quotalease_allocator_tokens_expired_unused_total",
+                "Tokens of leases that expired unspent (as far as reported).",
+                st.tokens_expired_unused,
+            ),
+            (
+                "quotalease_allocator_rules_reload_failures_total",
+                "Rules files that failed to load; the last good rules keep serving.",
+                self.reload_failures,
+            ),
+        ] {
+            exposition::counter(&mut enc, name, help, v)?;
+        }
+        exposition::gauge(
+            &mut enc,
+            "quotalease_allocator_keys",
+            "Keys with a ledger in memory.",
+            self.keys,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_allocator_rule_version",
+            "Version of the rules this allocator applies.",
+            self.rule_version,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_allocator_epoch",
+            "Epoch this allocator grants under.",
+            self.epoch,
+        )?;
+        exposition::counters(
+            &mut enc,
+            "quotalease_allocator_shadow_violations_total",
+            "Grants the independent shadow bucket says would break I1, by rule (must stay 0).",
+            self.shadow_violations
+                .iter()
+                .map(|(rule, v)| ([("rule", rule.as_str())], *v)),
+        )?;
+        exposition::gauges(
+            &mut enc,
+            "quotalease_allocator_agent_rule_version_lag",
+            "Published rule versions each agent (by agent id) is behind.",
+            self.rule_lag
+                .iter()
+                .map(|(agent, lag)| ([("agent", agent.as_str())], *lag)),
+        )?;
+        let Some(r) = &self.regional else {
+            return Ok(());
+        };
+        let st = &r.stats;
+        for (name, help, v) in [
+            (
+                "quotalease_regional_upstream_messages_total",
+                "Lease batches sent to the parent allocator (heartbeats included).",
+                st.upstream_messages,
+            ),
+            (
+                "quotalease_regional_upstream_items_total",
+                "Items in the batches sent to the parent.",
+                st.upstream_items,
+            ),
+            (
+                "quotalease_regional_upstream_heartbeats_total",
+                "Batches sent to the parent without items.",
+                st.upstream_heartbeats,
+            ),
+            (
+                "quotalease_regional_upstream_replies_total",
+                "Parent replies applied.",
+                st.upstream_replies,
+            ),
+            (
+                "quotalease_regional_upstream_failures_total",
+                "Batches to the parent that failed, timed out or were answered STALE or UNSUPPORTED.",
+                st.upstream_failures,
+            ),
+            (
+                "quotalease_regional_tokens_from_parent_total",
+                "Fresh tokens received from the parent.",
+                st.tokens_from_parent,
+            ),
+            (
+                "quotalease_regional_tokens_returned_total",
+                "Tokens given back to the parent by releases.",
+                st.tokens_returned,
+            ),
+            (
+                "quotalease_regional_tokens_destroyed_total",
+                "Pool tokens dropped on a chain break, lapse or shutdown, or clipped to a smaller capacity.",
+                st.tokens_destroyed,
+            ),
+            (
+                "quotalease_regional_chain_breaks_total",
+                "Chains that broke (the parent did not carry this regional's lease).",
+                st.chain_breaks,
+            ),
+            (
+                "quotalease_regional_chains_lapsed_total",
+                "Chains dropped at their deadline without renewal.",
+                st.chains_lapsed,
+            ),
+            (
+                "quotalease_regional_rules_adopted_total",
+                "Rule sets adopted from the parent.",
+                st.rules_adopted,
+            ),
+            (
+                "quotalease_regional_upstream_mismatched_replies_total",
+                "Parent replies ignored because they answer another request.",
+                st.upstream_mismatched_replies,
+            ),
+        ] {
+            exposition::counter(&mut enc, name, help, v)?;
+        }
+        exposition::gauge(
+            &mut enc,
+            "quotalease_regional_parent_reachable",
+            "1 when the last call to the parent succeeded within the fetch timeout, else 0.",
+            u64::from(r.parent_reachable),
+        )
+    }
+}

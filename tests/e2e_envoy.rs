@@ -870,6 +870,19 @@ fn real_envoy_burst_then_429_headers_i1_and_counters() {
     // The denial counts on Envoy's side.
     assert_eq!(envoy.ratelimit_stats(), (ok, 1, 0));
 
+    // A fresh key of a faster rule (10/s burst 20, whose leases carry a
+    // rate once its demand is known): its whole burst passes in a quick
+    // sequence too (it admitted 8 while the allocator destroyed the tokens
+    // that no longer fitted under the agent's growing rate versions).
+    let mut fresh_ok = 0u64;
+    for i in 0..20u64 {
+        let r = c.get("/api/search", Some("fresh"));
+        assert_eq!(r.status, 200, "request {i} of a fresh burst of 20: {r:?}");
+        check_headers(&r, "search", 20, 2);
+        fresh_ok += 1;
+    }
+    let ok = ok + fresh_ok;
+
     // A short load by four clients through Envoy on another tenant.
     let stop = Instant::now() + Duration::from_secs(3);
     let workers: Vec<_> = (0..4)
@@ -944,7 +957,14 @@ fn real_envoy_burst_then_429_headers_i1_and_counters() {
         ("orders", "acme", "/api/orders"),
         1,
         20,
-        ok,
+        ok - fresh_ok,
+    );
+    check_key_i1(
+        std::slice::from_ref(&log),
+        ("search", "fresh", "/api/search"),
+        10,
+        20,
+        fresh_ok,
     );
     let k = check_key_i1(&[log], ("search", "hot", "/api/search"), 10, 20, load[0]);
     eprintln!(

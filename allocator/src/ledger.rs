@@ -915,17 +915,36 @@ impl KeyLedger {
         // version's tokens join a level the holder may still have in full:
         // a fair share as asked, at most the capacity, counted on top of it
         // (in flight) until the holder names this version.
+        //
+        // A later version that grows the capacity has `headroom` above any
+        // level the holder can have (at most the largest capacity it is
+        // counted for, plus a carried rest): tokens within it fit under the
+        // new capacity even if the holder spends nothing, so they count by
+        // the capacity alone, like a first version's. What the larger count
+        // would clamp out of `available` goes there too, handed over rather
+        // than destroyed (a fresh 10/s burst 20 key on one agent lost 12 of
+        // its 20 tokens to two growing versions and admitted 8).
         let avail = self.available.tokens(self.rate);
         let first = own_count == 0;
-        let fresh = if first {
-            capacity.saturating_sub(carried).min(avail)
+        let (fresh, in_flight) = if first {
+            (capacity.saturating_sub(carried).min(avail), 0)
         } else {
+            let headroom = capacity.saturating_sub(own_cap.saturating_add(carried));
             let fits = room.saturating_sub(own_cap.max(capacity));
-            req.want
+            let asked = req
+                .want
                 .min(self.fair_level(avail))
                 .min(avail)
                 .min(capacity)
-                .min(fits)
+                .min(headroom.saturating_add(fits));
+            let in_flight = asked.saturating_sub(headroom);
+            let count = own_cap.max(capacity) + own_in_flight + in_flight;
+            let left_here = self
+                .cap()
+                .saturating_sub(self.outstanding - own_count + count);
+            let clamped = (avail - asked).saturating_sub(left_here);
+            let handed = clamped.min(headroom.saturating_sub(asked));
+            (asked + handed, in_flight)
         };
         let took = self.available.take(self.rate, fresh);
         debug_assert!(took, "fresh <= available by construction");
@@ -949,7 +968,7 @@ impl KeyLedger {
             expires_ns,
             rate_utps: rate,
             capacity,
-            in_flight: if first { 0 } else { fresh },
+            in_flight,
         });
         self.rate_leases += 1;
         self.recount_rates();

@@ -696,3 +696,37 @@ fn a_burst_raised_during_the_restart_wait_is_room_for_the_ledger_and_its_shadow(
     let g = l.renew(11 * SEC + 300 * MS, renewal(2, 0, 0, 10, 3), SEC);
     assert_eq!(g.fresh, 0);
 }
+
+#[test]
+fn a_growing_capacity_hands_the_tokens_it_would_clamp_to_the_holder() {
+    // A fresh 10/s burst 20 key on one agent (seen through a real Envoy):
+    // a lease of 1 token, then rate versions of capacity 5, 15 and 20 as
+    // its demand estimate grew. Each larger count clamped `available` and
+    // destroyed what no longer fit (9, then 3 tokens): the agent admitted
+    // 8 of the burst at once. The tokens above any level the holder can
+    // have (its largest capacity) fit under the new capacity: they go to
+    // the holder, and the whole burst is usable at once.
+    let (r, burst) = (rate(10, 1), 20u64);
+    let mut l = KeyLedger::new(r, burst, 0, None);
+    let g = l.renew(0, renewal(1, 0, 0, 1, 1), SEC);
+    let mut got = g.tokens;
+    let mut h = RateHolder::default();
+    let mut named = g.lease_id;
+    for (id, want, rate_tps) in [(2u64, 1u64, 1u64), (3, 2, 7), (4, 2, 10)] {
+        let g = l.renew(
+            0,
+            Renewal {
+                want_rate_utps: rate_tps * 1_000_000,
+                ..renewal(1, named, if id == 2 { 1 } else { 0 }, want, id)
+            },
+            SEC,
+        );
+        h.apply(&g, 0);
+        got += g.fresh;
+        named = g.lease_id;
+        assert!(l.i2_holds());
+    }
+    assert_eq!(got, burst, "tokens handed out in one instant");
+    // The holder holds them (1 was spent from the lease of tokens).
+    assert_eq!(h.level_nt / NT, u128::from(burst - 1));
+}

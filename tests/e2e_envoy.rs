@@ -1140,7 +1140,9 @@ fn real_envoy_per_route_limits_with_two_descriptors() {
     // The sixth is over the login limit (and charged to the total).
     let r = c.get("/api/login", Some("acme"));
     let (_, ra) = check_headers(&r, "login", 5, 300);
-    assert!(ra.is_some_and(|s| s <= 60), "{r:?}");
+    // A token of a drained 1/m bucket is up to a minute away (this said 1
+    // while the agent passed on its next renewal instead).
+    assert!(ra.is_some_and(|s| (30..=60).contains(&s)), "{r:?}");
 
     // Orders: the total (24, 6 spent) is the tighter of the two, shown on
     // every pass, and denies the 19th while the orders bucket has room.
@@ -1152,9 +1154,8 @@ fn real_envoy_per_route_limits_with_two_descriptors() {
     }
     let r = c.get("/api/orders/43", Some("acme"));
     let (_, ra) = check_headers(&r, "tenant-total", 24, 1440);
-    // At most the time a token of the total takes (1/m). (The agent answers
-    // about its next renewal, 1 s here, rather than the bucket's 60 s.)
-    assert!(ra.is_some_and(|s| s <= 60), "{r:?}");
+    // About the time a token of the total takes (1/m).
+    assert!(ra.is_some_and(|s| (30..=60).contains(&s)), "{r:?}");
     // Another tenant has its own buckets (orders, 19 of 20 left, is shown).
     let r = c.get("/api/orders/1", Some("other"));
     let (left, ra) = check_headers(&r, "orders", 20, 20);

@@ -380,14 +380,27 @@ fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64, max_burst: u64) -> Optio
 /// The refill part is at most what the rule's rate takes to refill `cost`
 /// (what an ideal bucket says from empty): the holder's refill runs slower
 /// by the clock-drift margin, a safety margin not passed on to clients.
+///
+/// Without a lease that refills, `dry_until` is only when to ask the
+/// allocator again (at most its economy wait), not when a token exists:
+/// when the allocator also reported the bucket empty beyond what this
+/// agent holds, the wait is what the rule's rate takes to refill `cost`,
+/// as an ideal bucket from empty says (a drained `1/m` bucket told its
+/// clients `Retry-After: 1`, a minute early).
 fn denial_wait_ns(slot: &crate::lease_table::SlotHead, rule: &Rule, cost: u64, t: u64) -> u64 {
     let dry = slot.dry_until().saturating_sub(t);
-    let Some(local) = slot.word.refill_wait_ns(cost, t) else {
-        return dry;
-    };
     let ideal = u128::from(cost) * u128::from(rule.rate.period_s) * 1_000_000_000
         / u128::from(rule.rate.tokens.max(1));
-    dry.max(local.min(u64::try_from(ideal).unwrap_or(u64::MAX)))
+    let ideal = u64::try_from(ideal).unwrap_or(u64::MAX);
+    let Some(local) = slot.word.refill_wait_ns(cost, t) else {
+        let held = slot.word.peek(t).unwrap_or(0);
+        return if slot.global_remaining(held, u64::MAX) < cost {
+            dry.max(ideal)
+        } else {
+            dry
+        };
+    };
+    dry.max(local.min(ideal))
 }
 
 /// Count an admission for every rule (by index) a request matched.

@@ -229,6 +229,7 @@ fn run_allocator(n: usize) -> Run {
         protocol_version: quotalease_proto::PROTOCOL_VERSION,
         rules_version,
         instance: 1,
+        ledger_id: 0,
     };
     // Learn the rule version first (so replies do not carry the rule set).
     let hello = shared.handle(&LeaseBatch {

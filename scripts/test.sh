@@ -23,7 +23,7 @@ apt_install() {
 }
 
 if ! command -v cargo >/dev/null 2>&1; then
-  echo "cargo is missing: install Rust 1.88 or newer (https://rustup.rs)" >&2
+  echo "cargo is missing: install Rust 1.89 or newer (https://rustup.rs)" >&2
   exit 1
 fi
 command -v cc >/dev/null 2>&1 || apt_install build-essential

@@ -123,12 +123,19 @@ pub struct AllocatorArgs {
     /// nothing for this long (plus drift margin).
     #[arg(long = "ttl-max", default_value = "2s", value_parser = parse_duration)]
     ttl_max: Duration,
-    /// Directory for the allocator's start record. When it holds no record,
-    /// no allocator ever served these keys, so buckets start full; when it
-    /// does (a restart), every key is treated as fully leased out until
-    /// TTL_max has passed. Without it every start is treated as a restart.
+    /// The global allocator's state directory (locked; default
+    /// quotalease-state/ADDR under the working directory, ADDR the
+    /// --listen address). With no ledger in it a new ledger is created and
+    /// buckets start full; with one (a restart), every key counts as fully
+    /// leased out until the longest lease it may have granted has expired.
     #[arg(long = "state-dir")]
     state_dir: Option<PathBuf>,
+    /// This is a new ledger: agents that name another ledger (a lost or
+    /// replaced state directory) do not make this allocator wait the
+    /// compiled TTL_max cap before granting. Only when that ledger's leases
+    /// are known to be gone.
+    #[arg(long = "new-ledger")]
+    new_ledger: bool,
     /// Parent allocator URL (http://HOST:PORT): makes this a regional
     /// allocator. Needs --region.
     #[arg(long)]

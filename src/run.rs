@@ -8,7 +8,7 @@ use anyhow::{anyhow, Context};
 use quotalease_agent::agent::{Agent, AgentConfig, EmergencyConfig};
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::transport::GrpcTransport;
-use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::core::{CoreConfig, TTL_MAX_CAP_NS};
 use quotalease_allocator::regional::RegionalConfig;
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
 use quotalease_allocator::upstream;
@@ -89,17 +89,182 @@ async fn bind(flag: &str, addr: std::net::SocketAddr) -> anyhow::Result<TcpListe
 
 /// Record this start in `dir`; true if no start was recorded before (no
 /// predecessor can have leases outstanding).
-fn first_start(dir: &Path) -> anyhow::Result<bool> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("--state-dir {}: cannot create", dir.display()))?;
-    let marker = dir.join("allocator-started");
-    let first = !marker.exists();
-    let tmp = dir.join("allocator-started.tmp");
-    std::fs::write(&tmp, format!("{}\n", alloc_server::unix_ms()))
-        .and_then(|_| std::fs::rename(&tmp, &marker))
-        .and_then(|_| std::fs::File::open(dir)?.sync_all())
-        .with_context(|| format!("--state-dir {}: cannot record the start", dir.display()))?;
-    Ok(first)
+/// The default state directory: per listen address, under the working
+/// directory (SPEC §2 "First start").
+fn default_state_dir(listen: std::net::SocketAddr) -> std::path::PathBuf {
+    let name: String = listen
+        .to_string()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    Path::new("quotalease-state").join(name)
+}
+
+/// What a global allocator keeps in its state directory (`ledger`): its
+/// ledger id, the largest `TTL_max` it may have granted leases under, the
+/// largest rule version it served. Durations and counters only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LedgerRecord {
+    id: u64,
+    ttl_max_ms: u64,
+    rules_version: u64,
+}
+
+const LEDGER_FILE: &str = "ledger";
+const LEDGER_FORMAT: u64 = 1;
+
+impl LedgerRecord {
+    fn encode(&self) -> String {
+        format!(
+            "quotalease-ledger {LEDGER_FORMAT}\nid {:016x}\nttl_max_ms {}\nrules_version {}\n",
+            self.id, self.ttl_max_ms, self.rules_version
+        )
+    }
+
+    /// Parse a ledger file; an error names what is wrong.
+    fn decode(text: &str) -> Result<Self, String> {
+        let mut lines = text.lines();
+        let head = lines.next().unwrap_or("");
+        let format = head
+            .strip_prefix("quotalease-ledger ")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or_else(|| format!("first line {head:?}: not a quotalease ledger"))?;
+        if format > LEDGER_FORMAT {
+            return Err(format!(
+                "format {format} is newer than this binary's ({LEDGER_FORMAT}): run a newer quotalease"
+            ));
+        }
+        let (mut id, mut ttl, mut version) = (None, None, None);
+        for line in lines {
+            let (k, v) = line
+                .split_once(' ')
+                .ok_or_else(|| format!("line {line:?}: want `name value`"))?;
+            let bad = |what: &str| format!("{k}: {v:?} is not {what}");
+            match k {
+                "id" => id = Some(u64::from_str_radix(v, 16).map_err(|_| bad("hex"))?),
+                "ttl_max_ms" => ttl = Some(v.parse().map_err(|_| bad("a number"))?),
+                "rules_version" => version = Some(v.parse().map_err(|_| bad("a number"))?),
+                _ => {} // a later format's field
+            }
+        }
+        let missing = |f: &str| format!("{f}: missing");
+        let id: u64 = id.ok_or_else(|| missing("id"))?;
+        if id == 0 {
+            return Err("id: must not be 0".into());
+        }
+        Ok(Self {
+            id,
+            ttl_max_ms: ttl.ok_or_else(|| missing("ttl_max_ms"))?,
+            rules_version: version.ok_or_else(|| missing("rules_version"))?,
+        })
+    }
+}
+
+/// A state directory in use: locked for as long as this value lives.
+struct StateDir {
+    dir: std::path::PathBuf,
+    _lock: std::fs::File,
+}
+
+impl StateDir {
+    fn open(dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--state-dir {}: cannot create", dir.display()))?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("lock"))
+            .with_context(|| format!("--state-dir {}: cannot open its lock", dir.display()))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(anyhow!(
+                "--state-dir {}: in use by another allocator (locked); give each allocator its own",
+                dir.display()
+            ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(anyhow!("--state-dir {}: cannot lock: {e}", dir.display()))
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+        })
+    }
+
+    /// The ledger record, `None` when there is none.
+    fn read(&self) -> anyhow::Result<Option<LedgerRecord>> {
+        let path = self.dir.join(LEDGER_FILE);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => LedgerRecord::decode(&text).map(Some).map_err(|e| {
+                anyhow!(
+                    "{}: {e}; nothing is granted from it (fix or move it away)",
+                    path.display()
+                )
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(anyhow!("{}: cannot read: {e}", path.display())),
+        }
+    }
+
+    /// Write the record durably (a new file renamed over the old one).
+    fn write(&self, r: &LedgerRecord) -> anyhow::Result<()> {
+        let path = self.dir.join(LEDGER_FILE);
+        let tmp = self.dir.join("ledger.tmp");
+        (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, r.encode().as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        })()
+        .with_context(|| format!("{}: cannot write", path.display()))
+    }
+
+    /// A state directory of an allocator older than the ledger file.
+    fn has_old_start_record(&self) -> bool {
+        self.dir.join("allocator-started").exists()
+    }
+}
+
+/// Keep the ledger record true while the allocator runs: the largest rule
+/// version served (checked every 500 ms), and a lowered `TTL_max` recorded
+/// only once it has run for a whole old one (leases granted under the old
+/// value have expired by then).
+async fn keep_ledger_record(
+    state: StateDir,
+    mut record: LedgerRecord,
+    ttl_max_ms: u64,
+    shared: Arc<Shared>,
+) {
+    let started = std::time::Instant::now();
+    let lower_after =
+        Duration::from_millis(record.ttl_max_ms.saturating_mul(2).saturating_add(1_000));
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let mut next = record;
+        next.rules_version = next
+            .rules_version
+            .max(shared.with_core(|c| c.rules().version));
+        if next.ttl_max_ms > ttl_max_ms && started.elapsed() >= lower_after {
+            next.ttl_max_ms = ttl_max_ms;
+        }
+        if next != record {
+            match state.write(&next) {
+                Ok(()) => record = next,
+                Err(e) => tracing::error!(error = %e, "cannot update the ledger record"),
+            }
+        }
+    }
 }
 
 /// `quotalease allocator`.
@@ -124,21 +289,66 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             "--rules FILE is required for the global allocator (a regional one, with --parent, may take its rules from the parent)"
         ));
     };
-    let version = alloc_server::unix_ms();
-    let rules = load_rules(&rules_path, version)?;
-    let no_predecessor = match &args.state_dir {
-        Some(dir) => first_start(dir)?,
-        None => false,
+    let ttl_max_ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
+    if ttl_max_ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ttl_max_ms == 0 {
+        return Err(anyhow!(
+            "--ttl-max: {:?} is outside 1ms..={}s (the compiled cap: how long a lost ledger's leases may be out)",
+            args.ttl_max,
+            TTL_MAX_CAP_NS / 1_000_000_000
+        ));
+    }
+    let dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| default_state_dir(args.listen));
+    let state = StateDir::open(&dir)?;
+    let (record, first) = match state.read()? {
+        Some(r) => (r, false),
+        None => {
+            let r = LedgerRecord {
+                id: quotalease_proto::random_instance().max(1),
+                // An allocator from before the ledger file recorded no
+                // TTL_max: assume the cap.
+                ttl_max_ms: if state.has_old_start_record() {
+                    TTL_MAX_CAP_NS / 1_000_000
+                } else {
+                    0
+                },
+                rules_version: 0,
+            };
+            (r, !state.has_old_start_record())
+        }
     };
-    if no_predecessor {
-        tracing::info!("first start for this state directory: buckets start full");
+    // Versions never go backwards, whatever the wall clock says.
+    let version = alloc_server::unix_ms().max(record.rules_version + 1);
+    let rules = load_rules(&rules_path, version)?;
+    let predecessor_ttl_ms = record.ttl_max_ms;
+    let record = LedgerRecord {
+        ttl_max_ms: record.ttl_max_ms.max(ttl_max_ms),
+        rules_version: version,
+        ..record
+    };
+    state.write(&record)?;
+    if first {
+        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), "no ledger in the state directory: a new ledger, buckets start full");
+    } else {
+        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger: every key counts as fully leased out until the longest lease it may have granted has expired");
     }
     let cfg = CoreConfig {
         ttl_max_ns: args.ttl_max.as_nanos() as u64,
-        no_predecessor,
+        predecessor_ttl_max_ns: predecessor_ttl_ms.saturating_mul(1_000_000),
+        no_predecessor: first,
+        ledger_id: record.id,
+        new_ledger: args.new_ledger,
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, Some(rules_path));
+    tokio::spawn(keep_ledger_record(
+        state,
+        record,
+        ttl_max_ms,
+        shared.clone(),
+    ));
     let grpc = bind("--listen", args.listen).await?;
     let http = bind("--http", args.http).await?;
     println!(
@@ -146,7 +356,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         grpc.local_addr()?,
         http.local_addr()?
     );
-    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, ttl_max = ?args.ttl_max, "allocator started; no grants until TTL_max has passed");
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, ttl_max = ?args.ttl_max, first_start = first, "allocator started");
     let hk = tokio::spawn(alloc_server::housekeeping(
         shared.clone(),
         Duration::from_millis(500),
@@ -320,4 +530,43 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
     agent.shutdown().await;
     let _ = tokio::time::timeout(Duration::from_secs(2), admin).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ledger_record_round_trips_and_bad_ones_name_the_field() {
+        let r = LedgerRecord {
+            id: 0xdead_beef,
+            ttl_max_ms: 2_000,
+            rules_version: 1_796_000_000_000,
+        };
+        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r));
+        let err = |t: &str| LedgerRecord::decode(t).unwrap_err();
+        assert!(err("quotalease-ledger 1\nttl_max_ms 1\nrules_version 1\n").contains("id: missing"));
+        assert!(
+            err("quotalease-ledger 1\nid 0\nttl_max_ms 1\nrules_version 1\n")
+                .contains("id: must not be 0")
+        );
+        assert!(
+            err("quotalease-ledger 1\nid 1\nttl_max_ms x\nrules_version 1\n")
+                .contains("ttl_max_ms")
+        );
+        assert!(err("quotalease-ledger 2\n").contains("newer"));
+        assert!(err("").contains("not a quotalease ledger"));
+        // A later format's extra field is ignored by a reader of the same format.
+        let extra = format!("{}later_field 7\n", r.encode());
+        assert_eq!(LedgerRecord::decode(&extra), Ok(r));
+    }
+
+    #[test]
+    fn the_default_state_dir_is_per_listen_address() {
+        let a = default_state_dir("127.0.0.1:7070".parse().unwrap());
+        let b = default_state_dir("[::1]:7070".parse().unwrap());
+        assert_eq!(a, Path::new("quotalease-state/127.0.0.1_7070"));
+        assert_eq!(b, Path::new("quotalease-state/___1__7070"));
+        assert_ne!(a, b);
+    }
 }

@@ -217,6 +217,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
             protocol_version: quotalease_proto::PROTOCOL_VERSION,
             rules_version: 0,
             instance: 0,
+            ledger_id: 0,
         }),
         items: vec![],
         ttl_ms: 0,

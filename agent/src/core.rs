@@ -347,6 +347,8 @@ struct Pending {
 pub struct AgentCore {
     cfg: CoreConfig,
     incarnation: u64,
+    /// The ledger id of the allocator that last answered (0: none yet).
+    ledger_id: u64,
     seq: u64,
     table: Arc<Table>,
     rules: Arc<RulesCell>,
@@ -429,6 +431,7 @@ impl AgentCore {
     ) -> Self {
         Self {
             incarnation: cfg.incarnation,
+            ledger_id: 0,
             cfg,
             seq: 0,
             table,
@@ -905,6 +908,7 @@ impl AgentCore {
                 protocol_version: PROTOCOL_VERSION,
                 rules_version: self.rules.version(),
                 instance: self.cfg.instance,
+                ledger_id: self.ledger_id,
             }),
             ttl_ms,
             items,
@@ -1110,6 +1114,11 @@ impl AgentCore {
     /// Apply a reply; returns the keys whose item was not applied and
     /// should be asked again.
     fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) -> Vec<Slot> {
+        if reply.ledger_id != 0 {
+            // The ledger that served us: presented from now on (SPEC §2
+            // "First start").
+            self.ledger_id = reply.ledger_id;
+        }
         if reply.holder_incarnation > self.incarnation {
             // The allocator knows this identity under a higher incarnation
             // (our clock stepped back across a restart): take a higher one,

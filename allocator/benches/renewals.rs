@@ -78,6 +78,7 @@ impl Holder {
                     protocol_version: PROTOCOL_VERSION,
                     rules_version: RULES_VERSION,
                     instance: 0,
+                    ledger_id: 0,
                 }),
                 items: (0..BATCH)
                     .map(|i| LeaseItem {

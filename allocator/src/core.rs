@@ -48,7 +48,23 @@ pub struct CoreConfig {
     /// ever granted a lease for its keys (the in-process demo). Never set
     /// for a real deployment: a restart would break I1.
     pub no_predecessor: bool,
+    /// The longest `TTL_max` a predecessor may have granted leases under
+    /// (recorded in the state directory; 0: this one's): a restart waits
+    /// for the larger.
+    pub predecessor_ttl_max_ns: u64,
+    /// This allocator's ledger id (SPEC §2 "First start"), stamped on
+    /// every reply; 0: none (a regional allocator, a test core), and
+    /// requesters' ids are not checked.
+    pub ledger_id: u64,
+    /// The operator said this is a new ledger: a requester naming another
+    /// one does not make this allocator wait (its old leases are known to
+    /// be gone, or the operator accepts the risk).
+    pub new_ledger: bool,
 }
+
+/// The largest `TTL_max` an allocator accepts (`--ttl-max`): how long a
+/// lost ledger's leases may still be out, whatever it was run with.
+pub const TTL_MAX_CAP_NS: u64 = 60_000_000_000;
 
 impl Default for CoreConfig {
     fn default() -> Self {
@@ -59,6 +75,9 @@ impl Default for CoreConfig {
             active_window_ns: 1_000_000_000,
             holder_idle_ns: 3_600_000_000_000,
             no_predecessor: false,
+            predecessor_ttl_max_ns: 0,
+            ledger_id: 0,
+            new_ledger: false,
         }
     }
 }
@@ -67,7 +86,8 @@ impl CoreConfig {
     /// How long after start an allocator must treat every key as fully
     /// leased out: `TTL_max * (1 + 2 rho) + epsilon`.
     pub fn restart_wait_ns(&self) -> u64 {
-        self.ttl_max_ns + drift_margin_ns(self.ttl_max_ns) + 1 + self.epsilon_ns
+        let ttl = self.ttl_max_ns.max(self.predecessor_ttl_max_ns);
+        ttl + drift_margin_ns(ttl) + 1 + self.epsilon_ns
     }
 }
 
@@ -116,6 +136,8 @@ pub struct Stats {
     pub key_limit_refusals: u64,
     /// Keys dropped because they were full and idle.
     pub keys_dropped: u64,
+    /// Times a requester named another ledger (this one's state was lost).
+    pub ledgers_lost: u64,
     /// Tokens of leases that expired unspent (as far as reported).
     pub tokens_expired_unused: u64,
 }
@@ -172,6 +194,8 @@ pub struct AllocatorCore {
     /// others are stale and skipped). A sweep visits only keys that are
     /// due, in bounded steps, never every key.
     sweep_due: std::collections::BinaryHeap<std::cmp::Reverse<(u64, KeyId)>>,
+    /// Other ledgers' ids requesters named (each makes the core wait once).
+    foreign_ledgers: Vec<u64>,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -214,6 +238,7 @@ impl AllocatorCore {
             pooled: None,
             new_keys: Vec::new(),
             sweep_due: Default::default(),
+            foreign_ledgers: Vec::new(),
         }
     }
 
@@ -349,6 +374,41 @@ impl AllocatorCore {
 
     /// Handle one batch at `now_ns`.
     pub fn handle(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
+        let mut reply = self.handle_batch(now_ns, batch);
+        reply.ledger_id = self.cfg.ledger_id;
+        reply
+    }
+
+    /// A requester named another ledger than ours (SPEC §2 "First start"):
+    /// our state was lost while it may still hold that ledger's leases, and
+    /// we may have granted from full buckets already. Every key is treated
+    /// as fully leased out until the longest lease any ledger can have
+    /// granted (the compiled `TTL_max` cap) has surely expired, then as
+    /// empty: the keys are forgotten (what we leased ends within that wait
+    /// too) and nothing is granted before it.
+    fn ledger_lost(&mut self, now_ns: u64, theirs: u64) {
+        self.foreign_ledgers.push(theirs);
+        let wait = CoreConfig {
+            ttl_max_ns: TTL_MAX_CAP_NS.max(self.cfg.ttl_max_ns),
+            ..self.cfg.clone()
+        }
+        .restart_wait_ns();
+        let ready = now_ns.saturating_add(wait);
+        self.ready_at_ns = Some(self.ready_at_ns.map_or(ready, |r| r.max(ready)));
+        self.keys.clear();
+        self.keys_per_rule.clear();
+        self.sweep_due.clear();
+        self.new_keys.clear();
+        self.stats.ledgers_lost += 1;
+        tracing::warn!(
+            ours = format_args!("{:016x}", self.cfg.ledger_id),
+            theirs = format_args!("{theirs:016x}"),
+            wait_s = wait / 1_000_000_000,
+            "a requester names another ledger: this allocator's state was lost; every key counts as fully leased out until the longest possible lease has expired (start with --new-ledger if that ledger is known to be gone)"
+        );
+    }
+
+    fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
         self.stats.messages += 1;
         self.stats.items += batch.items.len() as u64;
         let Some(header) = batch.header.as_ref() else {
@@ -370,6 +430,14 @@ impl AllocatorCore {
                 GrantStatus::Unsupported,
                 "header.protocol_version: unsupported",
             );
+        }
+        if self.cfg.ledger_id != 0
+            && !self.cfg.new_ledger
+            && header.ledger_id != 0
+            && header.ledger_id != self.cfg.ledger_id
+            && !self.foreign_ledgers.contains(&header.ledger_id)
+        {
+            self.ledger_lost(now_ns, header.ledger_id);
         }
         // Holder, incarnation and duplicate suppression.
         let digest = quotalease_proto::request_digest(batch);
@@ -470,6 +538,7 @@ impl AllocatorCore {
             grants,
             rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
             request_digest: digest,
+            ledger_id: self.cfg.ledger_id,
         };
         let cap = self.cfg.reply_cache.max(1);
         let holder = self
@@ -502,6 +571,7 @@ impl AllocatorCore {
             holder_incarnation: 0,
             // Refusals answer this request too: the requester matches them.
             request_digest: quotalease_proto::request_digest(batch),
+            ledger_id: self.cfg.ledger_id,
         }
     }
 

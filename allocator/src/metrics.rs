@@ -135,6 +135,11 @@ impl Collector for Snapshot {
                 st.keys_dropped,
             ),
             (
+                "quotalease_allocator_ledgers_lost_total",
+                "Requesters that named another ledger: this allocator's state was lost and it waited the TTL_max cap.",
+                st.ledgers_lost,
+            ),
+            (
                 "quotalease_allocator_tokens_expired_unused_total",
                 "Tokens of leases that expired unspent (as far as reported).",
                 st.tokens_expired_unused,

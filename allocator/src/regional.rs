@@ -267,6 +267,8 @@ pub struct RegionalCore {
     core: AllocatorCore,
     agent_id: String,
     incarnation: u64,
+    /// The parent's ledger id as its last reply said (presented upstream).
+    parent_ledger_id: u64,
     seq: u64,
     rules_known: bool,
     /// Per key (hashed: a look-up per child item must not cost a string
@@ -357,6 +359,7 @@ impl RegionalCore {
             cfg,
             core,
             incarnation,
+            parent_ledger_id: 0,
             seq: 0,
             rules_known,
             keys: HashMap::default(),
@@ -437,6 +440,7 @@ impl RegionalCore {
                 rules: None,
                 holder_incarnation: 0,
                 request_digest: quotalease_proto::request_digest(batch),
+                ledger_id: 0,
             };
         }
         let reply = self.core.handle(now_ns, batch);
@@ -801,6 +805,7 @@ impl RegionalCore {
                     0
                 },
                 instance: self.cfg.instance,
+                ledger_id: self.parent_ledger_id,
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,
@@ -902,6 +907,9 @@ impl RegionalCore {
         // The answered keys' chains and retry times change: plan them next
         // (their pools' hints for children with them).
         self.wanting.extend(f.items.iter().map(|i| i.key.clone()));
+        if reply.ledger_id != 0 {
+            self.parent_ledger_id = reply.ledger_id;
+        }
         if reply.holder_incarnation > self.incarnation {
             // Our clock stepped back across a restart: move above.
             self.incarnation = reply.holder_incarnation + 1;

@@ -126,6 +126,7 @@ mod tests {
                 protocol_version: 2,
                 rules_version: 3,
                 instance: 4,
+                ledger_id: 0,
             }),
             items: vec![lease::LeaseItem {
                 rule_id: "r".into(),

@@ -28,7 +28,16 @@ impl Proc {
     /// Start a child; `Err(its first line)` if it exited before printing
     /// its addresses (it could not listen, say).
     fn try_spawn(name: &str, args: &[String]) -> Result<Proc, String> {
-        let mut child = Command::new(BIN)
+        Self::try_spawn_in(name, args, None)
+    }
+
+    /// [`Proc::try_spawn`] in the working directory `cwd`.
+    pub fn try_spawn_in(name: &str, args: &[String], cwd: Option<&Path>) -> Result<Proc, String> {
+        let mut cmd = Command::new(BIN);
+        if let Some(dir) = cwd {
+            cmd.current_dir(dir);
+        }
+        let mut child = cmd
             .args(args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

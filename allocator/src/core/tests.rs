@@ -41,6 +41,7 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             protocol_version: PROTOCOL_VERSION,
             rules_version: 7,
             instance: 0,
+            ledger_id: 0,
         }),
         items,
         ttl_ms: 1000,

@@ -73,6 +73,7 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             protocol_version: PROTOCOL_VERSION,
             rules_version: 0,
             instance: 0,
+            ledger_id: 0,
         }),
         items,
         ttl_ms: 2_000,

@@ -9,11 +9,13 @@ use quotalease_agent::agent::{Agent, AgentConfig, EmergencyConfig};
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::transport::GrpcTransport;
 use quotalease_allocator::core::{CoreConfig, TTL_MAX_CAP_NS};
+use quotalease_allocator::ledger::KeyCheckpoint;
 use quotalease_allocator::regional::RegionalConfig;
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
 use quotalease_allocator::upstream;
 use quotalease_gateway::envoy::EnvoyService;
 use quotalease_gateway::service::{self, CheckService};
+use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
@@ -166,6 +168,87 @@ impl LedgerRecord {
     }
 }
 
+const CHECKPOINT_FILE: &str = "checkpoint";
+const CHECKPOINT_FORMAT: u64 = 1;
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(h: &str) -> Option<String> {
+    if h.len() % 2 != 0 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+/// A clean shutdown's key states, for the ledger `ledger`.
+fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String {
+    let mut out = format!("quotalease-checkpoint {CHECKPOINT_FORMAT}\nledger {ledger:016x}\n");
+    for (k, c) in keys {
+        out.push_str(&format!(
+            "key {} {} {} {} {} {} {}\n",
+            hex(&k.rule),
+            hex(&k.tenant),
+            hex(&k.route),
+            c.available,
+            c.outstanding,
+            c.rates_out_utps,
+            c.leases_end_in_ns
+        ));
+    }
+    out.push_str("end\n");
+    out
+}
+
+/// (ledger id, keys) of a checkpoint file; an error names what is wrong.
+fn decode_checkpoint(text: &str) -> Result<(u64, Vec<(KeyId, KeyCheckpoint)>), String> {
+    let mut lines = text.lines();
+    let head = lines.next().unwrap_or("");
+    let format = head
+        .strip_prefix("quotalease-checkpoint ")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .ok_or_else(|| format!("first line {head:?}: not a quotalease checkpoint"))?;
+    if format > CHECKPOINT_FORMAT {
+        return Err(format!("format {format} is newer than this binary's"));
+    }
+    let ledger = lines
+        .next()
+        .and_then(|l| l.strip_prefix("ledger "))
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .ok_or("second line: want `ledger ID`")?;
+    let mut keys = Vec::new();
+    for (n, line) in lines.by_ref().enumerate() {
+        if line == "end" {
+            return Ok((ledger, keys));
+        }
+        let w: Vec<&str> = line.split(' ').collect();
+        let bad = || format!("key line {}: {line:?}", n + 1);
+        if w.len() != 8 || w[0] != "key" {
+            return Err(bad());
+        }
+        let num = |i: usize| w[i].parse::<u64>().map_err(|_| bad());
+        keys.push((
+            KeyId {
+                rule: unhex(w[1]).ok_or_else(bad)?,
+                tenant: unhex(w[2]).ok_or_else(bad)?,
+                route: unhex(w[3]).ok_or_else(bad)?,
+            },
+            KeyCheckpoint {
+                available: num(4)?,
+                outstanding: num(5)?,
+                rates_out_utps: num(6)?,
+                leases_end_in_ns: num(7)?,
+            },
+        ));
+    }
+    Err("no `end` line: the checkpoint was cut short".into())
+}
+
 /// A state directory in use: locked for as long as this value lives.
 struct StateDir {
     dir: std::path::PathBuf,
@@ -229,6 +312,54 @@ impl StateDir {
         .with_context(|| format!("{}: cannot write", path.display()))
     }
 
+    /// Write a clean shutdown's checkpoint durably.
+    fn write_checkpoint(&self, text: &str) -> anyhow::Result<()> {
+        let path = self.dir.join(CHECKPOINT_FILE);
+        let tmp = self.dir.join("checkpoint.tmp");
+        (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, text.as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        })()
+        .with_context(|| format!("{}: cannot write", path.display()))
+    }
+
+    /// Take the checkpoint a clean shutdown left for ledger `ledger`, if
+    /// any, and remove it (durably) before anything is granted: a later
+    /// crash must not find it. One of another ledger, or unreadable, is
+    /// set aside (`checkpoint.unused`) and not used.
+    fn take_checkpoint(&self, ledger: u64) -> anyhow::Result<Option<Vec<(KeyId, KeyCheckpoint)>>> {
+        let path = self.dir.join(CHECKPOINT_FILE);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(anyhow!("{}: cannot read: {e}", path.display())),
+        };
+        let got = match decode_checkpoint(&text) {
+            Ok((id, keys)) if id == ledger => Some(keys),
+            Ok((id, _)) => {
+                tracing::warn!(
+                    theirs = format_args!("{id:016x}"),
+                    "the checkpoint is of another ledger: not used"
+                );
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the checkpoint is unreadable: not used");
+                None
+            }
+        };
+        match got {
+            Some(_) => std::fs::remove_file(&path),
+            None => std::fs::rename(&path, self.dir.join("checkpoint.unused")),
+        }
+        .and_then(|_| std::fs::File::open(&self.dir)?.sync_all())
+        .with_context(|| format!("{}: cannot remove", path.display()))?;
+        Ok(got)
+    }
+
     /// A state directory of an allocator older than the ledger file.
     fn has_old_start_record(&self) -> bool {
         self.dir.join("allocator-started").exists()
@@ -240,7 +371,7 @@ impl StateDir {
 /// only once it has run for a whole old one (leases granted under the old
 /// value have expired by then).
 async fn keep_ledger_record(
-    state: StateDir,
+    state: Arc<StateDir>,
     mut record: LedgerRecord,
     ttl_max_ms: u64,
     shared: Arc<Shared>,
@@ -329,22 +460,34 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         ..record
     };
     state.write(&record)?;
+    let resumed = if first {
+        None
+    } else {
+        state.take_checkpoint(record.id)?
+    };
     if first {
         tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), "no ledger in the state directory: a new ledger, buckets start full");
+    } else if let Some(keys) = &resumed {
+        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), keys = keys.len(), "clean restart of this ledger: keys resume from the shutdown's checkpoint, what was leased then counts until it has expired");
     } else {
-        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger: every key counts as fully leased out until the longest lease it may have granted has expired");
+        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger without a checkpoint: every key counts as fully leased out until the longest lease it may have granted has expired");
     }
     let cfg = CoreConfig {
         ttl_max_ns: args.ttl_max.as_nanos() as u64,
         predecessor_ttl_max_ns: predecessor_ttl_ms.saturating_mul(1_000_000),
-        no_predecessor: first,
+        no_predecessor: first || resumed.is_some(),
         ledger_id: record.id,
         new_ledger: args.new_ledger,
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, Some(rules_path));
+    if let Some(keys) = resumed {
+        let now = shared.now();
+        shared.with_core(|c| c.resume_keys(now, keys));
+    }
+    let state = Arc::new(state);
     tokio::spawn(keep_ledger_record(
-        state,
+        state.clone(),
         record,
         ttl_max_ms,
         shared.clone(),
@@ -362,13 +505,19 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = serve_allocator(shared, grpc, http, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
     stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
     hk.abort();
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
+    // A clean stop: every key's state, so the next start resumes it
+    // instead of waiting out a phantom (SPEC §2 "Restarts").
+    let now = shared.now();
+    let keys = shared.with_core(|c| c.checkpoint_and_close(now));
+    state.write_checkpoint(&encode_checkpoint(record.id, &keys))?;
+    tracing::info!(keys = keys.len(), "checkpoint written");
     Ok(())
 }
 

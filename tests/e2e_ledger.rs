@@ -281,3 +281,66 @@ fn a_corrupt_or_newer_ledger_is_an_error_that_keeps_the_file() {
     );
     assert!(!ok && err.contains("--ttl-max"), "{err}");
 }
+
+/// SIGTERM writes every key's state and a clean restart resumes it
+/// instead of waiting out a phantom: right after it, a key at rest has its
+/// whole burst (`5/m burst 5`: five logins; it used to wait `TTL_max` and
+/// then start from empty, 0 logins for a minute), and a used `1/d burst
+/// 10` key with 3 spent admits exactly the 7 left across the old agent
+/// (whose lease of then counts until it has expired) and a new one. The
+/// checkpoint is consumed at start: a crash after it waits as before.
+#[test]
+fn a_clean_restart_resumes_every_key_from_its_checkpoint() {
+    let dir = tempdir("ledger-clean");
+    let rules = write_rules(&dir, SLOW);
+    let state = dir.join("state");
+    let alloc = allocator(&rules, &state, None, "2s");
+    wait_ok(alloc.http, "/readyz", Duration::from_secs(5));
+    let listen = alloc.grpc;
+    let a = agent("ledger-clean-a", &alloc.url(), None, &[]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let mut daily = 0;
+    for _ in 0..3 {
+        assert_eq!(check(&a, "acme", "/api/daily"), 200);
+        daily += 1;
+    }
+    assert!(alloc.terminate().success(), "a clean stop");
+    assert!(
+        state.join("checkpoint").exists(),
+        "SIGTERM wrote the checkpoint"
+    );
+
+    let alloc = allocator(&rules, &state, Some(listen), "2s");
+    let (status, body) = http_get(alloc.http, "/readyz");
+    assert_eq!(status, 200, "a clean restart has no start-up wait: {body}");
+    assert!(!state.join("checkpoint").exists(), "consumed at start");
+    let b = agent("ledger-clean-b", &alloc.url(), None, &[]);
+    wait_ok(b.http, "/readyz", Duration::from_secs(10));
+    let logins = (0..6)
+        .filter(|_| check(&b, "quiet", "/api/login") == 200)
+        .count();
+    assert_eq!(
+        logins, 5,
+        "a key at rest keeps its burst across a clean restart"
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        for x in [&a, &b] {
+            if check(x, "acme", "/api/daily") == 200 {
+                daily += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        daily, 10,
+        "the used key resumed its level: 3 before, 7 after, no more"
+    );
+
+    // A crash now finds no checkpoint: a restart waits out its phantom.
+    alloc.kill9();
+    let alloc = allocator(&rules, &state, Some(listen), "2s");
+    let (status, body) = http_get(alloc.http, "/readyz");
+    assert_eq!(status, 503, "after a crash: {body}");
+    drop((a, b, alloc));
+}

@@ -24,7 +24,7 @@ use quotalease_model::key::KeyId;
 use quotalease_model::protocol::{drift_margin_ns, MAX_ID_BYTES};
 use quotalease_model::rules::{Pattern, Rule, RuleSet};
 
-use crate::ledger::{HolderId, KeyLedger, Lease, Renewal, PHANTOM};
+use crate::ledger::{HolderId, KeyCheckpoint, KeyLedger, Lease, Renewal, PHANTOM};
 
 /// Least gap between two sweeps of one key.
 const SWEEP_MIN_GAP_NS: u64 = 100_000_000;
@@ -196,6 +196,8 @@ pub struct AllocatorCore {
     sweep_due: std::collections::BinaryHeap<std::cmp::Reverse<(u64, KeyId)>>,
     /// Other ledgers' ids requesters named (each makes the core wait once).
     foreign_ledgers: Vec<u64>,
+    /// Checkpointed for a clean shutdown: nothing more is granted.
+    closed: bool,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -239,6 +241,7 @@ impl AllocatorCore {
             new_keys: Vec::new(),
             sweep_due: Default::default(),
             foreign_ledgers: Vec::new(),
+            closed: false,
         }
     }
 
@@ -408,12 +411,61 @@ impl AllocatorCore {
         );
     }
 
+    /// A clean shutdown at `now_ns`: every key's checkpoint, and from now
+    /// on nothing is granted (every batch is answered "unavailable"), so
+    /// the checkpoint stays the whole truth.
+    pub fn checkpoint_and_close(&mut self, now_ns: u64) -> Vec<(KeyId, KeyCheckpoint)> {
+        self.closed = true;
+        let mut out: Vec<(KeyId, KeyCheckpoint)> = self
+            .keys
+            .iter_mut()
+            .map(|(k, l)| (k.clone(), l.checkpoint(now_ns)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Whether [`AllocatorCore::checkpoint_and_close`] ran.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Resume keys from a clean shutdown's checkpoint at `now_ns`
+    /// ([`KeyLedger::resume`]); keys of rules that no longer exist are
+    /// dropped. Keys not in it start full: the shutdown recorded every key
+    /// it had, and a key it did not have was full.
+    pub fn resume_keys(&mut self, now_ns: u64, keys: Vec<(KeyId, KeyCheckpoint)>) {
+        for (key, cp) in keys {
+            let Some(rule) = self.rules.get(&key.rule) else {
+                continue;
+            };
+            let margin = drift_margin_ns(cp.leases_end_in_ns) + 1 + self.cfg.epsilon_ns;
+            let mut ledger = KeyLedger::resume(rule.rate, rule.burst, now_ns, &cp, margin);
+            *self.keys_per_rule.entry(key.rule.clone()).or_insert(0) += 1;
+            ledger.sweep_due_ns = now_ns
+                .saturating_add(cp.leases_end_in_ns)
+                .saturating_add(margin)
+                .max(1);
+            self.sweep_due
+                .push(std::cmp::Reverse((ledger.sweep_due_ns, key.clone())));
+            self.keys.insert(key, ledger);
+        }
+    }
+
     fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
         self.stats.messages += 1;
         self.stats.items += batch.items.len() as u64;
         let Some(header) = batch.header.as_ref() else {
             return self.refuse(batch, 0, GrantStatus::BadItem, "header: missing");
         };
+        if self.closed {
+            return self.refuse(
+                batch,
+                header.seq,
+                GrantStatus::Stale,
+                "allocator shutting down: nothing applied",
+            );
+        }
         let seq = header.seq;
         if header.agent_id.is_empty() || header.agent_id.len() > MAX_ID_BYTES {
             return self.refuse(

@@ -178,6 +178,19 @@ struct Demand {
     last_ns: u64,
 }
 
+/// A key's state as a clean shutdown records it ([`KeyLedger::checkpoint`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyCheckpoint {
+    /// Whole tokens in the bucket.
+    pub available: u64,
+    /// What the leases counted (tokens and capacities).
+    pub outstanding: u64,
+    /// Rates lent out (micro-tokens per second).
+    pub rates_out_utps: u64,
+    /// How long the last lease had to live.
+    pub leases_end_in_ns: u64,
+}
+
 /// Ledger of one key.
 #[derive(Clone, Debug)]
 pub struct KeyLedger {
@@ -283,6 +296,58 @@ impl KeyLedger {
             l.available = Level::new(0, rate, ready_at_ns);
         }
         l.advance(now_ns);
+        l
+    }
+
+    /// What a clean shutdown records of this key at `now_ns` (SPEC §2
+    /// "Restarts"): counts and a duration, never an instant.
+    pub fn checkpoint(&mut self, now_ns: u64) -> KeyCheckpoint {
+        self.advance(now_ns);
+        KeyCheckpoint {
+            available: self.available.tokens(self.rate),
+            outstanding: self.outstanding,
+            rates_out_utps: self.rates_out_utps,
+            leases_end_in_ns: self
+                .leases
+                .iter()
+                .map(|l| l.expires_ns.saturating_sub(now_ns))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// A key resumed at `now_ns` from a clean shutdown's checkpoint: its
+    /// bucket holds what it held then (nothing refilled while no allocator
+    /// ran), and what was leased out is one phantom holder, counted with
+    /// its tokens and its rate until every lease of then has surely expired
+    /// (`leases_end_in_ns` plus `margin_ns` for the clocks): the holders
+    /// may spend and refill all of it meanwhile. `rate` and `burst` are the
+    /// key's rule now; a lowered burst clamps what is available.
+    pub fn resume(rate: Rate, burst: u64, now_ns: u64, cp: &KeyCheckpoint, margin_ns: u64) -> Self {
+        let mut l = Self::new(rate, burst, now_ns, None);
+        if cp.outstanding > 0 && cp.leases_end_in_ns > 0 {
+            l.leases.push(Lease {
+                id: 0,
+                holder: PHANTOM,
+                granted: 0,
+                spent: 0,
+                expires_ns: now_ns
+                    .saturating_add(cp.leases_end_in_ns)
+                    .saturating_add(margin_ns),
+                // As a version of a lease that carries a rate: counted at
+                // its capacity, and `available` refills that much slower.
+                rate_utps: cp.rates_out_utps,
+                capacity: cp.outstanding,
+                in_flight: 0,
+            });
+            l.rate_leases = 1;
+            l.recount_rates();
+        }
+        let avail = cp.available.min(burst.saturating_sub(l.outstanding));
+        l.available = Level::new(avail, rate, now_ns);
+        let spent = burst - avail;
+        let _ = l.shadow.try_acquire(spent, now_ns);
+        debug_assert!(l.i2_holds(), "I2 broken after resume");
         l
     }
 

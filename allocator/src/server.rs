@@ -257,6 +257,9 @@ impl LeaseService {
 impl Allocator for LeaseService {
     async fn lease(&self, request: Request<LeaseBatch>) -> Result<Response<LeaseReply>, Status> {
         let batch = request.into_inner();
+        if self.shared.with_core(|c| c.is_closed()) {
+            return Err(Status::unavailable("allocator shutting down"));
+        }
         Ok(Response::new(self.shared.handle(&batch)))
     }
 }

@@ -379,6 +379,8 @@ enum ROp {
     Drain(u32),
     Release(u32),
     Restart,
+    /// A clean shutdown's checkpoint, resumed at once or after a pause.
+    CleanRestart(u64),
 }
 
 fn rop() -> impl Strategy<Value = ROp> {
@@ -391,6 +393,7 @@ fn rop() -> impl Strategy<Value = ROp> {
         3 => (0u32..3).prop_map(ROp::Drain),
         1 => (0u32..3).prop_map(ROp::Release),
         1 => Just(ROp::Restart),
+        1 => (0u64..600).prop_map(ROp::CleanRestart),
     ]
 }
 
@@ -518,6 +521,11 @@ proptest! {
                 }
                 ROp::Restart => {
                     l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
+                }
+                ROp::CleanRestart(pause_ms) => {
+                    let cp = l.checkpoint(now);
+                    now += pause_ms * MS;
+                    l = KeyLedger::resume(r, burst, now, &cp, MS);
                 }
             }
             prop_assert!(l.i2_holds(), "I2 broken at {} ms: available {} outstanding {} burst {}", now / MS, l.available(), l.outstanding(), burst);

@@ -176,7 +176,7 @@ fn hex(s: &str) -> String {
 }
 
 fn unhex(h: &str) -> Option<String> {
-    if h.len() % 2 != 0 {
+    if !h.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..h.len())

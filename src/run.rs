@@ -711,6 +711,28 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_round_trips_any_key_and_a_cut_one_is_refused() {
+        let keys = vec![(
+            KeyId {
+                rule: "orders".into(),
+                tenant: "a b\nc é".into(),
+                route: "".into(),
+            },
+            KeyCheckpoint {
+                available: 7,
+                outstanding: 3,
+                rates_out_utps: 1_000_000,
+                leases_end_in_ns: 1_500_000_000,
+            },
+        )];
+        let text = encode_checkpoint(0xabc, &keys);
+        assert_eq!(decode_checkpoint(&text), Ok((0xabc, keys)));
+        let cut = text.trim_end_matches("end\n");
+        assert!(decode_checkpoint(cut).unwrap_err().contains("cut short"));
+        assert!(decode_checkpoint("quotalease-checkpoint 1\nledger 1\nkey zz\nend\n").is_err());
+    }
+
+    #[test]
     fn the_default_state_dir_is_per_listen_address() {
         let a = default_state_dir("127.0.0.1:7070".parse().unwrap());
         let b = default_state_dir("[::1]:7070".parse().unwrap());

@@ -711,3 +711,18 @@ mod tests {
         assert_eq!(Form::Json.field("tenant_id"), "tenant_id");
     }
 }
+
+/// The HTTP check API's input parsers, for the fuzz targets (`fuzz/`):
+/// each returns whether the input was accepted, and must never panic.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// `GET /v1/check` query string.
+    pub fn query(q: &str) -> bool {
+        super::parse_query(q).is_ok()
+    }
+
+    /// `POST /v1/check` JSON body.
+    pub fn json(body: &[u8]) -> bool {
+        super::parse_json(body).is_ok()
+    }
+}

@@ -429,6 +429,16 @@ impl LeaseWord {
         now_ns: u64,
         level_from: impl Fn(u64) -> u64,
     ) -> (u64, u64, u64) {
+        // A version whose capacity the word cannot refill in its time field
+        // is held as a plain count, still never above its capacity: the
+        // allocator counts the holder at the capacity once it names the
+        // version (an adversarial review held 600 tokens under a capacity of
+        // 301 at 2/s burst 600, and admitted 601 at once against B = 600).
+        let cap = if refill.is_rate() {
+            refill.capacity
+        } else {
+            TOKEN_MASK
+        };
         let refill = if refill.fits(now_ns, deadline_ns) {
             refill
         } else {
@@ -437,12 +447,7 @@ impl LeaseWord {
         self.swap(deadline_ns, |g, value| {
             let old_refill = self.refill_of(g);
             let old = level(value, old_refill, now_ns);
-            let new = level_from(old);
-            let new = if refill.is_rate() {
-                new.min(refill.capacity)
-            } else {
-                new.min(TOKEN_MASK)
-            };
+            let new = level_from(old).min(cap).min(TOKEN_MASK);
             // The part of a token refilled so far carries over, as the same
             // fraction of a token at the new rate (rounded down): renewals
             // every few ms would otherwise lose up to a token each (a

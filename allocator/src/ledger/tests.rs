@@ -738,3 +738,406 @@ fn a_growing_capacity_hands_the_tokens_it_would_clamp_to_the_holder() {
     // The holder holds them (1 was spent from the lease of tokens).
     assert_eq!(h.level_nt / NT, u128::from(burst - 1));
 }
+
+// ---- An adversarial review's stronger holder model (more holders, leases of tokens
+// mixed with rate versions, several late replies, agent-like carry-over) ----
+
+#[derive(Clone, Debug)]
+enum MOp {
+    Advance(u64),
+    /// holder, want, rate (0: tokens only), reply lost?, name nothing?
+    Renew(u32, u64, u64, bool, bool),
+    /// a late reply (index) arrives and is applied as if awaited
+    DeliverApply(u32, usize),
+    /// a late reply arrives for a request given up on: the agent releases
+    /// a first version / fresh lease of tokens
+    DeliverRelease(u32, usize),
+    Spend(u32, u64),
+    Drain(u32),
+    Release(u32),
+    Restart,
+}
+
+const MH: u32 = 5;
+
+fn mop() -> impl Strategy<Value = MOp> {
+    prop_oneof![
+        4 => (1u64..200).prop_map(MOp::Advance),
+        6 => (0u32..MH, 0u64..60, prop_oneof![2 => Just(0u64), 5 => 0u64..60], prop::bool::weighted(0.25), prop::bool::weighted(0.05))
+            .prop_map(|(h, w, r, lost, none)| MOp::Renew(h, w, r, lost, none)),
+        2 => (0u32..MH, 0usize..4).prop_map(|(h, i)| MOp::DeliverApply(h, i)),
+        1 => (0u32..MH, 0usize..4).prop_map(|(h, i)| MOp::DeliverRelease(h, i)),
+        10 => (0u32..MH, 1u64..8).prop_map(|(h, n)| MOp::Spend(h, n)),
+        3 => (0u32..MH).prop_map(MOp::Drain),
+        1 => (0u32..MH).prop_map(MOp::Release),
+        1 => Just(MOp::Restart),
+    ]
+}
+
+#[derive(Clone, Copy, Debug)]
+enum MCur {
+    /// id, rate utps, capacity, use-by
+    Rate(u64, u64, u64, u64),
+    /// id, granted, use-by
+    Tokens(u64, u64, u64),
+    /// A rate version the agent's word cannot hold as one (its bucket's
+    /// span is 2^38 ns or more, or no rate): held as tokens, no refill,
+    /// clipped to its capacity (agent/src/lease_table.rs `install`).
+    RateNone(u64, u64),
+}
+
+#[derive(Clone, Debug, Default)]
+struct MHolder {
+    level_nt: u128,
+    cur: Option<MCur>,
+    refilled_to_ns: u64,
+    /// (grant, sent at, level at send in whole tokens)
+    late: Vec<(Granted, u64, u64)>,
+}
+
+impl MHolder {
+    fn id(&self) -> u64 {
+        match self.cur {
+            Some(MCur::Rate(id, ..)) | Some(MCur::Tokens(id, ..)) | Some(MCur::RateNone(id, _)) => {
+                id
+            }
+            None => 0,
+        }
+    }
+    fn use_by(&self) -> u64 {
+        match self.cur {
+            Some(MCur::Rate(_, _, _, u))
+            | Some(MCur::Tokens(_, _, u))
+            | Some(MCur::RateNone(_, u)) => u,
+            None => 0,
+        }
+    }
+    /// Like the agent's word: a rate lease refills on (clipped to its
+    /// capacity) whatever its use-by; it is usable only before it.
+    fn refill(&mut self, now: u64) {
+        if let Some(MCur::Rate(_, r, c, _)) = self.cur {
+            if now > self.refilled_to_ns {
+                let dt = u128::from(now - self.refilled_to_ns);
+                let per = u128::from(r - r / 1000);
+                self.level_nt = (self.level_nt + dt * per / 1_000_000).min(u128::from(c) * NT);
+            }
+        }
+        self.refilled_to_ns = self.refilled_to_ns.max(now);
+    }
+    fn usable(&self, now: u64) -> bool {
+        self.cur.is_some() && now < self.use_by()
+    }
+    fn tokens(&self) -> u64 {
+        u64::try_from(self.level_nt / NT).unwrap()
+    }
+    /// The agent's install_key for an awaited reply.
+    fn apply(&mut self, g: &Granted, sent: u64, at_send: u64, ttl: u64, now: u64) {
+        if g.lease_id == 0 {
+            return;
+        }
+        if g.lease_id <= self.id() {
+            return;
+        }
+        let use_by = (sent + ttl - 2 * ttl / 1000).saturating_sub(MS);
+        if now >= use_by {
+            return; // given back (the model does not release it: conservative)
+        }
+        self.refill(now);
+        let rate_grant = g.capacity > 0;
+        let cur = self.tokens();
+        let continues = g.carried > 0 || (rate_grant && g.version_of != 0);
+        let new = if rate_grant {
+            if continues {
+                cur.saturating_add(g.tokens)
+            } else {
+                g.tokens
+            }
+        } else {
+            let spent_since = at_send.saturating_sub(cur);
+            g.tokens.saturating_sub(spent_since.min(g.carried))
+        };
+        // Keep the fractional part only for rate to rate (roughly as the agent).
+        let slowed = quotalease_model::protocol::slowed_by_rho(g.rate_utps);
+        let ns = if slowed == 0 {
+            u64::MAX
+        } else {
+            u64::try_from(1_000_000_000_000_000u128.div_ceil(u128::from(slowed)))
+                .unwrap_or(u64::MAX)
+        };
+        let fits = slowed > 0
+            && ns < (1u64 << 40)
+            && g.capacity.checked_mul(ns).is_some_and(|x| x < (1u64 << 38));
+        if rate_grant && !fits {
+            // Held as tokens, clipped to the capacity (lease_table.rs).
+            self.level_nt = u128::from(new.min(g.capacity)) * NT;
+            self.cur = Some(MCur::RateNone(g.lease_id, use_by));
+        } else if rate_grant {
+            let n = new.min(g.capacity);
+            self.level_nt = u128::from(n) * NT;
+            self.cur = Some(MCur::Rate(g.lease_id, g.rate_utps, g.capacity, use_by));
+        } else {
+            self.level_nt = u128::from(new) * NT;
+            self.cur = Some(MCur::Tokens(g.lease_id, g.tokens, use_by));
+        }
+        self.refilled_to_ns = now;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn i1_holds_with_mixed_holders_and_late_replies(
+        n in 1u64..40,
+        period in prop_oneof![Just(1u64), Just(60u64)],
+        burst in 1u64..60,
+        ops in proptest::collection::vec(mop(), 1..500),
+    ) {
+        let r = rate(n, period);
+        let ttl_ns = 500 * MS;
+        let mut now = 0u64;
+        let mut l = KeyLedger::new(r, burst, now, None);
+        let mut hs: Vec<MHolder> = vec![MHolder::default(); MH as usize];
+        let mut next_id = 1u64;
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for o in ops {
+            match o {
+                MOp::Advance(d) => { now += d * MS; l.advance(now); }
+                MOp::Renew(h, want, rate_tps, lost, none) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    let named = if none { 0 } else { me.id() };
+                    let at_send = me.tokens();
+                    let spent = match me.cur {
+                        Some(MCur::Tokens(_, granted, _)) => granted.saturating_sub(at_send),
+                        _ => 0,
+                    };
+                    let g = l.renew(now, Renewal {
+                        holder: h, lease_id: named, spent, want, ttl_ns,
+                        new_id: next_id, want_rate_utps: rate_tps * 1_000_000 / period,
+                    }, SEC);
+                    next_id += 1;
+                    prop_assert!(!g.shadow_violation, "shadow bucket fired");
+                    if lost { me.late.push((g, now, at_send)); } else { me.apply(&g, now, at_send, ttl_ns, now); }
+                }
+                MOp::DeliverApply(h, i) => {
+                    let me = &mut hs[h as usize];
+                    if i < me.late.len() {
+                        let (g, sent, at) = me.late.remove(i);
+                        me.apply(&g, sent, at, ttl_ns, now);
+                    }
+                }
+                MOp::DeliverRelease(h, i) => {
+                    let me = &mut hs[h as usize];
+                    if i < me.late.len() {
+                        let (g, _, _) = me.late.remove(i);
+                        if g.carried == 0 && g.version_of == 0 && g.lease_id != 0 {
+                            l.release_with(now, h, g.lease_id, 0, g.tokens);
+                        }
+                    }
+                }
+                MOp::Spend(h, k) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    if me.usable(now) && me.level_nt >= u128::from(k) * NT {
+                        me.level_nt -= u128::from(k) * NT;
+                        admitted.push((now, k));
+                    }
+                }
+                MOp::Drain(h) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    let k = me.tokens();
+                    if me.usable(now) && k > 0 {
+                        me.level_nt -= u128::from(k) * NT;
+                        admitted.push((now, k));
+                    }
+                }
+                MOp::Release(h) => {
+                    let me = &mut hs[h as usize];
+                    me.refill(now);
+                    if me.usable(now) {
+                        match me.cur {
+                            Some(MCur::Rate(id, ..)) | Some(MCur::RateNone(id, _)) => { l.release_with(now, h, id, 0, me.tokens()); }
+                            Some(MCur::Tokens(id, granted, _)) => { l.release(now, h, id, granted - me.tokens().min(granted)); }
+                            None => {}
+                        }
+                    }
+                    let late = std::mem::take(&mut me.late);
+                    *me = MHolder { refilled_to_ns: now, late, ..MHolder::default() };
+                }
+                MOp::Restart => {
+                    l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
+                }
+            }
+            prop_assert!(l.i2_holds(), "I2 broken at {} ms", now / MS);
+        }
+        for i in 0..admitted.len() {
+            let mut sum = 0u128;
+            for j in i..admitted.len() {
+                sum += u128::from(admitted[j].1);
+                let t = u128::from(admitted[j].0 - admitted[i].0);
+                prop_assert!(sum * 1_000_000_000 * u128::from(period) <= u128::from(burst) * 1_000_000_000 * u128::from(period) + u128::from(n) * t,
+                    "I1: {} admitted in {} ms (from {} ms), bound {}", sum, t / 1_000_000, admitted[i].0 / MS,
+                    burst as f64 + n as f64 * t as f64 / 1e9 / period as f64);
+            }
+        }
+    }
+}
+
+/// Review: a slow rule's rate version that the agent's lease word cannot
+/// hold as a bucket (capacity x ns per token >= 2^38 ns, agent
+/// lease_table.rs `fits`) is held as tokens: no refill, but also no clip
+/// to its capacity. A later version's tokens counted "in flight" on top of
+/// the capacity join the level in full; once the holder names that version
+/// the ledger counts only the capacity again, and refills `available` into
+/// room the holder has already filled.
+#[test]
+fn a_rate_version_held_as_tokens_of_a_slow_rule_keeps_i1() {
+    let (r, burst, period) = (rate(1, 60), 20u64, 60u64);
+    let ttl = 60 * SEC;
+    let mut l = KeyLedger::new(r, burst, 0, None);
+    let mut a = MHolder::default();
+    let mut now = 0u64;
+    let mut id = 1u64;
+    // A asks half the rate (0.5/m): a first version of capacity 10.
+    let half = 1_000_000 / 120;
+    let mut ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
+        let at = a.tokens();
+        let g = l.renew(
+            now,
+            Renewal {
+                holder: 1,
+                lease_id: a.id(),
+                spent: 0,
+                want,
+                ttl_ns: ttl,
+                new_id: *id,
+                want_rate_utps: half,
+            },
+            SEC,
+        );
+        *id += 1;
+        a.apply(&g, now, at, ttl, now);
+        g
+    };
+    let g1 = ask(&mut l, &mut a, now, 10, &mut id);
+    eprintln!("v1 {g1:?} level {}", a.tokens());
+    let g2 = ask(&mut l, &mut a, now, 10, &mut id);
+    eprintln!("v2 {g2:?} level {}", a.tokens());
+    assert!(
+        matches!(a.cur, Some(MCur::RateNone(..))),
+        "held as tokens: {:?}",
+        a.cur
+    );
+    // A keeps its chain alive, naming the latest version, asking nothing.
+    let mut admitted = Vec::new();
+    for _ in 0..20 {
+        now += 30 * SEC;
+        ask(&mut l, &mut a, now, 0, &mut id);
+    }
+    l.advance(now);
+    eprintln!(
+        "after 10 min: A level {}, available {}, outstanding {}",
+        a.tokens(),
+        l.available(),
+        l.outstanding()
+    );
+    // C (tokens only) takes what `available` refilled.
+    let gc = l.renew(
+        now,
+        Renewal {
+            holder: 2,
+            lease_id: 0,
+            spent: 0,
+            want: 20,
+            ttl_ns: ttl,
+            new_id: id,
+            want_rate_utps: 0,
+        },
+        SEC,
+    );
+    // Both spend everything at this instant.
+    let ka = a.tokens();
+    assert!(a.usable(now));
+    admitted.push((now, ka));
+    admitted.push((now, gc.fresh));
+    let sum: u64 = admitted.iter().map(|x| x.1).sum();
+    assert!(
+        sum <= burst,
+        "I1: {sum} admitted at one instant ({ka} by A, {} by C), bound {burst} (rule 1/{period}s)",
+        gc.fresh
+    );
+}
+
+/// Review: the same at default lease lengths, a rule of 2/s burst 600 and
+/// one agent whose burst of demand stops just after its second version: a
+/// capacity of 300 at 1/s is a 300 s span (>= 2^38 ns), held as tokens.
+#[test]
+fn a_rate_version_held_as_tokens_at_2_per_s_burst_600_keeps_i1() {
+    let (r, burst) = (rate(2, 1), 600u64);
+    let ttl = 2 * SEC;
+    let mut l = KeyLedger::new(r, burst, 0, None);
+    let mut a = MHolder::default();
+    let mut id = 1u64;
+    let mut ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
+        let at = a.tokens();
+        let g = l.renew(
+            now,
+            Renewal {
+                holder: 1,
+                lease_id: a.id(),
+                spent: 0,
+                want,
+                ttl_ns: ttl,
+                new_id: *id,
+                want_rate_utps: 1_000_000,
+            },
+            SEC,
+        );
+        *id += 1;
+        a.apply(&g, now, at, ttl, now);
+        g
+    };
+    let g1 = ask(&mut l, &mut a, 0, 300, &mut id);
+    let g2 = ask(&mut l, &mut a, MS, 300, &mut id);
+    assert!(
+        matches!(a.cur, Some(MCur::RateNone(..))),
+        "held as tokens: {:?}",
+        a.cur
+    );
+    eprintln!(
+        "v1 cap {} fresh {}; v2 cap {} fresh {}; A's level {}",
+        g1.capacity,
+        g1.fresh,
+        g2.capacity,
+        g2.fresh,
+        a.tokens()
+    );
+    // The next renewal names v2 (the agent asks at least 1).
+    let now = SEC;
+    ask(&mut l, &mut a, now, 1, &mut id);
+    let now = now + 1_990 * MS; // before A's use-by (first send + 2 s (1 - 2 rho) - 1 ms)
+    l.advance(now);
+    let gc = l.renew(
+        now,
+        Renewal {
+            holder: 2,
+            lease_id: 0,
+            spent: 0,
+            want: 50,
+            ttl_ns: ttl,
+            new_id: id,
+            want_rate_utps: 0,
+        },
+        SEC,
+    );
+    assert!(a.usable(now));
+    let sum = a.tokens() + gc.fresh;
+    assert!(
+        sum <= burst,
+        "I1: {sum} admitted at one instant ({} by A, {} by C), bound {burst}",
+        a.tokens(),
+        gc.fresh
+    );
+}

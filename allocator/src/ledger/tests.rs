@@ -1002,7 +1002,7 @@ fn a_rate_version_held_as_tokens_of_a_slow_rule_keeps_i1() {
     let mut id = 1u64;
     // A asks half the rate (0.5/m): a first version of capacity 10.
     let half = 1_000_000 / 120;
-    let mut ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
+    let ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
         let at = a.tokens();
         let g = l.renew(
             now,
@@ -1080,7 +1080,7 @@ fn a_rate_version_held_as_tokens_at_2_per_s_burst_600_keeps_i1() {
     let mut l = KeyLedger::new(r, burst, 0, None);
     let mut a = MHolder::default();
     let mut id = 1u64;
-    let mut ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
+    let ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
         let at = a.tokens();
         let g = l.renew(
             now,

@@ -119,6 +119,9 @@ struct LedgerRecord {
 }
 
 const LEDGER_FILE: &str = "ledger";
+/// How long a new ledger grants nothing (see `CoreConfig::first_start_grace_ns`):
+/// three of the agents' default 1 s heartbeats.
+const FIRST_START_GRACE: Duration = Duration::from_secs(3);
 const LEDGER_FORMAT: u64 = 1;
 
 impl LedgerRecord {
@@ -477,6 +480,14 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         predecessor_ttl_max_ns: predecessor_ttl_ms.saturating_mul(1_000_000),
         no_predecessor: first || resumed.is_some(),
         ledger_id: record.id,
+        // Agents holding a lost ledger's leases name it within their 1 s
+        // heartbeat (or their next renewal): a new ledger waits that long
+        // before it serves its full buckets.
+        first_start_grace_ns: if first && !args.new_ledger {
+            FIRST_START_GRACE.as_nanos() as u64
+        } else {
+            0
+        },
         new_ledger: args.new_ledger,
         ..CoreConfig::default()
     };

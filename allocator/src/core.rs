@@ -56,6 +56,12 @@ pub struct CoreConfig {
     /// every reply; 0: none (a regional allocator, a test core), and
     /// requesters' ids are not checked.
     pub ledger_id: u64,
+    /// A new ledger grants nothing for this long after its start (its
+    /// buckets are full after it): requesters that hold another ledger's
+    /// leases (the state directory was lost) name it within their
+    /// heartbeat, before a new requester can take a burst a second time.
+    /// 0: none.
+    pub first_start_grace_ns: u64,
     /// The operator said this is a new ledger: a requester naming another
     /// one does not make this allocator wait (its old leases are known to
     /// be gone, or the operator accepts the risk).
@@ -76,6 +82,7 @@ impl Default for CoreConfig {
             holder_idle_ns: 3_600_000_000_000,
             no_predecessor: false,
             predecessor_ttl_max_ns: 0,
+            first_start_grace_ns: 0,
             ledger_id: 0,
             new_ledger: false,
         }
@@ -198,6 +205,9 @@ pub struct AllocatorCore {
     foreign_ledgers: Vec<u64>,
     /// Checkpointed for a clean shutdown: nothing more is granted.
     closed: bool,
+    /// A new ledger's first-start grace ends here (see
+    /// `CoreConfig::first_start_grace_ns`).
+    grace_until_ns: u64,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -219,6 +229,10 @@ impl AllocatorCore {
         lease_id_base: u64,
         now_ns: u64,
     ) -> Self {
+        let grace_until_ns = match cfg.first_start_grace_ns {
+            0 => 0,
+            g => now_ns.saturating_add(g),
+        };
         let ready_at_ns = if cfg.no_predecessor {
             None
         } else {
@@ -242,6 +256,7 @@ impl AllocatorCore {
             sweep_due: Default::default(),
             foreign_ledgers: Vec::new(),
             closed: false,
+            grace_until_ns,
         }
     }
 
@@ -325,7 +340,7 @@ impl AllocatorCore {
 
     /// Instant from which this allocator hands out tokens.
     pub fn ready_at_ns(&self) -> u64 {
-        self.ready_at_ns.unwrap_or(0)
+        self.ready_at_ns.unwrap_or(0).max(self.grace_until_ns)
     }
 
     /// The rules in force.
@@ -693,6 +708,15 @@ impl AllocatorCore {
     }
 
     fn renew(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem, ttl_ns: u64) -> Grant {
+        if now_ns < self.grace_until_ns {
+            // A new ledger's grace: nothing yet, come back when it ends.
+            return Grant {
+                status: GrantStatus::Granted as i32,
+                rule_version: self.rules.version,
+                retry_after_ms: (self.grace_until_ns - now_ns).div_ceil(1_000_000),
+                ..Grant::default()
+            };
+        }
         let rule: &Rule = self
             .rules
             .get(&item.rule_id)

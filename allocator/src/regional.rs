@@ -269,6 +269,8 @@ pub struct RegionalCore {
     incarnation: u64,
     /// The parent's ledger id as its last reply said (presented upstream).
     parent_ledger_id: u64,
+    /// Another ledger a child named: presented upstream once.
+    child_ledger_id: u64,
     seq: u64,
     rules_known: bool,
     /// Per key (hashed: a look-up per child item must not cost a string
@@ -360,6 +362,7 @@ impl RegionalCore {
             core,
             incarnation,
             parent_ledger_id: 0,
+            child_ledger_id: 0,
             seq: 0,
             rules_known,
             keys: HashMap::default(),
@@ -443,7 +446,18 @@ impl RegionalCore {
                 ledger_id: 0,
             };
         }
-        let reply = self.core.handle(now_ns, batch);
+        // A child naming a ledger other than the parent's (the root lost its
+        // state, or this regional restarted and has not heard from the
+        // parent yet): the next upstream batch names it, so the root learns
+        // of it before it grants (SPEC §2 "First start").
+        if let Some(h) = batch.header.as_ref() {
+            if h.ledger_id != 0 && h.ledger_id != self.parent_ledger_id {
+                self.child_ledger_id = h.ledger_id;
+            }
+        }
+        let mut reply = self.core.handle(now_ns, batch);
+        // Children learn the root's ledger through us.
+        reply.ledger_id = self.parent_ledger_id;
         for (item, grant) in batch.items.iter().zip(&reply.grants) {
             if grant.opening {
                 self.wanting.push(KeyId {
@@ -805,7 +819,10 @@ impl RegionalCore {
                     0
                 },
                 instance: self.cfg.instance,
-                ledger_id: self.parent_ledger_id,
+                ledger_id: match std::mem::take(&mut self.child_ledger_id) {
+                    0 => self.parent_ledger_id,
+                    theirs => theirs,
+                },
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,

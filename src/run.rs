@@ -379,17 +379,25 @@ async fn keep_ledger_record(
     ttl_max_ms: u64,
     shared: Arc<Shared>,
 ) {
-    let started = std::time::Instant::now();
-    let lower_after =
-        Duration::from_millis(record.ttl_max_ms.saturating_mul(2).saturating_add(1_000));
+    let mut started = std::time::Instant::now();
+    let lower_after = |ms: u64| Duration::from_millis(ms.saturating_mul(2).saturating_add(1_000));
+    let mut lower_after_now = lower_after(record.ttl_max_ms);
+    let mut lost_seen = 0;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tick.tick().await;
         let mut next = record;
-        next.rules_version = next
-            .rules_version
-            .max(shared.with_core(|c| c.rules().version));
-        if next.ttl_max_ms > ttl_max_ms && started.elapsed() >= lower_after {
+        let (version, lost) = shared.with_core(|c| (c.rules().version, c.stats().ledgers_lost));
+        next.rules_version = next.rules_version.max(version);
+        if lost > lost_seen {
+            // Another ledger's leases may be out for up to the cap: a
+            // restart during that wait must wait it too (an adversarial
+            // review saw a restart wait only this ledger's TTL_max).
+            lost_seen = lost;
+            next.ttl_max_ms = TTL_MAX_CAP_NS / 1_000_000;
+            started = std::time::Instant::now();
+            lower_after_now = lower_after(next.ttl_max_ms);
+        } else if next.ttl_max_ms > ttl_max_ms && started.elapsed() >= lower_after_now {
             next.ttl_max_ms = ttl_max_ms;
         }
         if next != record {

@@ -195,6 +195,9 @@ fn a_lost_state_dir_is_caught_by_the_agents_ledger_id() {
         status, 503,
         "still waiting out the lost ledger's leases: {body}"
     );
+    // A restart during that wait must wait the cap too: it is recorded.
+    let text = std::fs::read_to_string(state.join("ledger")).expect("ledger");
+    assert!(text.contains("ttl_max_ms 60000\n"), "{text}");
     drop(alloc);
 }
 

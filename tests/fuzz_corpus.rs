@@ -12,7 +12,9 @@ use quotalease_model::rules::RuleSet;
 use quotalease_proto::lease::LeaseBatch;
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -33,7 +35,10 @@ fn rules_corpus() {
             Ok(rules) => {
                 accepted += 1;
                 let back = RuleSet::from_proto(&rules.to_proto());
-                assert!(back.ok().map(|r| r.rules) == Some(rules.rules), "round trip: {text:?}");
+                assert!(
+                    back.ok().map(|r| r.rules) == Some(rules.rules),
+                    "round trip: {text:?}"
+                );
             }
             Err(errs) => assert!(!errs.is_empty()),
         }

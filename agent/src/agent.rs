@@ -392,15 +392,22 @@ fn denial_wait_ns(slot: &crate::lease_table::SlotHead, rule: &Rule, cost: u64, t
     let ideal = u128::from(cost) * u128::from(rule.rate.period_s) * 1_000_000_000
         / u128::from(rule.rate.tokens.max(1));
     let ideal = u64::try_from(ideal).unwrap_or(u64::MAX);
-    let Some(local) = slot.word.refill_wait_ns(cost, t) else {
-        let held = slot.word.peek(t).unwrap_or(0);
-        return if slot.global_remaining(held, u64::MAX) < cost {
-            dry.max(ideal)
-        } else {
-            dry
-        };
+    let own = match slot.word.refill_wait_ns(cost, t) {
+        Some(local) => local.min(ideal),
+        None if slot.global_remaining(slot.word.peek(t).unwrap_or(0), u64::MAX) < cost => ideal,
+        None => 0,
     };
-    dry.max(local.min(ideal))
+    let wait = dry.max(own);
+    // No token is further than an ideal bucket from empty says, unless the
+    // allocator knows of a longer wait (a restart's): the allocator's hint
+    // counts from when its answer was installed, which a request that read
+    // its clock before can overshoot by milliseconds (1/d said a day and
+    // 4 ms), and an economy wait is when to ask, not when tokens exist.
+    if wait > ideal && wait - ideal <= 1_000_000_000 {
+        ideal
+    } else {
+        wait
+    }
 }
 
 /// Count an admission for every rule (by index) a request matched.

@@ -533,8 +533,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
     // A clean stop: every key's state, so the next start resumes it
     // instead of waiting out a phantom (SPEC §2 "Restarts").
-    let now = shared.now();
-    let keys = shared.with_core(|c| c.checkpoint_and_close(now));
+    let keys = shared.checkpoint_and_close();
     state.write_checkpoint(&encode_checkpoint(record.id, &keys))?;
     tracing::info!(keys = keys.len(), "checkpoint written");
     Ok(())

@@ -440,11 +440,6 @@ impl AllocatorCore {
         out
     }
 
-    /// Whether [`AllocatorCore::checkpoint_and_close`] ran.
-    pub fn is_closed(&self) -> bool {
-        self.closed
-    }
-
     /// Resume keys from a clean shutdown's checkpoint at `now_ns`
     /// ([`KeyLedger::resume`]); keys of rules that no longer exist are
     /// dropped. Keys not in it start full: the shutdown recorded every key

@@ -25,6 +25,7 @@ use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig};
+use crate::ledger::KeyCheckpoint;
 use crate::metrics::Snapshot;
 use crate::regional::{RegionalConfig, RegionalCore};
 use quotalease_model::exposition;
@@ -77,6 +78,9 @@ pub struct Shared {
     /// the last good rules keep serving).
     last_reload_error: Mutex<Option<String>>,
     reload_failures: std::sync::atomic::AtomicU64,
+    /// Set by [`Shared::checkpoint_and_close`]: lease calls are answered
+    /// UNAVAILABLE without taking the core's lock.
+    closed: std::sync::atomic::AtomicBool,
     /// Where the drivers read time: `CLOCK_BOOTTIME` unless a test driver
     /// (turmoil) supplies its own.
     clock: ClockSource,
@@ -112,6 +116,7 @@ impl Shared {
             rules_path,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
+            closed: Default::default(),
             clock,
         })
     }
@@ -147,6 +152,7 @@ impl Shared {
             rules_path: None,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
+            closed: Default::default(),
             clock,
         })
     }
@@ -188,6 +194,15 @@ impl Shared {
             Node::Regional(r) => Some(f(r)),
             Node::Global(_) => None,
         }
+    }
+
+    /// A clean shutdown: every key's checkpoint (see
+    /// [`AllocatorCore::checkpoint_and_close`]); later lease calls are
+    /// refused.
+    pub fn checkpoint_and_close(&self) -> Vec<(KeyId, KeyCheckpoint)> {
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        let now = self.now();
+        self.with_core(|c| c.checkpoint_and_close(now))
     }
 
     /// True for a regional allocator.
@@ -257,7 +272,7 @@ impl LeaseService {
 impl Allocator for LeaseService {
     async fn lease(&self, request: Request<LeaseBatch>) -> Result<Response<LeaseReply>, Status> {
         let batch = request.into_inner();
-        if self.shared.with_core(|c| c.is_closed()) {
+        if self.shared.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Status::unavailable("allocator shutting down"));
         }
         Ok(Response::new(self.shared.handle(&batch)))

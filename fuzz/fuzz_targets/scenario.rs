@@ -1,14 +1,8 @@
-//! Scenario files: any text gives a scenario or an error, never a panic;
-//! an accepted scenario scales without a panic.
+//! See `quotalease_sim::fuzzing::scenario` (the ordinary suite replays this
+//! target's corpus through it: tests/fuzz_corpus.rs).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use quotalease_sim::scenario::Scenario;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    if let Ok(sc) = Scenario::parse(text, "fuzz") {
-        let _ = sc.scaled(0.1);
-    }
+    quotalease_sim::fuzzing::scenario(data);
 });

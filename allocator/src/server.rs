@@ -200,7 +200,8 @@ impl Shared {
     /// [`AllocatorCore::checkpoint_and_close`]); later lease calls are
     /// refused.
     pub fn checkpoint_and_close(&self) -> Vec<(KeyId, KeyCheckpoint)> {
-        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         let now = self.now();
         self.with_core(|c| c.checkpoint_and_close(now))
     }
@@ -272,7 +273,11 @@ impl LeaseService {
 impl Allocator for LeaseService {
     async fn lease(&self, request: Request<LeaseBatch>) -> Result<Response<LeaseReply>, Status> {
         let batch = request.into_inner();
-        if self.shared.closed.load(std::sync::atomic::Ordering::Acquire) {
+        if self
+            .shared
+            .closed
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
             return Err(Status::unavailable("allocator shutting down"));
         }
         Ok(Response::new(self.shared.handle(&batch)))

@@ -55,28 +55,11 @@ fn regional_on(listen: SocketAddr, parent_url: &str) -> Proc {
 
 /// I1 exactly at 1/m burst 20 over the key's admissions in `logs`.
 fn assert_i1(logs: &[std::path::PathBuf], allowed: u64) {
-    let adm = read_admissions(logs);
-    let k = ("slow".to_string(), "acme".to_string(), "/r".to_string());
-    let mut log = adm.get(&k).cloned().unwrap_or_default();
-    let admitted: u64 = log.iter().map(|a| a.1).sum();
-    assert_eq!(
-        admitted, allowed,
-        "admission logs and client answers disagree"
-    );
     let rate = quotalease_model::rules::Rate {
         tokens: 1,
         period_s: 60,
     };
-    let w = quotalease_sim::checker::worst_window(&mut log, rate, 20);
-    assert!(
-        w.held(),
-        "I1 broken: {} admitted in [{}, {}] ns ({:.3} s), excess {}",
-        w.admitted,
-        w.from_ns,
-        w.to_ns,
-        (w.to_ns - w.from_ns) as f64 / 1e9,
-        w.excess
-    );
+    check_key_i1_at(logs, ("slow", "acme", "/r"), rate, 20, allowed);
 }
 
 fn hammer(a: &Proc, for_: Duration) -> u64 {

@@ -350,6 +350,21 @@ pub fn check_key_i1(
     burst: u64,
     allowed: u64,
 ) -> KeyCheck {
+    let rate = quotalease_model::rules::Rate {
+        tokens: rate_per_s,
+        period_s: 1,
+    };
+    check_key_i1_at(logs, key, rate, burst, allowed)
+}
+
+/// [`check_key_i1`] for any rate (`5/m`, `1/d`).
+pub fn check_key_i1_at(
+    logs: &[PathBuf],
+    key: (&str, &str, &str),
+    rate: quotalease_model::rules::Rate,
+    burst: u64,
+    allowed: u64,
+) -> KeyCheck {
     let adm = read_admissions(logs);
     let k = (key.0.to_string(), key.1.to_string(), key.2.to_string());
     let mut log = adm.get(&k).cloned().unwrap_or_default();
@@ -358,10 +373,6 @@ pub fn check_key_i1(
         admitted, allowed,
         "admission logs and client answers disagree"
     );
-    let rate = quotalease_model::rules::Rate {
-        tokens: rate_per_s,
-        period_s: 1,
-    };
     let w = quotalease_sim::checker::worst_window(&mut log, rate, burst);
     assert!(
         w.held(),
@@ -375,7 +386,7 @@ pub fn check_key_i1(
         (Some(a), Some(b)) => (b.0 - a.0) as f64 / 1e9,
         _ => 0.0,
     };
-    let bound = burst as f64 + rate_per_s as f64 * t_s;
+    let bound = burst as f64 + rate.tokens as f64 / rate.period_s.max(1) as f64 * t_s;
     KeyCheck {
         admitted,
         t_s,

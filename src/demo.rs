@@ -94,8 +94,8 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         let regional = Shared::new_regional(rcfg, None);
         let raddr = serve(regional.clone()).await?;
         let timeout = Duration::from_millis(500);
-        let client =
-            upstream::client(&format!("http://{addr}"), timeout).map_err(|e| anyhow::anyhow!(e))?;
+        let client = upstream::client(&format!("http://{addr}"), timeout, None)
+            .map_err(|e| anyhow::anyhow!(e))?;
         tokio::spawn(upstream::run(regional.clone(), client, stop_rx.clone()));
         regional_urls.push(format!("http://{raddr}"));
         regionals.push((region, raddr, regional));

@@ -144,6 +144,24 @@ pub struct AllocatorArgs {
     /// Needs --parent.
     #[arg(long)]
     region: Option<String>,
+    /// mTLS: this allocator's certificate chain (PEM). With --tls-key and
+    /// --tls-client-ca, agents (and child regionals) must present a client
+    /// certificate signed by the client CA; files are re-read on change.
+    #[arg(long = "tls-cert", value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// mTLS: the private key of --tls-cert (PEM).
+    #[arg(long = "tls-key", value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// mTLS: the CA bundle (PEM) that signs the clients' certificates. A
+    /// client's identity is its certificate's first URI SAN, else its first
+    /// DNS SAN, plus its per-process nonce.
+    #[arg(long = "tls-client-ca", value_name = "FILE")]
+    tls_client_ca: Option<PathBuf>,
+    /// Regional with mTLS: the CA bundle that signs the parent's
+    /// certificate (default: --tls-client-ca). The regional presents
+    /// --tls-cert to its parent, whose URL is then https://.
+    #[arg(long = "tls-parent-ca", value_name = "FILE")]
+    tls_parent_ca: Option<PathBuf>,
     /// Regional: lease TTL asked of the parent.
     #[arg(long = "upstream-ttl", default_value = "2s", value_parser = parse_duration)]
     upstream_ttl: Duration,
@@ -164,7 +182,8 @@ pub struct AllocatorArgs {
 
 #[derive(Args, Debug)]
 pub struct AgentArgs {
-    /// Allocator URL(s), comma separated (http://HOST:PORT).
+    /// Allocator URL(s), comma separated (http://HOST:PORT, or
+    /// https://HOST:PORT with the --tls flags).
     #[arg(long, value_delimiter = ',', required = true)]
     allocator: Vec<String>,
     /// gRPC address for quotalease.v1.RateLimiter/Check and Envoy's
@@ -177,6 +196,18 @@ pub struct AgentArgs {
     /// Rules to use until the allocator is reached (optional).
     #[arg(long)]
     rules: Option<PathBuf>,
+    /// mTLS towards the allocator: this agent's client certificate (PEM);
+    /// with --tls-key and --tls-ca, and https:// allocator URLs. Files are
+    /// re-read on change.
+    #[arg(long = "tls-cert", value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// mTLS: the private key of --tls-cert (PEM).
+    #[arg(long = "tls-key", value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// mTLS: the CA bundle (PEM) that signs the allocator's certificate,
+    /// which must name the allocator URL's host.
+    #[arg(long = "tls-ca", value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
     /// Agent id sent to the allocator (default: agent-HOSTPID).
     #[arg(long = "agent-id")]
     agent_id: Option<String>,
@@ -253,8 +284,11 @@ fn main() -> ExitCode {
             }
         }
     }
+    // Colours only on a terminal: a log file or journald gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {

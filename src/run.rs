@@ -17,6 +17,7 @@ use quotalease_gateway::envoy::EnvoyService;
 use quotalease_gateway::service::{self, CheckService};
 use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
+use quotalease_tls::{ClientTls, ServerTls};
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 
@@ -431,6 +432,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             "--rules FILE is required for the global allocator (a regional one, with --parent, may take its rules from the parent)"
         ));
     };
+    let tls = server_tls(&args)?;
     let ttl_max_ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
     if ttl_max_ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ttl_max_ms == 0 {
         return Err(anyhow!(
@@ -518,13 +520,13 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         grpc.local_addr()?,
         http.local_addr()?
     );
-    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, ttl_max = ?args.ttl_max, first_start = first, "allocator started");
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, ttl_max = ?args.ttl_max, first_start = first, tls = tls.is_some(), "allocator started");
     let hk = tokio::spawn(alloc_server::housekeeping(
         shared.clone(),
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, rx);
     stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
@@ -545,6 +547,7 @@ fn serve_allocator(
     shared: Arc<Shared>,
     grpc: TcpListener,
     http: TcpListener,
+    tls: Option<Arc<ServerTls>>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> (
     tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -560,17 +563,54 @@ fn serve_allocator(
         });
     let admin = tokio::spawn(async move { admin.await });
     let mut stop_grpc = stop;
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(LeaseService::new(shared).into_server())
-            .serve_with_incoming_shutdown(
-                TcpIncoming::from(grpc).with_nodelay(Some(true)),
-                async move {
-                    let _ = stop_grpc.wait_for(|s| *s).await;
-                },
-            ),
-    );
+    let stopped = async move {
+        let _ = stop_grpc.wait_for(|s| *s).await;
+    };
+    let router =
+        tonic::transport::Server::builder().add_service(LeaseService::new(shared).into_server());
+    let server = match tls {
+        Some(tls) => {
+            tls.clone().watch();
+            tokio::spawn(
+                router.serve_with_incoming_shutdown(quotalease_tls::incoming(grpc, tls), stopped),
+            )
+        }
+        None => tokio::spawn(router.serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            stopped,
+        )),
+    };
     (server, admin)
+}
+
+/// The allocator's mTLS listener config from `--tls-cert`, `--tls-key` and
+/// `--tls-client-ca` (all three or none).
+fn server_tls(args: &AllocatorArgs) -> anyhow::Result<Option<Arc<ServerTls>>> {
+    let files = quotalease_tls::files_from_flags(
+        (args.tls_cert.as_deref(), "--tls-cert"),
+        (args.tls_key.as_deref(), "--tls-key"),
+        (args.tls_client_ca.as_deref(), "--tls-client-ca"),
+    )
+    .map_err(|e| anyhow!(e))?;
+    files
+        .map(|f| ServerTls::server(f).map_err(|e| anyhow!(e)))
+        .transpose()
+}
+
+/// A client's mTLS config from its certificate, key and CA flags (all three
+/// or none), reloaded on change.
+fn client_tls(
+    cert: (Option<&Path>, &'static str),
+    key: (Option<&Path>, &'static str),
+    ca: (Option<&Path>, &'static str),
+) -> anyhow::Result<Option<Arc<ClientTls>>> {
+    let Some(files) = quotalease_tls::files_from_flags(cert, key, ca).map_err(|e| anyhow!(e))?
+    else {
+        return Ok(None);
+    };
+    let tls = ClientTls::client(files).map_err(|e| anyhow!(e))?;
+    tls.clone().watch();
+    Ok(Some(tls))
 }
 
 /// `quotalease allocator --parent URL --region NAME`: a regional allocator.
@@ -603,7 +643,19 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
         lease_ttl_ns: ns(args.upstream_ttl),
         ..RegionalConfig::default()
     };
-    let client = upstream::client(&parent, args.upstream_timeout).map_err(|e| anyhow!(e))?;
+    let tls = server_tls(&args)?;
+    // Towards the parent the regional presents its own certificate and
+    // checks the parent's against --tls-parent-ca (default: the client CA).
+    let parent_tls = client_tls(
+        (args.tls_cert.as_deref(), "--tls-cert"),
+        (args.tls_key.as_deref(), "--tls-key"),
+        match &args.tls_parent_ca {
+            Some(p) => (Some(p.as_path()), "--tls-parent-ca"),
+            None => (args.tls_client_ca.as_deref(), "--tls-client-ca"),
+        },
+    )?;
+    let client = upstream::client(&parent, args.upstream_timeout, parent_tls.as_ref())
+        .map_err(|e| anyhow!(e))?;
     let shared = Shared::new_regional(cfg, bootstrap);
     let grpc = bind("--listen", args.listen).await?;
     let http = bind("--http", args.http).await?;
@@ -619,7 +671,7 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let up = tokio::spawn(upstream::run(shared.clone(), client.clone(), rx.clone()));
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, rx);
     stop.wait().await;
     tracing::info!("stopping: giving unused pools back to the parent");
     let _ = tx.send(true);
@@ -638,8 +690,13 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
         Some(p) => Some(load_rules(p, 0)?),
         None => None,
     };
-    let transport =
-        GrpcTransport::new(&args.allocator, args.fetch_timeout).map_err(|e| anyhow!(e))?;
+    let tls = client_tls(
+        (args.tls_cert.as_deref(), "--tls-cert"),
+        (args.tls_key.as_deref(), "--tls-key"),
+        (args.tls_ca.as_deref(), "--tls-ca"),
+    )?;
+    let transport = GrpcTransport::with_tls(&args.allocator, args.fetch_timeout, tls.as_ref())
+        .map_err(|e| anyhow!(e))?;
     let cfg = AgentConfig {
         agent_id: args
             .agent_id

@@ -33,12 +33,24 @@ impl GrpcTransport {
     /// Lazily connecting clients (the agent starts even if no allocator
     /// answers). `timeout` bounds each call.
     pub fn new(urls: &[String], timeout: Duration) -> Result<Self, String> {
+        Self::with_tls(urls, timeout, None)
+    }
+
+    /// [`GrpcTransport::new`] over mTLS with `tls` when given (the URLs are
+    /// then `https://`).
+    pub fn with_tls(
+        urls: &[String],
+        timeout: Duration,
+        tls: Option<&std::sync::Arc<quotalease_tls::ClientTls>>,
+    ) -> Result<Self, String> {
         if urls.is_empty() {
             return Err("--allocator: at least one URL is needed".into());
         }
         let mut channels = Vec::new();
         for url in urls {
-            channels.push((url.clone(), endpoint(url, timeout)?.connect_lazy()));
+            let channel =
+                quotalease_tls::channel(endpoint(url, timeout)?, url, tls, "--allocator")?;
+            channels.push((url.clone(), channel));
         }
         Self::from_channels(channels)
     }

@@ -162,11 +162,15 @@ pub struct KeyView {
     pub holders: Vec<(HolderName, Lease)>,
 }
 
-/// Who holds a lease: the agent id and the per-process instance nonce it
-/// sent (0 from protocol-1 agents, regional allocators in tests, and the
-/// phantom of a predecessor).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// Who holds a lease (SPEC §8): the principal of the requester's client
+/// certificate (empty without TLS), the agent id and the per-process
+/// instance nonce it sent (0 from protocol-1 agents, regional allocators in
+/// tests, and the phantom of a predecessor). A requester acts only on the
+/// leases of the holders its own principal names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct HolderName {
+    /// The TLS principal ("" without TLS).
+    pub principal: String,
     /// The agent id (`--agent-id`, `region/NAME`, or "(predecessor)").
     pub agent_id: String,
     /// The instance nonce.
@@ -185,8 +189,8 @@ pub struct AllocatorCore {
     versions: Vec<u64>,
     keys: HashMap<KeyId, KeyLedger>,
     keys_per_rule: HashMap<String, u64>,
-    /// By (agent id, per-process instance nonce).
-    holders: HashMap<(String, u64), Holder>,
+    /// By (principal, agent id, per-process instance nonce).
+    holders: HashMap<HolderName, Holder>,
     holder_names: HashMap<HolderId, HolderName>,
     next_lease_id: u64,
     next_holder: HolderId,
@@ -375,7 +379,7 @@ impl AllocatorCore {
     /// its instances).
     pub fn rule_lag(&self) -> Vec<(String, u64)> {
         let mut by_id: BTreeMap<&str, u64> = BTreeMap::new();
-        for ((agent_id, _), h) in &self.holders {
+        for (HolderName { agent_id, .. }, h) in &self.holders {
             let lag = self
                 .versions
                 .iter()
@@ -390,9 +394,18 @@ impl AllocatorCore {
             .collect()
     }
 
-    /// Handle one batch at `now_ns`.
+    /// Handle one batch at `now_ns` from a requester without TLS.
     pub fn handle(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
-        let mut reply = self.handle_batch(now_ns, batch);
+        self.handle_from(now_ns, batch, "")
+    }
+
+    /// Handle one batch at `now_ns` from a requester whose client
+    /// certificate names `principal` ("" without TLS): its holders are
+    /// those of that principal only, so no requester can renew, report or
+    /// release another principal's leases, whatever agent id and instance
+    /// it sends.
+    pub fn handle_from(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
+        let mut reply = self.handle_batch(now_ns, batch, principal);
         reply.ledger_id = self.cfg.ledger_id;
         reply
     }
@@ -462,7 +475,7 @@ impl AllocatorCore {
         }
     }
 
-    fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
+    fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         self.stats.messages += 1;
         self.stats.items += batch.items.len() as u64;
         let Some(header) = batch.header.as_ref() else {
@@ -503,19 +516,17 @@ impl AllocatorCore {
         }
         // Holder, incarnation and duplicate suppression.
         let digest = quotalease_proto::request_digest(batch);
-        let holder_key = (header.agent_id.clone(), header.instance);
+        let holder_key = HolderName {
+            principal: principal.to_owned(),
+            agent_id: header.agent_id.clone(),
+            instance: header.instance,
+        };
         let holder = match self.holders.get_mut(&holder_key) {
             Some(h) => h,
             None => {
                 let id = self.next_holder;
                 self.next_holder = self.next_holder.wrapping_add(1);
-                self.holder_names.insert(
-                    id,
-                    HolderName {
-                        agent_id: header.agent_id.clone(),
-                        instance: header.instance,
-                    },
-                );
+                self.holder_names.insert(id, holder_key.clone());
                 self.holders.entry(holder_key.clone()).or_insert(Holder {
                     id,
                     incarnation: header.incarnation,
@@ -838,7 +849,7 @@ impl AllocatorCore {
                 let name = if l.holder == PHANTOM {
                     HolderName {
                         agent_id: "(predecessor)".into(),
-                        instance: 0,
+                        ..HolderName::default()
                     }
                 } else {
                     self.holder_names
@@ -846,7 +857,7 @@ impl AllocatorCore {
                         .cloned()
                         .unwrap_or_else(|| HolderName {
                             agent_id: format!("holder-{}", l.holder),
-                            instance: 0,
+                            ..HolderName::default()
                         })
                 };
                 (name, l.clone())

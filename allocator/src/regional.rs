@@ -414,6 +414,12 @@ impl RegionalCore {
     /// cut from the pools, and `parent_unreachable` stamped on grants.
     /// Without rules every item is answered `UNKNOWN_RULE` (nothing applied).
     pub fn handle(&mut self, now_ns: u64, batch: &LeaseBatch) -> LeaseReply {
+        self.handle_from(now_ns, batch, "")
+    }
+
+    /// [`RegionalCore::handle`] for a child whose client certificate names
+    /// `principal` (see [`AllocatorCore::handle_from`]).
+    pub fn handle_from(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         self.update_reachable(now_ns);
         self.core.set_parent_unreachable(!self.reachable);
         if !self.rules_known || self.stopping {
@@ -455,7 +461,7 @@ impl RegionalCore {
                 self.child_ledger_id = h.ledger_id;
             }
         }
-        let mut reply = self.core.handle(now_ns, batch);
+        let mut reply = self.core.handle_from(now_ns, batch, principal);
         // Children learn the root's ledger through us.
         reply.ledger_id = self.parent_ledger_id;
         for (item, grant) in batch.items.iter().zip(&reply.grants) {

@@ -163,13 +163,20 @@ impl Shared {
         self.clock.now()
     }
 
-    /// Handle one batch now.
+    /// Handle one batch now (a requester without TLS).
     pub fn handle(&self, batch: &LeaseBatch) -> LeaseReply {
+        self.handle_from(batch, "")
+    }
+
+    /// Handle one batch now from a requester whose client certificate
+    /// names `principal` ("" without TLS; see
+    /// [`AllocatorCore::handle_from`]).
+    pub fn handle_from(&self, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         let mut node = self.core.lock();
         match &mut *node {
-            Node::Global(core) => core.handle(self.now(), batch),
+            Node::Global(core) => core.handle_from(self.now(), batch, principal),
             Node::Regional(r) => {
-                let reply = r.handle(self.now(), batch);
+                let reply = r.handle_from(self.now(), batch, principal);
                 drop(node);
                 if reply.grants.iter().any(|g| g.opening) {
                     // A pool ran dry while the parent has tokens (or a key
@@ -272,6 +279,12 @@ impl LeaseService {
 #[tonic::async_trait]
 impl Allocator for LeaseService {
     async fn lease(&self, request: Request<LeaseBatch>) -> Result<Response<LeaseReply>, Status> {
+        // Over mTLS the listener put the client certificate's principal in
+        // the request (quotalease_tls::incoming); without TLS there is none.
+        let principal = request
+            .extensions()
+            .get::<quotalease_tls::PeerInfo>()
+            .map(|p| p.principal.clone());
         let batch = request.into_inner();
         if self
             .shared
@@ -280,7 +293,10 @@ impl Allocator for LeaseService {
         {
             return Err(Status::unavailable("allocator shutting down"));
         }
-        Ok(Response::new(self.shared.handle(&batch)))
+        Ok(Response::new(
+            self.shared
+                .handle_from(&batch, principal.as_deref().unwrap_or("")),
+        ))
     }
 }
 
@@ -364,7 +380,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "available": v.available, "outstanding": v.outstanding, "burst": v.burst,
                 "rate": rule.rate.to_string(),
                 "holders": v.holders.iter().map(|(name, l)| serde_json::json!({
-                    "holder": name.agent_id, "instance": format!("{:016x}", name.instance), "lease_id": l.id, "granted": l.granted, "spent": l.spent,
+                    "holder": name.agent_id, "principal": name.principal, "instance": format!("{:016x}", name.instance), "lease_id": l.id, "granted": l.granted, "spent": l.spent,
                     "rate_utps": l.rate_utps, "capacity": l.capacity,
                     "expires_in_ms": l.expires_ns.saturating_sub(now) / 1_000_000,
                 })).collect::<Vec<_>>(),

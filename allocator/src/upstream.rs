@@ -17,8 +17,18 @@ use crate::server::Shared;
 
 /// A lazily connecting client for the parent at `url` (the regional starts
 /// even if the parent does not answer yet). `timeout` bounds each call.
-pub fn client(url: &str, timeout: Duration) -> Result<AllocatorClient<Channel>, String> {
-    Ok(client_on(endpoint(url, timeout)?.connect_lazy()))
+/// Over mTLS with `tls` when given (the URL is then `https://`).
+pub fn client(
+    url: &str,
+    timeout: Duration,
+    tls: Option<&Arc<quotalease_tls::ClientTls>>,
+) -> Result<AllocatorClient<Channel>, String> {
+    Ok(client_on(quotalease_tls::channel(
+        endpoint(url, timeout)?,
+        url,
+        tls,
+        "--parent",
+    )?))
 }
 
 /// The endpoint for the parent at `url`: the common allocator client

@@ -33,16 +33,31 @@ impl Proc {
 
     /// [`Proc::try_spawn`] in the working directory `cwd`.
     pub fn try_spawn_in(name: &str, args: &[String], cwd: Option<&Path>) -> Result<Proc, String> {
+        Self::try_spawn_logged(name, args, cwd, None)
+    }
+
+    /// [`Proc::try_spawn_in`] with its log (stderr) written to `log`
+    /// instead of the test's stderr.
+    pub fn try_spawn_logged(
+        name: &str,
+        args: &[String],
+        cwd: Option<&Path>,
+        log: Option<&Path>,
+    ) -> Result<Proc, String> {
         let mut cmd = Command::new(BIN);
         if let Some(dir) = cwd {
             cmd.current_dir(dir);
         }
+        let stderr = match log {
+            Some(p) => Stdio::from(std::fs::File::create(p).expect("create the log file")),
+            None => Stdio::inherit(),
+        };
         let mut child = cmd
             .args(args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn quotalease");
         let stdout = child.stdout.take().expect("piped stdout");

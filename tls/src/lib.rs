@@ -199,10 +199,9 @@ pub type ServerTls = Reloading<ServerConfig>;
 pub type ClientTls = Reloading<ClientConfig>;
 
 fn build_server(files: &TlsFiles, m: Material) -> Result<ServerConfig, String> {
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(m.roots, provider())
-            .build()
-            .map_err(|e| format!("{} {}: {e}", files.ca.1, files.ca.0.display()))?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(m.roots, provider())
+        .build()
+        .map_err(|e| format!("{} {}: {e}", files.ca.1, files.ca.0.display()))?;
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS: {e}"))?
@@ -496,6 +495,31 @@ impl tower::Service<tonic::transport::Uri> for Connector {
                 }
             }
         })
+    }
+}
+
+/// A lazily connecting channel to the allocator at `url` over `endpoint`
+/// (built from the same URL): plain TCP for `http://`, mTLS with `tls` for
+/// `https://`. A URL whose scheme does not match whether TLS is configured
+/// is an error naming `flag`.
+pub fn channel(
+    endpoint: tonic::transport::Endpoint,
+    url: &str,
+    tls: Option<&Arc<ClientTls>>,
+    flag: &str,
+) -> Result<tonic::transport::Channel, String> {
+    match (url.starts_with("https://"), tls) {
+        (false, None) => Ok(endpoint.connect_lazy()),
+        (true, Some(tls)) => {
+            let name = server_name(url).map_err(|e| format!("{flag}: {e}"))?;
+            Ok(endpoint.connect_with_connector_lazy(connector(tls.clone(), name)))
+        }
+        (true, None) => Err(format!(
+            "{flag}: {url:?} is https:// but no client certificate is configured (--tls-cert, --tls-key, --tls-ca)"
+        )),
+        (false, Some(_)) => Err(format!(
+            "{flag}: {url:?}: with TLS configured the URL must be https://"
+        )),
     }
 }
 

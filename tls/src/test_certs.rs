@@ -6,9 +6,7 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType,
-};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
 
 /// A subject alternative name of a test certificate.
 #[derive(Clone, Copy, Debug)]
@@ -79,7 +77,9 @@ impl TestCa {
     /// `expired`), usable for both server and client authentication.
     pub fn leaf(&self, sans: &[San<'_>], expired: bool) -> Leaf {
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names is valid");
-        params.distinguished_name.push(DnType::CommonName, "quotalease test");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "quotalease test");
         params.subject_alt_names = sans
             .iter()
             .map(|s| match s {

@@ -34,10 +34,7 @@ fn files(cert: PathBuf, key: PathBuf, ca: PathBuf) -> TlsFiles {
 /// principal, then echoed. Returns the address and the principals accepted.
 async fn serve(
     tls: Arc<ServerTls>,
-) -> (
-    SocketAddr,
-    tokio::sync::mpsc::UnboundedReceiver<Arc<str>>,
-) {
+) -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<Arc<str>>) {
     let listener = TcpListener::bind((LOCAL, 0)).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut conns = incoming(listener, tls);
@@ -122,7 +119,12 @@ fn the_principal_is_the_first_uri_else_the_first_dns_name() {
         Some("spiffe://q/agent")
     );
     assert_eq!(
-        principal(&der(&[San::Ip(LOCAL), San::Dns("a.test"), San::Dns("b.test")])).as_deref(),
+        principal(&der(&[
+            San::Ip(LOCAL),
+            San::Dns("a.test"),
+            San::Dns("b.test")
+        ]))
+        .as_deref(),
         Some("a.test")
     );
     assert_eq!(principal(&der(&[San::Ip(LOCAL)])), None);
@@ -156,7 +158,10 @@ async fn assert_refused(
         assert!(greeting(&mut s).await.is_err(), "the server must not talk");
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(seen.try_recv().is_err(), "no connection reached the service");
+    assert!(
+        seen.try_recv().is_err(),
+        "no connection reached the service"
+    );
 }
 
 #[tokio::test]
@@ -209,7 +214,11 @@ async fn a_server_not_named_by_its_certificate_is_refused_by_the_client() {
     let (addr, mut seen) = serve(pki.server.clone()).await;
     let client = pki.client("agent", &[San::Dns("agent.test")], false);
     let err = connect(&client, "elsewhere.test", addr).await.unwrap_err();
-    assert!(err.to_string().contains("not valid for name \"elsewhere.test\""), "{err}");
+    assert!(
+        err.to_string()
+            .contains("not valid for name \"elsewhere.test\""),
+        "{err}"
+    );
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(seen.try_recv().is_err());
 }
@@ -247,13 +256,13 @@ async fn rotation_new_connections_use_the_new_certificate_while_old_ones_finish(
     // A broken file is refused; the last good certificate keeps serving.
     std::fs::write(pki.dir.join("server.key"), "not a key").unwrap();
     let err = pki.server.reload().unwrap_err();
-    assert!(err.contains("--tls-key") && err.contains("server.key"), "{err}");
+    assert!(
+        err.contains("--tls-key") && err.contains("server.key"),
+        "{err}"
+    );
     let mut again = connect(&client, "127.0.0.1", addr).await.unwrap();
     assert_eq!(greeting(&mut again).await.unwrap(), "agent.test");
-    assert_eq!(
-        again.get_ref().1.peer_certificates().unwrap()[0],
-        second
-    );
+    assert_eq!(again.get_ref().1.peer_certificates().unwrap()[0], second);
 }
 
 #[test]
@@ -264,7 +273,10 @@ fn bad_files_and_flags_name_what_is_wrong() {
     let (c, k) = ca.leaf(&[San::Dns("a.test")], false).write(&dir, "a");
     let missing = dir.join("missing.pem");
     let err = ServerTls::server(files(missing.clone(), k.clone(), ca_path.clone())).unwrap_err();
-    assert!(err.starts_with("--tls-cert") && err.contains("missing.pem"), "{err}");
+    assert!(
+        err.starts_with("--tls-cert") && err.contains("missing.pem"),
+        "{err}"
+    );
     let err = ServerTls::server(files(c.clone(), k.clone(), k.clone())).unwrap_err();
     assert!(err.starts_with("--tls-ca"), "{err}");
     let err = ServerTls::server(files(c.clone(), c.clone(), ca_path.clone())).unwrap_err();

@@ -84,8 +84,8 @@ fn check_command(args: &[String], whence: &str) -> BTreeMap<String, String> {
             }
             "--parent" | "--allocator" => {
                 assert!(
-                    v.starts_with("http://"),
-                    "{whence}: {f}={v}: an http:// URL"
+                    v.starts_with("http://") || v.starts_with("https://"),
+                    "{whence}: {f}={v}: an http:// or https:// URL"
                 );
             }
             _ => {}
@@ -218,6 +218,57 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                         urls.push((whence.clone(), u.clone()));
                     }
                 }
+                // mTLS: certificates come from a mounted Secret, a gRPC port
+                // open on the pod network requires client certificates, and
+                // an https:// URL comes with a client certificate.
+                let secret_mounts: Vec<String> = c["volumeMounts"]
+                    .as_sequence()
+                    .map(|ms| {
+                        ms.iter()
+                            .filter(|m| {
+                                pod["spec"]["volumes"]
+                                    .as_sequence()
+                                    .into_iter()
+                                    .flatten()
+                                    .any(|v| v["name"] == m["name"] && v["secret"].is_mapping())
+                            })
+                            .map(|m| s(&m["mountPath"]))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                for f in [
+                    "--tls-cert",
+                    "--tls-key",
+                    "--tls-client-ca",
+                    "--tls-ca",
+                    "--tls-parent-ca",
+                ] {
+                    if let Some(path) = flags.get(f) {
+                        assert!(
+                            secret_mounts
+                                .iter()
+                                .any(|m| Path::new(path).parent() == Some(Path::new(m))),
+                            "{whence}: {f} {path} is in a mounted Secret"
+                        );
+                    }
+                }
+                if flags
+                    .get("--listen")
+                    .is_some_and(|l| l.starts_with("0.0.0.0:"))
+                {
+                    assert!(
+                        flags.contains_key("--tls-cert") && flags.contains_key("--tls-client-ca"),
+                        "{whence}: a lease port on the pod network requires client certificates"
+                    );
+                }
+                for f in ["--parent", "--allocator"] {
+                    if flags.get(f).is_some_and(|u| u.starts_with("https://")) {
+                        assert!(
+                            flags.contains_key("--tls-cert") && flags.contains_key("--tls-key"),
+                            "{whence}: {f} is https:// but no client certificate is given"
+                        );
+                    }
+                }
                 if let Some(path) = flags.get("--rules") {
                     // The rules file comes from a mounted ConfigMap directory.
                     let mounts = c["volumeMounts"].as_sequence().expect("volumeMounts");
@@ -235,7 +286,9 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
     assert!(quotalease_containers >= 3, "allocator, regional, agent");
     // Every URL names a Service of the manifests and one of its ports.
     for (whence, u) in urls {
-        let hostport = u.trim_start_matches("http://");
+        let hostport = u
+            .trim_start_matches("https://")
+            .trim_start_matches("http://");
         let (host, port) = hostport.split_once(':').expect("host:port");
         let ports = services
             .get(host)

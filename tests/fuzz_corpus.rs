@@ -53,3 +53,17 @@ fn scenario_corpus() {
         fuzzing::scenario(&data);
     }
 }
+
+#[test]
+fn check_request_corpus() {
+    for data in corpus("check_request") {
+        fuzzing::check_request(&data);
+    }
+}
+
+#[test]
+fn should_rate_limit_corpus() {
+    for data in corpus("should_rate_limit") {
+        fuzzing::should_rate_limit(&data);
+    }
+}

@@ -29,8 +29,12 @@
 //!
 //! A rate lease is used only where the 40-bit arrival time cannot wrap:
 //! capacity times `ns_per_token` and the lease's remaining life both below
-//! 2^38 ns (about 4.5 minutes); otherwise it is held as tokens only (it
-//! then never refills: conservative).
+//! 2^38 ns (about 4.5 minutes). The allocator grants capacities of at most
+//! 270 s of their rate (`quotalease_model::protocol::MAX_RATE_FILL_S`); a
+//! larger one (from an older allocator) is held smaller, and a rate too
+//! slow for one token in that span is held as tokens only (it then never
+//! refills: conservative; agents do not ask for such rates,
+//! [`MIN_RATE_UTPS`]).
 //!
 //! Ordering. A checker reads the deadline *before* the word; an installer
 //! swaps the word (new generation) *before* storing the new deadline. So a
@@ -70,6 +74,11 @@ const CAPACITY_MASK: u64 = (1 << CAPACITY_BITS) - 1;
 pub const MAX_WORD_TOKENS: u64 = TOKEN_MASK;
 /// Largest capacity of a rate lease as held (a larger one is held smaller).
 pub const MAX_RATE_CAPACITY: u64 = CAPACITY_MASK;
+/// The slowest rate (micro-tokens per second) an agent asks of the
+/// allocator: one token every 250 s, so that a lease of it refills at
+/// least one token within the word's time span ([`RATE_SPAN_NS`], 275 s).
+/// Rules slower than this get leases of tokens only.
+pub const MIN_RATE_UTPS: u64 = 4_000;
 
 /// Pack a generation and a token count.
 #[inline]
@@ -110,9 +119,25 @@ impl Refill {
             return Refill::NONE;
         }
         let ns = (1_000_000_000_000_000u128).div_ceil(u128::from(slowed));
+        let ns_per_token = u64::try_from(ns).unwrap_or(u64::MAX);
+        // A capacity the word cannot refill within its time span (more
+        // than 2^38 ns from empty to full: 60/m with a capacity of 600,
+        // say) is held smaller, so that the lease still refills at its
+        // rate: holding less than the allocator counts is safe, and a lease
+        // held as a plain count would never refill while the allocator
+        // counts it refilling (an adversarial review saw 0 admitted for
+        // 45 s after a burst at 60/m burst 600). A rate too slow for even
+        // one token is held as tokens (agents do not ask for one:
+        // [`MIN_RATE_UTPS`]).
+        let span_cap = (RATE_SPAN_NS - 1) / ns_per_token.max(1);
+        let capacity = capacity.min(MAX_RATE_CAPACITY);
         Refill {
-            ns_per_token: u64::try_from(ns).unwrap_or(u64::MAX),
-            capacity: capacity.min(MAX_RATE_CAPACITY),
+            ns_per_token,
+            capacity: if span_cap >= 1 {
+                capacity.min(span_cap)
+            } else {
+                capacity
+            },
         }
     }
 
@@ -1235,6 +1260,33 @@ mod tests {
             w.try_take(1, t0 + MS / 2 + MS),
             Take::Taken { .. }
         ));
+    }
+
+    #[test]
+    fn a_capacity_too_large_for_its_rate_is_held_smaller_and_still_refills() {
+        // 60/m granted with a capacity of 600: 600 s from empty to full.
+        let r = Refill::of_grant(1_000_000, 600);
+        assert!(r.fits(0, 2_000 * MS), "{r:?}");
+        assert!(r.capacity < 600 && r.capacity * r.ns_per_token < RATE_SPAN_NS);
+        assert!(r.capacity >= 270, "{r:?}");
+        let w = LeaseWord::new();
+        let t0 = 1_000 * MS;
+        w.install(t0 + 60_000 * MS, r, t0, |_| 600);
+        let mut burst = 0;
+        while let Take::Taken { .. } = w.try_take(1, t0) {
+            burst += 1;
+        }
+        assert_eq!(burst, r.capacity, "held at its capacity");
+        // 45 s later: about 45 tokens (the rate slowed by rho), not 0.
+        let t = t0 + 45_000 * MS;
+        let mut later = 0;
+        while let Take::Taken { .. } = w.try_take(1, t) {
+            later += 1;
+        }
+        assert_eq!(later, 44, "refilled at 1/s slowed by rho");
+        // The slowest rate agents ask for still refills a token.
+        assert!(Refill::of_grant(MIN_RATE_UTPS, 1).fits(0, MS));
+        assert!(!Refill::of_grant(MIN_RATE_UTPS / 2, 1).fits(0, MS));
     }
 
     #[test]

@@ -26,6 +26,7 @@
 //!   (a holder held at its fair share below what it asks does not ask
 //!   again on every tick).
 
+use crate::lease_table::MIN_RATE_UTPS;
 use std::time::Duration;
 
 /// Planner settings (agent flags).
@@ -149,14 +150,15 @@ pub struct KeyNow {
 /// a key without history (its first lease is tokens only) or when rates
 /// are off.
 pub fn rate_wanted(cfg: &PlanConfig, usage: &Usage, rule_rate_utps: u64) -> u64 {
-    if !cfg.rate_leases || usage.rate <= 0.0 {
+    // Rates slower than the lease word can refill are not asked for.
+    if !cfg.rate_leases || usage.rate <= 0.0 || rule_rate_utps < MIN_RATE_UTPS {
         return 0;
     }
     let want = (usage.rate * 1.25 * 1e6).ceil();
     if want >= rule_rate_utps as f64 {
         rule_rate_utps
     } else {
-        (want as u64).max(1)
+        (want as u64).max(MIN_RATE_UTPS)
     }
 }
 

@@ -864,17 +864,25 @@ impl MHolder {
             u64::try_from(1_000_000_000_000_000u128.div_ceil(u128::from(slowed)))
                 .unwrap_or(u64::MAX)
         };
+        // A capacity the word cannot time is held smaller (lease_table.rs
+        // `Refill::of_grant`), unless not even one token fits.
+        let span_cap = ((1u64 << 38) - 1) / ns.max(1);
+        let held_cap = if span_cap >= 1 {
+            g.capacity.min(span_cap)
+        } else {
+            g.capacity
+        };
         let fits = slowed > 0
             && ns < (1u64 << 40)
-            && g.capacity.checked_mul(ns).is_some_and(|x| x < (1u64 << 38));
+            && held_cap.checked_mul(ns).is_some_and(|x| x < (1u64 << 38));
         if rate_grant && !fits {
             // Held as tokens, clipped to the capacity (lease_table.rs).
             self.level_nt = u128::from(new.min(g.capacity)) * NT;
             self.cur = Some(MCur::RateNone(g.lease_id, use_by));
         } else if rate_grant {
-            let n = new.min(g.capacity);
+            let n = new.min(held_cap);
             self.level_nt = u128::from(n) * NT;
-            self.cur = Some(MCur::Rate(g.lease_id, g.rate_utps, g.capacity, use_by));
+            self.cur = Some(MCur::Rate(g.lease_id, g.rate_utps, held_cap, use_by));
         } else {
             self.level_nt = u128::from(new) * NT;
             self.cur = Some(MCur::Tokens(g.lease_id, g.tokens, use_by));
@@ -992,16 +1000,20 @@ proptest! {
 /// the capacity join the level in full; once the holder names that version
 /// the ledger counts only the capacity again, and refills `available` into
 /// room the holder has already filled.
-#[test]
-fn a_rate_version_held_as_tokens_of_a_slow_rule_keeps_i1() {
-    let (r, burst, period) = (rate(1, 60), 20u64, 60u64);
+///
+/// Since capacities are at most `MAX_RATE_FILL_S` of their rate (and the
+/// agent holds a larger one smaller), a rule of 1/m is held as a rate; one
+/// of 1 per 10 minutes (half of it: a token per 20 minutes, slower than the
+/// word can time) is still held as tokens. Both keep I1.
+fn slow_rule_rate_version_keeps_i1(period: u64, held_as_tokens: bool) {
+    let (r, burst) = (rate(1, period), 20u64);
     let ttl = 60 * SEC;
     let mut l = KeyLedger::new(r, burst, 0, None);
     let mut a = MHolder::default();
     let mut now = 0u64;
     let mut id = 1u64;
-    // A asks half the rate (0.5/m): a first version of capacity 10.
-    let half = 1_000_000 / 120;
+    // A asks half the rate.
+    let half = 1_000_000 / (2 * period);
     let ask = |l: &mut KeyLedger, a: &mut MHolder, now: u64, want: u64, id: &mut u64| {
         let at = a.tokens();
         let g = l.renew(
@@ -1025,11 +1037,15 @@ fn a_rate_version_held_as_tokens_of_a_slow_rule_keeps_i1() {
     eprintln!("v1 {g1:?} level {}", a.tokens());
     let g2 = ask(&mut l, &mut a, now, 10, &mut id);
     eprintln!("v2 {g2:?} level {}", a.tokens());
-    assert!(
+    assert_eq!(
         matches!(a.cur, Some(MCur::RateNone(..))),
+        held_as_tokens,
         "held as tokens: {:?}",
         a.cur
     );
+    if let Some(MCur::Rate(_, rate_utps, cap, _)) = a.cur {
+        assert!(cap <= quotalease_model::protocol::max_rate_capacity(rate_utps).max(1));
+    }
     // A keeps its chain alive, naming the latest version, asking nothing.
     let mut admitted = Vec::new();
     for _ in 0..20 {
@@ -1070,11 +1086,22 @@ fn a_rate_version_held_as_tokens_of_a_slow_rule_keeps_i1() {
     );
 }
 
+#[test]
+fn a_rate_version_of_a_slow_rule_keeps_i1() {
+    slow_rule_rate_version_keeps_i1(60, false);
+}
+
+#[test]
+fn a_rate_version_held_as_tokens_of_a_very_slow_rule_keeps_i1() {
+    slow_rule_rate_version_keeps_i1(600, true);
+}
+
 /// Review: the same at default lease lengths, a rule of 2/s burst 600 and
 /// one agent whose burst of demand stops just after its second version: a
-/// capacity of 300 at 1/s is a 300 s span (>= 2^38 ns), held as tokens.
+/// capacity of 300 at 1/s was a 300 s span (>= 2^38 ns), held as tokens;
+/// capacities are now at most 270 s of their rate, held as a rate.
 #[test]
-fn a_rate_version_held_as_tokens_at_2_per_s_burst_600_keeps_i1() {
+fn a_rate_version_at_2_per_s_burst_600_keeps_i1() {
     let (r, burst) = (rate(2, 1), 600u64);
     let ttl = 2 * SEC;
     let mut l = KeyLedger::new(r, burst, 0, None);
@@ -1101,11 +1128,14 @@ fn a_rate_version_held_as_tokens_at_2_per_s_burst_600_keeps_i1() {
     };
     let g1 = ask(&mut l, &mut a, 0, 300, &mut id);
     let g2 = ask(&mut l, &mut a, MS, 300, &mut id);
+    // Capacities are at most MAX_RATE_FILL_S (270 s) of the rate now, so
+    // the version is held as a rate that refills (it was held as tokens).
     assert!(
-        matches!(a.cur, Some(MCur::RateNone(..))),
-        "held as tokens: {:?}",
+        matches!(a.cur, Some(MCur::Rate(..))),
+        "held as a rate: {:?}",
         a.cur
     );
+    assert!(g1.capacity <= 270 && g2.capacity <= 270, "{g1:?} {g2:?}");
     eprintln!(
         "v1 cap {} fresh {}; v2 cap {} fresh {}; A's level {}",
         g1.capacity,

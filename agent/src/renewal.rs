@@ -149,9 +149,17 @@ pub struct KeyNow {
 /// Rate to ask for: `1.25 x` the demand, at most the rule's rate; 0 for
 /// a key without history (its first lease is tokens only) or when rates
 /// are off.
-pub fn rate_wanted(cfg: &PlanConfig, usage: &Usage, rule_rate_utps: u64) -> u64 {
-    // Rates slower than the lease word can refill are not asked for.
-    if !cfg.rate_leases || usage.rate <= 0.0 || rule_rate_utps < MIN_RATE_UTPS {
+pub fn rate_wanted(cfg: &PlanConfig, usage: &Usage, rule_rate_utps: u64, burst: u64) -> u64 {
+    // Rates slower than the lease word can refill are not asked for, nor
+    // are rates of rules whose burst takes longer than the word's span to
+    // refill (60/m burst 600): a rate version's capacity is at most
+    // MAX_RATE_FILL_S of its rate, so such a burst would reach the agent in
+    // small pieces; leases of tokens hold it whole.
+    if !cfg.rate_leases
+        || usage.rate <= 0.0
+        || rule_rate_utps < MIN_RATE_UTPS
+        || quotalease_model::protocol::max_rate_capacity(rule_rate_utps) < burst
+    {
         return 0;
     }
     let want = (usage.rate * 1.25 * 1e6).ceil();
@@ -193,7 +201,7 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
             return Plan::Wait;
         }
     }
-    let want_rate_utps = rate_wanted(cfg, usage, k.rule_rate_utps);
+    let want_rate_utps = rate_wanted(cfg, usage, k.rule_rate_utps, k.burst);
     let renew = |want: u64| Plan::Renew {
         want,
         want_rate_utps,
@@ -377,12 +385,24 @@ mod tests {
         k.dry_until_ns = 0;
         // The rule caps the rate; without rates nothing is asked.
         k.rule_rate_utps = 200 * 1_000_000;
-        assert_eq!(rate_wanted(&cfg, &u, k.rule_rate_utps), 200 * 1_000_000);
+        assert_eq!(
+            rate_wanted(&cfg, &u, k.rule_rate_utps, k.burst),
+            200 * 1_000_000
+        );
         let off = PlanConfig {
             rate_leases: false,
             ..cfg
         };
-        assert_eq!(rate_wanted(&off, &u, k.rule_rate_utps), 0);
-        assert_eq!(rate_wanted(&cfg, &Usage::default(), k.rule_rate_utps), 0);
+        assert_eq!(rate_wanted(&off, &u, k.rule_rate_utps, k.burst), 0);
+        assert_eq!(
+            rate_wanted(&cfg, &Usage::default(), k.rule_rate_utps, k.burst),
+            0
+        );
+        // A burst longer than 270 s of rate (60/m burst 600) is held in
+        // leases of tokens; 270 s exactly still gets a rate.
+        assert_eq!(rate_wanted(&cfg, &u, 1_000_000, 600), 0);
+        assert_eq!(rate_wanted(&cfg, &u, 1_000_000, 270), 1_000_000);
+        // So is a rule slower than a token per 250 s.
+        assert_eq!(rate_wanted(&cfg, &u, MIN_RATE_UTPS - 1, 1), 0);
     }
 }

@@ -29,12 +29,10 @@
 //!
 //! A rate lease is used only where the 40-bit arrival time cannot wrap:
 //! capacity times `ns_per_token` and the lease's remaining life both below
-//! 2^38 ns (about 4.5 minutes). The allocator grants capacities of at most
-//! 270 s of their rate (`quotalease_model::protocol::MAX_RATE_FILL_S`); a
-//! larger one (from an older allocator) is held smaller, and a rate too
-//! slow for one token in that span is held as tokens only (it then never
-//! refills: conservative; agents do not ask for such rates,
-//! [`MIN_RATE_UTPS`]).
+//! 2^38 ns (about 4.5 minutes). A larger capacity is held smaller (it
+//! still refills), and a rate too slow for one token in that span is held
+//! as tokens only (it then never refills: conservative). Agents ask for no
+//! such rates ([`MIN_RATE_UTPS`], `quotalease_model::protocol::MAX_RATE_FILL_S`).
 //!
 //! Ordering. A checker reads the deadline *before* the word; an installer
 //! swaps the word (new generation) *before* storing the new deadline. So a

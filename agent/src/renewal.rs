@@ -152,9 +152,8 @@ pub struct KeyNow {
 pub fn rate_wanted(cfg: &PlanConfig, usage: &Usage, rule_rate_utps: u64, burst: u64) -> u64 {
     // Rates slower than the lease word can refill are not asked for, nor
     // are rates of rules whose burst takes longer than the word's span to
-    // refill (60/m burst 600): a rate version's capacity is at most
-    // MAX_RATE_FILL_S of its rate, so such a burst would reach the agent in
-    // small pieces; leases of tokens hold it whole.
+    // refill (60/m burst 600, MAX_RATE_FILL_S): the word would hold such a
+    // capacity smaller and lose the rest; leases of tokens hold it whole.
     if !cfg.rate_leases
         || usage.rate <= 0.0
         || rule_rate_utps < MIN_RATE_UTPS

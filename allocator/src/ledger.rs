@@ -947,13 +947,6 @@ impl KeyLedger {
         } else {
             share
         };
-        // At most MAX_RATE_FILL_S of the version's rate: what an agent's
-        // lease word can refill (a larger capacity would be held as a plain
-        // count that never refills; the rest of the burst reaches the
-        // holder through later versions). Rates slower than a token in
-        // that time are not limited by it.
-        let span = quotalease_model::protocol::max_rate_capacity(rate);
-        let share = if span >= 1 { share.min(span) } else { share };
         // A holder may always keep (or shrink to) what it is counted for
         // already, even when a lowered burst leaves no room (SPEC §2:
         // renewals that shrink are always allowed; a refusal would end a

@@ -16,18 +16,15 @@ pub const RHO_PPM: u64 = 1_000;
 /// or agent id, in bytes (SPEC §8).
 pub const MAX_ID_BYTES: usize = 256;
 
-/// The longest a rate version may take to fill from empty (seconds): its
-/// capacity is at most this many seconds of its rate
-/// ([`max_rate_capacity`]). An agent holds a rate lease in one 64-bit word
-/// whose time field spans 2^38 ns (about 275 s, `agent::lease_table`); a
-/// capacity that takes longer to refill could not be held as a rate, and a
-/// lease held as a plain count never refills while the allocator counts
-/// it refilling.
+/// The longest a rate lease held by an agent may take to fill from empty
+/// (seconds): an agent holds it in one 64-bit word whose time field spans
+/// 2^38 ns (about 275 s, `agent::lease_table`). Agents ask for no rate for
+/// rules whose burst is more than this many seconds of their rate
+/// ([`max_rate_capacity`]): such bursts are held whole in leases of tokens.
 pub const MAX_RATE_FILL_S: u64 = 270;
 
-/// The largest capacity of a rate version of `rate_utps` micro-tokens per
-/// second: [`MAX_RATE_FILL_S`] of its rate, rounded down (0 for rates
-/// slower than a token in that time: such versions are not limited by it).
+/// [`MAX_RATE_FILL_S`] of `rate_utps` micro-tokens per second, in whole
+/// tokens (rounded down).
 pub const fn max_rate_capacity(rate_utps: u64) -> u64 {
     (rate_utps as u128 * MAX_RATE_FILL_S as u128 / 1_000_000) as u64
 }

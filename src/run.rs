@@ -11,6 +11,7 @@ use quotalease_agent::transport::GrpcTransport;
 use quotalease_allocator::core::{CoreConfig, TTL_MAX_CAP_NS};
 use quotalease_allocator::ledger::KeyCheckpoint;
 use quotalease_allocator::regional::RegionalConfig;
+use quotalease_allocator::reservation_log::{self, hex, unhex, Durability};
 use quotalease_allocator::server::{self as alloc_server, LeaseService, Shared};
 use quotalease_allocator::upstream;
 use quotalease_gateway::envoy::EnvoyService;
@@ -174,21 +175,6 @@ impl LedgerRecord {
 
 const CHECKPOINT_FILE: &str = "checkpoint";
 const CHECKPOINT_FORMAT: u64 = 1;
-
-fn hex(s: &str) -> String {
-    s.bytes().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(h: &str) -> Option<String> {
-    if !h.len().is_multiple_of(2) {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> = (0..h.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
-        .collect();
-    String::from_utf8(bytes?).ok()
-}
 
 /// A clean shutdown's key states, for the ledger `ledger`.
 fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String {
@@ -478,17 +464,27 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     } else {
         state.take_checkpoint(record.id)?
     };
+    // After a crash: the write-ahead reservations (none from a version
+    // without them, or after a lost ledger: then the whole start-up wait).
+    let reserved = if first || resumed.is_some() {
+        None
+    } else {
+        reservation_log::read(&dir, record.id).map_err(|e| anyhow!(e))?
+    };
     if first {
         tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), "no ledger in the state directory: a new ledger, buckets start full");
     } else if let Some(keys) = &resumed {
         tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), keys = keys.len(), "clean restart of this ledger: keys resume from the shutdown's checkpoint, what was leased then counts until it has expired");
+    } else if let Some(keys) = &reserved {
+        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), keys = keys.len(), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger after a crash: keys resume from their write-ahead reservations (each at its floor, the rest of its burst leased out until the longest lease has expired); keys without one are full");
     } else {
         tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger without a checkpoint: every key counts as fully leased out until the longest lease it may have granted has expired");
     }
     let cfg = CoreConfig {
         ttl_max_ns: args.ttl_max.as_nanos() as u64,
         predecessor_ttl_max_ns: predecessor_ttl_ms.saturating_mul(1_000_000),
-        no_predecessor: first || resumed.is_some(),
+        no_predecessor: first || resumed.is_some() || reserved.is_some(),
+        reservations: true,
         ledger_id: record.id,
         // Agents holding a lost ledger's leases name it within their 1 s
         // heartbeat (or their next renewal): a new ledger waits that long
@@ -502,10 +498,21 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         ..CoreConfig::default()
     };
     let shared = Shared::new(cfg, rules, Some(rules_path));
+    let now = shared.now();
     if let Some(keys) = resumed {
-        let now = shared.now();
         shared.with_core(|c| c.resume_keys(now, keys));
+    } else if let Some(keys) = reserved {
+        shared.with_core(|c| c.resume_reserved(now, keys));
     }
+    // Every resumed key's state is its promise before anything is granted.
+    let promises = shared.with_core(|c| c.reserve_current_keys(now));
+    let log = reservation_log::Log::create(&dir, record.id, &promises).with_context(|| {
+        format!(
+            "--state-dir {}: cannot write the reservation log",
+            dir.display()
+        )
+    })?;
+    let (durability, writer) = reservation_log::start(shared.clone(), log);
     let state = Arc::new(state);
     tokio::spawn(keep_ledger_record(
         state.clone(),
@@ -526,7 +533,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, Some(durability), rx);
     stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
@@ -537,6 +544,10 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     // instead of waiting out a phantom (SPEC §2 "Restarts").
     let keys = shared.checkpoint_and_close();
     state.write_checkpoint(&encode_checkpoint(record.id, &keys))?;
+    // The checkpoint is the whole truth now: the reservations are stale.
+    writer.abort();
+    let _ = writer.await;
+    reservation_log::remove(&dir).context("removing the reservation log")?;
     tracing::info!(keys = keys.len(), "checkpoint written");
     Ok(())
 }
@@ -548,6 +559,7 @@ fn serve_allocator(
     grpc: TcpListener,
     http: TcpListener,
     tls: Option<Arc<ServerTls>>,
+    durability: Option<Durability>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> (
     tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -566,8 +578,11 @@ fn serve_allocator(
     let stopped = async move {
         let _ = stop_grpc.wait_for(|s| *s).await;
     };
-    let router =
-        tonic::transport::Server::builder().add_service(LeaseService::new(shared).into_server());
+    let mut service = LeaseService::new(shared);
+    if let Some(d) = durability {
+        service = service.with_durability(d);
+    }
+    let router = tonic::transport::Server::builder().add_service(service.into_server());
     let server = match tls {
         Some(tls) => {
             tls.clone().watch();
@@ -671,7 +686,7 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let up = tokio::spawn(upstream::run(shared.clone(), client.clone(), rx.clone()));
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, None, rx);
     stop.wait().await;
     tracing::info!("stopping: giving unused pools back to the parent");
     let _ = tx.send(true);

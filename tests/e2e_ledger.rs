@@ -201,9 +201,11 @@ fn a_lost_state_dir_is_caught_by_the_agents_ledger_id() {
     drop(alloc);
 }
 
-/// A restart with a smaller `--ttl-max` waits the larger one recorded in
-/// the ledger (30 s leases may still be out: it waited only the new value
-/// and admitted +54 before).
+/// A restart with a smaller `--ttl-max` keeps what may be leased under the
+/// larger one recorded in the ledger out for that long (30 s leases may
+/// still be out: it waited only the new value and admitted +54 before).
+/// After a crash each leased key's phantom (its reservation: the burst
+/// minus its floor) lasts the recorded 8 s, not the new 1 s.
 #[test]
 fn a_restart_with_a_smaller_ttl_max_waits_the_recorded_one() {
     let dir = tempdir("ledger-ttl");
@@ -212,19 +214,45 @@ fn a_restart_with_a_smaller_ttl_max_waits_the_recorded_one() {
     let alloc = allocator(&rules, &state, None, "8s");
     wait_ok(alloc.http, "/readyz", Duration::from_secs(5));
     let listen = alloc.grpc;
+    let a = agent("ledger-ttl", &alloc.url(), None, &["--lease-ttl", "8s"]);
+    wait_ok(a.http, "/readyz", Duration::from_secs(10));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while check(&a, "acme", "/api/orders") != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the first start's grace never ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
     alloc.kill9();
     let alloc = allocator(&rules, &state, Some(listen), "1s");
-    // A 1 s wait would be over by now; the recorded 8 s is not.
+    wait_ok(alloc.http, "/healthz", Duration::from_secs(5));
+    // A 1 s phantom would be over by now; the recorded 8 s is not.
     std::thread::sleep(Duration::from_millis(2500));
-    let (status, body) = http_get(alloc.http, "/readyz");
-    assert_eq!(status, 503, "{body}");
-    assert!(body.contains("waiting"), "{body}");
+    let (status, body) = http_get(
+        alloc.http,
+        "/v1/keys?rule=orders&tenant=acme&route=/api/orders",
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let phantom = v["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["holder"] == "(predecessor)")
+        .unwrap_or_else(|| panic!("the leased key has a phantom: {v}"));
+    let left = phantom["expires_in_ms"].as_u64().unwrap();
+    assert!(
+        left > 4_000,
+        "the phantom lasts the recorded 8 s: {left} ms left"
+    );
     let text = std::fs::read_to_string(state.join("ledger")).expect("ledger");
     assert!(
         text.contains("ttl_max_ms 8000\n"),
         "the larger value stays recorded: {text}"
     );
-    drop(alloc);
+    drop((a, alloc));
 }
 
 /// A corrupt ledger file or one from a newer version: a clear error naming
@@ -340,10 +368,17 @@ fn a_clean_restart_resumes_every_key_from_its_checkpoint() {
         "the used key resumed its level: 3 before, 7 after, no more"
     );
 
-    // A crash now finds no checkpoint: a restart waits out its phantom.
+    // A crash now finds no checkpoint: the keys resume from their
+    // write-ahead reservations, with no start-up wait: the used key at its
+    // floor (nothing left), a key at rest full.
     alloc.kill9();
     let alloc = allocator(&rules, &state, Some(listen), "2s");
     let (status, body) = http_get(alloc.http, "/readyz");
-    assert_eq!(status, 503, "after a crash: {body}");
+    assert_eq!(status, 200, "after a crash: {body}");
+    assert_ne!(check(&b, "acme", "/api/daily"), 200, "all 10 were used");
+    let fresh = (0..6)
+        .filter(|_| check(&b, "fresh", "/api/login") == 200)
+        .count();
+    assert_eq!(fresh, 5, "a key at rest keeps its burst across a crash");
     drop((a, b, alloc));
 }

@@ -17,8 +17,6 @@ use quotalease_proto::lease::allocator_client::AllocatorClient;
 use quotalease_proto::lease::{
     GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };
-use quotalease_proto::v1::rate_limiter_client::RateLimiterClient;
-use quotalease_proto::v1::CheckRequest;
 use quotalease_tls::test_certs::{San, TestCa};
 use quotalease_tls::{ClientTls, TlsFiles};
 use tonic::transport::Channel;
@@ -122,25 +120,10 @@ fn tls_agent(
     p
 }
 
-/// Send `n` checks of cost 1 for `tenant` one after another: how many were
+/// Send `n` checks of cost 1 for `tenant` on /api/orders: how many were
 /// allowed.
 async fn checks(agent: &Proc, tenant: &str, n: usize) -> usize {
-    let mut c = RateLimiterClient::connect(agent.url()).await.unwrap();
-    let mut allowed = 0;
-    for _ in 0..n {
-        let r = c
-            .check(CheckRequest {
-                tenant_id: tenant.into(),
-                route_id: "/api/orders".into(),
-                cost: 1,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        allowed += usize::from(r.allowed);
-    }
-    allowed
+    count_allowed(agent, tenant, "/api/orders", n, false).await
 }
 
 /// Wait until `log` has a line containing every one of `words`.

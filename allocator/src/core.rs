@@ -25,6 +25,7 @@ use quotalease_model::protocol::{drift_margin_ns, MAX_ID_BYTES};
 use quotalease_model::rules::{Pattern, Rule, RuleSet};
 
 use crate::ledger::{HolderId, KeyCheckpoint, KeyLedger, Lease, Renewal, PHANTOM};
+use crate::reservations::{Reservation, Reservations};
 
 /// Least gap between two sweeps of one key.
 const SWEEP_MIN_GAP_NS: u64 = 100_000_000;
@@ -66,6 +67,10 @@ pub struct CoreConfig {
     /// one does not make this allocator wait (its old leases are known to
     /// be gone, or the operator accepts the risk).
     pub new_ledger: bool,
+    /// Keep write-ahead reservations ([`crate::reservations`]; global
+    /// allocators with a state directory): a grant that breaks a key's
+    /// durable promise is answered only once its new record is durable.
+    pub reservations: bool,
 }
 
 /// The largest `TTL_max` an allocator accepts (`--ttl-max`): how long a
@@ -85,6 +90,7 @@ impl Default for CoreConfig {
             first_start_grace_ns: 0,
             ledger_id: 0,
             new_ledger: false,
+            reservations: false,
         }
     }
 }
@@ -212,6 +218,8 @@ pub struct AllocatorCore {
     /// A new ledger's first-start grace ends here (see
     /// `CoreConfig::first_start_grace_ns`).
     grace_until_ns: u64,
+    /// Write-ahead reservations (global allocators with a state directory).
+    reservations: Option<Reservations>,
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -242,6 +250,7 @@ impl AllocatorCore {
         } else {
             Some(now_ns.saturating_add(cfg.restart_wait_ns()))
         };
+        let cfg_reservations = cfg.reservations;
         Self {
             versions: vec![rules.version],
             cfg,
@@ -261,6 +270,7 @@ impl AllocatorCore {
             foreign_ledgers: Vec::new(),
             closed: false,
             grace_until_ns,
+            reservations: cfg_reservations.then(Reservations::default),
         }
     }
 
@@ -281,6 +291,8 @@ impl AllocatorCore {
         let mut c = Self::new(cfg, rules, epoch, lease_id_base, now_ns);
         c.ready_at_ns = None;
         c.pooled = Some(PooledMode::default());
+        // A regional keeps no state: its parent counts what it holds.
+        c.reservations = None;
         c
     }
 
@@ -430,6 +442,11 @@ impl AllocatorCore {
         self.keys_per_rule.clear();
         self.sweep_due.clear();
         self.new_keys.clear();
+        if let Some(r) = &mut self.reservations {
+            // The log no longer describes this ledger: a restart must wait
+            // the whole recorded TTL_max again (the driver deletes it).
+            r.invalidate();
+        }
         self.stats.ledgers_lost += 1;
         tracing::warn!(
             ours = format_args!("{:016x}", self.cfg.ledger_id),
@@ -473,6 +490,71 @@ impl AllocatorCore {
                 .push(std::cmp::Reverse((ledger.sweep_due_ns, key.clone())));
             self.keys.insert(key, ledger);
         }
+    }
+
+    /// Resume after a crash from the durable reservations (SPEC §2
+    /// "Restarts", [`crate::reservations`]) at `now_ns`: each recorded key
+    /// at its floor, the rest of its burst one phantom lease lending its
+    /// rate cap until the longest lease the predecessor could have granted
+    /// has expired (`restart_wait_ns`); keys without a record start full.
+    /// Call [`AllocatorCore::reserve_current_keys`] before serving.
+    pub fn resume_reserved(&mut self, now_ns: u64, records: Vec<(KeyId, Reservation)>) {
+        let ttl = self.cfg.ttl_max_ns.max(self.cfg.predecessor_ttl_max_ns);
+        let keys = records
+            .iter()
+            .filter_map(|(key, r)| {
+                let rule = self.rules.get(&key.rule)?;
+                let floor = r.floor.min(rule.burst);
+                Some((
+                    key.clone(),
+                    KeyCheckpoint {
+                        available: floor,
+                        outstanding: rule.burst - floor,
+                        rates_out_utps: r.rate_cap_utps,
+                        leases_end_in_ns: ttl,
+                    },
+                ))
+            })
+            .collect();
+        self.resume_keys(now_ns, keys);
+    }
+
+    /// Make every key's state at `now_ns` its promise (after a resume: a
+    /// resumed key's `available` and the rate it lends are exact, and must
+    /// be promised before anything is granted, or a crash would take it for
+    /// a key at rest). Returns the promises, for a fresh log.
+    pub fn reserve_current_keys(&mut self, now_ns: u64) -> Vec<(KeyId, Reservation)> {
+        if self.reservations.is_none() {
+            return Vec::new();
+        }
+        let mut all: Vec<(KeyId, Reservation)> = self
+            .keys
+            .iter_mut()
+            .map(|(k, l)| {
+                l.advance(now_ns);
+                (
+                    k.clone(),
+                    Reservation {
+                        floor: l.available(),
+                        rate_cap_utps: l.rates_out_utps(),
+                    },
+                )
+            })
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        self.reservations = Some(Reservations::restored(all.iter().cloned()));
+        all
+    }
+
+    /// The write-ahead reservations, if this core keeps them.
+    pub fn reservations_mut(&mut self) -> Option<&mut Reservations> {
+        self.reservations.as_mut()
+    }
+
+    /// Records appended to the reservation log so far (0 without one): a
+    /// reply may be sent once the driver has made this many durable.
+    pub fn reservation_seq(&self) -> u64 {
+        self.reservations.as_ref().map_or(0, Reservations::seq)
     }
 
     fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
@@ -802,6 +884,15 @@ impl AllocatorCore {
         let bucket_available = ledger
             .available()
             .saturating_add(ledger.pool().map_or(0, |p| p.parent_available));
+        if let Some(r) = &mut self.reservations {
+            r.after_grant(
+                &key,
+                ledger.available(),
+                ledger.rates_out_utps(),
+                rate,
+                burst,
+            );
+        }
         if g.shadow_violation {
             *self
                 .stats
@@ -904,11 +995,24 @@ impl AllocatorCore {
             self.stats.tokens_expired_unused += ledger.take_expired_unused();
             if full {
                 self.keys.remove(&key);
+                if let Some(r) = &mut self.reservations {
+                    r.at_rest(&key);
+                }
                 self.stats.keys_dropped += 1;
                 if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
                     *c = c.saturating_sub(1);
                 }
                 continue;
+            }
+            if let Some(r) = &mut self.reservations {
+                ledger.advance(now_ns);
+                r.raise(
+                    &key,
+                    ledger.available(),
+                    ledger.rates_out_utps(),
+                    ledger.rate(),
+                    ledger.burst(),
+                );
             }
             match ledger.next_sweep_ns(now_ns) {
                 Some(at) => {

@@ -10,5 +10,7 @@ pub mod core;
 pub mod ledger;
 pub mod metrics;
 pub mod regional;
+pub mod reservation_log;
+pub mod reservations;
 pub mod server;
 pub mod upstream;

@@ -72,6 +72,8 @@ pub struct Shared {
     core: Mutex<Node>,
     /// Woken when a child could not be served from a pool (regional).
     upstream_wake: tokio::sync::Notify,
+    /// Woken when a reply added reservation records (the log's writer).
+    reservations_wake: tokio::sync::Notify,
     /// Path of the rules file, if rules come from a file.
     rules_path: Option<PathBuf>,
     /// Last reload error (reported on /metrics and /readyz stays ready:
@@ -113,6 +115,7 @@ impl Shared {
         Arc::new(Self {
             core: Mutex::new(Node::Global(core)),
             upstream_wake: tokio::sync::Notify::new(),
+            reservations_wake: tokio::sync::Notify::new(),
             rules_path,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
@@ -149,6 +152,7 @@ impl Shared {
         Arc::new(Self {
             core: Mutex::new(Node::Regional(core)),
             upstream_wake: tokio::sync::Notify::new(),
+            reservations_wake: tokio::sync::Notify::new(),
             rules_path: None,
             last_reload_error: Mutex::new(None),
             reload_failures: Default::default(),
@@ -172,9 +176,24 @@ impl Shared {
     /// names `principal` ("" without TLS; see
     /// [`AllocatorCore::handle_from`]).
     pub fn handle_from(&self, batch: &LeaseBatch, principal: &str) -> LeaseReply {
+        self.handle_durably(batch, principal).0
+    }
+
+    /// [`Shared::handle_from`], and how many reservation records must be
+    /// durable before the reply may be sent (0 without reservations).
+    pub fn handle_durably(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
         let mut node = self.core.lock();
         match &mut *node {
-            Node::Global(core) => core.handle_from(self.now(), batch, principal),
+            Node::Global(core) => {
+                let before = core.reservation_seq();
+                let reply = core.handle_from(self.now(), batch, principal);
+                let seq = core.reservation_seq();
+                drop(node);
+                if seq != before {
+                    self.reservations_wake.notify_one();
+                }
+                (reply, seq)
+            }
             Node::Regional(r) => {
                 let reply = r.handle_from(self.now(), batch, principal);
                 drop(node);
@@ -185,9 +204,14 @@ impl Shared {
                     // the parent's hint (the loop's own wake-up).
                     self.upstream_wake.notify_one();
                 }
-                reply
+                (reply, 0)
             }
         }
+    }
+
+    /// Resolves when a reply added reservation records.
+    pub async fn reservations_wanted(&self) {
+        self.reservations_wake.notified().await
     }
 
     /// Run `f` on the (child-facing) core.
@@ -260,12 +284,24 @@ impl Shared {
 #[derive(Clone, Debug)]
 pub struct LeaseService {
     shared: Arc<Shared>,
+    /// With write-ahead reservations: replies wait until the records they
+    /// depend on are durable.
+    durability: Option<crate::reservation_log::Durability>,
 }
 
 impl LeaseService {
     /// Wrap shared state.
     pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+        Self {
+            shared,
+            durability: None,
+        }
+    }
+
+    /// Replies wait for `durability` (write-ahead reservations).
+    pub fn with_durability(mut self, durability: crate::reservation_log::Durability) -> Self {
+        self.durability = Some(durability);
+        self
     }
 
     /// As a tonic server with message size limits.
@@ -293,10 +329,19 @@ impl Allocator for LeaseService {
         {
             return Err(Status::unavailable("allocator shutting down"));
         }
-        Ok(Response::new(
-            self.shared
-                .handle_from(&batch, principal.as_deref().unwrap_or("")),
-        ))
+        let (reply, seq) = self
+            .shared
+            .handle_durably(&batch, principal.as_deref().unwrap_or(""));
+        if let Some(d) = &self.durability {
+            // Write-ahead: a grant that broke a key's durable promise goes
+            // out only once the new promise is on disk (SPEC §2 "Restarts").
+            if !d.wait(seq).await {
+                return Err(Status::unavailable(
+                    "allocator cannot make its reservations durable (state directory)",
+                ));
+            }
+        }
+        Ok(Response::new(reply))
     }
 }
 
@@ -391,6 +436,12 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "available": rule.burst, "outstanding": 0, "burst": rule.burst,
                 "rate": rule.rate.to_string(), "holders": [],
             }),
+        };
+        // The key's durable promise (write-ahead reservations): what a
+        // crash now would resume it at. Null: at rest, or no reservations.
+        body["reservation"] = match core.reservations_mut().and_then(|r| r.get(&key)) {
+            Some(r) => serde_json::json!({"floor": r.floor, "rate_cap_utps": r.rate_cap_utps}),
+            None => serde_json::Value::Null,
         };
         if regional {
             // A regional holds only what its parent leases back: an unknown

@@ -461,3 +461,35 @@ pub async fn load_checks(
     }
     (sent, allowed, errors, tasks)
 }
+
+/// Send up to `n` checks of cost 1 for (`tenant`, `route`) one after
+/// another at `agent`; stop at the first denial when `until_denied`. How
+/// many were allowed.
+pub async fn count_allowed(
+    agent: &Proc,
+    tenant: &str,
+    route: &str,
+    n: usize,
+    until_denied: bool,
+) -> usize {
+    let mut c = client(agent).await;
+    let mut allowed = 0;
+    for _ in 0..n {
+        let r = c
+            .check(quotalease_proto::v1::CheckRequest {
+                tenant_id: tenant.into(),
+                route_id: route.into(),
+                cost: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("check")
+            .into_inner();
+        if r.allowed {
+            allowed += 1;
+        } else if until_denied {
+            break;
+        }
+    }
+    allowed
+}

@@ -1,0 +1,324 @@
+//! The reservation log's file and its writer (the driver of
+//! [`crate::reservations`]): `reservations` in the global allocator's state
+//! directory, one text line per record, appended and made durable
+//! (`fdatasync`) in groups — every record taken from the core since the
+//! last write goes into the next one, so a busy allocator makes many keys
+//! durable per write. Replies wait until the records they depend on are
+//! durable ([`Durability::wait`]). The log is compacted into a fresh file
+//! (written aside, synced, renamed over) when it grows past
+//! [`COMPACT_BYTES`].
+//!
+//! Format (version 1):
+//!
+//! ```text
+//! quotalease-reservations 1
+//! ledger <16 hex digits>
+//! r <floor> <rate cap, micro-tokens/s> <rule> <tenant> <route>    (ids in hex)
+//! d <rule> <tenant> <route>                                      (at rest)
+//! ```
+//!
+//! A last line without its newline was being written when the process
+//! died: no reply waited on it, so it is ignored. Any other bad line is an
+//! error naming the file and the line.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use quotalease_model::key::KeyId;
+
+use crate::reservations::{Record, Reservation};
+use crate::server::Shared;
+
+/// The log's file name in the state directory.
+pub const FILE: &str = "reservations";
+const FORMAT: u64 = 1;
+/// Compact the log when it grows past this.
+pub const COMPACT_BYTES: u64 = 8 << 20;
+
+/// Bytes as lowercase hex (ids in state files: any UTF-8, no escaping).
+pub fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The inverse of [`hex`]; `None` if `h` is not hex of UTF-8.
+pub fn unhex(h: &str) -> Option<String> {
+    if !h.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+fn key_fields(k: &KeyId) -> String {
+    format!("{} {} {}", hex(&k.rule), hex(&k.tenant), hex(&k.route))
+}
+
+fn line(r: &Record) -> String {
+    match r {
+        Record::Set(k, v) => format!("r {} {} {}\n", v.floor, v.rate_cap_utps, key_fields(k)),
+        Record::AtRest(k) => format!("d {}\n", key_fields(k)),
+    }
+}
+
+fn header(ledger: u64) -> String {
+    format!("quotalease-reservations {FORMAT}\nledger {ledger:016x}\n")
+}
+
+/// Parse a log's text for `ledger`: the promises it leaves, by key.
+pub fn decode(text: &str, ledger: u64) -> Result<Vec<(KeyId, Reservation)>, String> {
+    let mut lines = text.split_inclusive('\n');
+    let head = lines.next().unwrap_or("").trim_end();
+    let format = head
+        .strip_prefix("quotalease-reservations ")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .ok_or_else(|| format!("first line {head:?}: not a quotalease reservation log"))?;
+    if format > FORMAT {
+        return Err(format!(
+            "format {format} is newer than this binary's ({FORMAT}): run a newer quotalease"
+        ));
+    }
+    let second = lines.next().unwrap_or("").trim_end();
+    let theirs = second
+        .strip_prefix("ledger ")
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .ok_or_else(|| format!("second line {second:?}: want `ledger ID`"))?;
+    if theirs != ledger {
+        return Err(format!(
+            "it belongs to ledger {theirs:016x}, the state directory's ledger is {ledger:016x}"
+        ));
+    }
+    let mut by_key = std::collections::BTreeMap::new();
+    for (n, raw) in lines.enumerate() {
+        let Some(l) = raw.strip_suffix('\n') else {
+            break; // torn: being written when the process died
+        };
+        let w: Vec<&str> = l.split(' ').collect();
+        let bad = || format!("line {}: {l:?}", n + 3);
+        let key = |i: usize| -> Result<KeyId, String> {
+            Ok(KeyId {
+                rule: unhex(w.get(i).ok_or_else(bad)?).ok_or_else(bad)?,
+                tenant: unhex(w.get(i + 1).ok_or_else(bad)?).ok_or_else(bad)?,
+                route: unhex(w.get(i + 2).ok_or_else(bad)?).ok_or_else(bad)?,
+            })
+        };
+        match (w.first().copied(), w.len()) {
+            (Some("r"), 6) => {
+                let num = |i: usize| w[i].parse::<u64>().map_err(|_| bad());
+                by_key.insert(
+                    key(3)?,
+                    Reservation {
+                        floor: num(1)?,
+                        rate_cap_utps: num(2)?,
+                    },
+                );
+            }
+            (Some("d"), 4) => {
+                by_key.remove(&key(1)?);
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(by_key.into_iter().collect())
+}
+
+/// Read the log in `dir` for `ledger`: `Ok(None)` when there is none (a
+/// ledger from before reservations, or one whose log was invalidated).
+pub fn read(dir: &Path, ledger: u64) -> Result<Option<Vec<(KeyId, Reservation)>>, String> {
+    let path = dir.join(FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => decode(&text, ledger).map(Some).map_err(|e| {
+            format!(
+                "{}: {e}; nothing is granted from it (fix or move it away)",
+                path.display()
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Remove the log (and make the removal durable): after a clean
+/// shutdown's checkpoint, or when it was invalidated.
+pub fn remove(dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(dir.join(FILE)) {
+        Ok(()) => sync_dir(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// An open log, appended to by the writer.
+#[derive(Debug)]
+pub struct Log {
+    dir: PathBuf,
+    ledger: u64,
+    file: std::fs::File,
+    bytes: u64,
+}
+
+impl Log {
+    /// Start a fresh log in `dir` holding `records` (written aside, synced
+    /// and renamed over any old one, so a crash leaves one or the other).
+    pub fn create(
+        dir: &Path,
+        ledger: u64,
+        records: &[(KeyId, Reservation)],
+    ) -> std::io::Result<Self> {
+        let mut text = header(ledger);
+        for (k, r) in records {
+            text.push_str(&line(&Record::Set(k.clone(), *r)));
+        }
+        let tmp = dir.join(format!("{FILE}.tmp"));
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, dir.join(FILE))?;
+        sync_dir(dir)?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join(FILE))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            ledger,
+            file,
+            bytes: text.len() as u64,
+        })
+    }
+
+    /// Append `records` and make them durable.
+    pub fn append(&mut self, records: &[Record]) -> std::io::Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut text = String::new();
+        for r in records {
+            text.push_str(&line(r));
+        }
+        self.file.write_all(text.as_bytes())?;
+        self.file.sync_data()?;
+        self.bytes += text.len() as u64;
+        Ok(())
+    }
+
+    /// Whether the log should be compacted.
+    pub fn wants_compaction(&self) -> bool {
+        self.bytes > COMPACT_BYTES
+    }
+
+    /// Replace the log by one holding exactly `records`.
+    pub fn compact(&mut self, records: &[(KeyId, Reservation)]) -> std::io::Result<()> {
+        *self = Self::create(&self.dir, self.ledger, records)?;
+        Ok(())
+    }
+}
+
+/// Where replies learn that the records they depend on are durable.
+#[derive(Clone, Debug)]
+pub struct Durability {
+    durable: tokio::sync::watch::Receiver<u64>,
+}
+
+/// How long a reply waits for its records before the call fails
+/// (`UNAVAILABLE`): a grant is never sent before its record is durable.
+pub const DURABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Durability {
+    /// Wait until at least `seq` records are durable; `false` if that took
+    /// longer than [`DURABLE_WAIT`] (or the writer stopped).
+    pub async fn wait(&self, seq: u64) -> bool {
+        if *self.durable.borrow() >= seq {
+            return true;
+        }
+        let mut rx = self.durable.clone();
+        let reached = tokio::time::timeout(DURABLE_WAIT, async {
+            rx.wait_for(|d| *d >= seq).await.is_ok()
+        })
+        .await;
+        reached == Ok(true)
+    }
+}
+
+/// Start the writer of `log` for `shared`'s core: it takes the records the
+/// core appended, writes them in one group, makes them durable, and tells
+/// waiting replies. Returns the [`Durability`] replies wait on, and the
+/// writer's task (abort it before removing the log).
+pub fn start(shared: Arc<Shared>, mut log: Log) -> (Durability, tokio::task::JoinHandle<()>) {
+    let initial = shared.with_core(|c| c.reservation_seq());
+    let (tx, rx) = tokio::sync::watch::channel(initial);
+    let task = tokio::spawn(async move {
+        // Taken from the core but not yet durable (kept across a failed write).
+        let mut unwritten: Vec<Record> = Vec::new();
+        loop {
+            let (seq, invalid, snapshot) = shared.with_core(|c| {
+                let Some(r) = c.reservations_mut() else {
+                    return (0, true, None);
+                };
+                if r.is_invalid() {
+                    return (r.seq(), true, None);
+                }
+                let (seq, records) = r.take();
+                unwritten.extend(records);
+                let snapshot = log.wants_compaction().then(|| r.snapshot().1);
+                (seq, false, snapshot)
+            });
+            if invalid {
+                let dir = log.dir.clone();
+                match tokio::task::spawn_blocking(move || remove(&dir)).await {
+                    Ok(Ok(())) => tracing::warn!(
+                        "reservation log removed: a restart waits the whole recorded TTL_max"
+                    ),
+                    Ok(Err(e)) => tracing::error!(error = %e, "cannot remove the reservation log"),
+                    Err(e) => tracing::error!(error = %e, "reservation log writer failed"),
+                }
+                return;
+            }
+            if unwritten.is_empty() && snapshot.is_none() {
+                // Replies that add records wake the writer; the sweep's
+                // (which nothing waits for) go out within 100 ms.
+                tokio::select! {
+                    _ = shared.reservations_wanted() => {}
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                }
+                continue;
+            }
+            let records = std::mem::take(&mut unwritten);
+            let res = tokio::task::spawn_blocking(move || {
+                let r = match &snapshot {
+                    Some(all) => log.compact(all),
+                    None => log.append(&records),
+                };
+                (log, records, r)
+            })
+            .await;
+            match res {
+                Ok((l, _, Ok(()))) => {
+                    log = l;
+                    let _ = tx.send(seq);
+                }
+                Ok((l, records, Err(e))) => {
+                    // Nothing that depends on these records is sent (those
+                    // replies time out); write them again shortly.
+                    tracing::error!(error = %e, "cannot write the reservation log; grants that need it wait");
+                    log = l;
+                    unwritten = records;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "reservation log writer failed");
+                    return;
+                }
+            }
+        }
+    });
+    (Durability { durable: rx }, task)
+}

@@ -381,6 +381,18 @@ impl AllocatorCore {
         for (key, ledger) in self.keys.iter_mut() {
             if let Some(rule) = rules.get(&key.rule) {
                 ledger.set_limits(rule.rate, rule.burst, now_ns);
+                if let Some(r) = &mut self.reservations {
+                    // A lowered burst clamps `available`: keep the promise
+                    // below it (tokens were destroyed, none granted, so
+                    // nothing waits for this record).
+                    r.after_grant(
+                        key,
+                        ledger.available(),
+                        ledger.rates_out_utps(),
+                        rule.rate,
+                        rule.burst,
+                    );
+                }
             }
         }
         self.versions.push(rules.version);

@@ -682,3 +682,36 @@ fn reservations_bound_the_state_at_every_instant_and_a_crash_resumes_below_it() 
         log.len()
     );
 }
+
+#[test]
+fn a_lowered_burst_lowers_the_promise_below_what_is_left() {
+    let rules = RuleSet::parse(RESERVED_RULES, "t.yaml", 7).unwrap();
+    let cfg = CoreConfig {
+        no_predecessor: true,
+        reservations: true,
+        ..CoreConfig::default()
+    };
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
+    let b = batch("a", 1, 1, vec![renew("fast", "t", "/fast", 0, 0, 30)]);
+    assert_eq!(c.handle(T, &b).grants[0].tokens, 30);
+    let key = KeyId {
+        rule: "fast".into(),
+        tenant: "t".into(),
+        route: "/fast".into(),
+    };
+    let before = c.reservations_mut().unwrap().get(&key).unwrap().floor;
+    assert!(before <= 70);
+    let lowered =
+        RESERVED_RULES.replace("rate: 100/s\n    burst: 100", "rate: 100/s\n    burst: 40");
+    let mut v2 = RuleSet::parse(&lowered, "t.yaml", 8).unwrap();
+    v2.version = 8;
+    c.set_rules(v2, T);
+    let l = c.ledger_mut(&key).unwrap();
+    l.advance(T);
+    let avail = l.available();
+    let floor = c.reservations_mut().unwrap().get(&key).unwrap().floor;
+    assert!(
+        floor <= avail,
+        "floor {floor} above what is left {avail} (was {before})"
+    );
+}

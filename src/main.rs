@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod etcd;
 mod run;
 mod sim;
 
@@ -162,6 +163,25 @@ pub struct AllocatorArgs {
     /// --tls-cert to its parent, whose URL is then https://.
     #[arg(long = "tls-parent-ca", value_name = "FILE")]
     tls_parent_ca: Option<PathBuf>,
+    /// etcd endpoints (http://HOST:PORT, comma separated): this is one of
+    /// several replicas of the global allocator; they elect a leader
+    /// through etcd, followers redirect agents to it, and the durable
+    /// ledger is kept in etcd instead of a state directory (SPEC §7).
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// With --etcd: the URL agents reach this replica at (default
+    /// http://LISTEN when --listen names an address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// With --etcd: the prefix of every key this allocator keeps in etcd
+    /// (one prefix per allocator cluster).
+    #[arg(long = "etcd-prefix", default_value = "/quotalease")]
+    etcd_prefix: String,
+    /// With --etcd: TTL of each replica's etcd lease. A dead leader is
+    /// replaced after about this long; a leader that cannot renew it stops
+    /// granting a third of it (at least 1 s) before it can expire.
+    #[arg(long = "etcd-lease-ttl", default_value = "3s", value_parser = parse_duration)]
+    etcd_lease_ttl: Duration,
     /// Regional: lease TTL asked of the parent.
     #[arg(long = "upstream-ttl", default_value = "2s", value_parser = parse_duration)]
     upstream_ttl: Duration,

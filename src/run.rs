@@ -85,7 +85,7 @@ impl Termination {
     }
 }
 
-async fn bind(flag: &str, addr: std::net::SocketAddr) -> anyhow::Result<TcpListener> {
+pub(crate) async fn bind(flag: &str, addr: std::net::SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("{flag} {addr}: cannot listen"))
@@ -114,28 +114,35 @@ fn default_state_dir(listen: std::net::SocketAddr) -> std::path::PathBuf {
 /// ledger id, the largest `TTL_max` it may have granted leases under, the
 /// largest rule version it served. Durations and counters only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct LedgerRecord {
-    id: u64,
-    ttl_max_ms: u64,
-    rules_version: u64,
+pub(crate) struct LedgerRecord {
+    pub(crate) id: u64,
+    pub(crate) ttl_max_ms: u64,
+    pub(crate) rules_version: u64,
+    /// With `--etcd`: the lease id base of the latest term (each term
+    /// starts above it, whatever the replicas' clocks say). 0 otherwise.
+    pub(crate) lease_id_base: u64,
 }
 
 const LEDGER_FILE: &str = "ledger";
 /// How long a new ledger grants nothing (see `CoreConfig::first_start_grace_ns`):
 /// three of the agents' default 1 s heartbeats.
-const FIRST_START_GRACE: Duration = Duration::from_secs(3);
+pub(crate) const FIRST_START_GRACE: Duration = Duration::from_secs(3);
 const LEDGER_FORMAT: u64 = 1;
 
 impl LedgerRecord {
-    fn encode(&self) -> String {
-        format!(
+    pub(crate) fn encode(&self) -> String {
+        let mut s = format!(
             "quotalease-ledger {LEDGER_FORMAT}\nid {:016x}\nttl_max_ms {}\nrules_version {}\n",
             self.id, self.ttl_max_ms, self.rules_version
-        )
+        );
+        if self.lease_id_base != 0 {
+            s.push_str(&format!("lease_id_base {}\n", self.lease_id_base));
+        }
+        s
     }
 
     /// Parse a ledger file; an error names what is wrong.
-    fn decode(text: &str) -> Result<Self, String> {
+    pub(crate) fn decode(text: &str) -> Result<Self, String> {
         let mut lines = text.lines();
         let head = lines.next().unwrap_or("");
         let format = head
@@ -147,7 +154,7 @@ impl LedgerRecord {
                 "format {format} is newer than this binary's ({LEDGER_FORMAT}): run a newer quotalease"
             ));
         }
-        let (mut id, mut ttl, mut version) = (None, None, None);
+        let (mut id, mut ttl, mut version, mut base) = (None, None, None, 0);
         for line in lines {
             let (k, v) = line
                 .split_once(' ')
@@ -157,6 +164,7 @@ impl LedgerRecord {
                 "id" => id = Some(u64::from_str_radix(v, 16).map_err(|_| bad("hex"))?),
                 "ttl_max_ms" => ttl = Some(v.parse().map_err(|_| bad("a number"))?),
                 "rules_version" => version = Some(v.parse().map_err(|_| bad("a number"))?),
+                "lease_id_base" => base = v.parse().map_err(|_| bad("a number"))?,
                 _ => {} // a later format's field
             }
         }
@@ -169,6 +177,7 @@ impl LedgerRecord {
             id,
             ttl_max_ms: ttl.ok_or_else(|| missing("ttl_max_ms"))?,
             rules_version: version.ok_or_else(|| missing("rules_version"))?,
+            lease_id_base: base,
         })
     }
 }
@@ -400,6 +409,11 @@ async fn keep_ledger_record(
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let stop = Termination::catch();
     match (&args.parent, &args.region) {
+        (Some(_), Some(_)) if !args.etcd.is_empty() => {
+            return Err(anyhow!(
+                "--etcd: a regional allocator (--parent) keeps no state and is not replicated through etcd"
+            ))
+        }
         (Some(_), Some(_)) => return regional(args, stop).await,
         (Some(_), None) => {
             return Err(anyhow!(
@@ -412,6 +426,9 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             ))
         }
         (None, None) => {}
+    }
+    if !args.etcd.is_empty() {
+        return crate::etcd::allocator(args, stop).await;
     }
     let Some(rules_path) = args.rules.clone() else {
         return Err(anyhow!(
@@ -445,6 +462,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
                     0
                 },
                 rules_version: 0,
+                lease_id_base: 0,
             };
             (r, !state.has_old_start_record())
         }
@@ -512,7 +530,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             dir.display()
         )
     })?;
-    let (durability, writer) = reservation_log::start(shared.clone(), log);
+    let (durability, writer) = reservation_log::start(shared.clone(), reservation_log::FileStore::new(log));
     let state = Arc::new(state);
     tokio::spawn(keep_ledger_record(
         state.clone(),
@@ -533,7 +551,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, Some(durability), rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, Some(durability), None, rx);
     stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);
@@ -554,12 +572,13 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
 
 /// Serve an allocator's Lease service on `grpc` and its admin HTTP on
 /// `http` until `stop` turns true: (gRPC task, admin task).
-fn serve_allocator(
+pub(crate) fn serve_allocator(
     shared: Arc<Shared>,
     grpc: TcpListener,
     http: TcpListener,
     tls: Option<Arc<ServerTls>>,
     durability: Option<Durability>,
+    leadership: Option<Arc<quotalease_allocator::leadership::Leadership>>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> (
     tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -582,6 +601,9 @@ fn serve_allocator(
     if let Some(d) = durability {
         service = service.with_durability(d);
     }
+    if let Some(l) = leadership {
+        service = service.with_leadership(l);
+    }
     let router = tonic::transport::Server::builder().add_service(service.into_server());
     let server = match tls {
         Some(tls) => {
@@ -600,7 +622,7 @@ fn serve_allocator(
 
 /// The allocator's mTLS listener config from `--tls-cert`, `--tls-key` and
 /// `--tls-client-ca` (all three or none).
-fn server_tls(args: &AllocatorArgs) -> anyhow::Result<Option<Arc<ServerTls>>> {
+pub(crate) fn server_tls(args: &AllocatorArgs) -> anyhow::Result<Option<Arc<ServerTls>>> {
     let files = quotalease_tls::files_from_flags(
         (args.tls_cert.as_deref(), "--tls-cert"),
         (args.tls_key.as_deref(), "--tls-key"),
@@ -686,7 +708,7 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
     let up = tokio::spawn(upstream::run(shared.clone(), client.clone(), rx.clone()));
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, None, rx);
+    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, None, None, rx);
     stop.wait().await;
     tracing::info!("stopping: giving unused pools back to the parent");
     let _ = tx.send(true);
@@ -781,6 +803,12 @@ mod tests {
             id: 0xdead_beef,
             ttl_max_ms: 2_000,
             rules_version: 1_796_000_000_000,
+            lease_id_base: 0,
+        };
+        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r));
+        let r = LedgerRecord {
+            lease_id_base: 1 << 61,
+            ..r
         };
         assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r));
         let err = |t: &str| LedgerRecord::decode(t).unwrap_err();

@@ -51,6 +51,14 @@ use crate::snapshot::RulesCell;
 /// `fetch_timeout`, all under the same sequence number).
 pub const SEND_ATTEMPTS: u32 = 2;
 
+/// How long replies saying "no leader yet" (SPEC §7: allocator replicas
+/// electing a leader through etcd) count as an allocator that is reachable
+/// but has nothing to grant: requests that need new tokens are denied with
+/// a retry time, held leases keep serving. Longer than that, the allocator
+/// is taken for unreachable and fail policies apply. An election takes the
+/// dead leader's etcd lease TTL (3 s by default) and a round trip.
+pub const NO_LEADER_GRACE: Duration = Duration::from_secs(15);
+
 /// The core's settings (a subset of [`crate::AgentConfig`]).
 #[derive(Clone, Debug)]
 pub struct CoreConfig {
@@ -382,6 +390,8 @@ pub struct AgentCore {
     outage: u64,
     last_sent_ns: u64,
     last_reply_ns: Option<u64>,
+    /// Since when every reply said "no leader yet" (SPEC §7).
+    no_leader_since_ns: Option<u64>,
     next_tick_ns: u64,
     planned_version: u64,
     /// A tick's walk over the listed keys, when it is under way.
@@ -451,6 +461,7 @@ impl AgentCore {
             outage: 0,
             last_sent_ns: 0,
             last_reply_ns: None,
+            no_leader_since_ns: None,
             next_tick_ns: now,
             planned_version: 0,
             walk: None,
@@ -652,10 +663,43 @@ impl AgentCore {
     /// answer the request (seq, grant count, digest) is ignored and the
     /// batch given up on; a reply to a batch given up on only releases the
     /// fresh tokens it granted; a repeated reply is ignored.
-    pub fn handle_reply(&mut self, now: u64, seq: u64, reply: LeaseReply) {
+    pub fn handle_reply(&mut self, now: u64, seq: u64, mut reply: LeaseReply) {
         let Some(p) = self.pending.get(&seq) else {
             return;
         };
+        if reply.not_leader && reply.grants.is_empty() {
+            // An allocator replica without a leader (the transport follows
+            // a named one): nothing was applied. Reachable but empty, for
+            // as long as an election takes: every key is answered "dry,
+            // ask again after the hint", and the leases held stay usable
+            // under their own deadlines (a grant naming no lease).
+            let since = *self.no_leader_since_ns.get_or_insert(now);
+            if now.saturating_sub(since) > NO_LEADER_GRACE.as_nanos() as u64 {
+                let attempt = p.attempt;
+                self.attempt_failed(now, seq, attempt, "no allocator leader");
+                return;
+            }
+            let retry_ms = reply.retry_after_ms.max(1);
+            if since == now {
+                tracing::warn!(retry_ms, "the allocator replicas have no leader yet; requests that need new tokens are denied until one is elected");
+            }
+            reply.grants = p
+                .batch
+                .items
+                .iter()
+                .map(|i| Grant {
+                    status: if i.kind == ItemKind::Release as i32 {
+                        GrantStatus::Released as i32
+                    } else {
+                        GrantStatus::Granted as i32
+                    },
+                    retry_after_ms: retry_ms,
+                    ..Grant::default()
+                })
+                .collect();
+        } else if self.no_leader_since_ns.take().is_some() {
+            tracing::info!("the allocator replicas have a leader again");
+        }
         let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
         if reply.seq != seq || reply.grants.len() != p.batch.items.len() || !digest_ok {
             self.metrics.mismatched_replies.add(1);

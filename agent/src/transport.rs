@@ -3,12 +3,10 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use quotalease_proto::lease::allocator_client::AllocatorClient;
+use quotalease_proto::follow::LeaderClient;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
-use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::transport::{Channel, Endpoint};
 
 /// A boxed future returned by [`Transport::lease`].
@@ -21,12 +19,13 @@ pub trait Transport: Send + Sync + 'static {
     fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_>;
 }
 
-/// gRPC to one or more allocator URLs; on an error the next URL is tried
-/// on the following call.
+/// gRPC to the allocator leader: the first contacts (`--allocator`), then
+/// whatever replicas and leader the replies name
+/// ([`quotalease_proto::follow::LeaderClient`]); on an error the next one
+/// is tried on the following call.
 #[derive(Debug)]
 pub struct GrpcTransport {
-    clients: Vec<(String, AllocatorClient<Channel>)>,
-    current: AtomicUsize,
+    client: LeaderClient,
 }
 
 impl GrpcTransport {
@@ -46,35 +45,34 @@ impl GrpcTransport {
         if urls.is_empty() {
             return Err("--allocator: at least one URL is needed".into());
         }
+        let tls = tls.cloned();
+        let connect = move |url: &str| {
+            quotalease_tls::channel(endpoint(url, timeout)?, url, tls.as_ref(), "--allocator")
+        };
         let mut channels = Vec::new();
         for url in urls {
-            let channel =
-                quotalease_tls::channel(endpoint(url, timeout)?, url, tls, "--allocator")?;
-            channels.push((url.clone(), channel));
+            channels.push((url.clone(), connect(url)?));
         }
-        Self::from_channels(channels)
+        Ok(Self {
+            client: LeaderClient::new(channels, std::sync::Arc::new(connect))?,
+        })
     }
 
     /// Clients over ready-made channels, each named by its URL (for logs).
     /// A test builds them from [`endpoint`] over its own network
-    /// (`Endpoint::connect_with_connector_lazy`).
+    /// (`Endpoint::connect_with_connector_lazy`). Replicas named by replies
+    /// are reached over the real network.
     pub fn from_channels(channels: Vec<(String, Channel)>) -> Result<Self, String> {
-        if channels.is_empty() {
-            return Err("--allocator: at least one URL is needed".into());
-        }
-        let clients = channels
-            .into_iter()
-            .map(|(url, channel)| {
-                let client = AllocatorClient::new(channel)
-                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
-                (url, client)
-            })
-            .collect();
+        let connect = |url: &str| Ok(endpoint(url, Duration::from_secs(2))?.connect_lazy());
         Ok(Self {
-            clients,
-            current: AtomicUsize::new(0),
+            client: LeaderClient::new(channels, std::sync::Arc::new(connect))
+                .map_err(|e| format!("--allocator: {e}"))?,
         })
+    }
+
+    /// The allocator URL calls go to now.
+    pub fn current_url(&self) -> String {
+        self.client.current_url()
     }
 }
 
@@ -88,18 +86,7 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
 
 impl Transport for GrpcTransport {
     fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
-        Box::pin(async move {
-            let i = self.current.load(Ordering::Relaxed) % self.clients.len();
-            let (url, client) = &self.clients[i];
-            let mut client = client.clone();
-            match client.lease(batch).await {
-                Ok(resp) => Ok(resp.into_inner()),
-                Err(status) => {
-                    self.current.store(i + 1, Ordering::Relaxed);
-                    Err(format!("{url}: {}: {}", status.code(), status.message()))
-                }
-            }
-        })
+        Box::pin(self.client.lease(batch))
     }
 }
 

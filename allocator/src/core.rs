@@ -706,6 +706,7 @@ impl AllocatorCore {
             rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
             request_digest: digest,
             ledger_id: self.cfg.ledger_id,
+            ..LeaseReply::default()
         };
         let cap = self.cfg.reply_cache.max(1);
         let holder = self
@@ -739,6 +740,7 @@ impl AllocatorCore {
             // Refusals answer this request too: the requester matches them.
             request_digest: quotalease_proto::request_digest(batch),
             ledger_id: self.cfg.ledger_id,
+            ..LeaseReply::default()
         }
     }
 

@@ -23,6 +23,8 @@ pub struct Snapshot {
     shadow_violations: BTreeMap<String, u64>,
     rule_lag: Vec<(String, u64)>,
     regional: Option<Regional>,
+    /// With `--etcd`: whether this replica leads now.
+    leader: Option<bool>,
 }
 
 #[derive(Debug)]
@@ -52,6 +54,7 @@ impl Snapshot {
             shadow_violations,
             rule_lag: core.rule_lag(),
             regional: None,
+            leader: None,
         }
     }
 
@@ -61,6 +64,12 @@ impl Snapshot {
             stats: r.stats().clone(),
             parent_reachable: r.parent_reachable(),
         });
+        self
+    }
+
+    /// A replica of `--etcd` replicas: say whether it leads.
+    pub fn with_leader(mut self, leading: bool) -> Self {
+        self.leader = Some(leading);
         self
     }
 
@@ -170,6 +179,14 @@ impl Collector for Snapshot {
             "Epoch this allocator grants under.",
             self.epoch,
         )?;
+        if let Some(leading) = self.leader {
+            exposition::gauge(
+                &mut enc,
+                "quotalease_allocator_leader",
+                "1 while this replica (--etcd) is the elected leader and may grant, else 0.",
+                u64::from(leading),
+            )?;
+        }
         exposition::counters(
             &mut enc,
             "quotalease_allocator_shadow_violations_total",

@@ -450,6 +450,7 @@ impl RegionalCore {
                 holder_incarnation: 0,
                 request_digest: quotalease_proto::request_digest(batch),
                 ledger_id: 0,
+                ..LeaseReply::default()
             };
         }
         // A child naming a ledger other than the parent's (the root lost its

@@ -53,11 +53,13 @@ pub fn unhex(h: &str) -> Option<String> {
     String::from_utf8(bytes?).ok()
 }
 
-fn key_fields(k: &KeyId) -> String {
+/// A key as three hex fields separated by spaces.
+pub fn key_fields(k: &KeyId) -> String {
     format!("{} {} {}", hex(&k.rule), hex(&k.tenant), hex(&k.route))
 }
 
-fn line(r: &Record) -> String {
+/// A record as a line of the log.
+pub fn line(r: &Record) -> String {
     match r {
         Record::Set(k, v) => format!("r {} {} {}\n", v.floor, v.rate_cap_utps, key_fields(k)),
         Record::AtRest(k) => format!("d {}\n", key_fields(k)),
@@ -222,10 +224,97 @@ impl Log {
     }
 }
 
+/// Where reservation records are made durable: the state directory's
+/// [`Log`] ([`FileStore`]), or etcd with `--etcd` (the binary's driver).
+pub trait Store: Send + 'static {
+    /// Make `records` durable, in order; on an error none of them may be
+    /// taken for durable (the writer retries them).
+    fn append(
+        &mut self,
+        records: Vec<Record>,
+    ) -> impl std::future::Future<Output = Result<(), String>> + Send;
+    /// Whether [`Store::compact`] should run now: never for a store that
+    /// keeps one value per key (etcd), only for an appended log.
+    fn wants_compaction(&self) -> bool {
+        false
+    }
+    /// Replace everything stored by exactly `records` (only called when
+    /// [`Store::wants_compaction`] says so).
+    fn compact(
+        &mut self,
+        records: Vec<(KeyId, Reservation)>,
+    ) -> impl std::future::Future<Output = Result<(), String>> + Send {
+        let _ = records;
+        async { Err("this store is never compacted".to_string()) }
+    }
+    /// The records no longer describe the ledger (its state was lost):
+    /// remove them, so that a restart waits the whole recorded `TTL_max`.
+    fn invalidate(&mut self) -> impl std::future::Future<Output = Result<(), String>> + Send;
+}
+
+/// The state directory's [`Log`] as a [`Store`]: file I/O off the runtime.
+#[derive(Debug)]
+pub struct FileStore {
+    log: Option<Log>,
+    dir: PathBuf,
+}
+
+impl FileStore {
+    /// Write through `log`.
+    pub fn new(log: Log) -> Self {
+        Self {
+            dir: log.dir.clone(),
+            log: Some(log),
+        }
+    }
+
+    async fn with_log(
+        &mut self,
+        f: impl FnOnce(&mut Log) -> std::io::Result<()> + Send + 'static,
+    ) -> Result<(), String> {
+        let Some(mut log) = self.log.take() else {
+            return Err("the reservation log writer failed before".into());
+        };
+        let (log, res) = tokio::task::spawn_blocking(move || {
+            let r = f(&mut log);
+            (log, r)
+        })
+        .await
+        .map_err(|e| format!("reservation log writer failed: {e}"))?;
+        self.log = Some(log);
+        res.map_err(|e| e.to_string())
+    }
+}
+
+impl Store for FileStore {
+    async fn append(&mut self, records: Vec<Record>) -> Result<(), String> {
+        self.with_log(move |l| l.append(&records)).await
+    }
+
+    fn wants_compaction(&self) -> bool {
+        self.log.as_ref().is_some_and(Log::wants_compaction)
+    }
+
+    async fn compact(&mut self, records: Vec<(KeyId, Reservation)>) -> Result<(), String> {
+        self.with_log(move |l| l.compact(&records)).await
+    }
+
+    async fn invalidate(&mut self) -> Result<(), String> {
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || remove(&dir))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// Where replies learn that the records they depend on are durable.
+///
+/// Clones share one slot: [`Durability::replace_with`] points them all at
+/// another writer (with `--etcd`, each term has its own core and writer).
 #[derive(Clone, Debug)]
 pub struct Durability {
-    durable: tokio::sync::watch::Receiver<u64>,
+    durable: Arc<parking_lot::Mutex<tokio::sync::watch::Receiver<u64>>>,
 }
 
 /// How long a reply waits for its records before the call fails
@@ -233,13 +322,28 @@ pub struct Durability {
 pub const DURABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Durability {
+    /// One that no writer confirms: every wait for a record fails (a
+    /// replica that does not lead grants nothing that needs one).
+    pub fn none() -> Self {
+        let (_, rx) = tokio::sync::watch::channel(0);
+        Self {
+            durable: Arc::new(parking_lot::Mutex::new(rx)),
+        }
+    }
+
+    /// From now on, wait on `other`'s writer (a new term's).
+    pub fn replace_with(&self, other: &Durability) {
+        let rx = other.durable.lock().clone();
+        *self.durable.lock() = rx;
+    }
+
     /// Wait until at least `seq` records are durable; `false` if that took
     /// longer than [`DURABLE_WAIT`] (or the writer stopped).
     pub async fn wait(&self, seq: u64) -> bool {
-        if *self.durable.borrow() >= seq {
+        let mut rx = self.durable.lock().clone();
+        if *rx.borrow() >= seq {
             return true;
         }
-        let mut rx = self.durable.clone();
         let reached = tokio::time::timeout(DURABLE_WAIT, async {
             rx.wait_for(|d| *d >= seq).await.is_ok()
         })
@@ -248,11 +352,11 @@ impl Durability {
     }
 }
 
-/// Start the writer of `log` for `shared`'s core: it takes the records the
-/// core appended, writes them in one group, makes them durable, and tells
-/// waiting replies. Returns the [`Durability`] replies wait on, and the
-/// writer's task (abort it before removing the log).
-pub fn start(shared: Arc<Shared>, mut log: Log) -> (Durability, tokio::task::JoinHandle<()>) {
+/// Start the writer of `store` for `shared`'s core: it takes the records
+/// the core appended, writes them in one group, makes them durable, and
+/// tells waiting replies. Returns the [`Durability`] replies wait on, and
+/// the writer's task (abort it before removing what it wrote).
+pub fn start<S: Store>(shared: Arc<Shared>, mut store: S) -> (Durability, tokio::task::JoinHandle<()>) {
     let initial = shared.with_core(|c| c.reservation_seq());
     let (tx, rx) = tokio::sync::watch::channel(initial);
     let task = tokio::spawn(async move {
@@ -268,17 +372,15 @@ pub fn start(shared: Arc<Shared>, mut log: Log) -> (Durability, tokio::task::Joi
                 }
                 let (seq, records) = r.take();
                 unwritten.extend(records);
-                let snapshot = log.wants_compaction().then(|| r.snapshot().1);
+                let snapshot = store.wants_compaction().then(|| r.snapshot().1);
                 (seq, false, snapshot)
             });
             if invalid {
-                let dir = log.dir.clone();
-                match tokio::task::spawn_blocking(move || remove(&dir)).await {
-                    Ok(Ok(())) => tracing::warn!(
-                        "reservation log removed: a restart waits the whole recorded TTL_max"
+                match store.invalidate().await {
+                    Ok(()) => tracing::warn!(
+                        "reservations removed: a restart waits the whole recorded TTL_max"
                     ),
-                    Ok(Err(e)) => tracing::error!(error = %e, "cannot remove the reservation log"),
-                    Err(e) => tracing::error!(error = %e, "reservation log writer failed"),
+                    Err(e) => tracing::error!(error = %e, "cannot remove the reservations"),
                 }
                 return;
             }
@@ -291,34 +393,28 @@ pub fn start(shared: Arc<Shared>, mut log: Log) -> (Durability, tokio::task::Joi
                 }
                 continue;
             }
-            let records = std::mem::take(&mut unwritten);
-            let res = tokio::task::spawn_blocking(move || {
-                let r = match &snapshot {
-                    Some(all) => log.compact(all),
-                    None => log.append(&records),
-                };
-                (log, records, r)
-            })
-            .await;
+            let res = match snapshot {
+                Some(all) => store.compact(all).await,
+                None => store.append(unwritten.clone()).await,
+            };
             match res {
-                Ok((l, _, Ok(()))) => {
-                    log = l;
+                Ok(()) => {
+                    unwritten.clear();
                     let _ = tx.send(seq);
                 }
-                Ok((l, records, Err(e))) => {
+                Err(e) => {
                     // Nothing that depends on these records is sent (those
                     // replies time out); write them again shortly.
-                    tracing::error!(error = %e, "cannot write the reservation log; grants that need it wait");
-                    log = l;
-                    unwritten = records;
+                    tracing::error!(error = %e, "cannot make the reservations durable; grants that need them wait");
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "reservation log writer failed");
-                    return;
                 }
             }
         }
     });
-    (Durability { durable: rx }, task)
+    (
+        Durability {
+            durable: Arc::new(parking_lot::Mutex::new(rx)),
+        },
+        task,
+    )
 }

@@ -86,9 +86,17 @@ pub struct Shared {
     /// Where the drivers read time: `CLOCK_BOOTTIME` unless a test driver
     /// (turmoil) supplies its own.
     clock: ClockSource,
+    /// With `--etcd`: the replica's leadership (for /readyz and /metrics).
+    leadership: std::sync::OnceLock<Arc<crate::leadership::Leadership>>,
 }
 
 impl Shared {
+    /// This is a replica of `--etcd` replicas: `/readyz` and `/metrics`
+    /// say whether it leads.
+    pub fn set_leadership(&self, l: Arc<crate::leadership::Leadership>) {
+        let _ = self.leadership.set(l);
+    }
+
     /// A fresh allocator core started now.
     pub fn new(cfg: CoreConfig, rules: RuleSet, rules_path: Option<PathBuf>) -> Arc<Self> {
         Self::build_global(cfg, rules, rules_path, ClockSource::Boot)
@@ -121,6 +129,7 @@ impl Shared {
             reload_failures: Default::default(),
             closed: Default::default(),
             clock,
+            leadership: Default::default(),
         })
     }
 
@@ -158,6 +167,7 @@ impl Shared {
             reload_failures: Default::default(),
             closed: Default::default(),
             clock,
+            leadership: Default::default(),
         })
     }
 
@@ -207,6 +217,17 @@ impl Shared {
                 (reply, 0)
             }
         }
+    }
+
+    /// A new term of a global allocator (with `--etcd`, each won
+    /// election): the core is replaced by a new one with `cfg`, `rules` and
+    /// `epoch`, whose lease ids start at `lease_id_base`. Everything the
+    /// old core knew is dropped (a successor may have granted since).
+    pub fn new_term(&self, cfg: CoreConfig, rules: RuleSet, epoch: u64, lease_id_base: u64) {
+        let core = AllocatorCore::new(cfg, rules, epoch, lease_id_base, self.now());
+        *self.core.lock() = Node::Global(core);
+        self.closed
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 
     /// Resolves when a reply added reservation records.
@@ -287,6 +308,8 @@ pub struct LeaseService {
     /// With write-ahead reservations: replies wait until the records they
     /// depend on are durable.
     durability: Option<crate::reservation_log::Durability>,
+    /// With `--etcd`: only the leader grants, while its leadership is valid.
+    leadership: Option<Arc<crate::leadership::Leadership>>,
 }
 
 impl LeaseService {
@@ -295,7 +318,15 @@ impl LeaseService {
         Self {
             shared,
             durability: None,
+            leadership: None,
         }
+    }
+
+    /// Grant only while `leadership` says this replica leads; other
+    /// replicas' replies redirect (SPEC §7).
+    pub fn with_leadership(mut self, leadership: Arc<crate::leadership::Leadership>) -> Self {
+        self.leadership = Some(leadership);
+        self
     }
 
     /// Replies wait for `durability` (write-ahead reservations).
@@ -322,6 +353,15 @@ impl Allocator for LeaseService {
             .get::<quotalease_tls::PeerInfo>()
             .map(|p| p.principal.clone());
         let batch = request.into_inner();
+        // The term the grants are decided in: they go out only if it is
+        // still the current one, and still valid, when the reply is ready.
+        let term = match &self.leadership {
+            Some(l) => match l.term().filter(|_| l.serving()) {
+                Some(t) => Some(t),
+                None => return Ok(Response::new(l.refusal(&batch))),
+            },
+            None => None,
+        };
         if self
             .shared
             .closed
@@ -337,9 +377,19 @@ impl Allocator for LeaseService {
             // out only once the new promise is on disk (SPEC §2 "Restarts").
             if !d.wait(seq).await {
                 return Err(Status::unavailable(
-                    "allocator cannot make its reservations durable (state directory)",
+                    "allocator cannot make its reservations durable",
                 ));
             }
+        }
+        let mut reply = reply;
+        if let Some(l) = &self.leadership {
+            // The grants were decided while this replica led; if its
+            // leadership ran out while they waited for durability, a
+            // successor may already resume without knowing they were sent.
+            if l.term() != term || !l.serving() {
+                return Ok(Response::new(l.refusal(&batch)));
+            }
+            l.stamp(&mut reply);
         }
         Ok(Response::new(reply))
     }
@@ -473,6 +523,10 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             Node::Regional(r) => Snapshot::of_core(r.core_mut(), reload_failures).with_regional(r),
         }
     };
+    let snapshot = match shared.leadership.get() {
+        Some(l) => snapshot.with_leader(l.serving()),
+        None => snapshot,
+    };
     (
         [(CONTENT_TYPE, exposition::CONTENT_TYPE)],
         snapshot.render(),
@@ -490,8 +544,26 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
             )
         };
     }
+    if let Some(l) = shared.leadership.get() {
+        // A follower answers (it redirects): ready, and says to whom.
+        if !l.serving() {
+            let v = l.view();
+            let leader = if v.leader_url.is_empty() || v.leader_url == l.advertise() {
+                "no leader yet".to_string()
+            } else {
+                format!("leader {} epoch {}", v.leader_url, v.epoch)
+            };
+            return (StatusCode::OK, format!("ready: follower; {leader}\n"));
+        }
+    }
     let now = shared.now();
     let ready_at = shared.with_core(|c| c.ready_at_ns());
+    if shared.leadership.get().is_some_and(|l| l.serving()) {
+        let epoch = shared.with_core(|c| c.epoch());
+        if now >= ready_at {
+            return (StatusCode::OK, format!("ready: leader epoch {epoch}\n"));
+        }
+    }
     if now >= ready_at {
         (StatusCode::OK, "ready\n".into())
     } else {

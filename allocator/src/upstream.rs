@@ -8,12 +8,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use quotalease_proto::lease::allocator_client::AllocatorClient;
+use quotalease_proto::follow::LeaderClient;
 use quotalease_proto::lease::LeaseBatch;
-use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::server::Shared;
+
+/// The parent as the upstream loop reaches it: its first contact, then
+/// whichever replica the replies name as leader (SPEC §7).
+pub type Parent = Arc<LeaderClient>;
 
 /// A lazily connecting client for the parent at `url` (the regional starts
 /// even if the parent does not answer yet). `timeout` bounds each call.
@@ -22,12 +25,15 @@ pub fn client(
     url: &str,
     timeout: Duration,
     tls: Option<&Arc<quotalease_tls::ClientTls>>,
-) -> Result<AllocatorClient<Channel>, String> {
-    Ok(client_on(quotalease_tls::channel(
-        endpoint(url, timeout)?,
-        url,
-        tls,
-        "--parent",
+) -> Result<Parent, String> {
+    let tls = tls.cloned();
+    let connect = move |url: &str| {
+        quotalease_tls::channel(endpoint(url, timeout)?, url, tls.as_ref(), "--parent")
+    };
+    let first = connect(url)?;
+    Ok(Arc::new(LeaderClient::new(
+        vec![(url.to_string(), first)],
+        Arc::new(connect),
     )?))
 }
 
@@ -46,18 +52,22 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
         .map_err(|e| format!("--parent: {url:?} is not a valid URL: {e}"))
 }
 
-/// A client for the parent over `channel`, with the message size limits.
-pub fn client_on(channel: Channel) -> AllocatorClient<Channel> {
-    AllocatorClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+/// A client for the parent over `channel` (a test's own network); the
+/// replicas its replies name are reached over the real network.
+pub fn client_on(channel: Channel) -> Parent {
+    let connect =
+        |url: &str| Ok(endpoint(url, Duration::from_secs(2))?.connect_lazy());
+    Arc::new(
+        LeaderClient::new(vec![("parent".into(), channel)], Arc::new(connect))
+            .expect("one channel"),
+    )
 }
 
 /// Send one batch and feed the outcome back to the core, waiting at most
 /// `wait`.
 async fn exchange(
     shared: &Shared,
-    client: &AllocatorClient<Channel>,
+    client: &LeaderClient,
     batch: LeaseBatch,
     wait: Duration,
 ) {
@@ -66,22 +76,26 @@ async fn exchange(
     let was_reachable = shared
         .with_regional(|r| r.parent_reachable())
         .unwrap_or(false);
-    let mut c = client.clone();
-    let res = tokio::time::timeout(wait, c.lease(batch)).await;
+    let res = tokio::time::timeout(wait, client.lease(batch)).await;
     let now = shared.now();
     match res {
+        Ok(Ok(reply)) if reply.not_leader => {
+            // The parent's replicas have no leader yet: nothing was
+            // applied; the pools serve what they hold meanwhile.
+            tracing::debug!(seq, retry_ms = reply.retry_after_ms, "the parent's replicas have no leader yet");
+            shared.with_regional(|r| r.upstream_failed(now, seq));
+        }
         Ok(Ok(reply)) => {
-            let reply = reply.into_inner();
             shared.with_regional(|r| r.handle_upstream_reply(now, &reply));
             if !was_reachable {
                 tracing::info!("parent allocator reachable");
             }
         }
-        Ok(Err(status)) => {
+        Ok(Err(why)) => {
             if was_reachable {
-                tracing::warn!(seq, code = ?status.code(), msg = status.message(), "parent allocator call failed");
+                tracing::warn!(seq, %why, "parent allocator call failed");
             } else {
-                tracing::debug!(seq, code = ?status.code(), msg = status.message(), "parent allocator call failed");
+                tracing::debug!(seq, %why, "parent allocator call failed");
             }
             shared.with_regional(|r| r.upstream_failed(now, seq));
         }
@@ -102,7 +116,7 @@ async fn exchange(
 /// when `stop` turns true (or at once for a global allocator).
 pub async fn run(
     shared: Arc<Shared>,
-    client: AllocatorClient<Channel>,
+    client: Parent,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -136,7 +150,7 @@ pub async fn run(
 
 /// At shutdown: stop sub-leasing and give the pools back to the parent
 /// (one batch, bounded by `timeout`).
-pub async fn shutdown(shared: &Shared, client: &AllocatorClient<Channel>, timeout: Duration) {
+pub async fn shutdown(shared: &Shared, client: &LeaderClient, timeout: Duration) {
     let now = shared.now();
     let Some(Some(batch)) = shared.with_regional(|r| r.shutdown(now)) else {
         return;

@@ -7,6 +7,9 @@ pub mod v1 {
     tonic::include_proto!("quotalease.v1");
 }
 
+/// A lease client that follows the allocator leader (SPEC §7).
+pub mod follow;
+
 /// The allocator <-> agent lease protocol.
 pub mod lease {
     tonic::include_proto!("quotalease.lease.v1");

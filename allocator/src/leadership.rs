@@ -1,0 +1,218 @@
+//! Who may grant (SPEC §7): with `--etcd` only the elected leader does, and
+//! only while its leadership is surely valid. The election itself (etcd)
+//! is the binary's driver; this is the gate the lease service asks before
+//! every batch, and what every reply says about the replicas.
+//!
+//! Validity is measured on the monotonic clock from when a keep-alive of
+//! the leader's etcd lease was *sent*, not answered: etcd renews the lease
+//! for its whole TTL when it receives the keep-alive, so the lease cannot
+//! expire (and no other replica can be elected) before `sent + TTL` on
+//! etcd's clock. The driver sets `valid_until` a safety margin before that
+//! (clock rate differences, scheduling), so a deposed leader — partitioned,
+//! or frozen and woken up — stops granting before a successor can exist.
+
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::PROTOCOL_VERSION;
+
+/// What replicas know of each other; stamped on every reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct View {
+    /// The leader's advertised URL; empty while there is none.
+    pub leader_url: String,
+    /// Every live replica's advertised URL.
+    pub replicas: Vec<String>,
+    /// The leader's epoch (its election revision); 0 while there is none.
+    pub epoch: u64,
+    /// Version of the shard map (0: one shard).
+    pub shard_map_version: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    view: View,
+    /// `Some` while this replica leads: grants are allowed until then.
+    valid_until: Option<Instant>,
+    /// Epoch of the term `valid_until` belongs to.
+    term: u64,
+}
+
+/// The gate (see the module docs).
+#[derive(Debug)]
+pub struct Leadership {
+    advertise: String,
+    /// How long a replica without a leader tells requesters to wait.
+    retry_after_ms: u64,
+    state: Mutex<State>,
+}
+
+impl Leadership {
+    /// A replica advertised as `advertise`, not leading yet.
+    pub fn new(advertise: String, retry_after_ms: u64) -> Self {
+        Self {
+            advertise,
+            retry_after_ms,
+            state: Mutex::default(),
+        }
+    }
+
+    /// This replica's advertised URL.
+    pub fn advertise(&self) -> &str {
+        &self.advertise
+    }
+
+    /// True while this replica leads and its leadership is surely valid.
+    pub fn serving(&self) -> bool {
+        self.serving_at(Instant::now())
+    }
+
+    /// [`Leadership::serving`] at `now`.
+    pub fn serving_at(&self, now: Instant) -> bool {
+        self.state.lock().valid_until.is_some_and(|v| now < v)
+    }
+
+    /// The epoch of the current term, if this replica leads.
+    pub fn term(&self) -> Option<u64> {
+        let s = self.state.lock();
+        s.valid_until.map(|_| s.term)
+    }
+
+    /// This replica won the election of `epoch`; it may grant until
+    /// `valid_until` (see [`Leadership::extend`]).
+    pub fn lead(&self, epoch: u64, valid_until: Instant) {
+        let mut s = self.state.lock();
+        s.term = epoch;
+        s.valid_until = Some(valid_until);
+        s.view.leader_url = self.advertise.clone();
+        s.view.epoch = epoch;
+    }
+
+    /// A keep-alive of term `epoch` succeeded: valid until `valid_until`
+    /// (never shortened). Ignored for another term.
+    pub fn extend(&self, epoch: u64, valid_until: Instant) {
+        let mut s = self.state.lock();
+        if s.term == epoch {
+            if let Some(v) = &mut s.valid_until {
+                *v = (*v).max(valid_until);
+            }
+        }
+    }
+
+    /// This replica no longer leads (deposed, or its validity ran out).
+    pub fn step_down(&self) {
+        let mut s = self.state.lock();
+        s.valid_until = None;
+        if s.view.leader_url == self.advertise {
+            s.view.leader_url.clear();
+            s.view.epoch = 0;
+        }
+    }
+
+    /// The election's current leader as observed (`""`: none), with its
+    /// epoch. A replica that leads keeps its own view.
+    pub fn observed_leader(&self, url: &str, epoch: u64) {
+        let mut s = self.state.lock();
+        if s.valid_until.is_some() {
+            return;
+        }
+        s.view.leader_url = url.to_string();
+        s.view.epoch = epoch;
+    }
+
+    /// The live replicas as listed in etcd.
+    pub fn set_replicas(&self, mut replicas: Vec<String>) {
+        replicas.sort();
+        replicas.dedup();
+        self.state.lock().view.replicas = replicas;
+    }
+
+    /// What replies say of the replicas now.
+    pub fn view(&self) -> View {
+        self.state.lock().view.clone()
+    }
+
+    /// Stamp `reply` with the view.
+    pub fn stamp(&self, reply: &mut LeaseReply) {
+        let v = self.view();
+        reply.leader_url = v.leader_url;
+        reply.replicas = v.replicas;
+        reply.shard_map_version = v.shard_map_version;
+    }
+
+    /// The reply of a replica that may not grant: nothing applied, go to
+    /// the leader, or (none yet) ask again after a while.
+    pub fn refusal(&self, batch: &LeaseBatch) -> LeaseReply {
+        let v = self.view();
+        // Our own URL as "leader" while we may not grant (a term ending):
+        // no leader for the requester.
+        let leader_url = if v.leader_url == self.advertise {
+            String::new()
+        } else {
+            v.leader_url
+        };
+        LeaseReply {
+            seq: batch.header.as_ref().map_or(0, |h| h.seq),
+            epoch: v.epoch,
+            protocol_version: PROTOCOL_VERSION,
+            request_digest: quotalease_proto::request_digest(batch),
+            retry_after_ms: if leader_url.is_empty() {
+                self.retry_after_ms
+            } else {
+                0
+            },
+            leader_url,
+            replicas: v.replicas,
+            shard_map_version: v.shard_map_version,
+            not_leader: true,
+            ..LeaseReply::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn grants_only_within_validity_of_the_current_term() {
+        let l = Leadership::new("http://a:1".into(), 500);
+        let t0 = Instant::now();
+        assert!(!l.serving_at(t0));
+        l.lead(7, t0 + Duration::from_secs(2));
+        assert!(l.serving_at(t0 + Duration::from_millis(1999)));
+        assert!(!l.serving_at(t0 + Duration::from_secs(2)));
+        // Another term's keep-alive does not extend this one.
+        l.extend(6, t0 + Duration::from_secs(9));
+        assert!(!l.serving_at(t0 + Duration::from_secs(3)));
+        l.extend(7, t0 + Duration::from_secs(4));
+        assert!(l.serving_at(t0 + Duration::from_secs(3)));
+        // Never shortened by a late keep-alive answer.
+        l.extend(7, t0 + Duration::from_secs(1));
+        assert!(l.serving_at(t0 + Duration::from_secs(3)));
+        l.step_down();
+        assert!(!l.serving_at(t0));
+        assert_eq!(l.term(), None);
+    }
+
+    #[test]
+    fn a_refusal_redirects_to_the_leader_or_says_there_is_none() {
+        let l = Leadership::new("http://a:1".into(), 500);
+        l.set_replicas(vec!["http://b:1".into(), "http://a:1".into()]);
+        let batch = LeaseBatch::default();
+        let r = l.refusal(&batch);
+        assert!(r.not_leader && r.grants.is_empty());
+        assert_eq!((r.leader_url.as_str(), r.retry_after_ms), ("", 500));
+        assert_eq!(r.replicas, vec!["http://a:1", "http://b:1"]);
+        l.observed_leader("http://b:1", 42);
+        let r = l.refusal(&batch);
+        assert_eq!((r.leader_url.as_str(), r.epoch, r.retry_after_ms), ("http://b:1", 42, 0));
+        // A leader whose validity ran out names no leader, not itself.
+        l.lead(43, Instant::now());
+        let r = l.refusal(&batch);
+        assert_eq!(r.leader_url, "");
+        assert!(r.retry_after_ms > 0);
+    }
+}

@@ -1,0 +1,170 @@
+//! A lease client that follows the leader (SPEC §7): the agent's and the
+//! regional allocator's way to an allocator with `--etcd` replicas.
+//!
+//! It starts from the first contacts (`--allocator`, `--parent`) and
+//! learns the rest from every reply: a reply that says `not_leader` and
+//! names a leader sends the same batch there at once (a few hops at most),
+//! the replica list is where the next call goes when the one in use fails.
+//! A reply that says `not_leader` with no leader is returned as it is: the
+//! allocator is reachable and has nothing to grant yet.
+
+#![warn(clippy::all)]
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tonic::transport::Channel;
+
+use crate::lease::allocator_client::AllocatorClient;
+use crate::lease::{LeaseBatch, LeaseReply};
+use crate::MAX_MESSAGE_BYTES;
+
+/// Makes a lazily connecting channel for a URL (settings, TLS) or says why
+/// the URL cannot be used.
+pub type Connect = dyn Fn(&str) -> Result<Channel, String> + Send + Sync;
+
+/// Redirects followed for one batch before its reply is taken as it is.
+const MAX_HOPS: usize = 3;
+/// The wait a requester is told when the leader a replica named does not
+/// answer.
+const NO_LEADER_RETRY_MS: u64 = 500;
+/// Learned replicas kept at most (a reply cannot make us hold more).
+const MAX_REPLICAS: usize = 64;
+
+/// See the module docs.
+pub struct LeaderClient {
+    connect: Arc<Connect>,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    /// First contacts, then learned replicas, each with its client.
+    clients: Vec<(String, AllocatorClient<Channel>)>,
+    /// Index of the one in use.
+    current: usize,
+}
+
+impl std::fmt::Debug for LeaderClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = self.inner.lock();
+        f.debug_struct("LeaderClient")
+            .field("urls", &g.clients.iter().map(|c| &c.0).collect::<Vec<_>>())
+            .field("current", &g.current)
+            .finish()
+    }
+}
+
+fn client(channel: Channel) -> AllocatorClient<Channel> {
+    AllocatorClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+impl LeaderClient {
+    /// Over ready-made channels for the first contacts, each named by its
+    /// URL; `connect` makes the channels of URLs learned later.
+    pub fn new(first: Vec<(String, Channel)>, connect: Arc<Connect>) -> Result<Self, String> {
+        if first.is_empty() {
+            return Err("at least one allocator URL is needed".into());
+        }
+        Ok(Self {
+            connect,
+            inner: Mutex::new(Inner {
+                clients: first.into_iter().map(|(u, c)| (u, client(c))).collect(),
+                current: 0,
+            }),
+        })
+    }
+
+    /// The URL calls go to now.
+    pub fn current_url(&self) -> String {
+        let g = self.inner.lock();
+        g.clients[g.current].0.clone()
+    }
+
+    /// Every URL known (first contacts and learned replicas).
+    pub fn urls(&self) -> Vec<String> {
+        self.inner.lock().clients.iter().map(|c| c.0.clone()).collect()
+    }
+
+    fn pick(&self) -> (usize, String, AllocatorClient<Channel>) {
+        let g = self.inner.lock();
+        let i = g.current % g.clients.len();
+        (i, g.clients[i].0.clone(), g.clients[i].1.clone())
+    }
+
+    /// Index of `url`, adding a client for it if it is new.
+    fn index_of(&self, g: &mut Inner, url: &str) -> Option<usize> {
+        if let Some(i) = g.clients.iter().position(|c| c.0 == url) {
+            return Some(i);
+        }
+        if g.clients.len() >= MAX_REPLICAS {
+            return None;
+        }
+        match (self.connect)(url) {
+            Ok(ch) => {
+                g.clients.push((url.to_string(), client(ch)));
+                Some(g.clients.len() - 1)
+            }
+            Err(e) => {
+                tracing::warn!(%url, error = %e, "an allocator replica's advertised URL cannot be used");
+                None
+            }
+        }
+    }
+
+    fn learn(&self, reply: &LeaseReply) {
+        if reply.replicas.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock();
+        for url in &reply.replicas {
+            self.index_of(&mut g, url);
+        }
+    }
+
+    /// Send `batch` to the leader as far as it is known; `Err` is a
+    /// one-line reason, and the next call tries the next replica.
+    pub async fn lease(&self, batch: LeaseBatch) -> Result<LeaseReply, String> {
+        let mut hops = 0;
+        // The last replica that redirected us, and its reply.
+        let mut redirected: Option<LeaseReply> = None;
+        loop {
+            let (i, url, mut c) = self.pick();
+            let reply = match c.lease(batch.clone()).await {
+                Ok(r) => r.into_inner(),
+                Err(status) => {
+                    let mut g = self.inner.lock();
+                    if g.current == i {
+                        g.current = (i + 1) % g.clients.len();
+                    }
+                    drop(g);
+                    if let Some(mut r) = redirected {
+                        // A replica answered but the leader it named does
+                        // not (it died and the election has not noticed
+                        // yet): no leader yet, as far as we can tell.
+                        tracing::debug!(leader = %url, code = ?status.code(), "the named allocator leader does not answer");
+                        r.leader_url.clear();
+                        r.retry_after_ms = r.retry_after_ms.max(NO_LEADER_RETRY_MS);
+                        return Ok(r);
+                    }
+                    return Err(format!("{url}: {}: {}", status.code(), status.message()));
+                }
+            };
+            self.learn(&reply);
+            let redirect = reply.not_leader && !reply.leader_url.is_empty() && reply.leader_url != url;
+            if !redirect || hops == MAX_HOPS {
+                return Ok(reply);
+            }
+            let mut g = self.inner.lock();
+            let Some(j) = self.index_of(&mut g, &reply.leader_url) else {
+                return Ok(reply);
+            };
+            tracing::info!(from = %url, to = %reply.leader_url, "following the allocator leader");
+            g.current = j;
+            drop(g);
+            hops += 1;
+            redirected = Some(reply);
+        }
+    }
+}

@@ -1,0 +1,675 @@
+//! `quotalease allocator --etcd`: replicas of the global allocator that
+//! elect a leader, fence it and keep the durable ledger in etcd (SPEC §7).
+//! etcd does the consensus; this is the driver around the sans-IO core.
+//!
+//! - **Session**: an etcd lease of `--etcd-lease-ttl`, kept alive every
+//!   sixth of it. Its validity is measured from when each keep-alive was
+//!   *sent* (etcd cannot let the lease expire before `sent + TTL` on its
+//!   clock), less a margin of a third of the TTL (at least 1 s).
+//! - **Election**: the replica campaigns (etcd's election API) with its
+//!   `--advertise` URL under the session lease; the winner's leader key
+//!   revision is its epoch. Followers observe the election and redirect
+//!   agents to the leader; every reply carries the leader URL, the epoch
+//!   and the replica list (`{prefix}/replicas/`, kept under each session).
+//! - **Term**: the winner reads the ledger record (`{prefix}/ledger`) and
+//!   every key's write-ahead reservation (`{prefix}/res/...`), resumes each
+//!   key at its floor with the rest of its burst as a phantom until the
+//!   longest lease the predecessor could have granted has expired (keys
+//!   without one are full), and only then grants. Every write of a term is
+//!   a transaction guarded by the leader key's revision, so a deposed
+//!   leader's writes fail; grants wait for the reservations they need.
+//! - **Deposition**: when the validity runs out (keep-alives unanswered,
+//!   etcd unreachable, the process frozen) the lease service refuses
+//!   before the next grant ([`Leadership`]); the term ends, the core is
+//!   dropped, and the replica starts a new session and campaigns again.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaderKey, PutOptions, ResignOptions,
+    Txn, TxnOp,
+};
+use parking_lot::Mutex;
+use quotalease_allocator::core::{CoreConfig, TTL_MAX_CAP_NS};
+use quotalease_allocator::leadership::Leadership;
+use quotalease_allocator::reservation_log::{self, hex, unhex, Durability, Store};
+use quotalease_allocator::reservations::{Record, Reservation};
+use quotalease_allocator::server::{self as alloc_server, Shared};
+use quotalease_model::key::KeyId;
+
+
+use crate::run::{self, LedgerRecord, Termination};
+use crate::AllocatorArgs;
+
+/// Operations per etcd transaction: below etcd's default `--max-txn-ops`
+/// (128), and with keys of at most 3 x 256 bytes (hex) well below its
+/// default request size limit (1.5 MiB).
+const TXN_OPS: usize = 100;
+/// Each term's lease ids start this far above the previous term's base,
+/// whatever the replicas' clocks say.
+const TERM_LEASE_IDS: u64 = 1 << 42;
+/// How long a replica without a leader tells agents to wait.
+const NO_LEADER_RETRY_MS: u64 = 500;
+
+/// etcd key names under `--etcd-prefix`.
+#[derive(Clone, Debug)]
+struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    fn election(&self) -> String {
+        format!("{}/election", self.prefix)
+    }
+    fn ledger(&self) -> String {
+        format!("{}/ledger", self.prefix)
+    }
+    fn replicas(&self) -> String {
+        format!("{}/replicas/", self.prefix)
+    }
+    fn replica(&self, url: &str) -> String {
+        format!("{}{}", self.replicas(), hex(url))
+    }
+    /// Present while the reservations do not describe the ledger (its
+    /// state was lost): a new leader then waits the compiled TTL_max cap.
+    fn reservations_lost(&self) -> String {
+        format!("{}/reservations-lost", self.prefix)
+    }
+    fn reservations(&self) -> String {
+        format!("{}/res/", self.prefix)
+    }
+    fn reservation(&self, k: &KeyId) -> String {
+        format!(
+            "{}{}/{}/{}",
+            self.reservations(),
+            hex(&k.rule),
+            hex(&k.tenant),
+            hex(&k.route)
+        )
+    }
+    /// The key of a reservation's etcd key name.
+    fn key_of(&self, name: &str) -> Option<KeyId> {
+        let rest = name.strip_prefix(&self.reservations())?;
+        let mut parts = rest.split('/');
+        let k = KeyId {
+            rule: unhex(parts.next()?)?,
+            tenant: unhex(parts.next()?)?,
+            route: unhex(parts.next()?)?,
+        };
+        parts.next().is_none().then_some(k)
+    }
+}
+
+fn reservation_value(r: &Reservation) -> String {
+    format!("{} {}", r.floor, r.rate_cap_utps)
+}
+
+fn parse_reservation(v: &str) -> Option<Reservation> {
+    let (f, c) = v.split_once(' ')?;
+    Some(Reservation {
+        floor: f.parse().ok()?,
+        rate_cap_utps: c.parse().ok()?,
+    })
+}
+
+/// The write-ahead reservations in etcd, written by one term: every
+/// transaction is guarded by the term's leader key.
+struct EtcdStore {
+    client: Client,
+    keys: Keys,
+    guard: (Vec<u8>, i64),
+    deposed: Arc<AtomicBool>,
+}
+
+impl EtcdStore {
+    fn guard(&self) -> Compare {
+        Compare::create_revision(self.guard.0.clone(), CompareOp::Equal, self.guard.1)
+    }
+
+    /// Run `ops` in guarded transactions of at most [`TXN_OPS`].
+    async fn run(&mut self, ops: Vec<TxnOp>) -> Result<(), String> {
+        for chunk in ops.chunks(TXN_OPS) {
+            let txn = Txn::new().when([self.guard()]).and_then(chunk.to_vec());
+            let resp = self.client.txn(txn).await.map_err(|e| format!("etcd: {e}"))?;
+            if !resp.succeeded() {
+                self.deposed.store(true, Ordering::Release);
+                return Err("etcd: this replica's leader key is gone (deposed)".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store for EtcdStore {
+    async fn append(&mut self, records: Vec<Record>) -> Result<(), String> {
+        // One operation per key (etcd refuses a key twice in one
+        // transaction): the last record of each wins, as on replay.
+        let mut last: BTreeMap<String, Option<Reservation>> = BTreeMap::new();
+        for r in &records {
+            match r {
+                Record::Set(k, v) => last.insert(self.keys.reservation(k), Some(*v)),
+                Record::AtRest(k) => last.insert(self.keys.reservation(k), None),
+            };
+        }
+        let ops = last
+            .into_iter()
+            .map(|(name, v)| match v {
+                Some(v) => TxnOp::put(name, reservation_value(&v), None),
+                None => TxnOp::delete(name, None),
+            })
+            .collect();
+        self.run(ops).await
+    }
+
+    async fn invalidate(&mut self) -> Result<(), String> {
+        let all = etcd_client::DeleteOptions::new().with_prefix();
+        self.run(vec![
+            TxnOp::put(self.keys.reservations_lost(), "1", None),
+            TxnOp::delete(self.keys.reservations(), Some(all)),
+        ])
+        .await
+    }
+}
+
+/// What every task of a replica shares.
+struct Replica {
+    client: Client,
+    keys: Keys,
+    args: AllocatorArgs,
+    shared: Arc<Shared>,
+    leadership: Arc<Leadership>,
+    durability: Durability,
+    lease_ttl_s: i64,
+    /// Validity margin under the session lease's TTL.
+    margin: Duration,
+    stopping: AtomicBool,
+    /// The epoch of the term under way (0: none), for keep-alives.
+    term: AtomicU64,
+}
+
+/// `quotalease allocator --etcd`.
+pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> {
+    if args.state_dir.is_some() {
+        return Err(anyhow!(
+            "--state-dir: with --etcd the ledger is kept in etcd, not in a state directory"
+        ));
+    }
+    let Some(rules_path) = args.rules.clone() else {
+        return Err(anyhow!(
+            "--rules FILE is required (rules published through etcd are not read yet)"
+        ));
+    };
+    let advertise = match &args.advertise {
+        Some(u) => u.clone(),
+        None if !args.listen.ip().is_unspecified() => format!("http://{}", args.listen),
+        None => {
+            return Err(anyhow!(
+                "--advertise URL is required with --etcd when --listen is {} (agents are sent to it)",
+                args.listen
+            ))
+        }
+    };
+    if !(advertise.starts_with("http://") || advertise.starts_with("https://")) {
+        return Err(anyhow!(
+            "--advertise: {advertise:?} is not a URL (http://HOST:PORT or https://HOST:PORT)"
+        ));
+    }
+    let lease_ttl_s = i64::try_from(args.etcd_lease_ttl.as_secs()).unwrap_or(i64::MAX);
+    if !(2..=60).contains(&lease_ttl_s) {
+        return Err(anyhow!(
+            "--etcd-lease-ttl: {:?} is outside 2s..=60s",
+            args.etcd_lease_ttl
+        ));
+    }
+    let ttl_max_ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
+    if ttl_max_ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ttl_max_ms == 0 {
+        return Err(anyhow!(
+            "--ttl-max: {:?} is outside 1ms..={}s",
+            args.ttl_max,
+            TTL_MAX_CAP_NS / 1_000_000_000
+        ));
+    }
+    // The rules must be good before anything else happens.
+    let rules = run::load_rules(&rules_path, 1)?;
+    let tls = run::server_tls(&args)?;
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_timeout(Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2));
+    let client = Client::connect(&args.etcd, Some(options))
+        .await
+        .with_context(|| format!("--etcd {}: cannot connect", args.etcd.join(",")))?;
+    let keys = Keys {
+        prefix: args.etcd_prefix.trim_end_matches('/').to_string(),
+    };
+    // Until it leads, the replica's core grants nothing (the lease
+    // service refuses first); each term replaces it.
+    let shared = Shared::new(
+        CoreConfig {
+            ttl_max_ns: args.ttl_max.as_nanos() as u64,
+            reservations: true,
+            ..CoreConfig::default()
+        },
+        rules,
+        Some(rules_path),
+    );
+    let leadership = Arc::new(Leadership::new(advertise.clone(), NO_LEADER_RETRY_MS));
+    shared.set_leadership(leadership.clone());
+    let durability = Durability::none();
+    let grpc = run::bind("--listen", args.listen).await?;
+    let http = run::bind("--http", args.http).await?;
+    println!(
+        "quotalease allocator grpc={} http={}",
+        grpc.local_addr()?,
+        http.local_addr()?
+    );
+    tracing::info!(grpc = %grpc.local_addr()?, %advertise, etcd = %args.etcd.join(","), prefix = %keys.prefix, lease_ttl_s, "allocator replica started; campaigning for leadership through etcd");
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let (server, admin) = run::serve_allocator(
+        shared.clone(),
+        grpc,
+        http,
+        tls,
+        Some(durability.clone()),
+        Some(leadership.clone()),
+        rx,
+    );
+    let hk = tokio::spawn(alloc_server::housekeeping(
+        shared.clone(),
+        Duration::from_millis(500),
+    ));
+    let margin = Duration::from_secs((lease_ttl_s as u64 / 3).max(1));
+    let replica = Arc::new(Replica {
+        client,
+        keys,
+        args,
+        shared: shared.clone(),
+        leadership: leadership.clone(),
+        durability,
+        lease_ttl_s,
+        margin,
+        stopping: AtomicBool::new(false),
+        term: AtomicU64::new(0),
+    });
+    let observer = tokio::spawn(observe(replica.clone()));
+    let lister = tokio::spawn(list_replicas(replica.clone()));
+    let sessions = tokio::spawn(sessions(replica.clone()));
+    stop.wait().await;
+    tracing::info!("stopping");
+    replica.stopping.store(true, Ordering::Release);
+    // No grant after this point; the term ends by resigning, so another
+    // replica is elected at once instead of after the lease TTL.
+    leadership.step_down();
+    let _ = tokio::time::timeout(Duration::from_secs(5), sessions).await;
+    observer.abort();
+    lister.abort();
+    let _ = tx.send(true);
+    hk.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
+    Ok(())
+}
+
+/// Followers learn the leader from the election.
+async fn observe(r: Arc<Replica>) {
+    loop {
+        let mut c = r.client.clone();
+        match c.observe(r.keys.election()).await {
+            Ok(mut stream) => loop {
+                match stream.message().await {
+                    Ok(Some(resp)) => {
+                        if let Some(kv) = resp.kv() {
+                            let url = kv.value_str().unwrap_or("");
+                            r.leadership
+                                .observed_leader(url, kv.create_revision() as u64);
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "observing the election failed");
+                        break;
+                    }
+                }
+            },
+            Err(e) => tracing::debug!(error = %e, "cannot observe the election"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Every replica's URL, from their registrations.
+async fn list_replicas(r: Arc<Replica>) {
+    loop {
+        let mut c = r.client.clone();
+        let all = GetOptions::new().with_prefix();
+        if let Ok(resp) = c.get(r.keys.replicas(), Some(all)).await {
+            let urls = resp
+                .kvs()
+                .iter()
+                .filter_map(|kv| kv.value_str().ok().map(str::to_string))
+                .collect();
+            r.leadership.set_replicas(urls);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Sessions one after another: each holds an etcd lease, registers the
+/// replica, campaigns, and leads a term when elected.
+async fn sessions(r: Arc<Replica>) {
+    while !r.stopping.load(Ordering::Acquire) {
+        if let Err(e) = session(&r).await {
+            tracing::warn!(error = %format!("{e:#}"), "etcd session ended; starting another");
+        }
+        r.leadership.step_down();
+        r.term.store(0, Ordering::Release);
+        if !r.stopping.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// When the session lease is surely still alive (see the module docs).
+type Validity = Arc<Mutex<Instant>>;
+
+async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
+    let mut c = r.client.clone();
+    let sent = Instant::now();
+    let lease = c
+        .lease_grant(r.lease_ttl_s, None)
+        .await
+        .context("granting an etcd lease")?;
+    let id = lease.id();
+    let validity: Validity = Arc::new(Mutex::new(
+        sent + Duration::from_secs(lease.ttl().max(0) as u64).saturating_sub(r.margin),
+    ));
+    let (done_tx, mut done) = tokio::sync::watch::channel(false);
+    let keeper = tokio::spawn(keep_alive(r.clone(), id, validity.clone(), done_tx));
+    let result = async {
+        c.put(
+            r.keys.replica(r.leadership.advertise()),
+            r.leadership.advertise(),
+            Some(PutOptions::new().with_lease(id)),
+        )
+        .await
+        .context("registering the replica")?;
+        let won = tokio::select! {
+            res = c.campaign(r.keys.election(), r.leadership.advertise(), id) => res.context("campaigning")?,
+            _ = done.wait_for(|d| *d) => return Err(anyhow!("the etcd lease was lost while campaigning")),
+        };
+        let leader = won
+            .leader()
+            .cloned()
+            .ok_or_else(|| anyhow!("etcd elected us without a leader key"))?;
+        lead(r, &leader, &validity, &mut done).await?;
+        Ok(())
+    }
+    .await;
+    keeper.abort();
+    // Best effort: the lease's keys go at once (the registration, and the
+    // leader key if a term did not resign it).
+    let _ = tokio::time::timeout(Duration::from_secs(1), c.lease_revoke(id)).await;
+    result
+}
+
+/// Keep the session lease alive; sets `done` when its validity ran out.
+async fn keep_alive(
+    r: Arc<Replica>,
+    id: i64,
+    validity: Validity,
+    done: tokio::sync::watch::Sender<bool>,
+) {
+    let every = Duration::from_millis((r.lease_ttl_s as u64 * 1000 / 6).max(200));
+    let mut c = r.client.clone();
+    let mut stream = None;
+    loop {
+        if Instant::now() >= *validity.lock() {
+            tracing::warn!("etcd lease validity ran out (keep-alives unanswered)");
+            let _ = done.send(true);
+            return;
+        }
+        if stream.is_none() {
+            stream = tokio::time::timeout(every, c.lease_keep_alive(id))
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        if let Some((keeper, answers)) = &mut stream {
+            let sent = Instant::now();
+            let answered = async {
+                keeper.keep_alive().await.ok()?;
+                answers.message().await.ok()?
+            };
+            match tokio::time::timeout(every, answered).await {
+                Ok(Some(resp)) if resp.ttl() > 0 => {
+                    let until = sent + Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin);
+                    let mut v = validity.lock();
+                    *v = (*v).max(until);
+                    let term = r.term.load(Ordering::Acquire);
+                    if term != 0 {
+                        r.leadership.extend(term, *v);
+                    }
+                }
+                Ok(Some(_)) => {
+                    tracing::warn!("etcd says the session lease has expired");
+                    let _ = done.send(true);
+                    return;
+                }
+                Ok(None) | Err(_) => stream = None,
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// A term as leader: resume from etcd, serve, end on deposition or stop.
+async fn lead(
+    r: &Arc<Replica>,
+    leader: &LeaderKey,
+    validity: &Validity,
+    done: &mut tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let epoch = leader.rev() as u64;
+    let mut c = r.client.clone();
+    let guard = || Compare::create_revision(leader.key().to_vec(), CompareOp::Equal, leader.rev());
+    // The ledger record and every reservation, as the predecessor left them.
+    let got = c.get(r.keys.ledger(), None).await.context("reading the ledger record")?;
+    let recorded = match got.kvs().first() {
+        Some(kv) => Some(
+            LedgerRecord::decode(kv.value_str().unwrap_or(""))
+                .map_err(|e| anyhow!("etcd {}: {e}; nothing is granted from it", r.keys.ledger()))?,
+        ),
+        None => None,
+    };
+    let all = GetOptions::new().with_prefix();
+    let got = c
+        .get(r.keys.reservations(), Some(all))
+        .await
+        .context("reading the reservations")?;
+    let mut reserved = Vec::new();
+    for kv in got.kvs() {
+        let name = kv.key_str().unwrap_or("");
+        let (Some(k), Some(v)) = (
+            r.keys.key_of(name),
+            kv.value_str().ok().and_then(parse_reservation),
+        ) else {
+            return Err(anyhow!(
+                "etcd {name:?}: not a reservation; nothing is granted from it"
+            ));
+        };
+        reserved.push((k, v));
+    }
+    let lost = !c
+        .get(r.keys.reservations_lost(), None)
+        .await
+        .context("reading the ledger record")?
+        .kvs()
+        .is_empty();
+    // No ledger and no reservations: a new ledger. Reservations without a
+    // ledger record: a predecessor of unknown TTL_max (the compiled cap).
+    let first = recorded.is_none() && reserved.is_empty() && !lost;
+    let ttl_max_ms = r.args.ttl_max.as_millis() as u64;
+    let prev = recorded.unwrap_or(LedgerRecord {
+        id: quotalease_proto::random_instance().max(1),
+        ttl_max_ms: if first { 0 } else { TTL_MAX_CAP_NS / 1_000_000 },
+        rules_version: 0,
+        lease_id_base: 0,
+    });
+    let version = alloc_server::unix_ms().max(prev.rules_version + 1);
+    let rules = match &r.args.rules {
+        Some(p) => run::load_rules(p, version)?,
+        None => return Err(anyhow!("--rules FILE is required")),
+    };
+    let lease_id_base = alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
+    let record = LedgerRecord {
+        // A lowered --ttl-max never lowers the recorded one with --etcd:
+        // the next leader waits the largest any replica used.
+        ttl_max_ms: prev.ttl_max_ms.max(ttl_max_ms),
+        rules_version: version,
+        lease_id_base,
+        ..prev
+    };
+    let put = Txn::new()
+        .when([guard()])
+        .and_then([TxnOp::put(r.keys.ledger(), record.encode(), None)]);
+    if !c.txn(put).await.context("writing the ledger record")?.succeeded() {
+        return Err(anyhow!("deposed before the term began"));
+    }
+    // The reservations bound what any predecessor granted, unless they
+    // were given up (a lost ledger): then every key waits the cap.
+    let predecessor_ttl_max_ns = if lost {
+        TTL_MAX_CAP_NS
+    } else {
+        prev.ttl_max_ms.saturating_mul(1_000_000)
+    };
+    let cfg = CoreConfig {
+        ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
+        predecessor_ttl_max_ns,
+        no_predecessor: !lost,
+        reservations: true,
+        ledger_id: record.id,
+        first_start_grace_ns: if first && !r.args.new_ledger {
+            run::FIRST_START_GRACE.as_nanos() as u64
+        } else {
+            0
+        },
+        new_ledger: r.args.new_ledger,
+        ..CoreConfig::default()
+    };
+    let shared = &r.shared;
+    shared.new_term(cfg, rules, epoch, lease_id_base);
+    let now = shared.now();
+    let keys = reserved.len();
+    if !first && !lost {
+        shared.with_core(|core| core.resume_reserved(now, reserved));
+    }
+    let deposed = Arc::new(AtomicBool::new(false));
+    let mut store = EtcdStore {
+        client: r.client.clone(),
+        keys: r.keys.clone(),
+        guard: (leader.key().to_vec(), leader.rev()),
+        deposed: deposed.clone(),
+    };
+    let promises = shared.with_core(|core| core.reserve_current_keys(now));
+    store
+        .append(promises.into_iter().map(|(k, v)| Record::Set(k, v)).collect())
+        .await
+        .map_err(|e| anyhow!(e))?;
+    let (durability, writer) = reservation_log::start(shared.clone(), store);
+    r.durability.replace_with(&durability);
+    r.term.store(epoch, Ordering::Release);
+    r.leadership.lead(epoch, *validity.lock());
+    if lost {
+        tracing::warn!(epoch, ledger = format_args!("{:016x}", record.id), wait_ms = TTL_MAX_CAP_NS / 1_000_000, "leading: the reservations were given up (a lost ledger); every key counts as fully leased out until the TTL_max cap has passed");
+    } else if first {
+        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), "leading: no ledger in etcd, a new one; buckets start full");
+    } else {
+        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), keys, predecessor_ttl_max_ms = prev.ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full");
+    }
+    let mut written = record;
+    let mut lost_marker = lost;
+    let ended = loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = done.wait_for(|d| *d) => {}
+        }
+        if r.stopping.load(Ordering::Acquire) {
+            break "stopping";
+        }
+        if !r.leadership.serving() {
+            break "leadership validity ran out (etcd unreachable or keep-alives late)";
+        }
+        if deposed.load(Ordering::Acquire) {
+            break "deposed: the leader key is gone";
+        }
+        // The wait for a lost ledger's leases is over: the reservations
+        // describe the ledger again.
+        if lost_marker && shared.now() >= shared.with_core(|core| core.ready_at_ns()) {
+            let del = Txn::new()
+                .when([guard()])
+                .and_then([TxnOp::delete(r.keys.reservations_lost(), None)]);
+            if let Ok(resp) = c.txn(del).await {
+                lost_marker = !resp.succeeded();
+            }
+        }
+        // Versions never go backwards for the next leader.
+        let v = shared.with_core(|core| core.rules().version);
+        if v > written.rules_version {
+            let next = LedgerRecord {
+                rules_version: v,
+                ..written
+            };
+            let put = Txn::new()
+                .when([guard()])
+                .and_then([TxnOp::put(r.keys.ledger(), next.encode(), None)]);
+            match c.txn(put).await {
+                Ok(resp) if resp.succeeded() => written = next,
+                Ok(_) => break "deposed: the leader key is gone",
+                Err(e) => tracing::warn!(error = %e, "cannot update the ledger record"),
+            }
+        }
+    };
+    r.leadership.step_down();
+    r.term.store(0, Ordering::Release);
+    writer.abort();
+    tracing::warn!(epoch, why = ended, "no longer leading");
+    if ended == "stopping" {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            c.resign(Some(ResignOptions::new().with_leader(leader.clone()))),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservation_keys_round_trip_any_key_and_refuse_others() {
+        let keys = Keys {
+            prefix: "/ql".into(),
+        };
+        let k = KeyId {
+            rule: "r/1".into(),
+            tenant: "t é".into(),
+            route: String::new(),
+        };
+        assert_eq!(keys.key_of(&keys.reservation(&k)), Some(k));
+        assert_eq!(keys.key_of("/ql/res/zz/00/00"), None);
+        assert_eq!(keys.key_of("/ql/res/61/62"), None);
+        assert_eq!(keys.key_of("/other/res/61/62/63"), None);
+        let r = Reservation {
+            floor: 7,
+            rate_cap_utps: 9,
+        };
+        assert_eq!(parse_reservation(&reservation_value(&r)), Some(r));
+        assert_eq!(parse_reservation("7"), None);
+    }
+}

@@ -5,9 +5,11 @@
 # processes on 127.0.0.1 only; they stop by themselves.
 #
 # Nothing external is needed beyond Rust, a C compiler and Python 3 (for
-# a real Envoy, below): protos compile with protox (no protoc), and no etcd
-# is used yet. promtool (for tests/e2e_metrics.rs) is taken from Debian's
-# `prometheus` package, the binary alone.
+# a real Envoy, below): our protos compile with protox, and etcd-client's
+# build script runs scripts/protoc (a system protoc, else the one shipped
+# in the protoc-bin-vendored crate). promtool (for tests/e2e_metrics.rs)
+# and etcd (for tests/e2e_ha.rs) are taken from Debian's `prometheus` and
+# `etcd-server` packages, the binaries alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -87,6 +89,32 @@ install_promtool() {
   promtool --version | head -1
 }
 install_promtool
+
+# etcd for tests/e2e_ha.rs (a 3-member cluster on 127.0.0.1 that the test
+# starts and stops): the binary of Debian's etcd-server package, extracted
+# like promtool (its postinst would set up a system service).
+install_etcd() {
+  command -v etcd >/dev/null 2>&1 && return 0
+  if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+    echo "etcd is missing and cannot be installed here (needs apt-get as root):" \
+      "put etcd on PATH (or set QUOTALEASE_ETCD); under CI tests/e2e_ha.rs fails without it" >&2
+    return 0
+  fi
+  log "installing etcd (the binary of Debian's etcd-server package, no service)"
+  local tmp
+  tmp=$(mktemp -d)
+  chown _apt "$tmp" 2>/dev/null || true
+  (
+    cd "$tmp"
+    apt-get update -qq
+    apt-get download etcd-server
+    dpkg-deb --fsys-tarfile etcd-server_*.deb | tar -x ./usr/bin/etcd
+    install -m 755 usr/bin/etcd /usr/local/bin/etcd
+  )
+  rm -rf "$tmp"
+  etcd --version | head -1
+}
+install_etcd
 
 # A test run builds from scratch more often than not: incremental caches
 # only cost disk. Show the disk so a full one is seen at once.

@@ -41,7 +41,6 @@ use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::server::{self as alloc_server, Shared};
 use quotalease_model::key::KeyId;
 
-
 use crate::run::{self, LedgerRecord, Termination};
 use crate::AllocatorArgs;
 
@@ -134,7 +133,11 @@ impl EtcdStore {
     async fn run(&mut self, ops: Vec<TxnOp>) -> Result<(), String> {
         for chunk in ops.chunks(TXN_OPS) {
             let txn = Txn::new().when([self.guard()]).and_then(chunk.to_vec());
-            let resp = self.client.txn(txn).await.map_err(|e| format!("etcd: {e}"))?;
+            let resp = self
+                .client
+                .txn(txn)
+                .await
+                .map_err(|e| format!("etcd: {e}"))?;
             if !resp.succeeded() {
                 self.deposed.store(true, Ordering::Release);
                 return Err("etcd: this replica's leader key is gone (deposed)".into());
@@ -208,9 +211,9 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         None if !args.listen.ip().is_unspecified() => format!("http://{}", args.listen),
         None => {
             return Err(anyhow!(
-                "--advertise URL is required with --etcd when --listen is {} (agents are sent to it)",
-                args.listen
-            ))
+            "--advertise URL is required with --etcd when --listen is {} (agents are sent to it)",
+            args.listen
+        ))
         }
     };
     if !(advertise.starts_with("http://") || advertise.starts_with("https://")) {
@@ -446,7 +449,8 @@ async fn keep_alive(
             };
             match tokio::time::timeout(every, answered).await {
                 Ok(Some(resp)) if resp.ttl() > 0 => {
-                    let until = sent + Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin);
+                    let until =
+                        sent + Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin);
                     let mut v = validity.lock();
                     *v = (*v).max(until);
                     let term = r.term.load(Ordering::Acquire);
@@ -477,11 +481,15 @@ async fn lead(
     let mut c = r.client.clone();
     let guard = || Compare::create_revision(leader.key().to_vec(), CompareOp::Equal, leader.rev());
     // The ledger record and every reservation, as the predecessor left them.
-    let got = c.get(r.keys.ledger(), None).await.context("reading the ledger record")?;
+    let got = c
+        .get(r.keys.ledger(), None)
+        .await
+        .context("reading the ledger record")?;
     let recorded = match got.kvs().first() {
         Some(kv) => Some(
-            LedgerRecord::decode(kv.value_str().unwrap_or(""))
-                .map_err(|e| anyhow!("etcd {}: {e}; nothing is granted from it", r.keys.ledger()))?,
+            LedgerRecord::decode(kv.value_str().unwrap_or("")).map_err(|e| {
+                anyhow!("etcd {}: {e}; nothing is granted from it", r.keys.ledger())
+            })?,
         ),
         None => None,
     };
@@ -524,7 +532,8 @@ async fn lead(
         Some(p) => run::load_rules(p, version)?,
         None => return Err(anyhow!("--rules FILE is required")),
     };
-    let lease_id_base = alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
+    let lease_id_base =
+        alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
     let record = LedgerRecord {
         // A lowered --ttl-max never lowers the recorded one with --etcd:
         // the next leader waits the largest any replica used.
@@ -533,10 +542,16 @@ async fn lead(
         lease_id_base,
         ..prev
     };
-    let put = Txn::new()
-        .when([guard()])
-        .and_then([TxnOp::put(r.keys.ledger(), record.encode(), None)]);
-    if !c.txn(put).await.context("writing the ledger record")?.succeeded() {
+    let put =
+        Txn::new()
+            .when([guard()])
+            .and_then([TxnOp::put(r.keys.ledger(), record.encode(), None)]);
+    if !c
+        .txn(put)
+        .await
+        .context("writing the ledger record")?
+        .succeeded()
+    {
         return Err(anyhow!("deposed before the term began"));
     }
     // The reservations bound what any predecessor granted, unless they
@@ -576,7 +591,12 @@ async fn lead(
     };
     let promises = shared.with_core(|core| core.reserve_current_keys(now));
     store
-        .append(promises.into_iter().map(|(k, v)| Record::Set(k, v)).collect())
+        .append(
+            promises
+                .into_iter()
+                .map(|(k, v)| Record::Set(k, v))
+                .collect(),
+        )
         .await
         .map_err(|e| anyhow!(e))?;
     let (durability, writer) = reservation_log::start(shared.clone(), store);
@@ -586,7 +606,11 @@ async fn lead(
     if lost {
         tracing::warn!(epoch, ledger = format_args!("{:016x}", record.id), wait_ms = TTL_MAX_CAP_NS / 1_000_000, "leading: the reservations were given up (a lost ledger); every key counts as fully leased out until the TTL_max cap has passed");
     } else if first {
-        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), "leading: no ledger in etcd, a new one; buckets start full");
+        tracing::info!(
+            epoch,
+            ledger = format_args!("{:016x}", record.id),
+            "leading: no ledger in etcd, a new one; buckets start full"
+        );
     } else {
         tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), keys, predecessor_ttl_max_ms = prev.ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full");
     }
@@ -623,9 +647,11 @@ async fn lead(
                 rules_version: v,
                 ..written
             };
-            let put = Txn::new()
-                .when([guard()])
-                .and_then([TxnOp::put(r.keys.ledger(), next.encode(), None)]);
+            let put = Txn::new().when([guard()]).and_then([TxnOp::put(
+                r.keys.ledger(),
+                next.encode(),
+                None,
+            )]);
             match c.txn(put).await {
                 Ok(resp) if resp.succeeded() => written = next,
                 Ok(_) => break "deposed: the leader key is gone",

@@ -530,7 +530,8 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
             dir.display()
         )
     })?;
-    let (durability, writer) = reservation_log::start(shared.clone(), reservation_log::FileStore::new(log));
+    let (durability, writer) =
+        reservation_log::start(shared.clone(), reservation_log::FileStore::new(log));
     let state = Arc::new(state);
     tokio::spawn(keep_ledger_record(
         state.clone(),
@@ -551,7 +552,8 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         Duration::from_millis(500),
     ));
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = serve_allocator(shared.clone(), grpc, http, tls, Some(durability), None, rx);
+    let (server, admin) =
+        serve_allocator(shared.clone(), grpc, http, tls, Some(durability), None, rx);
     stop.wait().await;
     tracing::info!("stopping");
     let _ = tx.send(true);

@@ -121,7 +121,11 @@ impl Etcd {
         let etcd = Etcd { members };
         // Up when every member answers its health check.
         for m in etcd.members.iter().flatten() {
-            let addr = m.client.trim_start_matches("http://").parse().expect("addr");
+            let addr = m
+                .client
+                .trim_start_matches("http://")
+                .parse()
+                .expect("addr");
             wait_ok(addr, "/health", Duration::from_secs(30));
         }
         etcd
@@ -193,7 +197,11 @@ struct Counts {
 }
 
 /// Drive the hot key at about 2 x its rate from every agent until `stop`.
-async fn hot_load(agents: &[Proc], stop: Arc<AtomicBool>, counts: Arc<Counts>) -> Vec<tokio::task::JoinHandle<()>> {
+async fn hot_load(
+    agents: &[Proc],
+    stop: Arc<AtomicBool>,
+    counts: Arc<Counts>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     for a in agents {
         for _ in 0..4 {
@@ -238,7 +246,13 @@ async fn hot_load(agents: &[Proc], stop: Arc<AtomicBool>, counts: Arc<Counts>) -
 fn gap_after(logs: &[PathBuf], key: (&str, &str, &str), from_ns: u64) -> (Duration, u64) {
     let adm = read_admissions(logs);
     let k = (key.0.to_string(), key.1.to_string(), key.2.to_string());
-    let mut ts: Vec<u64> = adm.get(&k).cloned().unwrap_or_default().iter().map(|a| a.0).collect();
+    let mut ts: Vec<u64> = adm
+        .get(&k)
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|a| a.0)
+        .collect();
     ts.sort_unstable();
     let mut last = from_ns;
     let mut gap = 0;
@@ -270,7 +284,15 @@ fn setup(name: &str) -> Option<Setup> {
     let etcd = Etcd::start(&bin, &dir);
     let urls = etcd.urls();
     let replicas: Vec<Option<Proc>> = (0..3)
-        .map(|i| Some(replica(&dir, &rules, &urls, i, &dir.join(format!("replica-{i}.log")))))
+        .map(|i| {
+            Some(replica(
+                &dir,
+                &rules,
+                &urls,
+                i,
+                &dir.join(format!("replica-{i}.log")),
+            ))
+        })
         .collect();
     let leader = leader_of(&replicas, None, Duration::from_secs(20));
     // Agents know one follower only: they are sent to the leader and learn
@@ -294,7 +316,9 @@ fn setup(name: &str) -> Option<Setup> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_sigkill_under_load_keeps_i1_and_a_new_leader_serves() {
-    let Some(mut s) = setup("ha-kill") else { return };
+    let Some(mut s) = setup("ha-kill") else {
+        return;
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(Counts::default());
     let tasks = hot_load(&s.agents, stop.clone(), counts.clone()).await;
@@ -335,17 +359,26 @@ async fn leader_sigkill_under_load_keeps_i1_and_a_new_leader_serves() {
         k.util * 100.0,
         k.bound
     );
-    assert_eq!((errors, failure_denied), (0, 0), "agents saw errors or fail policies");
+    assert_eq!(
+        (errors, failure_denied),
+        (0, 0),
+        "agents saw errors or fail policies"
+    );
     assert_eq!(slow, 5, "a key at rest lost tokens across the failover");
     assert!(after > 0, "the hot key got no tokens after the failover");
     // New tokens within election (the dead leader's 3 s etcd lease) +
     // TTL_max (1 s) + a renew round: far below this.
-    assert!(gap < Duration::from_secs(10), "hot key without tokens for {gap:?}");
+    assert!(
+        gap < Duration::from_secs(10),
+        "hot key without tokens for {gap:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_woken_after_its_lease_does_not_grant() {
-    let Some(mut s) = setup("ha-freeze") else { return };
+    let Some(mut s) = setup("ha-freeze") else {
+        return;
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(Counts::default());
     let tasks = hot_load(&s.agents, stop.clone(), counts.clone()).await;

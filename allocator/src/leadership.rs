@@ -208,7 +208,10 @@ mod tests {
         assert_eq!(r.replicas, vec!["http://a:1", "http://b:1"]);
         l.observed_leader("http://b:1", 42);
         let r = l.refusal(&batch);
-        assert_eq!((r.leader_url.as_str(), r.epoch, r.retry_after_ms), ("http://b:1", 42, 0));
+        assert_eq!(
+            (r.leader_url.as_str(), r.epoch, r.retry_after_ms),
+            ("http://b:1", 42, 0)
+        );
         // A leader whose validity ran out names no leader, not itself.
         l.lead(43, Instant::now());
         let r = l.refusal(&batch);

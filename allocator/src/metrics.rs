@@ -23,7 +23,7 @@ pub struct Snapshot {
     shadow_violations: BTreeMap<String, u64>,
     rule_lag: Vec<(String, u64)>,
     regional: Option<Regional>,
-    /// With `--etcd`: whether this replica leads now.
+    /// A global allocator: whether it leads now (always without `--etcd`).
     leader: Option<bool>,
 }
 
@@ -67,7 +67,7 @@ impl Snapshot {
         self
     }
 
-    /// A replica of `--etcd` replicas: say whether it leads.
+    /// A global allocator: say whether it leads (may grant).
     pub fn with_leader(mut self, leading: bool) -> Self {
         self.leader = Some(leading);
         self
@@ -183,7 +183,7 @@ impl Collector for Snapshot {
             exposition::gauge(
                 &mut enc,
                 "quotalease_allocator_leader",
-                "1 while this replica (--etcd) is the elected leader and may grant, else 0.",
+                "1 while this global allocator may grant: always without --etcd; with --etcd on the elected leader only, else 0.",
                 u64::from(leading),
             )?;
         }

@@ -356,7 +356,10 @@ impl Durability {
 /// the core appended, writes them in one group, makes them durable, and
 /// tells waiting replies. Returns the [`Durability`] replies wait on, and
 /// the writer's task (abort it before removing what it wrote).
-pub fn start<S: Store>(shared: Arc<Shared>, mut store: S) -> (Durability, tokio::task::JoinHandle<()>) {
+pub fn start<S: Store>(
+    shared: Arc<Shared>,
+    mut store: S,
+) -> (Durability, tokio::task::JoinHandle<()>) {
     let initial = shared.with_core(|c| c.reservation_seq());
     let (tx, rx) = tokio::sync::watch::channel(initial);
     let task = tokio::spawn(async move {

@@ -523,8 +523,11 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             Node::Regional(r) => Snapshot::of_core(r.core_mut(), reload_failures).with_regional(r),
         }
     };
+    // A global allocator without --etcd always leads; a regional has no
+    // leadership.
     let snapshot = match shared.leadership.get() {
         Some(l) => snapshot.with_leader(l.serving()),
+        None if !shared.is_regional() => snapshot.with_leader(true),
         None => snapshot,
     };
     (

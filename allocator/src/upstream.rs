@@ -55,8 +55,7 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
 /// A client for the parent over `channel` (a test's own network); the
 /// replicas its replies name are reached over the real network.
 pub fn client_on(channel: Channel) -> Parent {
-    let connect =
-        |url: &str| Ok(endpoint(url, Duration::from_secs(2))?.connect_lazy());
+    let connect = |url: &str| Ok(endpoint(url, Duration::from_secs(2))?.connect_lazy());
     Arc::new(
         LeaderClient::new(vec![("parent".into(), channel)], Arc::new(connect))
             .expect("one channel"),
@@ -65,12 +64,7 @@ pub fn client_on(channel: Channel) -> Parent {
 
 /// Send one batch and feed the outcome back to the core, waiting at most
 /// `wait`.
-async fn exchange(
-    shared: &Shared,
-    client: &LeaderClient,
-    batch: LeaseBatch,
-    wait: Duration,
-) {
+async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wait: Duration) {
     let seq = batch.header.as_ref().map_or(0, |h| h.seq);
     // Log the first failure after a success at warn, repeats at debug.
     let was_reachable = shared
@@ -82,7 +76,11 @@ async fn exchange(
         Ok(Ok(reply)) if reply.not_leader => {
             // The parent's replicas have no leader yet: nothing was
             // applied; the pools serve what they hold meanwhile.
-            tracing::debug!(seq, retry_ms = reply.retry_after_ms, "the parent's replicas have no leader yet");
+            tracing::debug!(
+                seq,
+                retry_ms = reply.retry_after_ms,
+                "the parent's replicas have no leader yet"
+            );
             shared.with_regional(|r| r.upstream_failed(now, seq));
         }
         Ok(Ok(reply)) => {

@@ -84,7 +84,12 @@ impl LeaderClient {
 
     /// Every URL known (first contacts and learned replicas).
     pub fn urls(&self) -> Vec<String> {
-        self.inner.lock().clients.iter().map(|c| c.0.clone()).collect()
+        self.inner
+            .lock()
+            .clients
+            .iter()
+            .map(|c| c.0.clone())
+            .collect()
     }
 
     fn pick(&self) -> (usize, String, AllocatorClient<Channel>) {
@@ -152,7 +157,8 @@ impl LeaderClient {
                 }
             };
             self.learn(&reply);
-            let redirect = reply.not_leader && !reply.leader_url.is_empty() && reply.leader_url != url;
+            let redirect =
+                reply.not_leader && !reply.leader_url.is_empty() && reply.leader_url != url;
             if !redirect || hops == MAX_HOPS {
                 return Ok(reply);
             }

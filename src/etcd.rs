@@ -24,6 +24,7 @@
 //!   dropped, and the replica starts a new session and campaigns again.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,6 +41,7 @@ use quotalease_allocator::reservation_log::{self, hex, unhex, Durability, Store}
 use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::server::{self as alloc_server, Shared};
 use quotalease_model::key::KeyId;
+use quotalease_model::rules::RuleSet;
 
 use crate::run::{self, LedgerRecord, Termination};
 use crate::AllocatorArgs;
@@ -61,6 +63,9 @@ struct Keys {
 }
 
 impl Keys {
+    fn rules(&self) -> String {
+        format!("{}/rules", self.prefix)
+    }
     fn election(&self) -> String {
         format!("{}/election", self.prefix)
     }
@@ -192,6 +197,9 @@ struct Replica {
     stopping: AtomicBool,
     /// The epoch of the term under way (0: none), for keep-alives.
     term: AtomicU64,
+    /// Without `--rules`: the rules text last published in etcd (`None`:
+    /// nothing published yet).
+    rules_text: Option<Mutex<Option<String>>>,
 }
 
 /// `quotalease allocator --etcd`.
@@ -201,11 +209,6 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
             "--state-dir: with --etcd the ledger is kept in etcd, not in a state directory"
         ));
     }
-    let Some(rules_path) = args.rules.clone() else {
-        return Err(anyhow!(
-            "--rules FILE is required (rules published through etcd are not read yet)"
-        ));
-    };
     let advertise = match &args.advertise {
         Some(u) => u.clone(),
         None if !args.listen.ip().is_unspecified() => format!("http://{}", args.listen),
@@ -236,8 +239,14 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
             TTL_MAX_CAP_NS / 1_000_000_000
         ));
     }
-    // The rules must be good before anything else happens.
-    let rules = run::load_rules(&rules_path, 1)?;
+    // Rules from --rules FILE (re-read on change), else as published in
+    // etcd (`quotalease rules publish`, watched). A file must be good
+    // before anything else happens.
+    let rules = match &args.rules {
+        Some(path) => run::load_rules(path, 1)?,
+        None => RuleSet::default(),
+    };
+    let rules_path = args.rules.clone();
     let tls = run::server_tls(&args)?;
     let options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
@@ -258,7 +267,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
             ..CoreConfig::default()
         },
         rules,
-        Some(rules_path),
+        rules_path,
     );
     let leadership = Arc::new(Leadership::new(advertise.clone(), NO_LEADER_RETRY_MS));
     shared.set_leadership(leadership.clone());
@@ -286,6 +295,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         Duration::from_millis(500),
     ));
     let margin = Duration::from_secs((lease_ttl_s as u64 / 3).max(1));
+    let args_rules_from_etcd = args.rules.is_none();
     let replica = Arc::new(Replica {
         client,
         keys,
@@ -297,7 +307,12 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         margin,
         stopping: AtomicBool::new(false),
         term: AtomicU64::new(0),
+        rules_text: args_rules_from_etcd.then(|| Mutex::new(None)),
     });
+    let rules_watch = replica
+        .rules_text
+        .is_some()
+        .then(|| tokio::spawn(watch_rules(replica.clone())));
     let observer = tokio::spawn(observe(replica.clone()));
     let lister = tokio::spawn(list_replicas(replica.clone()));
     let sessions = tokio::spawn(sessions(replica.clone()));
@@ -310,11 +325,67 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     let _ = tokio::time::timeout(Duration::from_secs(5), sessions).await;
     observer.abort();
     lister.abort();
+    if let Some(w) = rules_watch {
+        w.abort();
+    }
     let _ = tx.send(true);
     hk.abort();
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
     Ok(())
+}
+
+/// Without `--rules`: follow the rules key (a read, then a watch from the
+/// next revision), keep the latest text, and apply it to the core.
+async fn watch_rules(r: Arc<Replica>) {
+    let Some(latest) = &r.rules_text else { return };
+    let source = format!("etcd {}", r.keys.rules());
+    let mut warned = false;
+    loop {
+        let mut c = r.client.clone();
+        let got = match c.get(r.keys.rules(), None).await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the rules from etcd");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let revision = got.header().map_or(0, |h| h.revision());
+        match got.kvs().first().and_then(|kv| kv.value_str().ok()) {
+            Some(text) => {
+                *latest.lock() = Some(text.to_string());
+                r.shared.reload_text(text, &source);
+            }
+            None if !warned => {
+                tracing::warn!(key = %r.keys.rules(), "no rules published in etcd yet (quotalease rules publish FILE --etcd URL): every rule id is unknown");
+                warned = true;
+            }
+            None => {}
+        }
+        let from = etcd_client::WatchOptions::new().with_start_revision(revision + 1);
+        let mut stream = match c.watch(r.keys.rules(), Some(from)).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot watch the rules in etcd");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        while let Ok(Some(resp)) = stream.message().await {
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                if ev.event_type() != etcd_client::EventType::Put {
+                    tracing::warn!(key = %r.keys.rules(), "the rules key was deleted in etcd; the last rules keep serving");
+                    continue;
+                }
+                let text = kv.value_str().unwrap_or("");
+                *latest.lock() = Some(text.to_string());
+                r.shared.reload_text(text, &source);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Followers learn the leader from the election.
@@ -528,9 +599,30 @@ async fn lead(
         lease_id_base: 0,
     });
     let version = alloc_server::unix_ms().max(prev.rules_version + 1);
-    let rules = match &r.args.rules {
-        Some(p) => run::load_rules(p, version)?,
-        None => return Err(anyhow!("--rules FILE is required")),
+    let rules = match (&r.args.rules, &r.rules_text) {
+        (Some(p), _) => run::load_rules(p, version)?,
+        (None, Some(latest)) => {
+            let text = latest.lock().clone();
+            match text {
+                // Published texts were validated; one that is not valid
+                // (written by hand) leaves the rules empty until fixed.
+                Some(t) => RuleSet::parse(&t, &r.keys.rules(), version).unwrap_or_else(|errs| {
+                    tracing::error!(
+                        errors = errs.len(),
+                        "the rules in etcd are not valid; no rules until they are"
+                    );
+                    RuleSet {
+                        version,
+                        rules: Vec::new(),
+                    }
+                }),
+                None => RuleSet {
+                    version,
+                    rules: Vec::new(),
+                },
+            }
+        }
+        (None, None) => unreachable!("rules come from a file or from etcd"),
     };
     let lease_id_base =
         alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
@@ -673,6 +765,105 @@ async fn lead(
     Ok(())
 }
 
+/// One line per rule that differs between `old` and `new` (by id):
+/// `+ rule`, `- rule`, `~ rule: old -> new`.
+fn diff(old: &RuleSet, new: &RuleSet) -> Vec<String> {
+    let line = |r: &quotalease_model::rules::Rule| {
+        RuleSet {
+            version: 0,
+            rules: vec![r.clone()],
+        }
+        .summary()
+        .trim()
+        .to_string()
+    };
+    let mut out = Vec::new();
+    for r in &old.rules {
+        match new.get(&r.id) {
+            None => out.push(format!("- {}", line(r))),
+            Some(n) if n != r => out.push(format!("~ {}\n    now {}", line(r), line(n))),
+            Some(_) => {}
+        }
+    }
+    for r in &new.rules {
+        if old.get(&r.id).is_none() {
+            out.push(format!("+ {}", line(r)));
+        }
+    }
+    out
+}
+
+/// `quotalease rules publish FILE --etcd URL`: validate (every error),
+/// print the diff against the live rules, publish (a transaction that
+/// fails if someone published in between).
+pub async fn publish(file: &Path, etcd: &[String], prefix: &str) -> anyhow::Result<()> {
+    if etcd.is_empty() {
+        return Err(anyhow!("--etcd URL[,URL] is required"));
+    }
+    let new = run::load_rules(file, 0)?;
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("{}: cannot read", file.display()))?;
+    let keys = Keys {
+        prefix: prefix.trim_end_matches('/').to_string(),
+    };
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(3))
+        .with_timeout(Duration::from_secs(5));
+    let mut c = Client::connect(etcd, Some(options))
+        .await
+        .with_context(|| format!("--etcd {}: cannot connect", etcd.join(",")))?;
+    let got = c
+        .get(keys.rules(), None)
+        .await
+        .with_context(|| format!("--etcd {}: cannot read {}", etcd.join(","), keys.rules()))?;
+    let (live, mod_rev) = match got.kvs().first() {
+        Some(kv) => {
+            let live = RuleSet::parse(kv.value_str().unwrap_or(""), &keys.rules(), 0)
+                .unwrap_or_else(|errs| {
+                    eprintln!(
+                        "the live rules in etcd are not valid ({} error(s)); diff against none",
+                        errs.len()
+                    );
+                    RuleSet::default()
+                });
+            (live, kv.mod_revision())
+        }
+        None => (RuleSet::default(), 0),
+    };
+    let changes = diff(&live, &new);
+    if changes.is_empty() {
+        println!(
+            "{}: {} rule(s), the same as live in etcd {}: nothing published",
+            file.display(),
+            new.rules.len(),
+            keys.rules()
+        );
+        return Ok(());
+    }
+    for l in &changes {
+        println!("{l}");
+    }
+    // Unchanged since we read it (mod revision 0: absent).
+    let same = Compare::mod_revision(keys.rules(), CompareOp::Equal, mod_rev);
+    let txn = Txn::new()
+        .when([same])
+        .and_then([TxnOp::put(keys.rules(), text, None)]);
+    let resp = c.txn(txn).await.context("publishing")?;
+    if !resp.succeeded() {
+        return Err(anyhow!(
+            "the rules in etcd changed while this was publishing: nothing published; run it again"
+        ));
+    }
+    let rev = resp.header().map_or(0, |h| h.revision());
+    println!(
+        "published {} rule(s) to etcd {} (revision {rev}): {} change(s); allocators apply them within a second",
+        new.rules.len(),
+        keys.rules(),
+        changes.len()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -697,5 +888,21 @@ mod tests {
         };
         assert_eq!(parse_reservation(&reservation_value(&r)), Some(r));
         assert_eq!(parse_reservation("7"), None);
+    }
+
+    #[test]
+    fn the_publish_diff_names_added_removed_and_changed_rules() {
+        let set = |yaml: &str| RuleSet::parse(yaml, "t", 0).expect("valid");
+        let old = set("rules:\n  - {id: a, match: {tenant: '*'}, rate: 10/s, burst: 20}\n  - {id: b, match: {tenant: '*'}, rate: 1/s, burst: 1}\n");
+        let new = set("rules:\n  - {id: a, match: {tenant: '*'}, rate: 10/s, burst: 30}\n  - {id: c, match: {route: '/x'}, rate: 5/m, burst: 5}\n");
+        let d = diff(&old, &new);
+        assert_eq!(d.len(), 3, "{d:?}");
+        assert!(
+            d[0].starts_with("~ a") && d[0].contains("burst=20") && d[0].contains("burst=30"),
+            "{d:?}"
+        );
+        assert!(d[1].starts_with("- b"), "{d:?}");
+        assert!(d[2].starts_with("+ c"), "{d:?}");
+        assert!(diff(&new, &new).is_empty());
     }
 }

@@ -52,6 +52,19 @@ enum RulesCommand {
         /// The YAML rules file.
         file: PathBuf,
     },
+    /// Validate a rules file, print the diff against the rules live in
+    /// etcd, and publish it there: allocators run with --etcd and no
+    /// --rules apply it within a second (SPEC §3, §7).
+    Publish {
+        /// The YAML rules file.
+        file: PathBuf,
+        /// etcd endpoints (http://HOST:PORT, comma separated).
+        #[arg(long, value_delimiter = ',', required = true)]
+        etcd: Vec<String>,
+        /// The allocators' --etcd-prefix.
+        #[arg(long = "etcd-prefix", default_value = "/quotalease")]
+        etcd_prefix: String,
+    },
 }
 
 /// The longest duration any flag accepts: longer ones are typos, and
@@ -113,8 +126,10 @@ pub struct AllocatorArgs {
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
     /// YAML rules file, re-read on change. Required for the global
-    /// allocator; for a regional one (--parent) optional bootstrap rules
-    /// until the parent's arrive (without them it refuses children until then).
+    /// allocator unless --etcd (then the rules published in etcd with
+    /// `quotalease rules publish` are used when it is not given); for a
+    /// regional one (--parent) optional bootstrap rules until the parent's
+    /// arrive (without them it refuses children until then).
     #[arg(long)]
     rules: Option<PathBuf>,
     /// HTTP address for /metrics, /healthz, /readyz and /v1/keys.
@@ -315,6 +330,14 @@ fn main() -> ExitCode {
         Command::Rules {
             command: RulesCommand::Validate { file },
         } => run::validate(&file),
+        Command::Rules {
+            command:
+                RulesCommand::Publish {
+                    file,
+                    etcd,
+                    etcd_prefix,
+                },
+        } => runtime().and_then(|rt| rt.block_on(etcd::publish(&file, &etcd, &etcd_prefix))),
         Command::Demo(args) => runtime().and_then(|rt| rt.block_on(demo::run(args.duration))),
         Command::Allocator(args) => runtime().and_then(|rt| rt.block_on(run::allocator(args))),
         Command::Agent(args) => runtime().and_then(|rt| rt.block_on(run::agent(args))),

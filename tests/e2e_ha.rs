@@ -69,21 +69,21 @@ impl Drop for Member {
     }
 }
 
-/// A 3-member etcd cluster on 127.0.0.1.
+/// An etcd cluster on 127.0.0.1.
 struct Etcd {
     members: Vec<Option<Member>>,
 }
 
 impl Etcd {
-    fn start(bin: &Path, dir: &Path) -> Etcd {
-        let peers: Vec<_> = (0..3).map(|_| free_addr()).collect();
-        let clients: Vec<_> = (0..3).map(|_| free_addr()).collect();
+    fn start(bin: &Path, dir: &Path, n: usize) -> Etcd {
+        let peers: Vec<_> = (0..n).map(|_| free_addr()).collect();
+        let clients: Vec<_> = (0..n).map(|_| free_addr()).collect();
         let initial: Vec<String> = peers
             .iter()
             .enumerate()
             .map(|(i, p)| format!("m{i}=http://{p}"))
             .collect();
-        let members = (0..3)
+        let members = (0..n)
             .map(|i| {
                 let log = std::fs::File::create(dir.join(format!("etcd-{i}.log"))).expect("log");
                 let child = Command::new(bin)
@@ -141,17 +141,16 @@ impl Etcd {
     }
 }
 
-/// A replica on a fixed address (so that it advertises it).
-fn replica(dir: &Path, rules: &Path, etcd: &str, i: usize, log: &Path) -> Proc {
+/// A replica on a fixed address (so that it advertises it); rules from
+/// `rules`, or as published in etcd.
+fn replica(dir: &Path, rules: Option<&Path>, etcd: &str, i: usize, log: &Path) -> Proc {
     let listen = free_addr();
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "allocator",
         "--listen",
         &listen.to_string(),
         "--http",
         "127.0.0.1:0",
-        "--rules",
-        &rules.display().to_string(),
         "--ttl-max",
         "1s",
         "--etcd",
@@ -164,6 +163,9 @@ fn replica(dir: &Path, rules: &Path, etcd: &str, i: usize, log: &Path) -> Proc {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if let Some(r) = rules {
+        args.extend(["--rules".to_string(), r.display().to_string()]);
+    }
     Proc::try_spawn_logged(&format!("replica-{i}"), &args, None, Some(log))
         .unwrap_or_else(|l| panic!("replica {i} did not start: {l:?}"))
 }
@@ -281,13 +283,13 @@ fn setup(name: &str) -> Option<Setup> {
     let bin = etcd_bin()?;
     let dir = tempdir(name);
     let rules = write_rules(&dir, RULES);
-    let etcd = Etcd::start(&bin, &dir);
+    let etcd = Etcd::start(&bin, &dir, 3);
     let urls = etcd.urls();
     let replicas: Vec<Option<Proc>> = (0..3)
         .map(|i| {
             Some(replica(
                 &dir,
-                &rules,
+                Some(&rules),
                 &urls,
                 i,
                 &dir.join(format!("replica-{i}.log")),
@@ -421,4 +423,123 @@ async fn a_frozen_leader_woken_after_its_lease_does_not_grant() {
         k.bound
     );
     assert_eq!(errors, 0, "agents saw errors");
+}
+
+/// `quotalease rules publish` with the test's prefix: (exit ok, stdout, stderr).
+fn publish(file: &Path, etcd: &str, prefix: &str) -> (bool, String, String) {
+    let out = Command::new(BIN)
+        .args([
+            "rules",
+            "publish",
+            &file.display().to_string(),
+            "--etcd",
+            etcd,
+            "--etcd-prefix",
+            prefix,
+        ])
+        .output()
+        .expect("run rules publish");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_published_through_etcd_reach_every_replica_and_agent() {
+    let Some(bin) = etcd_bin() else { return };
+    let dir = tempdir("ha-publish");
+    let etcd = Etcd::start(&bin, &dir, 1);
+    let urls = etcd.urls();
+    let prefix = format!("/test-{}", dir.file_name().unwrap().to_string_lossy());
+    let a = dir.join("a.yaml");
+    std::fs::write(
+        &a,
+        "rules:\n  - id: login\n    match: { tenant: \"*\", route: /login }\n    rate: 5/m\n    burst: 5\n",
+    )
+    .unwrap();
+    let (ok, out, err) = publish(&a, &urls, &prefix);
+    assert!(ok, "publish failed: {err}");
+    assert!(
+        out.contains("+ login"),
+        "no diff line for the new rule: {out}"
+    );
+    let replicas: Vec<Option<Proc>> = (0..2)
+        .map(|i| {
+            Some(replica(
+                &dir,
+                None,
+                &urls,
+                i,
+                &dir.join(format!("replica-{i}.log")),
+            ))
+        })
+        .collect();
+    let leader = leader_of(&replicas, None, Duration::from_secs(20));
+    let follower = replicas[1 - leader].as_ref().unwrap().url();
+    let agent = agent("publish-0", &follower, None, &[]);
+    wait_ok(agent.http, "/readyz", Duration::from_secs(20));
+    // A new ledger: 5/m burst 5 admits exactly 5 at once.
+    assert_eq!(count_allowed(&agent, "t1", "/login", 8, false).await, 5);
+
+    // A changed burst and a new rule: the diff names both; every replica
+    // and the agent apply them.
+    let b = dir.join("b.yaml");
+    std::fs::write(
+        &b,
+        "rules:\n  - id: login\n    match: { tenant: \"*\", route: /login }\n    rate: 5/m\n    burst: 3\n  - id: orders\n    match: { tenant: \"*\", route: /orders }\n    rate: 1/m\n    burst: 2\n",
+    )
+    .unwrap();
+    let (ok, out, err) = publish(&b, &urls, &prefix);
+    assert!(ok, "publish failed: {err}");
+    assert!(out.contains("~ login") && out.contains("burst=3"), "{out}");
+    assert!(out.contains("+ orders"), "{out}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let got = count_allowed(&agent, &format!("o{n}"), "/orders", 5, false).await;
+        if got == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the published rule never reached the agent (last: {got} of 5)"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(count_allowed(&agent, "t2", "/login", 6, false).await, 3);
+    // Both replicas hold the new rules (the follower's core too).
+    for r in replicas.iter().flatten() {
+        let (_, m) = http_get(r.http, "/metrics");
+        assert!(
+            m.contains("rule=\"orders\""),
+            "a replica lacks the published rule"
+        );
+    }
+
+    // A bad file: every error, nothing published, the live rules stay.
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "rules:\n  - id: login\n    match: { tenant: \"*\" }\n    rate: fast\n    burst: 0\n",
+    )
+    .unwrap();
+    let (ok, _, err) = publish(&bad, &urls, &prefix);
+    assert!(!ok, "a bad file was published");
+    assert!(
+        err.contains("rate") && err.contains("burst"),
+        "errors do not name the fields: {err}"
+    );
+    let (ok, out, _) = publish(&b, &urls, &prefix);
+    assert!(
+        ok && out.contains("nothing published"),
+        "the live rules changed: {out}"
+    );
+    assert_eq!(
+        count_allowed(&agent, "o-last", "/orders", 5, false).await,
+        2
+    );
+    drop(etcd);
 }

@@ -272,14 +272,30 @@ impl Shared {
     pub fn reload(&self) {
         let Some(path) = &self.rules_path else { return };
         let version = unix_ms().max(self.with_core(|c| c.rules().version) + 1);
-        match RuleSet::load(path, version) {
+        self.apply_rules(RuleSet::load(path, version));
+    }
+
+    /// Apply rules published as YAML `text` (with `--etcd`: the rules key;
+    /// `source` names it in errors) if they differ from the rules in force;
+    /// keep the last good rules on error.
+    pub fn reload_text(&self, text: &str, source: &str) {
+        let version = unix_ms().max(self.with_core(|c| c.rules().version) + 1);
+        self.apply_rules(RuleSet::parse(text, source, version));
+    }
+
+    fn apply_rules(&self, loaded: Result<RuleSet, Vec<quotalease_model::rules::RuleError>>) {
+        match loaded {
             Ok(rules) => {
                 let mut node = self.core.lock();
                 let core = node.core();
                 if rules.rules == core.rules().rules {
                     return;
                 }
-                tracing::info!(version, rules = rules.rules.len(), "rules reloaded");
+                tracing::info!(
+                    version = rules.version,
+                    rules = rules.rules.len(),
+                    "rules reloaded"
+                );
                 core.set_rules(rules, self.now());
                 *self.last_reload_error.lock() = None;
             }
@@ -291,7 +307,7 @@ impl Shared {
                     .join("; ");
                 let mut last = self.last_reload_error.lock();
                 if last.as_deref() != Some(msg.as_str()) {
-                    tracing::error!(errors = errs.len(), %msg, "rules file rejected; the last good rules keep serving");
+                    tracing::error!(errors = errs.len(), %msg, "rules rejected; the last good rules keep serving");
                     self.reload_failures
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     *last = Some(msg);

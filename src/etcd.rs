@@ -46,6 +46,9 @@ use quotalease_model::rules::RuleSet;
 use crate::run::{self, LedgerRecord, Termination};
 use crate::AllocatorArgs;
 
+/// Keys per checkpoint chunk (one etcd value, one transaction each): at
+/// most about 1.6 KB per key line, well below etcd's 1.5 MiB request limit.
+const CHECKPOINT_CHUNK_KEYS: usize = 400;
 /// Operations per etcd transaction: below etcd's default `--max-txn-ops`
 /// (128), and with keys of at most 3 x 256 bytes (hex) well below its
 /// default request size limit (1.5 MiB).
@@ -56,6 +59,57 @@ const TERM_LEASE_IDS: u64 = 1 << 42;
 /// How long a replica without a leader tells agents to wait.
 const NO_LEADER_RETRY_MS: u64 = 500;
 
+/// Attempts of one etcd call: with a member down, calls that the client's
+/// balancer sends to it fail at once (a connect error) while the others
+/// answer, so a call is tried again, 50 ms apart, before it counts as
+/// failed.
+const ETCD_ATTEMPTS: usize = 8;
+
+/// Run `op` up to [`ETCD_ATTEMPTS`] times until it succeeds. Only for
+/// calls that may be repeated: reads, puts of the same value, and guarded
+/// transactions of puts and deletes (a repeat of one that committed
+/// commits the same again, or fails its guard).
+async fn retried<T, F, Fut>(mut op: F) -> Result<T, etcd_client::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut attempt = 1;
+    loop {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) if attempt >= ETCD_ATTEMPTS => return Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e, attempt, "etcd call failed; trying again");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// `client.get(key, opts)`, [`retried`].
+async fn get(
+    client: &Client,
+    key: &str,
+    opts: Option<GetOptions>,
+) -> Result<etcd_client::GetResponse, etcd_client::Error> {
+    retried(|| {
+        let (mut c, opts) = (client.clone(), opts.clone());
+        async move { c.get(key, opts).await }
+    })
+    .await
+}
+
+/// `client.txn(txn)`, [`retried`].
+async fn txn(client: &Client, txn: Txn) -> Result<etcd_client::TxnResponse, etcd_client::Error> {
+    retried(|| {
+        let (mut c, t) = (client.clone(), txn.clone());
+        async move { c.txn(t).await }
+    })
+    .await
+}
+
 /// etcd key names under `--etcd-prefix`.
 #[derive(Clone, Debug)]
 struct Keys {
@@ -63,6 +117,17 @@ struct Keys {
 }
 
 impl Keys {
+    /// A stopping leader's exact key states, in chunks `ckpt/NNNNNN`.
+    fn checkpoints(&self) -> String {
+        format!("{}/ckpt/", self.prefix)
+    }
+    fn checkpoint(&self, i: usize) -> String {
+        format!("{}{i:06}", self.checkpoints())
+    }
+    /// Written last: the checkpoint is whole (its value: the chunk count).
+    fn checkpoint_done(&self) -> String {
+        format!("{}/ckpt-done", self.prefix)
+    }
     fn rules(&self) -> String {
         format!("{}/rules", self.prefix)
     }
@@ -138,9 +203,7 @@ impl EtcdStore {
     async fn run(&mut self, ops: Vec<TxnOp>) -> Result<(), String> {
         for chunk in ops.chunks(TXN_OPS) {
             let txn = Txn::new().when([self.guard()]).and_then(chunk.to_vec());
-            let resp = self
-                .client
-                .txn(txn)
+            let resp = self::txn(&self.client, txn)
                 .await
                 .map_err(|e| format!("etcd: {e}"))?;
             if !resp.succeeded() {
@@ -186,6 +249,9 @@ impl Store for EtcdStore {
 /// What every task of a replica shares.
 struct Replica {
     client: Client,
+    /// For campaigns, which block until this replica leads: no request
+    /// timeout.
+    campaigner: Client,
     keys: Keys,
     args: AllocatorArgs,
     shared: Arc<Shared>,
@@ -255,6 +321,16 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     let client = Client::connect(&args.etcd, Some(options))
         .await
         .with_context(|| format!("--etcd {}: cannot connect", args.etcd.join(",")))?;
+    let campaigner = Client::connect(
+        &args.etcd,
+        Some(
+            ConnectOptions::new()
+                .with_connect_timeout(Duration::from_secs(2))
+                .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2)),
+        ),
+    )
+    .await
+    .with_context(|| format!("--etcd {}: cannot connect", args.etcd.join(",")))?;
     let keys = Keys {
         prefix: args.etcd_prefix.trim_end_matches('/').to_string(),
     };
@@ -298,6 +374,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     let args_rules_from_etcd = args.rules.is_none();
     let replica = Arc::new(Replica {
         client,
+        campaigner,
         keys,
         args,
         shared: shared.clone(),
@@ -343,7 +420,7 @@ async fn watch_rules(r: Arc<Replica>) {
     let mut warned = false;
     loop {
         let mut c = r.client.clone();
-        let got = match c.get(r.keys.rules(), None).await {
+        let got = match get(&r.client, &r.keys.rules(), None).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read the rules from etcd");
@@ -418,9 +495,8 @@ async fn observe(r: Arc<Replica>) {
 /// Every replica's URL, from their registrations.
 async fn list_replicas(r: Arc<Replica>) {
     loop {
-        let mut c = r.client.clone();
         let all = GetOptions::new().with_prefix();
-        if let Ok(resp) = c.get(r.keys.replicas(), Some(all)).await {
+        if let Ok(resp) = get(&r.client, &r.keys.replicas(), Some(all)).await {
             let urls = resp
                 .kvs()
                 .iter()
@@ -453,10 +529,12 @@ type Validity = Arc<Mutex<Instant>>;
 async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
     let mut c = r.client.clone();
     let sent = Instant::now();
-    let lease = c
-        .lease_grant(r.lease_ttl_s, None)
-        .await
-        .context("granting an etcd lease")?;
+    let lease = retried(|| {
+        let mut c = r.client.clone();
+        async move { c.lease_grant(r.lease_ttl_s, None).await }
+    })
+    .await
+    .context("granting an etcd lease")?;
     let id = lease.id();
     let validity: Validity = Arc::new(Mutex::new(
         sent + Duration::from_secs(lease.ttl().max(0) as u64).saturating_sub(r.margin),
@@ -464,16 +542,32 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
     let (done_tx, mut done) = tokio::sync::watch::channel(false);
     let keeper = tokio::spawn(keep_alive(r.clone(), id, validity.clone(), done_tx));
     let result = async {
-        c.put(
-            r.keys.replica(r.leadership.advertise()),
-            r.leadership.advertise(),
-            Some(PutOptions::new().with_lease(id)),
-        )
+        retried(|| {
+            let mut c = r.client.clone();
+            let key = r.keys.replica(r.leadership.advertise());
+            async move {
+                c.put(key, r.leadership.advertise(), Some(PutOptions::new().with_lease(id)))
+                    .await
+            }
+        })
         .await
         .context("registering the replica")?;
-        let won = tokio::select! {
-            res = c.campaign(r.keys.election(), r.leadership.advertise(), id) => res.context("campaigning")?,
-            _ = done.wait_for(|d| *d) => return Err(anyhow!("the etcd lease was lost while campaigning")),
+        // A campaign blocks until this replica leads; one broken off (its
+        // etcd member died) is taken up again under the same lease, which
+        // keeps its place in the election.
+        let won = loop {
+            let mut campaigner = r.campaigner.clone();
+            let res = tokio::select! {
+                res = campaigner.campaign(r.keys.election(), r.leadership.advertise(), id) => res,
+                _ = done.wait_for(|d| *d) => return Err(anyhow!("the etcd lease was lost while campaigning")),
+            };
+            match res {
+                Ok(won) => break won,
+                Err(e) => {
+                    tracing::debug!(error = %e, "campaign broken off; campaigning again");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
         };
         let leader = won
             .leader()
@@ -534,10 +628,20 @@ async fn keep_alive(
                     let _ = done.send(true);
                     return;
                 }
-                Ok(None) | Err(_) => stream = None,
+                Ok(None) | Err(_) => {
+                    // Its etcd member may be gone: another stream at once.
+                    stream = None;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
             }
         }
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(if stream.is_some() {
+            every
+        } else {
+            Duration::from_millis(50)
+        })
+        .await;
     }
 }
 
@@ -552,8 +656,7 @@ async fn lead(
     let mut c = r.client.clone();
     let guard = || Compare::create_revision(leader.key().to_vec(), CompareOp::Equal, leader.rev());
     // The ledger record and every reservation, as the predecessor left them.
-    let got = c
-        .get(r.keys.ledger(), None)
+    let got = get(&r.client, &r.keys.ledger(), None)
         .await
         .context("reading the ledger record")?;
     let recorded = match got.kvs().first() {
@@ -565,8 +668,7 @@ async fn lead(
         None => None,
     };
     let all = GetOptions::new().with_prefix();
-    let got = c
-        .get(r.keys.reservations(), Some(all))
+    let got = get(&r.client, &r.keys.reservations(), Some(all))
         .await
         .context("reading the reservations")?;
     let mut reserved = Vec::new();
@@ -582,8 +684,11 @@ async fn lead(
         };
         reserved.push((k, v));
     }
-    let lost = !c
-        .get(r.keys.reservations_lost(), None)
+    // A predecessor that stopped cleanly left its exact state: used when
+    // whole (the done marker names every chunk) and of this ledger;
+    // otherwise the reservations, which it left in place, still hold.
+    let checkpoint = read_checkpoint(&r.client, &r.keys, recorded.as_ref().map(|l| l.id)).await;
+    let lost = !get(&r.client, &r.keys.reservations_lost(), None)
         .await
         .context("reading the ledger record")?
         .kvs()
@@ -653,6 +758,7 @@ async fn lead(
     } else {
         prev.ttl_max_ms.saturating_mul(1_000_000)
     };
+    let checkpoint = checkpoint.filter(|_| !lost);
     let cfg = CoreConfig {
         ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
         predecessor_ttl_max_ns,
@@ -671,8 +777,11 @@ async fn lead(
     shared.new_term(cfg, rules, epoch, lease_id_base);
     let now = shared.now();
     let keys = reserved.len();
-    if !first && !lost {
-        shared.with_core(|core| core.resume_reserved(now, reserved));
+    let from_checkpoint = checkpoint.is_some();
+    match checkpoint {
+        Some(keys) => shared.with_core(|core| core.resume_keys(now, keys)),
+        None if !first && !lost => shared.with_core(|core| core.resume_reserved(now, reserved)),
+        None => {}
     }
     let deposed = Arc::new(AtomicBool::new(false));
     let mut store = EtcdStore {
@@ -691,12 +800,31 @@ async fn lead(
         )
         .await
         .map_err(|e| anyhow!(e))?;
+    // The checkpoint is used up: gone before anything is granted (a later
+    // failover resumes from the reservations just written).
+    let del = Txn::new().when([guard()]).and_then([
+        TxnOp::delete(
+            r.keys.checkpoints(),
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        ),
+        TxnOp::delete(r.keys.checkpoint_done(), None),
+    ]);
+    if !c
+        .txn(del)
+        .await
+        .context("removing the checkpoint")?
+        .succeeded()
+    {
+        return Err(anyhow!("deposed before the term began"));
+    }
     let (durability, writer) = reservation_log::start(shared.clone(), store);
     r.durability.replace_with(&durability);
     r.term.store(epoch, Ordering::Release);
     r.leadership.lead(epoch, *validity.lock());
     if lost {
         tracing::warn!(epoch, ledger = format_args!("{:016x}", record.id), wait_ms = TTL_MAX_CAP_NS / 1_000_000, "leading: the reservations were given up (a lost ledger); every key counts as fully leased out until the TTL_max cap has passed");
+    } else if from_checkpoint {
+        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), keys, "leading: keys resume from the predecessor's checkpoint in etcd (a clean handover: what was leased counts until it has expired, nothing else is lost)");
     } else if first {
         tracing::info!(
             epoch,
@@ -728,7 +856,7 @@ async fn lead(
             let del = Txn::new()
                 .when([guard()])
                 .and_then([TxnOp::delete(r.keys.reservations_lost(), None)]);
-            if let Ok(resp) = c.txn(del).await {
+            if let Ok(resp) = txn(&r.client, del).await {
                 lost_marker = !resp.succeeded();
             }
         }
@@ -744,7 +872,7 @@ async fn lead(
                 next.encode(),
                 None,
             )]);
-            match c.txn(put).await {
+            match txn(&r.client, put).await {
                 Ok(resp) if resp.succeeded() => written = next,
                 Ok(_) => break "deposed: the leader key is gone",
                 Err(e) => tracing::warn!(error = %e, "cannot update the ledger record"),
@@ -756,11 +884,97 @@ async fn lead(
     writer.abort();
     tracing::warn!(epoch, why = ended, "no longer leading");
     if ended == "stopping" {
+        // A clean handover: the exact state after the last grant, for the
+        // successor, written while the leader key is still ours.
+        let keys = shared.checkpoint_and_close();
+        match write_checkpoint(&r.client, &r.keys, guard(), written.id, &keys).await {
+            Ok(()) => tracing::info!(
+                keys = keys.len(),
+                "checkpoint written to etcd for the next leader"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "no checkpoint for the next leader: it resumes from the reservations")
+            }
+        }
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
             c.resign(Some(ResignOptions::new().with_leader(leader.clone()))),
         )
         .await;
+    }
+    Ok(())
+}
+
+/// The whole checkpoint of ledger `ledger` in etcd, if there is one.
+async fn read_checkpoint(
+    client: &Client,
+    keys: &Keys,
+    ledger: Option<u64>,
+) -> Option<Vec<(KeyId, quotalease_allocator::ledger::KeyCheckpoint)>> {
+    let done = get(client, &keys.checkpoint_done(), None).await.ok()?;
+    let chunks: usize = done.kvs().first()?.value_str().ok()?.trim().parse().ok()?;
+    let all = get(
+        client,
+        &keys.checkpoints(),
+        Some(GetOptions::new().with_prefix()),
+    )
+    .await
+    .ok()?;
+    if all.kvs().len() != chunks {
+        tracing::warn!(
+            chunks,
+            found = all.kvs().len(),
+            "the checkpoint in etcd is not whole: not used"
+        );
+        return None;
+    }
+    let mut out = Vec::new();
+    for kv in all.kvs() {
+        match run::decode_checkpoint(kv.value_str().unwrap_or("")) {
+            Ok((id, part)) if Some(id) == ledger => out.extend(part),
+            Ok((id, _)) => {
+                tracing::warn!(
+                    theirs = format_args!("{id:016x}"),
+                    "the checkpoint in etcd is of another ledger: not used"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the checkpoint in etcd is unreadable: not used");
+                return None;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Write `keys` as the checkpoint for the next leader: chunks, then the
+/// done marker, every transaction guarded by `guard`.
+async fn write_checkpoint(
+    client: &Client,
+    keys: &Keys,
+    guard: Compare,
+    ledger: u64,
+    states: &[(KeyId, quotalease_allocator::ledger::KeyCheckpoint)],
+) -> anyhow::Result<()> {
+    let chunks: Vec<_> = states.chunks(CHECKPOINT_CHUNK_KEYS).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let t = Txn::new().when([guard.clone()]).and_then([TxnOp::put(
+            keys.checkpoint(i),
+            run::encode_checkpoint(ledger, chunk),
+            None,
+        )]);
+        if !txn(client, t).await?.succeeded() {
+            return Err(anyhow!("deposed while writing the checkpoint"));
+        }
+    }
+    let t = Txn::new().when([guard]).and_then([TxnOp::put(
+        keys.checkpoint_done(),
+        chunks.len().to_string(),
+        None,
+    )]);
+    if !txn(client, t).await?.succeeded() {
+        return Err(anyhow!("deposed while writing the checkpoint"));
     }
     Ok(())
 }
@@ -809,11 +1023,10 @@ pub async fn publish(file: &Path, etcd: &[String], prefix: &str) -> anyhow::Resu
     let options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(3))
         .with_timeout(Duration::from_secs(5));
-    let mut c = Client::connect(etcd, Some(options))
+    let c = Client::connect(etcd, Some(options))
         .await
         .with_context(|| format!("--etcd {}: cannot connect", etcd.join(",")))?;
-    let got = c
-        .get(keys.rules(), None)
+    let got = get(&c, &keys.rules(), None)
         .await
         .with_context(|| format!("--etcd {}: cannot read {}", etcd.join(","), keys.rules()))?;
     let (live, mod_rev) = match got.kvs().first() {
@@ -845,10 +1058,10 @@ pub async fn publish(file: &Path, etcd: &[String], prefix: &str) -> anyhow::Resu
     }
     // Unchanged since we read it (mod revision 0: absent).
     let same = Compare::mod_revision(keys.rules(), CompareOp::Equal, mod_rev);
-    let txn = Txn::new()
+    let t = Txn::new()
         .when([same])
         .and_then([TxnOp::put(keys.rules(), text, None)]);
-    let resp = c.txn(txn).await.context("publishing")?;
+    let resp = txn(&c, t).await.context("publishing")?;
     if !resp.succeeded() {
         return Err(anyhow!(
             "the rules in etcd changed while this was publishing: nothing published; run it again"

@@ -186,7 +186,7 @@ const CHECKPOINT_FILE: &str = "checkpoint";
 const CHECKPOINT_FORMAT: u64 = 1;
 
 /// A clean shutdown's key states, for the ledger `ledger`.
-fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String {
+pub(crate) fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String {
     let mut out = format!("quotalease-checkpoint {CHECKPOINT_FORMAT}\nledger {ledger:016x}\n");
     for (k, c) in keys {
         out.push_str(&format!(
@@ -205,7 +205,7 @@ fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String {
 }
 
 /// (ledger id, keys) of a checkpoint file; an error names what is wrong.
-fn decode_checkpoint(text: &str) -> Result<(u64, Vec<(KeyId, KeyCheckpoint)>), String> {
+pub(crate) fn decode_checkpoint(text: &str) -> Result<(u64, Vec<(KeyId, KeyCheckpoint)>), String> {
     let mut lines = text.lines();
     let head = lines.next().unwrap_or("");
     let format = head

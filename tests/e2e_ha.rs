@@ -166,7 +166,7 @@ fn replica(dir: &Path, rules: Option<&Path>, etcd: &str, i: usize, log: &Path) -
     if let Some(r) = rules {
         args.extend(["--rules".to_string(), r.display().to_string()]);
     }
-    Proc::try_spawn_logged(&format!("replica-{i}"), &args, None, Some(log))
+    Proc::try_spawn_at_level(&format!("replica-{i}"), &args, None, Some(log), "info")
         .unwrap_or_else(|l| panic!("replica {i} did not start: {l:?}"))
 }
 
@@ -540,6 +540,62 @@ async fn rules_published_through_etcd_reach_every_replica_and_agent() {
     assert_eq!(
         count_allowed(&agent, "o-last", "/orders", 5, false).await,
         2
+    );
+    drop(etcd);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stopped_with_sigterm_hands_over_its_exact_state() {
+    let Some(bin) = etcd_bin() else { return };
+    let dir = tempdir("ha-handover");
+    let rules = write_rules(&dir, RULES);
+    let etcd = Etcd::start(&bin, &dir, 1);
+    let urls = etcd.urls();
+    let logs: Vec<PathBuf> = (0..3)
+        .map(|i| dir.join(format!("replica-{i}.log")))
+        .collect();
+    let mut replicas: Vec<Option<Proc>> = (0..2)
+        .map(|i| Some(replica(&dir, Some(&rules), &urls, i, &logs[i])))
+        .collect();
+    let leader = leader_of(&replicas, None, Duration::from_secs(20));
+    let follower = replicas[1 - leader].as_ref().unwrap().url();
+    // The slow key: 4 of its 10... spent by an agent that then stops (its
+    // unused lease tokens go back), so the bucket holds exactly 1 at the
+    // leader's stop (5 spent of a 1/m burst 5: one per minute refills).
+    let adm = dir.join("adm-0.log");
+    let a0 = agent("handover-0", &follower, Some(&adm), &[]);
+    wait_ok(a0.http, "/readyz", Duration::from_secs(20));
+    assert_eq!(count_allowed(&a0, "calm", "/api/slow", 3, false).await, 3);
+    assert!(a0.terminate().success());
+    // The leader stops cleanly: it writes its exact state for the next.
+    let stopped = Instant::now();
+    assert!(replicas[leader].take().unwrap().terminate().success());
+    let next = leader_of(&replicas, None, Duration::from_secs(20));
+    let elected = stopped.elapsed();
+    let log = std::fs::read_to_string(&logs[next]).unwrap_or_default();
+    assert!(
+        log.contains("predecessor's checkpoint"),
+        "the new leader did not resume from the checkpoint: {log}"
+    );
+    // Exactly what was left: 2 of the burst of 5 (3 were spent; the
+    // reservations alone would resume the key at a floor below that).
+    let a1 = agent(
+        "handover-1",
+        &replicas[next].as_ref().unwrap().url(),
+        None,
+        &[],
+    );
+    wait_ok(a1.http, "/readyz", Duration::from_secs(20));
+    let left = count_allowed(&a1, "calm", "/api/slow", 5, false).await;
+    // A key at rest keeps its whole burst.
+    let rest = count_allowed(&a1, "other", "/api/slow", 7, false).await;
+    eprintln!("ha-handover: new leader after {elected:?}; slow key left {left} of 2; a key at rest {rest} of 5");
+    assert_eq!(left, 2, "the handover lost or invented tokens");
+    assert_eq!(rest, 5);
+    let stopped_log = std::fs::read_to_string(&logs[leader]).unwrap_or_default();
+    assert!(
+        stopped_log.contains("checkpoint written to etcd"),
+        "{stopped_log}"
     );
     drop(etcd);
 }

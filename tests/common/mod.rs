@@ -44,6 +44,17 @@ impl Proc {
         cwd: Option<&Path>,
         log: Option<&Path>,
     ) -> Result<Proc, String> {
+        Self::try_spawn_at_level(name, args, cwd, log, "warn")
+    }
+
+    /// [`Proc::try_spawn_logged`] with `RUST_LOG` set to `level`.
+    pub fn try_spawn_at_level(
+        name: &str,
+        args: &[String],
+        cwd: Option<&Path>,
+        log: Option<&Path>,
+        level: &str,
+    ) -> Result<Proc, String> {
         let mut cmd = Command::new(BIN);
         if let Some(dir) = cwd {
             cmd.current_dir(dir);
@@ -54,7 +65,7 @@ impl Proc {
         };
         let mut child = cmd
             .args(args)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", level)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)

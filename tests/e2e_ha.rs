@@ -599,3 +599,78 @@ async fn a_leader_stopped_with_sigterm_hands_over_its_exact_state() {
     );
     drop(etcd);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_all_of_etcd_frozen_the_leader_steps_down_in_time_and_service_recovers() {
+    let Some(s) = setup("ha-etcd-down") else {
+        return;
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new(Counts::default());
+    let tasks = hot_load(&s.agents, stop.clone(), counts.clone()).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pids: Vec<i32> = s
+        .etcd_members
+        .members
+        .iter()
+        .flatten()
+        .map(|m| m.child.id() as i32)
+        .collect();
+    let leader_http = s.replicas[s.leader].as_ref().unwrap().http;
+    let frozen_ns = boottime_ns();
+    let frozen = Instant::now();
+    for &pid in &pids {
+        // SAFETY: kill(2) on our own children's pids.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+    }
+    // The leader stops granting before its etcd lease can expire: the
+    // lease was last renewed no earlier than 0.5 s (a keep-alive period)
+    // before the freeze, so it lives at least 2.5 s after it; the leader
+    // is valid until 2 s after the last answered keep-alive was sent.
+    let stepped_down = loop {
+        let (_, m) = http_get(leader_http, "/metrics");
+        if metric(&m, "quotalease_allocator_leader") == Some(0.0) {
+            break frozen.elapsed();
+        }
+        assert!(
+            frozen.elapsed() < Duration::from_secs(10),
+            "the leader kept leading with etcd frozen"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for &pid in &pids {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+    }
+    let thawed = Instant::now();
+    let thawed_ns = boottime_ns();
+    let _ = leader_of(&s.replicas, None, Duration::from_secs(30));
+    let recovered = thawed.elapsed();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let allowed = counts.allowed.load(Ordering::Relaxed);
+    let errors = counts.errors.load(Ordering::Relaxed);
+    let failure = counts.failure_denied.load(Ordering::Relaxed);
+    let mut s = s;
+    let agents = std::mem::take(&mut s.agents);
+    for a in agents {
+        assert!(a.terminate().success());
+    }
+    let k = check_key_i1(&s.logs, ("ha", "hot", "/api/ha"), 200, 50, allowed);
+    let (_, during) = gap_after(&s.logs, ("ha", "hot", "/api/ha"), frozen_ns);
+    let (gap, after) = gap_after(&s.logs, ("ha", "hot", "/api/ha"), thawed_ns);
+    eprintln!(
+        "ha-etcd-down: leader stepped down {stepped_down:?} after the freeze; a leader again {recovered:?} after the thaw; hot key admitted {during} after the freeze, {after} after the thaw (longest gap {gap:?}); admitted {allowed} ({:.1} % of B + R*T), errors {errors}, failure-mode {failure}",
+        k.util * 100.0
+    );
+    assert!(
+        stepped_down < Duration::from_millis(2_500),
+        "the leader led {stepped_down:?} into an etcd freeze (its lease may expire after 2.5 s)"
+    );
+    assert!(after > 0, "no tokens after etcd came back");
+    assert_eq!(errors, 0, "agents answered with errors");
+}

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use etcd_client::{
@@ -40,6 +40,7 @@ use quotalease_allocator::leadership::Leadership;
 use quotalease_allocator::reservation_log::{self, hex, unhex, Durability, Store};
 use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::server::{self as alloc_server, Shared};
+use quotalease_allocator::term;
 use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 
@@ -523,12 +524,18 @@ async fn sessions(r: Arc<Replica>) {
     }
 }
 
-/// When the session lease is surely still alive (see the module docs).
-type Validity = Arc<Mutex<Instant>>;
+/// Until when (a `CLOCK_BOOTTIME` reading, ns: it counts while the machine
+/// is suspended) the session lease is surely still alive (see the module
+/// docs).
+type Validity = Arc<Mutex<u64>>;
+
+fn boot_now() -> u64 {
+    quotalease_model::clock::BootClock::now()
+}
 
 async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
     let mut c = r.client.clone();
-    let sent = Instant::now();
+    let sent = boot_now();
     let lease = retried(|| {
         let mut c = r.client.clone();
         async move { c.lease_grant(r.lease_ttl_s, None).await }
@@ -537,7 +544,8 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
     .context("granting an etcd lease")?;
     let id = lease.id();
     let validity: Validity = Arc::new(Mutex::new(
-        sent + Duration::from_secs(lease.ttl().max(0) as u64).saturating_sub(r.margin),
+        sent + (Duration::from_secs(lease.ttl().max(0) as u64).saturating_sub(r.margin)).as_nanos()
+            as u64,
     ));
     let (done_tx, mut done) = tokio::sync::watch::channel(false);
     let keeper = tokio::spawn(keep_alive(r.clone(), id, validity.clone(), done_tx));
@@ -595,7 +603,7 @@ async fn keep_alive(
     let mut c = r.client.clone();
     let mut stream = None;
     loop {
-        if Instant::now() >= *validity.lock() {
+        if boot_now() >= *validity.lock() {
             tracing::warn!("etcd lease validity ran out (keep-alives unanswered)");
             let _ = done.send(true);
             return;
@@ -607,15 +615,16 @@ async fn keep_alive(
                 .and_then(Result::ok);
         }
         if let Some((keeper, answers)) = &mut stream {
-            let sent = Instant::now();
+            let sent = boot_now();
             let answered = async {
                 keeper.keep_alive().await.ok()?;
                 answers.message().await.ok()?
             };
             match tokio::time::timeout(every, answered).await {
                 Ok(Some(resp)) if resp.ttl() > 0 => {
-                    let until =
-                        sent + Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin);
+                    let until = sent
+                        + (Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin))
+                            .as_nanos() as u64;
                     let mut v = validity.lock();
                     *v = (*v).max(until);
                     let term = r.term.load(Ordering::Acquire);
@@ -743,46 +752,34 @@ async fn lead(
         Txn::new()
             .when([guard()])
             .and_then([TxnOp::put(r.keys.ledger(), record.encode(), None)]);
-    if !c
-        .txn(put)
+    if !txn(&r.client, put)
         .await
         .context("writing the ledger record")?
         .succeeded()
     {
         return Err(anyhow!("deposed before the term began"));
     }
-    // The reservations bound what any predecessor granted, unless they
-    // were given up (a lost ledger): then every key waits the cap.
-    let predecessor_ttl_max_ns = if lost {
-        TTL_MAX_CAP_NS
-    } else {
-        prev.ttl_max_ms.saturating_mul(1_000_000)
-    };
-    let checkpoint = checkpoint.filter(|_| !lost);
-    let cfg = CoreConfig {
-        ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
-        predecessor_ttl_max_ns,
-        no_predecessor: !lost,
-        reservations: true,
+    let durable = term::Durable {
+        first,
+        lost,
+        predecessor_ttl_max_ns: prev.ttl_max_ms.saturating_mul(1_000_000),
         ledger_id: record.id,
-        first_start_grace_ns: if first && !r.args.new_ledger {
-            run::FIRST_START_GRACE.as_nanos() as u64
-        } else {
-            0
-        },
-        new_ledger: r.args.new_ledger,
-        ..CoreConfig::default()
+        reservations: reserved,
+        checkpoint: checkpoint.filter(|_| !lost),
     };
+    let cfg = term::config(
+        CoreConfig {
+            ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
+            ..CoreConfig::default()
+        },
+        &durable,
+        run::FIRST_START_GRACE.as_nanos() as u64,
+        r.args.new_ledger,
+    );
     let shared = &r.shared;
     shared.new_term(cfg, rules, epoch, lease_id_base);
     let now = shared.now();
-    let keys = reserved.len();
-    let from_checkpoint = checkpoint.is_some();
-    match checkpoint {
-        Some(keys) => shared.with_core(|core| core.resume_keys(now, keys)),
-        None if !first && !lost => shared.with_core(|core| core.resume_reserved(now, reserved)),
-        None => {}
-    }
+    let (resumed, promises) = shared.with_core(|core| term::resume(core, now, durable));
     let deposed = Arc::new(AtomicBool::new(false));
     let mut store = EtcdStore {
         client: r.client.clone(),
@@ -790,7 +787,6 @@ async fn lead(
         guard: (leader.key().to_vec(), leader.rev()),
         deposed: deposed.clone(),
     };
-    let promises = shared.with_core(|core| core.reserve_current_keys(now));
     store
         .append(
             promises
@@ -809,8 +805,7 @@ async fn lead(
         ),
         TxnOp::delete(r.keys.checkpoint_done(), None),
     ]);
-    if !c
-        .txn(del)
+    if !txn(&r.client, del)
         .await
         .context("removing the checkpoint")?
         .succeeded()
@@ -821,18 +816,20 @@ async fn lead(
     r.durability.replace_with(&durability);
     r.term.store(epoch, Ordering::Release);
     r.leadership.lead(epoch, *validity.lock());
-    if lost {
-        tracing::warn!(epoch, ledger = format_args!("{:016x}", record.id), wait_ms = TTL_MAX_CAP_NS / 1_000_000, "leading: the reservations were given up (a lost ledger); every key counts as fully leased out until the TTL_max cap has passed");
-    } else if from_checkpoint {
-        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), keys, "leading: keys resume from the predecessor's checkpoint in etcd (a clean handover: what was leased counts until it has expired, nothing else is lost)");
-    } else if first {
-        tracing::info!(
-            epoch,
-            ledger = format_args!("{:016x}", record.id),
-            "leading: no ledger in etcd, a new one; buckets start full"
-        );
-    } else {
-        tracing::info!(epoch, ledger = format_args!("{:016x}", record.id), keys, predecessor_ttl_max_ms = prev.ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full");
+    let ledger = format_args!("{:016x}", record.id).to_string();
+    match resumed {
+        term::Resumed::Lost => {
+            tracing::warn!(epoch, %ledger, wait_ms = TTL_MAX_CAP_NS / 1_000_000, "leading: the reservations were given up (a lost ledger); every key counts as fully leased out until the TTL_max cap has passed")
+        }
+        term::Resumed::Checkpoint(keys) => {
+            tracing::info!(epoch, %ledger, keys, "leading: keys resume from the predecessor's checkpoint in etcd (a clean handover: what was leased counts until it has expired, nothing else is lost)")
+        }
+        term::Resumed::First => {
+            tracing::info!(epoch, %ledger, "leading: no ledger in etcd, a new one; buckets start full")
+        }
+        term::Resumed::Reserved(keys) => {
+            tracing::info!(epoch, %ledger, keys, predecessor_ttl_max_ms = prev.ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full")
+        }
     }
     let mut written = record;
     let mut lost_marker = lost;

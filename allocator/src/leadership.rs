@@ -3,15 +3,15 @@
 //! is the binary's driver; this is the gate the lease service asks before
 //! every batch, and what every reply says about the replicas.
 //!
-//! Validity is measured on the monotonic clock from when a keep-alive of
+//! Validity is measured on `CLOCK_BOOTTIME` (which counts while the machine
+//! is suspended; the simulator passes its own clock readings) from when a
+//! keep-alive of
 //! the leader's etcd lease was *sent*, not answered: etcd renews the lease
 //! for its whole TTL when it receives the keep-alive, so the lease cannot
 //! expire (and no other replica can be elected) before `sent + TTL` on
 //! etcd's clock. The driver sets `valid_until` a safety margin before that
 //! (clock rate differences, scheduling), so a deposed leader — partitioned,
 //! or frozen and woken up — stops granting before a successor can exist.
-
-use std::time::Instant;
 
 use parking_lot::Mutex;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
@@ -33,8 +33,9 @@ pub struct View {
 #[derive(Debug, Default)]
 struct State {
     view: View,
-    /// `Some` while this replica leads: grants are allowed until then.
-    valid_until: Option<Instant>,
+    /// `Some` while this replica leads: grants are allowed until then
+    /// (clock reading, ns).
+    valid_until: Option<u64>,
     /// Epoch of the term `valid_until` belongs to.
     term: u64,
 }
@@ -65,11 +66,11 @@ impl Leadership {
 
     /// True while this replica leads and its leadership is surely valid.
     pub fn serving(&self) -> bool {
-        self.serving_at(Instant::now())
+        self.serving_at(quotalease_model::clock::BootClock::now())
     }
 
-    /// [`Leadership::serving`] at `now`.
-    pub fn serving_at(&self, now: Instant) -> bool {
+    /// [`Leadership::serving`] at clock reading `now` (ns).
+    pub fn serving_at(&self, now: u64) -> bool {
         self.state.lock().valid_until.is_some_and(|v| now < v)
     }
 
@@ -81,7 +82,7 @@ impl Leadership {
 
     /// This replica won the election of `epoch`; it may grant until
     /// `valid_until` (see [`Leadership::extend`]).
-    pub fn lead(&self, epoch: u64, valid_until: Instant) {
+    pub fn lead(&self, epoch: u64, valid_until: u64) {
         let mut s = self.state.lock();
         s.term = epoch;
         s.valid_until = Some(valid_until);
@@ -91,7 +92,7 @@ impl Leadership {
 
     /// A keep-alive of term `epoch` succeeded: valid until `valid_until`
     /// (never shortened). Ignored for another term.
-    pub fn extend(&self, epoch: u64, valid_until: Instant) {
+    pub fn extend(&self, epoch: u64, valid_until: u64) {
         let mut s = self.state.lock();
         if s.term == epoch {
             if let Some(v) = &mut s.valid_until {
@@ -174,24 +175,25 @@ impl Leadership {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    const S: u64 = 1_000_000_000;
 
     #[test]
     fn grants_only_within_validity_of_the_current_term() {
         let l = Leadership::new("http://a:1".into(), 500);
-        let t0 = Instant::now();
+        let t0 = 100 * S;
         assert!(!l.serving_at(t0));
-        l.lead(7, t0 + Duration::from_secs(2));
-        assert!(l.serving_at(t0 + Duration::from_millis(1999)));
-        assert!(!l.serving_at(t0 + Duration::from_secs(2)));
+        l.lead(7, t0 + 2 * S);
+        assert!(l.serving_at(t0 + 2 * S - 1));
+        assert!(!l.serving_at(t0 + 2 * S));
         // Another term's keep-alive does not extend this one.
-        l.extend(6, t0 + Duration::from_secs(9));
-        assert!(!l.serving_at(t0 + Duration::from_secs(3)));
-        l.extend(7, t0 + Duration::from_secs(4));
-        assert!(l.serving_at(t0 + Duration::from_secs(3)));
+        l.extend(6, t0 + 9 * S);
+        assert!(!l.serving_at(t0 + 3 * S));
+        l.extend(7, t0 + 4 * S);
+        assert!(l.serving_at(t0 + 3 * S));
         // Never shortened by a late keep-alive answer.
-        l.extend(7, t0 + Duration::from_secs(1));
-        assert!(l.serving_at(t0 + Duration::from_secs(3)));
+        l.extend(7, t0 + S);
+        assert!(l.serving_at(t0 + 3 * S));
         l.step_down();
         assert!(!l.serving_at(t0));
         assert_eq!(l.term(), None);
@@ -213,7 +215,7 @@ mod tests {
             ("http://b:1", 42, 0)
         );
         // A leader whose validity ran out names no leader, not itself.
-        l.lead(43, Instant::now());
+        l.lead(43, quotalease_model::clock::BootClock::now());
         let r = l.refusal(&batch);
         assert_eq!(r.leader_url, "");
         assert!(r.retry_after_ms > 0);

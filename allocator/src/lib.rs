@@ -14,4 +14,5 @@ pub mod regional;
 pub mod reservation_log;
 pub mod reservations;
 pub mod server;
+pub mod term;
 pub mod upstream;

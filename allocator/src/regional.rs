@@ -913,6 +913,18 @@ impl RegionalCore {
     /// answers another one: another seq, or a digest that is not our
     /// request's).
     pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
+        if reply.not_leader && reply.grants.is_empty() {
+            // The parent's replicas have no leader yet (SPEC §7; a named
+            // leader is followed by the transport): nothing was applied.
+            // The pools serve what they hold meanwhile.
+            tracing::debug!(
+                seq = reply.seq,
+                retry_ms = reply.retry_after_ms,
+                "the parent's replicas have no leader yet"
+            );
+            self.upstream_failed(now_ns, reply.seq);
+            return;
+        }
         let Some(f) = self.in_flight.take_if(|f| {
             f.seq == reply.seq
                 && (reply.request_digest == 0

@@ -73,16 +73,6 @@ async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wai
     let res = tokio::time::timeout(wait, client.lease(batch)).await;
     let now = shared.now();
     match res {
-        Ok(Ok(reply)) if reply.not_leader => {
-            // The parent's replicas have no leader yet: nothing was
-            // applied; the pools serve what they hold meanwhile.
-            tracing::debug!(
-                seq,
-                retry_ms = reply.retry_after_ms,
-                "the parent's replicas have no leader yet"
-            );
-            shared.with_regional(|r| r.upstream_failed(now, seq));
-        }
         Ok(Ok(reply)) => {
             shared.with_regional(|r| r.handle_upstream_reply(now, &reply));
             if !was_reachable {

@@ -159,6 +159,7 @@ sweep speed-hot-key 0.05 1..5
 sweep small-burst 0.1 1..10
 sweep small-burst-below-rate 0.1 1..10
 sweep small-burst-flash 0.1 1..10
+sweep failover 0.5 1..20
 
 log "simulator: swarm sweep (a fault plan per seed, liveness after the faults heal)"
 "$sim" sim --swarm --seeds 1..100

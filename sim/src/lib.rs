@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 pub mod checker;
+pub mod failover;
 pub mod fuzzing;
 pub mod liveness;
 pub mod net;

@@ -111,6 +111,12 @@ pub struct Scenario {
     /// Injected faults.
     #[serde(default)]
     pub faults: Faults,
+    /// The global allocator as `--etcd` replicas electing a leader (SPEC
+    /// §7; see [`crate::failover`]): a crash or a long suspend of `global`
+    /// is then the leader's, and a successor takes over from the
+    /// reservations in etcd. `None`: one allocator, restarted in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failover: Option<FailoverSpec>,
     /// Empty: one run. Otherwise one run per variant.
     #[serde(default)]
     pub variants: Vec<Variant>,
@@ -118,6 +124,37 @@ pub struct Scenario {
     /// [`Scenario::scaled`]); `None` = the suite runs it at full scale.
     #[serde(default)]
     pub scale: Option<f64>,
+}
+
+/// The global allocator's replicas and etcd, as the failover model sees
+/// them (all in ms).
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailoverSpec {
+    /// TTL of the leader's etcd lease (`--etcd-lease-ttl`, default 3000,
+    /// 2000..=60000): kept alive every sixth of it; a leader stops granting
+    /// `max(TTL/3, 1 s)` before it could expire.
+    #[serde(default = "d_3000")]
+    pub lease_ttl_ms: u64,
+    /// From the lease's expiry until the successor serves: its campaign
+    /// returns, it reads the reservations and writes its promises (default
+    /// 50, at most 10000).
+    #[serde(default = "d_50")]
+    pub election_ms: u64,
+    /// How long a write of reservations takes to be durable in etcd
+    /// (default 5, at most 1000): replies that need one wait this long.
+    #[serde(default = "d_5")]
+    pub write_lag_ms: u64,
+}
+
+fn d_3000() -> u64 {
+    3000
+}
+fn d_50() -> u64 {
+    50
+}
+fn d_5() -> u64 {
+    5
 }
 
 /// Faults injected into a run.
@@ -570,11 +607,19 @@ impl Scenario {
             .collect();
         spans.extend(self.storms().iter().map(|s| (s.from_ns, Some(s.until_ns))));
         spans.extend(self.suspends().iter().map(|s| (s.1, Some(s.2))));
+        // With failover a successor serves once the dead leader's lease has
+        // expired and the election is over.
+        let successor = self
+            .failover
+            .map(|f| (f.lease_ttl_ms + f.election_ms) * 1_000_000);
         spans.extend(
             self.crashes()
                 .iter()
                 .chain(self.shutdowns().iter())
-                .map(|c| (c.at_ns, c.restart_ns)),
+                .map(|c| match (c.node, successor) {
+                    (crate::net::Node::Global, Some(d)) => (c.at_ns, Some(c.at_ns + d)),
+                    _ => (c.at_ns, c.restart_ns),
+                }),
         );
         spans
     }
@@ -866,6 +911,34 @@ impl Scenario {
                             "from and to are the same node".into(),
                         );
                     }
+                }
+            }
+        }
+        if let Some(f) = &self.failover {
+            if !(2000..=60_000).contains(&f.lease_ttl_ms) {
+                err(
+                    "failover.lease_ttl_ms",
+                    format!("must be 2000..=60000, got {}", f.lease_ttl_ms),
+                );
+            }
+            if f.election_ms > 10_000 {
+                err(
+                    "failover.election_ms",
+                    format!("must be at most 10000, got {}", f.election_ms),
+                );
+            }
+            if f.write_lag_ms > 1000 {
+                err(
+                    "failover.write_lag_ms",
+                    format!("must be at most 1000, got {}", f.write_lag_ms),
+                );
+            }
+            for (i, c) in self.faults.crashes.iter().enumerate() {
+                if c.node == "global" && c.restart_after_s.is_some() {
+                    err(
+                        &format!("faults.crashes[{i}].restart_after_s"),
+                        "with failover the leader's successor is elected; the crashed replica's return is not modelled".into(),
+                    );
                 }
             }
         }
@@ -1299,6 +1372,36 @@ scale: 0.1
             "bad.yaml: faults.rule_changes[0].rate:",
             "bad.yaml: faults.rule_changes[0].burst: must be >= 1",
             "bad.yaml: faults.sweep_every_s: must be > 0",
+        ] {
+            assert!(e.contains(want), "missing {want:?} in:\n{e}");
+        }
+    }
+
+    #[test]
+    fn failover_parses_and_errors_name_the_field() {
+        let good = format!("{GOOD}failover: {{ lease_ttl_ms: 4000 }}\n");
+        let sc = Scenario::parse(&good, "good.yaml").unwrap();
+        assert_eq!(
+            sc.failover,
+            Some(FailoverSpec {
+                lease_ttl_ms: 4000,
+                election_ms: 50,
+                write_lag_ms: 5
+            })
+        );
+        let bad = format!(
+            "{}failover: {{ lease_ttl_ms: 1000, election_ms: 20000, write_lag_ms: 5000 }}\n",
+            GOOD.replace(
+                "    - { at_s: 20, node: global }\n",
+                "    - { at_s: 20, node: global, restart_after_s: 1 }\n"
+            )
+        );
+        let e = Scenario::parse(&bad, "bad.yaml").unwrap_err();
+        for want in [
+            "bad.yaml: failover.lease_ttl_ms: must be 2000..=60000",
+            "bad.yaml: failover.election_ms: must be at most 10000",
+            "bad.yaml: failover.write_lag_ms: must be at most 1000",
+            "bad.yaml: faults.crashes[1].restart_after_s: with failover",
         ] {
             assert!(e.contains(want), "missing {want:?} in:\n{e}");
         }

@@ -47,6 +47,7 @@ use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use quotalease_proto::v1::Reason;
 
 use crate::checker::{StreamChecker, Worst};
+use crate::failover::{Deposed, Failover};
 use crate::liveness::{self, KeyLiveness};
 use crate::net::{Net, Node};
 use crate::quality::KeyQuality;
@@ -73,11 +74,25 @@ enum Msg {
 enum Event {
     /// Renewal tick of an agent or a regional allocator.
     Tick(Node),
-    /// A message arrives.
+    /// A message arrives. `term`: with failover, the epoch of the leader
+    /// a message to the global allocator was sent to (0: none known).
     Deliver {
         from: Node,
         to: Node,
         msg: Box<Msg>,
+        term: u64,
+    },
+    /// Failover: the leader of `epoch` sends a keep-alive of its lease.
+    KeepAlive(u64),
+    /// Failover: if the leader's lease has expired (and the election is
+    /// over), a successor takes over.
+    Election,
+    /// Failover: records of the leader of `epoch` (its core's count `seq`)
+    /// are durable in etcd, if that leader is still the current one.
+    Durable {
+        epoch: u64,
+        seq: u64,
+        records: Vec<quotalease_allocator::reservations::Record>,
     },
     /// No reply to `seq` within the fetch timeout (`life` = the node's life
     /// when it was sent: a restarted node ignores its predecessor's timers).
@@ -321,6 +336,8 @@ pub struct Outcome {
     pub live_from_ns: Option<u64>,
     /// `TTL_max` (ns).
     pub ttl_max_ns: u64,
+    /// Failover: batches a deposed leader granted (must stay 0).
+    pub deposed_grants: u64,
     /// The run of [`liveness::reference`] with the same seed, when
     /// liveness is judged: what the deployment admits without the faults
     /// that heal.
@@ -404,6 +421,12 @@ impl Outcome {
             .iter()
             .map(|v| format!("I2: {v}"))
             .collect();
+        if self.deposed_grants > 0 {
+            out.push(format!(
+                "fencing: a deposed leader granted {} batch(es) after its successor was elected",
+                self.deposed_grants
+            ));
+        }
         if self.shadow_violations > 0 {
             out.push(format!(
                 "shadow bucket alarms: {} (a grant the independent bucket says breaks I1)",
@@ -480,6 +503,8 @@ pub struct World {
     fault_window_ns: u64,
     /// Rule changes published so far: (true time, change).
     rule_history: Vec<(u64, RuleChange)>,
+    /// The replicas and etcd, when the scenario models failover.
+    failover: Option<Failover>,
 }
 
 /// A published rule change, as the checkers need it.
@@ -584,6 +609,7 @@ impl World {
             tracked_tenants,
             fault_window_ns,
             rule_history: Vec::new(),
+            failover: sc.failover.as_ref().map(Failover::new),
             sc,
         };
         w.boot_global(true);
@@ -632,6 +658,24 @@ impl World {
     }
 
     fn boot_global(&mut self, first: bool) {
+        if let Some(fo) = self.failover.as_mut() {
+            // A leader elected (the first, or a successor): its core resumes
+            // from the reservations in etcd; its keep-alives start.
+            let g = &mut self.global;
+            g.life += 1;
+            let now = g.clock.local(self.t);
+            let core = fo.elect(
+                self.t,
+                now,
+                self.sc.ttl_max_ms * 1_000_000,
+                self.rules.clone(),
+            );
+            g.core = Some(core);
+            let (epoch, every, next) = (fo.epoch, fo.cfg.keep_alive_ns, fo.successor_at());
+            self.schedule(self.t + every, Event::KeepAlive(epoch));
+            self.schedule(next, Event::Election);
+            return;
+        }
         let g = &mut self.global;
         g.life += 1;
         let now = g.clock.local(self.t);
@@ -775,6 +819,7 @@ impl World {
         let target = match &ev {
             Event::Tick(n) | Event::Timeout { node: n, .. } => Some(*n),
             Event::Deliver { to, .. } => Some(*to),
+            Event::Durable { .. } => Some(Node::Global),
             Event::Recheck { agent, .. } => Some(Node::Agent(*agent)),
             // SIGTERM is handled when the machine wakes (a power loss,
             // `Crash`, is not).
@@ -782,7 +827,18 @@ impl World {
             _ => None,
         };
         if let Some(node) = target {
-            let until = self.asleep_until(node);
+            // A deposed leader's messages and writes wait for its own wake.
+            let epoch = match &ev {
+                Event::Deliver { term, .. } => *term,
+                Event::Durable { epoch, .. } => *epoch,
+                _ => 0,
+            };
+            let until = match self.failover.as_ref().and_then(|f| f.deposed.as_ref()) {
+                Some(d) if node == Node::Global && epoch != 0 && d.term.epoch == epoch => {
+                    d.asleep_until
+                }
+                _ => self.asleep_until(node),
+            };
             if self.t < until {
                 if !matches!(ev, Event::Tick(_)) {
                     self.schedule(until, ev);
@@ -792,7 +848,19 @@ impl World {
         }
         match ev {
             Event::Tick(node) => self.tick(node),
-            Event::Deliver { from, to, msg } => self.deliver(from, to, *msg),
+            Event::Deliver {
+                from,
+                to,
+                msg,
+                term,
+            } => self.deliver(from, to, *msg, term),
+            Event::KeepAlive(epoch) => self.keep_alive(epoch),
+            Event::Election => self.election(),
+            Event::Durable {
+                epoch,
+                seq,
+                records,
+            } => self.durable(epoch, seq, records),
             Event::Timeout { node, seq, life } => self.timeout(node, seq, life),
             Event::Recheck { agent, park, life } => {
                 let node = &mut self.agents[agent as usize];
@@ -811,8 +879,31 @@ impl World {
             },
             Event::Shutdown(node) => self.shutdown(node),
             Event::Suspend(node, until) => *self.asleep_mut(node) = until,
+            Event::Resume(Node::Global)
+                if self
+                    .failover
+                    .as_ref()
+                    .is_some_and(|f| f.deposed.as_ref().is_some_and(|d| d.asleep_until > 0)) =>
+            {
+                // The deposed leader's machine wakes (its successor runs on
+                // another).
+                if let Some(d) = self.failover.as_mut().and_then(|f| f.deposed.as_mut()) {
+                    d.asleep_until = 0;
+                }
+            }
             Event::Resume(node) => {
                 *self.asleep_mut(node) = 0;
+                if node == Node::Global {
+                    if let Some(epoch) = self
+                        .failover
+                        .as_ref()
+                        .and_then(|f| f.term.as_ref())
+                        .map(|t| t.epoch)
+                    {
+                        // Its keep-alives go out again at once.
+                        self.schedule(self.t, Event::KeepAlive(epoch));
+                    }
+                }
                 // Its timers fire now (they were due while it slept).
                 match node {
                     Node::Agent(i) => {
@@ -834,6 +925,9 @@ impl World {
                         core.sweep(self.global.clock.local(t));
                     }
                 }
+                // The sweep's records (raised floors, keys at rest) are
+                // written like any others.
+                self.write_records();
                 for n in &mut self.regionals {
                     if let Some(core) = n.core.as_mut() {
                         if t >= n.asleep_until {
@@ -939,6 +1033,11 @@ impl World {
             Node::Global => {
                 self.global.core = None;
                 self.global.life += 1;
+                // With failover: the leader died; its replies waiting for
+                // records die with it; the election follows its lease.
+                if let Some(t) = self.failover.as_mut().and_then(|f| f.term.as_mut()) {
+                    t.held.clear();
+                }
             }
             Node::Regional(r) => {
                 let n = &mut self.regionals[r as usize];
@@ -1132,6 +1231,11 @@ impl World {
     }
 
     fn transmit(&mut self, from: Node, to: Node, msg: Msg) {
+        // Agents and regionals send to the leader they know of.
+        let term = match (&self.failover, to) {
+            (Some(f), Node::Global) => f.term.as_ref().map_or(0, |t| t.epoch),
+            _ => 0,
+        };
         let times: Vec<u64> = self.net.deliveries(self.t, from, to).into_iter().collect();
         match times.len() {
             0 => {}
@@ -1141,6 +1245,7 @@ impl World {
                     from,
                     to,
                     msg: Box::new(msg),
+                    term,
                 },
             ),
             _ => {
@@ -1154,6 +1259,7 @@ impl World {
                         from,
                         to,
                         msg: Box::new(msg),
+                        term,
                     },
                 );
                 self.schedule(
@@ -1162,6 +1268,7 @@ impl World {
                         from,
                         to,
                         msg: Box::new(copy),
+                        term,
                     },
                 );
             }
@@ -1188,9 +1295,12 @@ impl World {
         }
     }
 
-    fn deliver(&mut self, from: Node, to: Node, msg: Msg) {
+    fn deliver(&mut self, from: Node, to: Node, msg: Msg, term: u64) {
         let t = self.t;
         match (to, msg) {
+            (Node::Global, Msg::Batch(batch)) if self.failover.is_some() => {
+                self.deliver_to_replicas(from, batch, term)
+            }
             (Node::Global, Msg::Batch(batch)) => {
                 let g = &mut self.global;
                 let Some(core) = g.core.as_mut() else { return };
@@ -1251,6 +1361,159 @@ impl World {
             // Agents receive no batches; the global allocator no replies.
             _ => {}
         }
+    }
+
+    /// Failover: a batch for the leader of epoch `term` (0: none known).
+    fn deliver_to_replicas(&mut self, from: Node, batch: LeaseBatch, term: u64) {
+        let t = self.t;
+        let now = self.global.clock.local(t);
+        let Some(fo) = self.failover.as_mut() else {
+            return;
+        };
+        // Queued at a deposed leader: its own gate decides when it wakes.
+        if let Some(d) = fo
+            .deposed
+            .as_mut()
+            .filter(|d| term != 0 && d.term.epoch == term)
+        {
+            let reply = if d.term.gate.serving_at(now) {
+                // Fencing failed: the run reports it (and I1 may break).
+                fo.deposed_grants += 1;
+                d.core.handle(now, &batch)
+            } else {
+                fo.deposed_refusals += 1;
+                d.term.gate.refusal(&batch)
+            };
+            self.transmit(Node::Global, from, Msg::Reply(reply));
+            return;
+        }
+        let leading = fo
+            .term
+            .as_ref()
+            .is_some_and(|c| (term == 0 || term == c.epoch) && self.global.core.is_some());
+        if !leading {
+            // No leader yet, or the one named is dead: a follower answers.
+            fo.no_leader_replies += 1;
+            let reply = fo.follower.refusal(&batch);
+            self.transmit(Node::Global, from, Msg::Reply(reply));
+            return;
+        }
+        let term = fo.term.as_mut().expect("leading");
+        if !term.gate.serving_at(now) {
+            let reply = term.gate.refusal(&batch);
+            self.transmit(Node::Global, from, Msg::Reply(reply));
+            return;
+        }
+        let core = self.global.core.as_mut().expect("leading");
+        let reply = core.handle(now, &batch);
+        check_i2_core(core, now, &batch, &mut self.i2_violations, t);
+        let needs = core.reservation_seq();
+        if needs <= term.durable_seq {
+            self.transmit(Node::Global, from, Msg::Reply(reply));
+        } else {
+            term.held.push((needs, from, reply));
+        }
+        self.write_records();
+    }
+
+    /// Failover: what the leader's core appended goes to etcd, durable
+    /// `write_lag` later.
+    fn write_records(&mut self) {
+        let Some(fo) = self.failover.as_ref() else {
+            return;
+        };
+        let Some(epoch) = fo.term.as_ref().map(|t| t.epoch) else {
+            return;
+        };
+        let lag = fo.cfg.write_lag_ns;
+        let Some((seq, records)) = self
+            .global
+            .core
+            .as_mut()
+            .and_then(|c| c.reservations_mut())
+            .map(|r| r.take())
+        else {
+            return;
+        };
+        if !records.is_empty() {
+            self.schedule(
+                self.t + lag,
+                Event::Durable {
+                    epoch,
+                    seq,
+                    records,
+                },
+            );
+        }
+    }
+
+    /// Failover: records of `epoch` are durable, if it still leads; the
+    /// replies that waited for them go out if its gate still lets it.
+    fn durable(
+        &mut self,
+        epoch: u64,
+        seq: u64,
+        records: Vec<quotalease_allocator::reservations::Record>,
+    ) {
+        let t = self.t;
+        let now = self.global.clock.local(t);
+        let alive = self.global.core.is_some();
+        let Some(fo) = self.failover.as_mut() else {
+            return;
+        };
+        if !alive || !fo.commit(epoch, seq, records) {
+            return; // a dead or deposed leader's write: its guard fails
+        }
+        let term = fo.term.as_mut().expect("committed");
+        let durable = term.durable_seq;
+        let serving = term.gate.serving_at(now);
+        let (ready, waiting): (Vec<_>, Vec<_>) = term.held.drain(..).partition(|h| h.0 <= durable);
+        term.held = waiting;
+        for (_, to, reply) in ready {
+            if serving {
+                self.transmit(Node::Global, to, Msg::Reply(reply));
+            }
+        }
+    }
+
+    /// Failover: the leader of `epoch` renews its lease (alive and awake).
+    fn keep_alive(&mut self, epoch: u64) {
+        let t = self.t;
+        if self.global.core.is_none() || t < self.global.asleep_until {
+            return; // dead, or frozen: nothing is sent (re-armed on wake)
+        }
+        let now = self.global.clock.local(t);
+        let Some(fo) = self.failover.as_mut() else {
+            return;
+        };
+        if fo.term.as_ref().map(|t| t.epoch) != Some(epoch) {
+            return;
+        }
+        fo.keep_alive(t, now);
+        let (every, next) = (fo.cfg.keep_alive_ns, fo.successor_at());
+        self.schedule(t + every, Event::KeepAlive(epoch));
+        self.schedule(next, Event::Election);
+    }
+
+    /// Failover: a successor takes over once the leader's lease expired and
+    /// the election is over; a leader still running is deposed.
+    fn election(&mut self) {
+        let t = self.t;
+        let Some(fo) = self.failover.as_mut() else {
+            return;
+        };
+        if fo.term.is_none() || t < fo.successor_at() {
+            return;
+        }
+        let term = fo.term.take().expect("checked");
+        fo.deposed = self.global.core.take().map(|core| Deposed {
+            core,
+            term,
+            asleep_until: self.global.asleep_until,
+        });
+        // The successor runs on another machine: awake.
+        self.global.asleep_until = 0;
+        self.boot_global(false);
     }
 
     fn note_emergency(&mut self, key: &KeyId, rate: Rate, burst: u64) {
@@ -1483,6 +1746,9 @@ impl World {
             }
         }
         keys.sort_by(|a, b| a.key.cmp(&b.key));
+        if let Some(f) = &self.failover {
+            tier_notes.push(format!("replicas: {}", f.summary()));
+        }
         let rtt = self.sc.regional_round_trip_ns();
         Outcome {
             name: self.sc.name.clone(),
@@ -1503,6 +1769,7 @@ impl World {
             tier_notes,
             live_from_ns: self.sc.liveness.then(|| self.sc.live_from_ns()),
             ttl_max_ns: self.sc.ttl_max_ms * 1_000_000,
+            deposed_grants: self.failover.as_ref().map_or(0, |f| f.deposed_grants),
             reference: None,
         }
     }

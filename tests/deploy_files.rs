@@ -213,10 +213,25 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                     Some(http),
                     "{whence}: Prometheus scrapes --http"
                 );
-                for f in ["--parent", "--allocator"] {
-                    if let Some(u) = flags.get(f) {
-                        urls.push((whence.clone(), u.clone()));
+                for f in ["--parent", "--allocator", "--advertise", "--etcd"] {
+                    if let Some(list) = flags.get(f) {
+                        for u in list.split(',') {
+                            urls.push((whence.clone(), u.to_string()));
+                        }
                     }
+                }
+                if let Some(a) = flags.get("--advertise") {
+                    // Agents are redirected there, with the client
+                    // certificate they use for the first contact.
+                    assert!(
+                        flags.contains_key("--etcd"),
+                        "{whence}: --advertise without --etcd"
+                    );
+                    assert_eq!(
+                        a.starts_with("https://"),
+                        flags.contains_key("--tls-cert"),
+                        "{whence}: --advertise {a} and the TLS flags disagree"
+                    );
                 }
                 // mTLS: certificates come from a mounted Secret, a gRPC port
                 // open on the pod network requires client certificates, and
@@ -290,8 +305,10 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
             .trim_start_matches("https://")
             .trim_start_matches("http://");
         let (host, port) = hostport.split_once(':').expect("host:port");
+        // A pod of a headless Service is `POD.SERVICE`.
+        let service = host.rsplit('.').next().unwrap_or(host);
         let ports = services
-            .get(host)
+            .get(service)
             .unwrap_or_else(|| panic!("{whence}: {u} names no Service"));
         assert!(
             ports.contains(&port.parse().unwrap()),

@@ -23,7 +23,7 @@
 //!   before the next grant ([`Leadership`]); the term ends, the core is
 //!   dropped, and the replica starts a new session and campaigns again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -193,23 +193,84 @@ struct EtcdStore {
     keys: Keys,
     guard: (Vec<u8>, i64),
     deposed: Arc<AtomicBool>,
+    /// The mod revision of every reservation key as this term last wrote
+    /// or read it (absent: not in etcd). Each write compares it, so that a
+    /// write whose answer was lost and that commits late (after a newer one
+    /// of the same key) fails instead of putting an older floor back.
+    revs: HashMap<String, i64>,
 }
+
+/// Attempts of one chunk against keys that changed under it (a late
+/// commit of an earlier attempt) before the write counts as failed.
+const CHUNK_ATTEMPTS: usize = 4;
 
 impl EtcdStore {
     fn guard(&self) -> Compare {
         Compare::create_revision(self.guard.0.clone(), CompareOp::Equal, self.guard.1)
     }
 
-    /// Run `ops` in guarded transactions of at most [`TXN_OPS`].
-    async fn run(&mut self, ops: Vec<TxnOp>) -> Result<(), String> {
-        for chunk in ops.chunks(TXN_OPS) {
-            let txn = Txn::new().when([self.guard()]).and_then(chunk.to_vec());
-            let resp = self::txn(&self.client, txn)
+    /// Write `chunk` (at most [`TXN_OPS`] keys: a put of the value, or a
+    /// delete) in one transaction guarded by the leader key and by each
+    /// key's revision as this term knows it.
+    async fn write_chunk(&mut self, chunk: &[(String, Option<Reservation>)]) -> Result<(), String> {
+        for _ in 0..CHUNK_ATTEMPTS {
+            let resp = self::txn(&self.client, self.chunk_txn(chunk))
                 .await
                 .map_err(|e| format!("etcd: {e}"))?;
-            if !resp.succeeded() {
-                self.deposed.store(true, Ordering::Release);
-                return Err("etcd: this replica's leader key is gone (deposed)".into());
+            if resp.succeeded() {
+                let rev = resp.header().map_or(0, |h| h.revision());
+                for (name, v) in chunk {
+                    match v {
+                        Some(_) => self.revs.insert(name.clone(), rev),
+                        None => self.revs.remove(name),
+                    };
+                }
+                return Ok(());
+            }
+            self.refresh(chunk).await?;
+        }
+        Err("etcd: reservations kept changing under this term's writes".into())
+    }
+
+    /// The transaction that writes `chunk` if the leader key and every
+    /// key are as this term knows them.
+    fn chunk_txn(&self, chunk: &[(String, Option<Reservation>)]) -> Txn {
+        let mut cmp = vec![self.guard()];
+        cmp.extend(chunk.iter().map(|(name, _)| match self.revs.get(name) {
+            Some(&rev) => Compare::mod_revision(name.clone(), CompareOp::Equal, rev),
+            None => Compare::version(name.clone(), CompareOp::Equal, 0),
+        }));
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|(name, v)| match v {
+                Some(v) => TxnOp::put(name.clone(), reservation_value(v), None),
+                None => TxnOp::delete(name.clone(), None),
+            })
+            .collect();
+        Txn::new().when(cmp).and_then(ops)
+    }
+
+    /// After a failed compare: deposed (the leader key is gone), or some
+    /// key of `chunk` is not as this term left it; read them again.
+    async fn refresh(&mut self, chunk: &[(String, Option<Reservation>)]) -> Result<(), String> {
+        let mut reads = vec![TxnOp::get(self.guard.0.clone(), None)];
+        reads.extend(chunk.iter().map(|(name, _)| TxnOp::get(name.clone(), None)));
+        let resp = self::txn(&self.client, Txn::new().and_then(reads))
+            .await
+            .map_err(|e| format!("etcd: {e}"))?;
+        let got = resp.op_responses();
+        let leader_alive = matches!(got.first(), Some(etcd_client::TxnOpResponse::Get(g))
+            if g.kvs().first().is_some_and(|kv| kv.create_revision() == self.guard.1));
+        if !leader_alive {
+            self.deposed.store(true, Ordering::Release);
+            return Err("etcd: this replica's leader key is gone (deposed)".into());
+        }
+        for ((name, _), r) in chunk.iter().zip(got.iter().skip(1)) {
+            if let etcd_client::TxnOpResponse::Get(g) = r {
+                match g.kvs().first() {
+                    Some(kv) => self.revs.insert(name.clone(), kv.mod_revision()),
+                    None => self.revs.remove(name),
+                };
             }
         }
         Ok(())
@@ -227,23 +288,30 @@ impl Store for EtcdStore {
                 Record::AtRest(k) => last.insert(self.keys.reservation(k), None),
             };
         }
-        let ops = last
-            .into_iter()
-            .map(|(name, v)| match v {
-                Some(v) => TxnOp::put(name, reservation_value(&v), None),
-                None => TxnOp::delete(name, None),
-            })
-            .collect();
-        self.run(ops).await
+        let entries: Vec<(String, Option<Reservation>)> = last.into_iter().collect();
+        for chunk in entries.chunks(TXN_OPS) {
+            self.write_chunk(chunk).await?;
+        }
+        Ok(())
     }
 
     async fn invalidate(&mut self) -> Result<(), String> {
+        // Guarded by the leader key only: whatever is there goes. A late
+        // write of ours compares a revision the delete changed, and fails.
         let all = etcd_client::DeleteOptions::new().with_prefix();
-        self.run(vec![
+        let t = Txn::new().when([self.guard()]).and_then([
             TxnOp::put(self.keys.reservations_lost(), "1", None),
             TxnOp::delete(self.keys.reservations(), Some(all)),
-        ])
-        .await
+        ]);
+        let resp = self::txn(&self.client, t)
+            .await
+            .map_err(|e| format!("etcd: {e}"))?;
+        if !resp.succeeded() {
+            self.deposed.store(true, Ordering::Release);
+            return Err("etcd: this replica's leader key is gone (deposed)".into());
+        }
+        self.revs.clear();
+        Ok(())
     }
 }
 
@@ -681,6 +749,7 @@ async fn lead(
         .await
         .context("reading the reservations")?;
     let mut reserved = Vec::new();
+    let mut revs = HashMap::new();
     for kv in got.kvs() {
         let name = kv.key_str().unwrap_or("");
         let (Some(k), Some(v)) = (
@@ -692,6 +761,7 @@ async fn lead(
             ));
         };
         reserved.push((k, v));
+        revs.insert(name.to_string(), kv.mod_revision());
     }
     // A predecessor that stopped cleanly left its exact state: used when
     // whole (the done marker names every chunk) and of this ledger;
@@ -786,6 +856,7 @@ async fn lead(
         keys: r.keys.clone(),
         guard: (leader.key().to_vec(), leader.rev()),
         deposed: deposed.clone(),
+        revs,
     };
     store
         .append(
@@ -1098,6 +1169,118 @@ mod tests {
         };
         assert_eq!(parse_reservation(&reservation_value(&r)), Some(r));
         assert_eq!(parse_reservation("7"), None);
+    }
+
+    /// With a real etcd (`etcd` on PATH; skipped without one outside CI):
+    /// a reservation write that commits late, after a newer write of the
+    /// same key, fails instead of putting the older floor back; a write
+    /// after the leader key is gone fails and marks the store deposed.
+    #[tokio::test]
+    async fn a_late_write_cannot_put_an_older_floor_back() {
+        let Some(bin) = std::env::var_os("PATH").and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("etcd"))
+                .find(|p| p.is_file())
+        }) else {
+            assert!(std::env::var_os("CI").is_none(), "etcd is missing");
+            eprintln!("SKIPPED: no etcd on PATH");
+            return;
+        };
+        let port = |_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let (client_port, peer_port) = (port(0), port(1));
+        let dir = std::env::temp_dir().join(format!("ql-etcd-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("http://127.0.0.1:{client_port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let mut etcd = std::process::Command::new(bin)
+            .args([
+                "--data-dir",
+                &dir.display().to_string(),
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+                "--initial-cluster",
+                &format!("default={peer}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn etcd");
+        let mut c = None;
+        for _ in 0..100 {
+            if let Ok(mut cl) = Client::connect([url.as_str()], None).await {
+                if cl.put("/probe", "1", None).await.is_ok() {
+                    c = Some(cl);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut c = c.expect("etcd answers");
+        let lease = c.lease_grant(30, None).await.unwrap().id();
+        let leader = c
+            .put(
+                "/t/election/x",
+                "me",
+                Some(PutOptions::new().with_lease(lease).with_prev_key()),
+            )
+            .await
+            .unwrap();
+        let rev = leader.header().unwrap().revision();
+        let keys = Keys {
+            prefix: "/t".into(),
+        };
+        let deposed = Arc::new(AtomicBool::new(false));
+        let mut store = EtcdStore {
+            client: c.clone(),
+            keys: keys.clone(),
+            guard: (b"/t/election/x".to_vec(), rev),
+            deposed: deposed.clone(),
+            revs: HashMap::new(),
+        };
+        let k = KeyId {
+            rule: "r".into(),
+            tenant: "t".into(),
+            route: String::new(),
+        };
+        let name = keys.reservation(&k);
+        let at = |floor| {
+            vec![(
+                name.clone(),
+                Some(Reservation {
+                    floor,
+                    rate_cap_utps: 0,
+                }),
+            )]
+        };
+        store.write_chunk(&at(20)).await.unwrap();
+        // An attempt built now, whose answer is lost and which commits late.
+        let late = store.chunk_txn(&at(20));
+        store.write_chunk(&at(12)).await.unwrap();
+        assert!(
+            !c.txn(late).await.unwrap().succeeded(),
+            "the late write was applied"
+        );
+        let got = c.get(name.as_str(), None).await.unwrap();
+        assert_eq!(got.kvs()[0].value_str().unwrap(), "12 0");
+        // The leader key goes: writes fail, the store is deposed.
+        c.lease_revoke(lease).await.unwrap();
+        assert!(store.write_chunk(&at(5)).await.is_err());
+        assert!(deposed.load(Ordering::Acquire));
+        let _ = etcd.kill();
+        let _ = etcd.wait();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

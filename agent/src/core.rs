@@ -683,18 +683,35 @@ impl AgentCore {
             if since == now {
                 tracing::warn!(retry_ms, "the allocator replicas have no leader yet; requests that need new tokens are denied until one is elected");
             }
+            // Releases come first, then the renewals in `renews` order. A
+            // key keeps what it knew of its holders and of the bucket (the
+            // emergency bucket of a later outage is sized by the former).
+            let releases = p.batch.items.len().saturating_sub(p.renews.len());
             reply.grants = p
                 .batch
                 .items
                 .iter()
-                .map(|i| Grant {
-                    status: if i.kind == ItemKind::Release as i32 {
-                        GrantStatus::Released as i32
-                    } else {
-                        GrantStatus::Granted as i32
-                    },
-                    retry_after_ms: retry_ms,
-                    ..Grant::default()
+                .enumerate()
+                .map(|(n, i)| {
+                    if i.kind == ItemKind::Release as i32 {
+                        return Grant {
+                            status: GrantStatus::Released as i32,
+                            ..Grant::default()
+                        };
+                    }
+                    let known = n
+                        .checked_sub(releases)
+                        .and_then(|j| p.renews.get(j))
+                        .map(|r| KeyState::load(&r.slot));
+                    Grant {
+                        status: GrantStatus::Granted as i32,
+                        retry_after_ms: retry_ms,
+                        holders: known
+                            .as_ref()
+                            .map_or(1, |k| u32::try_from(k.holders).unwrap_or(u32::MAX)),
+                        bucket_available: known.as_ref().map_or(0, |k| k.bucket_available),
+                        ..Grant::default()
+                    }
                 })
                 .collect();
         } else if self.no_leader_since_ns.take().is_some() {

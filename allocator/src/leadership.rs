@@ -32,7 +32,11 @@ pub struct View {
 
 #[derive(Debug, Default)]
 struct State {
+    /// Replicas and shard map; the leader fields are filled by `view()`.
     view: View,
+    /// The election's leader as last observed, whatever this replica's
+    /// own state (an observation made while leading, or frozen, is kept).
+    observed: (String, u64),
     /// `Some` while this replica leads: grants are allowed until then
     /// (clock reading, ns).
     valid_until: Option<u64>,
@@ -86,8 +90,6 @@ impl Leadership {
         let mut s = self.state.lock();
         s.term = epoch;
         s.valid_until = Some(valid_until);
-        s.view.leader_url = self.advertise.clone();
-        s.view.epoch = epoch;
     }
 
     /// A keep-alive of term `epoch` succeeded: valid until `valid_until`
@@ -103,23 +105,14 @@ impl Leadership {
 
     /// This replica no longer leads (deposed, or its validity ran out).
     pub fn step_down(&self) {
-        let mut s = self.state.lock();
-        s.valid_until = None;
-        if s.view.leader_url == self.advertise {
-            s.view.leader_url.clear();
-            s.view.epoch = 0;
-        }
+        self.state.lock().valid_until = None;
     }
 
     /// The election's current leader as observed (`""`: none), with its
-    /// epoch. A replica that leads keeps its own view.
+    /// epoch. Kept whatever this replica's own state: a replica that stops
+    /// leading (or wakes from a freeze) names the leader it saw elected.
     pub fn observed_leader(&self, url: &str, epoch: u64) {
-        let mut s = self.state.lock();
-        if s.valid_until.is_some() {
-            return;
-        }
-        s.view.leader_url = url.to_string();
-        s.view.epoch = epoch;
+        self.state.lock().observed = (url.to_string(), epoch);
     }
 
     /// The live replicas as listed in etcd.
@@ -129,9 +122,23 @@ impl Leadership {
         self.state.lock().view.replicas = replicas;
     }
 
-    /// What replies say of the replicas now.
+    /// What replies say of the replicas now: this replica as the leader
+    /// while it may grant, else the leader last observed (never itself).
     pub fn view(&self) -> View {
-        self.state.lock().view.clone()
+        self.view_at(quotalease_model::clock::BootClock::now())
+    }
+
+    fn view_at(&self, now: u64) -> View {
+        let s = self.state.lock();
+        let mut v = s.view.clone();
+        if s.valid_until.is_some_and(|until| now < until) {
+            v.leader_url = self.advertise.clone();
+            v.epoch = s.term;
+        } else if s.observed.0 != self.advertise {
+            v.leader_url = s.observed.0.clone();
+            v.epoch = s.observed.1;
+        }
+        v
     }
 
     /// Stamp `reply` with the view.
@@ -145,9 +152,15 @@ impl Leadership {
     /// The reply of a replica that may not grant: nothing applied, go to
     /// the leader, or (none yet) ask again after a while.
     pub fn refusal(&self, batch: &LeaseBatch) -> LeaseReply {
-        let v = self.view();
-        // Our own URL as "leader" while we may not grant (a term ending):
-        // no leader for the requester.
+        self.refusal_at(batch, quotalease_model::clock::BootClock::now())
+    }
+
+    /// [`Leadership::refusal`] at clock reading `now` (the simulator's).
+    pub fn refusal_at(&self, batch: &LeaseBatch, now: u64) -> LeaseReply {
+        let v = self.view_at(now);
+        // Our own URL as "leader" only while we may grant (a refusal then
+        // comes from a term that ended between a batch's arrival and its
+        // reply): no leader for the requester.
         let leader_url = if v.leader_url == self.advertise {
             String::new()
         } else {
@@ -214,10 +227,34 @@ mod tests {
             (r.leader_url.as_str(), r.epoch, r.retry_after_ms),
             ("http://b:1", 42, 0)
         );
-        // A leader whose validity ran out names no leader, not itself.
-        l.lead(43, quotalease_model::clock::BootClock::now());
-        let r = l.refusal(&batch);
+        // A leader whose validity ran out names the leader it saw elected
+        // (here the older observation), never itself.
+        let now = 100 * S;
+        l.lead(43, now);
+        let r = l.refusal_at(&batch, now);
+        assert_eq!(r.leader_url, "http://b:1");
+        l.observed_leader("http://a:1", 43);
+        let r = l.refusal_at(&batch, now);
         assert_eq!(r.leader_url, "");
         assert!(r.retry_after_ms > 0);
+    }
+
+    #[test]
+    fn an_observation_made_while_leading_or_frozen_is_kept() {
+        let l = Leadership::new("http://a:1".into(), 500);
+        let t0 = 100 * S;
+        l.lead(7, t0 + 2 * S);
+        assert_eq!(l.view_at(t0).leader_url, "http://a:1");
+        // The successor is observed while this replica still thinks it
+        // leads (frozen, its validity gone): after step-down, or once the
+        // validity has run out, the view names the successor.
+        l.observed_leader("http://b:1", 9);
+        assert_eq!(l.view_at(t0).leader_url, "http://a:1");
+        assert_eq!(l.view_at(t0 + 3 * S).leader_url, "http://b:1");
+        l.step_down();
+        assert_eq!(
+            (l.view_at(t0).leader_url.as_str(), l.view_at(t0).epoch),
+            ("http://b:1", 9)
+        );
     }
 }

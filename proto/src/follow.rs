@@ -157,8 +157,16 @@ impl LeaderClient {
                 }
             };
             self.learn(&reply);
-            let redirect =
-                reply.not_leader && !reply.leader_url.is_empty() && reply.leader_url != url;
+            if reply.not_leader && reply.leader_url.is_empty() {
+                // This replica knows no leader: the next call asks another
+                // (its view may be stale, say after a freeze).
+                let mut g = self.inner.lock();
+                if g.current == i {
+                    g.current = (i + 1) % g.clients.len();
+                }
+                return Ok(reply);
+            }
+            let redirect = reply.not_leader && reply.leader_url != url;
             if !redirect || hops == MAX_HOPS {
                 return Ok(reply);
             }

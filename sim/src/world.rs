@@ -1382,7 +1382,7 @@ impl World {
                 d.core.handle(now, &batch)
             } else {
                 fo.deposed_refusals += 1;
-                d.term.gate.refusal(&batch)
+                d.term.gate.refusal_at(&batch, now)
             };
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
@@ -1394,13 +1394,13 @@ impl World {
         if !leading {
             // No leader yet, or the one named is dead: a follower answers.
             fo.no_leader_replies += 1;
-            let reply = fo.follower.refusal(&batch);
+            let reply = fo.follower.refusal_at(&batch, now);
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
         }
         let term = fo.term.as_mut().expect("leading");
         if !term.gate.serving_at(now) {
-            let reply = term.gate.refusal(&batch);
+            let reply = term.gate.refusal_at(&batch, now);
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
         }

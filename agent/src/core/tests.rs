@@ -462,3 +462,49 @@ fn the_rate_asked_lives_in_granteds_bits_and_the_bucket_report_is_read_by_reques
     k.store(&slot);
     assert_eq!(slot.global_remaining(u64::MAX, 20), 20);
 }
+
+/// What a replica without a leader answers (SPEC §7).
+fn no_leader(tx: &Transmit) -> LeaseReply {
+    LeaseReply {
+        seq: tx.seq,
+        not_leader: true,
+        retry_after_ms: 500,
+        request_digest: quotalease_proto::request_digest(&tx.batch),
+        ..LeaseReply::default()
+    }
+}
+
+#[test]
+fn no_leader_yet_is_reachable_and_empty_until_the_grace_then_an_outage() {
+    let (mut c, rules) = core(8);
+    // A lease first: 50 tokens for "k".
+    let first = want(&mut c, &rules, "k", T0);
+    c.handle_reply(T0 + MS, first[0].seq, grant_all(&first[0]));
+    let slot = c.slot_for(&rules.rules[0], "k", "").expect("room");
+    let level = slot.word.level_at(T0 + MS).1;
+    assert!(level > 0, "the lease was installed");
+    // The leader dies: replicas answer "no leader yet".
+    let mut t = T0 + 2 * MS;
+    let ask = want(&mut c, &rules, "other", t);
+    c.handle_reply(t + MS, ask[0].seq, no_leader(&ask[0]));
+    let reach = c.reach();
+    assert!(
+        reach.connected && !reach.down,
+        "no leader yet is not an outage"
+    );
+    // The held lease still serves; the key that needed tokens is dry until the hint.
+    assert_eq!(slot.word.level_at(t + MS).1, level);
+    let other = c.slot_for(&rules.rules[0], "other", "").expect("room");
+    assert!(other.dry_until() >= t + MS + 500 * MS);
+    // Longer than an election takes: fail policies apply.
+    t += NO_LEADER_GRACE.as_nanos() as u64 + 2 * MS;
+    let again = want(&mut c, &rules, "third", t);
+    let tx = again.last().expect("a batch");
+    c.handle_reply(t + MS, tx.seq, no_leader(tx));
+    pump(&mut c, t + 300 * MS);
+    pump(&mut c, t + 600 * MS);
+    assert!(
+        c.reach().down,
+        "no leader for longer than the grace is an outage"
+    );
+}

@@ -452,6 +452,12 @@ impl SwarmRun {
         if let Some(s) = f.sweep_every_s {
             parts.push(format!("sweep {s} s"));
         }
+        if let Some(fo) = &sc.failover {
+            parts.push(format!(
+                "replicas (etcd lease {} ms, election {} ms, writes {} ms)",
+                fo.lease_ttl_ms, fo.election_ms, fo.write_lag_ms
+            ));
+        }
         let faults = if parts.is_empty() {
             "no faults".to_string()
         } else {

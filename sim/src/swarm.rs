@@ -196,6 +196,55 @@ pub fn plan(base: Option<&Scenario>, seed: u64) -> Plan {
     let policies = [FailPolicy::Closed, FailPolicy::LeaseOnly, FailPolicy::Open];
     let policy = policies[d.rng.below(3) as usize];
 
+    // One plan in three runs the global allocator as --etcd replicas (from
+    // a stream of its own, so that the other draws stay what they were): a
+    // crash of `global` is then the leader's death (a successor is
+    // elected, nothing restarts in place), a suspend a frozen leader.
+    let mut fo_rng = SimRng::new(seed).fork(PLAN_STREAM + 1);
+    let restarts_global = sc
+        .faults
+        .crashes
+        .iter()
+        .any(|c| c.node == "global" && c.restart_after_s.is_some());
+    let failover =
+        (sc.failover.is_none() && !restarts_global && fo_rng.chance(1.0 / 3.0)).then(|| {
+            crate::scenario::FailoverSpec {
+                lease_ttl_ms: 2000 + fo_rng.below(2001),
+                election_ms: 10 + fo_rng.below(491),
+                write_lag_ms: 1 + fo_rng.below(20),
+            }
+        });
+    if let Some(fo) = failover {
+        for c in f.crashes.iter_mut().filter(|c| c.node == "global") {
+            c.restart_after_s = None;
+        }
+        // Make the replicas work: the leader killed, or frozen past its
+        // etcd lease (deposed, then woken), in most such plans.
+        let mut fd = Draw {
+            rng: fo_rng,
+            from_s: d.from_s,
+            regions: d.regions,
+            agents: d.agents,
+            one_stays_down: true,
+        };
+        if fd.rng.chance(0.5) {
+            f.crashes.push(CrashSpec {
+                at_s: fd.at(),
+                node: "global".into(),
+                restart_after_s: None,
+            });
+        }
+        if fd.rng.chance(0.5) {
+            let ttl_s = fo.lease_ttl_ms as f64 / 1000.0;
+            let (at_s, for_s) = fd.span(ttl_s + 0.1, ttl_s + 3.0);
+            f.suspends.push(SuspendSpec {
+                at_s,
+                for_s,
+                node: "global".into(),
+            });
+        }
+        sc.failover = failover;
+    }
     // The base's own faults stay; the drawn ones come on top.
     let base_faults = std::mem::take(&mut sc.faults);
     sc.faults = Faults {
@@ -229,6 +278,12 @@ pub fn plan(base: Option<&Scenario>, seed: u64) -> Plan {
     );
     if let Some(ms) = idle_release_ms {
         yaml.push_str(&format!("idle_release_ms: {ms}\n"));
+    }
+    if let Some(fo) = failover {
+        yaml.push_str(&format!(
+            "failover: {{ lease_ttl_ms: {}, election_ms: {}, write_lag_ms: {} }}\n",
+            fo.lease_ttl_ms, fo.election_ms, fo.write_lag_ms
+        ));
     }
     yaml.push_str(&format!(
         "variants: [{{ name: {0}, fail_policy: {0} }}]\nliveness: true\nfaults:\n",
@@ -403,7 +458,7 @@ mod tests {
 
     #[test]
     fn plans_are_deterministic_and_valid() {
-        let mut kinds = [0usize; 7];
+        let mut kinds = [0usize; 8];
         for seed in 1..=200 {
             let a = plan(None, seed);
             let b = plan(None, seed);
@@ -417,6 +472,7 @@ mod tests {
                 f.shutdowns.len(),
                 f.rule_changes.len(),
                 usize::from(f.sweep_every_s.is_some()),
+                usize::from(a.scenario.failover.is_some()),
             ]
             .into_iter()
             .enumerate()
@@ -427,6 +483,11 @@ mod tests {
             // the base and the printed plan parses to the same faults.
             let sc = &a.scenario;
             assert!(sc.liveness);
+            assert_eq!(
+                sc.failover.is_some(),
+                a.yaml.contains("failover:"),
+                "seed {seed}: the printed plan says whether it runs replicas"
+            );
             let errors = Scenario::parse(&scenario_text(sc), "plan.yaml");
             assert!(
                 errors.is_ok(),
@@ -456,6 +517,8 @@ mod tests {
             rules: &'a str,
             faults: &'a Faults,
             variants: &'a [Variant],
+            #[serde(skip_serializing_if = "Option::is_none")]
+            failover: Option<crate::scenario::FailoverSpec>,
         }
         let mut text = serde_yaml::to_string(&Out {
             name: &sc.name,
@@ -471,6 +534,7 @@ mod tests {
             rules: &sc.rules,
             faults: &sc.faults,
             variants: &sc.variants,
+            failover: sc.failover,
         })
         .unwrap();
         text.push_str("workloads:\n  - { kind: hot, tenant: 0, rps: 2000 }\n");

@@ -318,6 +318,8 @@ impl Store for EtcdStore {
 /// What every task of a replica shares.
 struct Replica {
     client: Client,
+    /// One client per etcd member (see `allocator`).
+    members: Vec<Client>,
     /// For campaigns, which block until this replica leads: no request
     /// timeout.
     campaigner: Client,
@@ -383,13 +385,29 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     };
     let rules_path = args.rules.clone();
     let tls = run::server_tls(&args)?;
-    let options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2));
-    let client = Client::connect(&args.etcd, Some(options))
+    // Calls time out after 500 ms and are tried again (see `retried`): a
+    // frozen etcd member (its sockets open, nothing answered) costs a call
+    // that long, not the whole grant path its 2 s write-ahead wait.
+    let options = || {
+        ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_millis(500))
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+    };
+    let client = Client::connect(&args.etcd, Some(options()))
         .await
         .with_context(|| format!("--etcd {}: cannot connect", args.etcd.join(",")))?;
+    // One client per member too: keep-alives and leader-key confirmations
+    // go to every member at once, and the first answer counts, so that one
+    // frozen member does not cost the leader its validity.
+    let mut members = Vec::new();
+    for url in &args.etcd {
+        members.push(
+            Client::connect([url.as_str()], Some(options()))
+                .await
+                .with_context(|| format!("--etcd {url}: cannot connect"))?,
+        );
+    }
     let campaigner = Client::connect(
         &args.etcd,
         Some(
@@ -443,6 +461,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     let args_rules_from_etcd = args.rules.is_none();
     let replica = Arc::new(Replica {
         client,
+        members,
         campaigner,
         keys,
         args,
@@ -616,7 +635,20 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
             as u64,
     ));
     let (done_tx, mut done) = tokio::sync::watch::channel(false);
-    let keeper = tokio::spawn(keep_alive(r.clone(), id, validity.clone(), done_tx));
+    let done_tx = Arc::new(done_tx);
+    let keepers: Vec<_> = r
+        .members
+        .iter()
+        .map(|m| {
+            tokio::spawn(keep_alive(
+                r.clone(),
+                m.clone(),
+                id,
+                validity.clone(),
+                done_tx.clone(),
+            ))
+        })
+        .collect();
     let result = async {
         retried(|| {
             let mut c = r.client.clone();
@@ -628,22 +660,15 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
         })
         .await
         .context("registering the replica")?;
-        // A campaign blocks until this replica leads; one broken off (its
-        // etcd member died) is taken up again under the same lease, which
-        // keeps its place in the election.
-        let won = loop {
-            let mut campaigner = r.campaigner.clone();
-            let res = tokio::select! {
-                res = campaigner.campaign(r.keys.election(), r.leadership.advertise(), id) => res,
-                _ = done.wait_for(|d| *d) => return Err(anyhow!("the etcd lease was lost while campaigning")),
-            };
-            match res {
-                Ok(won) => break won,
-                Err(e) => {
-                    tracing::debug!(error = %e, "campaign broken off; campaigning again");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
+        // A campaign blocks until this replica leads. One broken off (its
+        // etcd member died or froze) ends the session: never campaign again
+        // under the same lease, whose election key that member may still
+        // delete when it wakes (its clean-up of the cancelled campaign),
+        // after a later campaign of ours has won on another member.
+        let mut campaigner = r.campaigner.clone();
+        let won = tokio::select! {
+            res = campaigner.campaign(r.keys.election(), r.leadership.advertise(), id) => res.context("campaigning (broken off: a new session, a new lease)")?,
+            _ = done.wait_for(|d| *d) => return Err(anyhow!("the etcd lease was lost while campaigning")),
         };
         let leader = won
             .leader()
@@ -653,22 +678,41 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    keeper.abort();
-    // Best effort: the lease's keys go at once (the registration, and the
-    // leader key if a term did not resign it).
-    let _ = tokio::time::timeout(Duration::from_secs(1), c.lease_revoke(id)).await;
+    for k in keepers {
+        k.abort();
+    }
+    // The lease's keys go at once (the registration, and the leader key if
+    // a term did not resign it), so that a successor need not wait for its
+    // TTL; tried again in the background while etcd does not answer.
+    if tokio::time::timeout(Duration::from_secs(1), c.lease_revoke(id))
+        .await
+        .is_err()
+    {
+        let ttl = r.lease_ttl_s as u64;
+        tokio::spawn(async move {
+            for _ in 0..ttl * 2 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if let Ok(Ok(_)) =
+                    tokio::time::timeout(Duration::from_secs(1), c.lease_revoke(id)).await
+                {
+                    return;
+                }
+            }
+        });
+    }
     result
 }
 
 /// Keep the session lease alive; sets `done` when its validity ran out.
 async fn keep_alive(
     r: Arc<Replica>,
+    member: Client,
     id: i64,
     validity: Validity,
-    done: tokio::sync::watch::Sender<bool>,
+    done: Arc<tokio::sync::watch::Sender<bool>>,
 ) {
     let every = Duration::from_millis((r.lease_ttl_s as u64 * 1000 / 6).max(200));
-    let mut c = r.client.clone();
+    let mut c = member;
     let mut stream = None;
     loop {
         if boot_now() >= *validity.lock() {
@@ -695,10 +739,6 @@ async fn keep_alive(
                             .as_nanos() as u64;
                     let mut v = validity.lock();
                     *v = (*v).max(until);
-                    let term = r.term.load(Ordering::Acquire);
-                    if term != 0 {
-                        r.leadership.extend(term, *v);
-                    }
                 }
                 Ok(Some(_)) => {
                     tracing::warn!("etcd says the session lease has expired");
@@ -719,6 +759,67 @@ async fn keep_alive(
             Duration::from_millis(50)
         })
         .await;
+    }
+}
+
+impl Replica {
+    /// How long a confirmation of the leader key keeps a leader valid (the
+    /// margin, `max(TTL/3, 1 s)`; confirmations go every sixth of the TTL),
+    /// and so how long a successor waits before it grants.
+    fn key_window_ns(&self) -> u64 {
+        self.margin.as_nanos() as u64
+    }
+}
+
+/// Keep the leader valid while both its lease (keep-alives) and its leader
+/// key (a guarded read, every keep-alive period) are confirmed: validity
+/// is the earlier of the lease's and `sent + key window` of the last
+/// confirmation of the key. A key found gone deposes the term at once.
+async fn confirm_leadership(
+    r: Arc<Replica>,
+    leader: LeaderKey,
+    validity: Validity,
+    deposed: Arc<AtomicBool>,
+) {
+    let every = Duration::from_millis((r.lease_ttl_s as u64 * 1000 / 6).max(200));
+    let epoch = leader.rev() as u64;
+    loop {
+        tokio::time::sleep(every).await;
+        let sent = boot_now();
+        let check = Txn::new().when([Compare::create_revision(
+            leader.key().to_vec(),
+            CompareOp::Equal,
+            leader.rev(),
+        )]);
+        // Every member is asked; the first answer counts.
+        let mut asks = tokio::task::JoinSet::new();
+        for m in &r.members {
+            let (mut c, t) = (m.clone(), check.clone());
+            asks.spawn(async move { c.txn(t).await });
+        }
+        let answer = tokio::time::timeout(every * 2, async {
+            while let Some(done) = asks.join_next().await {
+                if let Ok(Ok(resp)) = done {
+                    return Some(resp.succeeded());
+                }
+            }
+            None
+        })
+        .await;
+        asks.abort_all();
+        match answer {
+            Ok(Some(true)) => {
+                let until = (*validity.lock()).min(sent + r.key_window_ns());
+                r.leadership.extend(epoch, until);
+            }
+            Ok(Some(false)) => {
+                tracing::warn!(epoch, "this replica's leader key is gone: deposed");
+                deposed.store(true, Ordering::Release);
+                r.leadership.step_down();
+                return;
+            }
+            _ => {} // unanswered: the validity is not extended
+        }
     }
 }
 
@@ -822,6 +923,8 @@ async fn lead(
         Txn::new()
             .when([guard()])
             .and_then([TxnOp::put(r.keys.ledger(), record.encode(), None)]);
+    // This guarded write confirms our leader key: validity from its send.
+    let confirmed_at = boot_now();
     if !txn(&r.client, put)
         .await
         .context("writing the ledger record")?
@@ -886,7 +989,27 @@ async fn lead(
     let (durability, writer) = reservation_log::start(shared.clone(), store);
     r.durability.replace_with(&durability);
     r.term.store(epoch, Ordering::Release);
-    r.leadership.lead(epoch, *validity.lock());
+    // A predecessor that did not hand over (crashed, cut off, or deposed
+    // by a deletion of its key while its lease lived) may grant until its
+    // last key confirmation's send + the key window: wait that out (with
+    // the clocks' rate error) before granting from what the reservations
+    // left.
+    let window = r.key_window_ns();
+    let serve_from = match resumed {
+        term::Resumed::Reserved(_) => boot_now() + window + window / 500 + 10_000_000,
+        _ => 0,
+    };
+    r.leadership.lead(
+        epoch,
+        (*validity.lock()).min(confirmed_at + window),
+        serve_from,
+    );
+    let confirmer = tokio::spawn(confirm_leadership(
+        r.clone(),
+        leader.clone(),
+        validity.clone(),
+        deposed.clone(),
+    ));
     let ledger = format_args!("{:016x}", record.id).to_string();
     match resumed {
         term::Resumed::Lost => {
@@ -912,8 +1035,11 @@ async fn lead(
         if r.stopping.load(Ordering::Acquire) {
             break "stopping";
         }
-        if !r.leadership.serving() {
-            break "leadership validity ran out (etcd unreachable or keep-alives late)";
+        if *done.borrow() {
+            break "the etcd lease was lost";
+        }
+        if !r.leadership.leading() {
+            break "leadership validity ran out (etcd unreachable, or the lease or the key not confirmed in time)";
         }
         if deposed.load(Ordering::Acquire) {
             break "deposed: the leader key is gone";
@@ -949,6 +1075,7 @@ async fn lead(
     };
     r.leadership.step_down();
     r.term.store(0, Ordering::Release);
+    confirmer.abort();
     writer.abort();
     tracing::warn!(epoch, why = ended, "no longer leading");
     if ended == "stopping" {
@@ -1198,25 +1325,35 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let url = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
-        let mut etcd = std::process::Command::new(bin)
-            .args([
-                "--data-dir",
-                &dir.display().to_string(),
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-                "--initial-cluster",
-                &format!("default={peer}"),
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn etcd");
+        /// Killed when dropped, also when an assertion fails.
+        struct Child(std::process::Child);
+        impl Drop for Child {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let _etcd = Child(
+            std::process::Command::new(bin)
+                .args([
+                    "--data-dir",
+                    &dir.display().to_string(),
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                    "--listen-peer-urls",
+                    &peer,
+                    "--initial-advertise-peer-urls",
+                    &peer,
+                    "--initial-cluster",
+                    &format!("default={peer}"),
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn etcd"),
+        );
         let mut c = None;
         for _ in 0..100 {
             if let Ok(mut cl) = Client::connect([url.as_str()], None).await {
@@ -1278,8 +1415,7 @@ mod tests {
         c.lease_revoke(lease).await.unwrap();
         assert!(store.write_chunk(&at(5)).await.is_err());
         assert!(deposed.load(Ordering::Acquire));
-        let _ = etcd.kill();
-        let _ = etcd.wait();
+        drop(_etcd);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -42,6 +42,9 @@ struct State {
     valid_until: Option<u64>,
     /// Epoch of the term `valid_until` belongs to.
     term: u64,
+    /// A new term grants nothing before this clock reading (a predecessor
+    /// may still be within its own validity; see [`Leadership::lead`]).
+    serve_from: u64,
 }
 
 /// The gate (see the module docs).
@@ -75,7 +78,20 @@ impl Leadership {
 
     /// [`Leadership::serving`] at clock reading `now` (ns).
     pub fn serving_at(&self, now: u64) -> bool {
+        let s = self.state.lock();
+        s.valid_until.is_some_and(|v| now < v) && now >= s.serve_from
+    }
+
+    /// True while this replica's term is valid (it may be waiting to grant).
+    pub fn leading(&self) -> bool {
+        let now = quotalease_model::clock::BootClock::now();
         self.state.lock().valid_until.is_some_and(|v| now < v)
+    }
+
+    /// While this replica leads but may not grant yet: until when.
+    pub fn waiting_until(&self, now: u64) -> Option<u64> {
+        let s = self.state.lock();
+        (s.valid_until.is_some_and(|v| now < v) && now < s.serve_from).then_some(s.serve_from)
     }
 
     /// The epoch of the current term, if this replica leads.
@@ -84,12 +100,17 @@ impl Leadership {
         s.valid_until.map(|_| s.term)
     }
 
-    /// This replica won the election of `epoch`; it may grant until
-    /// `valid_until` (see [`Leadership::extend`]).
-    pub fn lead(&self, epoch: u64, valid_until: u64) {
+    /// This replica won the election of `epoch`; it may grant from
+    /// `serve_from` until `valid_until` (see [`Leadership::extend`]). A
+    /// successor whose predecessor did not hand over cleanly waits out the
+    /// predecessor's longest possible validity first: a leader key can be
+    /// deleted while its lease lives (a campaign's clean-up on a waking etcd
+    /// member), so that only the key confirmations bound it.
+    pub fn lead(&self, epoch: u64, valid_until: u64, serve_from: u64) {
         let mut s = self.state.lock();
         s.term = epoch;
         s.valid_until = Some(valid_until);
+        s.serve_from = serve_from;
     }
 
     /// A keep-alive of term `epoch` succeeded: valid until `valid_until`
@@ -196,7 +217,7 @@ mod tests {
         let l = Leadership::new("http://a:1".into(), 500);
         let t0 = 100 * S;
         assert!(!l.serving_at(t0));
-        l.lead(7, t0 + 2 * S);
+        l.lead(7, t0 + 2 * S, 0);
         assert!(l.serving_at(t0 + 2 * S - 1));
         assert!(!l.serving_at(t0 + 2 * S));
         // Another term's keep-alive does not extend this one.
@@ -230,7 +251,7 @@ mod tests {
         // A leader whose validity ran out names the leader it saw elected
         // (here the older observation), never itself.
         let now = 100 * S;
-        l.lead(43, now);
+        l.lead(43, now, 0);
         let r = l.refusal_at(&batch, now);
         assert_eq!(r.leader_url, "http://b:1");
         l.observed_leader("http://a:1", 43);
@@ -240,10 +261,24 @@ mod tests {
     }
 
     #[test]
+    fn a_successor_waits_before_it_grants() {
+        let l = Leadership::new("http://a:1".into(), 500);
+        let t0 = 100 * S;
+        l.lead(3, t0 + 5 * S, t0 + 2 * S);
+        assert!(!l.serving_at(t0 + S));
+        assert_eq!(l.waiting_until(t0 + S), Some(t0 + 2 * S));
+        assert!(l.serving_at(t0 + 2 * S));
+        assert_eq!(l.waiting_until(t0 + 2 * S), None);
+        // Waiting, it refuses as a replica without a leader does.
+        let r = l.refusal_at(&LeaseBatch::default(), t0 + S);
+        assert!(r.not_leader && r.leader_url.is_empty() && r.retry_after_ms > 0);
+    }
+
+    #[test]
     fn an_observation_made_while_leading_or_frozen_is_kept() {
         let l = Leadership::new("http://a:1".into(), 500);
         let t0 = 100 * S;
-        l.lead(7, t0 + 2 * S);
+        l.lead(7, t0 + 2 * S, 0);
         assert_eq!(l.view_at(t0).leader_url, "http://a:1");
         // The successor is observed while this replica still thinks it
         // leads (frozen, its validity gone): after step-down, or once the

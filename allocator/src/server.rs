@@ -564,6 +564,16 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
         };
     }
     if let Some(l) = shared.leadership.get() {
+        let boot = quotalease_model::clock::BootClock::now();
+        if let Some(until) = l.waiting_until(boot) {
+            return (
+                StatusCode::OK,
+                format!(
+                    "ready: leader, granting in {} ms (its predecessor's grants may not have ended)\n",
+                    (until - boot).div_ceil(1_000_000)
+                ),
+            );
+        }
         // A follower answers (it redirects): ready, and says to whom.
         if !l.serving() {
             let v = l.view();

@@ -28,6 +28,14 @@ const MAX_HOPS: usize = 3;
 /// The wait a requester is told when the leader a replica named does not
 /// answer.
 const NO_LEADER_RETRY_MS: u64 = 500;
+/// A "not leader" reply as the caller gets it: no leader to go to, and a
+/// wait of at least [`NO_LEADER_RETRY_MS`].
+fn no_leader(mut r: LeaseReply) -> LeaseReply {
+    r.leader_url.clear();
+    r.retry_after_ms = r.retry_after_ms.max(NO_LEADER_RETRY_MS);
+    r
+}
+
 /// Learned replicas kept at most (a reply cannot make us hold more).
 const MAX_REPLICAS: usize = 64;
 
@@ -144,14 +152,12 @@ impl LeaderClient {
                         g.current = (i + 1) % g.clients.len();
                     }
                     drop(g);
-                    if let Some(mut r) = redirected {
+                    if let Some(r) = redirected {
                         // A replica answered but the leader it named does
                         // not (it died and the election has not noticed
                         // yet): no leader yet, as far as we can tell.
                         tracing::debug!(leader = %url, code = ?status.code(), "the named allocator leader does not answer");
-                        r.leader_url.clear();
-                        r.retry_after_ms = r.retry_after_ms.max(NO_LEADER_RETRY_MS);
-                        return Ok(r);
+                        return Ok(no_leader(r));
                     }
                     return Err(format!("{url}: {}: {}", status.code(), status.message()));
                 }
@@ -164,15 +170,19 @@ impl LeaderClient {
                 if g.current == i {
                     g.current = (i + 1) % g.clients.len();
                 }
+                return Ok(no_leader(reply));
+            }
+            if !reply.not_leader {
                 return Ok(reply);
             }
-            let redirect = reply.not_leader && reply.leader_url != url;
-            if !redirect || hops == MAX_HOPS {
-                return Ok(reply);
+            if reply.leader_url == url || hops == MAX_HOPS {
+                // Replicas that name each other (their views of the
+                // election differ for a moment): no leader for now.
+                return Ok(no_leader(reply));
             }
             let mut g = self.inner.lock();
             let Some(j) = self.index_of(&mut g, &reply.leader_url) else {
-                return Ok(reply);
+                return Ok(no_leader(reply));
             };
             tracing::info!(from = %url, to = %reply.leader_url, "following the allocator leader");
             g.current = j;

@@ -4,13 +4,17 @@
 //! The event loop (`world.rs`) owns time and messages; this holds the
 //! state and the rules:
 //!
-//! - **Lease.** The leader keeps its etcd lease alive every sixth of its
-//!   TTL while it is alive and awake; each keep-alive renews etcd's expiry
-//!   to `sent + TTL` and the leader's validity to `sent + TTL - margin` on
-//!   its own (drifting) clock, exactly as `src/etcd.rs` does.
+//! - **Lease.** The leader keeps its etcd lease alive, and confirms its
+//!   leader key, every sixth of its TTL while it is alive and awake; each
+//!   round renews etcd's expiry to `sent + TTL` and the leader's validity
+//!   to `sent + min(TTL - margin, margin)` on its own (drifting) clock, as
+//!   `src/etcd.rs` does.
 //! - **Election.** Once etcd's expiry has passed (the leader died, or it is
 //!   frozen), a successor leads `election` later: a new core, its config
-//!   and resume from the reservations in the store by [`term`]. A frozen
+//!   and resume from the reservations in the store by [`term`]; it grants
+//!   only after its predecessor's key confirmations have run out (the key
+//!   window, `max(TTL/3, 1 s)`, with the clocks' rate error), as
+//!   `src/etcd.rs` waits. A frozen
 //!   leader keeps its core: it is *deposed*, and whatever reaches it (what
 //!   was queued while it slept, its own held replies) is judged by its own
 //!   gate when it wakes — a grant from it is a fencing failure the run
@@ -55,6 +59,14 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// How long one round of confirmations keeps a leader valid: the
+    /// earlier of the lease's (`TTL - margin`) and the leader key's (the
+    /// margin), as `src/etcd.rs` has it (the model confirms both at every
+    /// keep-alive).
+    pub fn validity_ns(&self) -> u64 {
+        (self.lease_ttl_ns - self.margin_ns).min(self.margin_ns)
+    }
+
     /// From the scenario's spec.
     pub fn of(spec: &FailoverSpec) -> Self {
         let ttl = spec.lease_ttl_ms * MS;
@@ -168,7 +180,15 @@ impl Failover {
             self.store.insert(k, v);
         }
         let gate = Leadership::new(format!("sim://leader/{}", self.epoch), 500);
-        gate.lead(self.epoch, now + self.cfg.lease_ttl_ns - self.cfg.margin_ns);
+        // As the driver: a successor resumed from the reservations waits
+        // out its predecessor's longest validity before it grants.
+        let window = self.cfg.margin_ns;
+        let serve_from = if first {
+            0
+        } else {
+            now + window + window / 500 + 10 * MS
+        };
+        gate.lead(self.epoch, now + self.cfg.validity_ns(), serve_from);
         // Everything the resume wrote is durable: the core's count so far.
         let durable_seq = core.reservation_seq();
         if let Some(r) = core.reservations_mut() {
@@ -193,8 +213,7 @@ impl Failover {
             return;
         }
         self.lease_expires = t + self.cfg.lease_ttl_ns;
-        term.gate
-            .extend(term.epoch, now + self.cfg.lease_ttl_ns - self.cfg.margin_ns);
+        term.gate.extend(term.epoch, now + self.cfg.validity_ns());
     }
 
     /// When the current leader's successor may serve (its lease's expiry

@@ -935,7 +935,13 @@ async fn lead(
     let durable = term::Durable {
         first,
         lost,
-        predecessor_ttl_max_ns: prev.ttl_max_ms.saturating_mul(1_000_000),
+        // The predecessor may decide grants up to a key window after the
+        // successor's read (see `lead` below): its leases outlive the read
+        // by TTL_max plus that window.
+        predecessor_ttl_max_ns: prev
+            .ttl_max_ms
+            .saturating_mul(1_000_000)
+            .saturating_add(r.key_window_ns()),
         ledger_id: record.id,
         reservations: reserved,
         checkpoint: checkpoint.filter(|_| !lost),

@@ -160,7 +160,9 @@ impl Failover {
         let durable = term::Durable {
             first,
             lost: false,
-            predecessor_ttl_max_ns: ttl_max_ns,
+            // As the driver: the predecessor's leases may outlive the
+            // read by TTL_max plus the key window.
+            predecessor_ttl_max_ns: ttl_max_ns + self.cfg.margin_ns,
             ledger_id: 1,
             reservations: self.store.iter().map(|(k, v)| (k.clone(), *v)).collect(),
             checkpoint: None,

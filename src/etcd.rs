@@ -786,41 +786,55 @@ async fn confirm_leadership(
     loop {
         tokio::time::sleep(every).await;
         let sent = boot_now();
-        let check = Txn::new().when([Compare::create_revision(
-            leader.key().to_vec(),
-            CompareOp::Equal,
-            leader.rev(),
-        )]);
-        // Every member is asked; the first answer counts.
-        let mut asks = tokio::task::JoinSet::new();
-        for m in &r.members {
-            let (mut c, t) = (m.clone(), check.clone());
-            asks.spawn(async move { c.txn(t).await });
-        }
-        let answer = tokio::time::timeout(every * 2, async {
-            while let Some(done) = asks.join_next().await {
-                if let Ok(Ok(resp)) = done {
-                    return Some(resp.succeeded());
-                }
-            }
-            None
-        })
-        .await;
-        asks.abort_all();
-        match answer {
-            Ok(Some(true)) => {
+        match confirm_key(&r, &leader, every * 2).await {
+            Some(true) => {
                 let until = (*validity.lock()).min(sent + r.key_window_ns());
                 r.leadership.extend(epoch, until);
             }
-            Ok(Some(false)) => {
+            Some(false) => {
                 tracing::warn!(epoch, "this replica's leader key is gone: deposed");
                 deposed.store(true, Ordering::Release);
                 r.leadership.step_down();
                 return;
             }
-            _ => {} // unanswered: the validity is not extended
+            None => {} // unanswered: the validity is not extended
         }
     }
+}
+
+/// Whether `leader`'s key exists, asked of every member at once within
+/// `within` (the first answer counts; `None`: none answered). The
+/// transaction reads the key with a linearizable range: a transaction
+/// with no operations is served from a member's local state, and a member
+/// cut off from its peers answered "the key is there" for a key deleted
+/// elsewhere (a third adversarial review).
+async fn confirm_key(r: &Replica, leader: &LeaderKey, within: Duration) -> Option<bool> {
+    let key = leader.key().to_vec();
+    let check = Txn::new()
+        .when([Compare::create_revision(
+            key.clone(),
+            CompareOp::Equal,
+            leader.rev(),
+        )])
+        .and_then([TxnOp::get(key, None)]);
+    let mut asks = tokio::task::JoinSet::new();
+    for m in &r.members {
+        let (mut c, t) = (m.clone(), check.clone());
+        asks.spawn(async move { c.txn(t).await });
+    }
+    let answer = tokio::time::timeout(within, async {
+        while let Some(done) = asks.join_next().await {
+            if let Ok(Ok(resp)) = done {
+                return Some(resp.succeeded());
+            }
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten();
+    asks.abort_all();
+    answer
 }
 
 /// A term as leader: resume from etcd, serve, end on deposition or stop.
@@ -992,6 +1006,16 @@ async fn lead(
     {
         return Err(anyhow!("deposed before the term began"));
     }
+    // The term's setup can outlast the key window: confirm the key once
+    // more before leading, so that the term does not start already lapsed.
+    let confirmed_at = {
+        let sent = boot_now();
+        match confirm_key(r, leader, Duration::from_secs(1)).await {
+            Some(true) => sent,
+            Some(false) => return Err(anyhow!("deposed before the term began")),
+            None => confirmed_at,
+        }
+    };
     let (durability, writer) = reservation_log::start(shared.clone(), store);
     r.durability.replace_with(&durability);
     r.term.store(epoch, Ordering::Release);

@@ -412,13 +412,14 @@ async fn a_frozen_leader_woken_after_its_lease_does_not_grant() {
     }
     let allowed = counts.allowed.load(Ordering::Relaxed);
     let errors = counts.errors.load(Ordering::Relaxed);
+    let failure = counts.failure_denied.load(Ordering::Relaxed);
     let agents = std::mem::take(&mut s.agents);
     for a in agents {
         assert!(a.terminate().success());
     }
     let k = check_key_i1(&s.logs, ("ha", "hot", "/api/ha"), 200, 50, allowed);
     eprintln!(
-        "ha-freeze: admitted {allowed} ({:.1} % of B + R*T = {:.0}), errors {errors}",
+        "ha-freeze: admitted {allowed} ({:.1} % of B + R*T = {:.0}), errors {errors}, failure-mode {failure}",
         k.util * 100.0,
         k.bound
     );

@@ -136,6 +136,29 @@ impl LeaderClient {
         }
     }
 
+    /// After replica `failed` did not answer: send `batch` to the next one,
+    /// once. Its grant is the answer; a refusal is "no leader yet" (the
+    /// leader it names is likely the one that did not answer).
+    async fn ask_another(&self, failed: usize, batch: &LeaseBatch) -> Option<LeaseReply> {
+        let (j, mut c) = {
+            let g = self.inner.lock();
+            if g.clients.len() < 2 {
+                return None;
+            }
+            let j = (failed + 1) % g.clients.len();
+            (j, g.clients[j].1.clone())
+        };
+        let reply = c.lease(batch.clone()).await.ok()?.into_inner();
+        self.learn(&reply);
+        let mut g = self.inner.lock();
+        if reply.not_leader {
+            return Some(no_leader(reply));
+        }
+        // It granted: it leads now.
+        g.current = j;
+        Some(reply)
+    }
+
     /// Send `batch` to the leader as far as it is known; `Err` is a
     /// one-line reason, and the next call tries the next replica.
     pub async fn lease(&self, batch: LeaseBatch) -> Result<LeaseReply, String> {
@@ -147,11 +170,12 @@ impl LeaderClient {
             let reply = match c.lease(batch.clone()).await {
                 Ok(r) => r.into_inner(),
                 Err(status) => {
-                    let mut g = self.inner.lock();
-                    if g.current == i {
-                        g.current = (i + 1) % g.clients.len();
+                    {
+                        let mut g = self.inner.lock();
+                        if g.current == i {
+                            g.current = (i + 1) % g.clients.len();
+                        }
                     }
-                    drop(g);
                     if let Some(r) = redirected {
                         // A replica answered but the leader it named does
                         // not (it died and the election has not noticed
@@ -159,7 +183,17 @@ impl LeaderClient {
                         tracing::debug!(leader = %url, code = ?status.code(), "the named allocator leader does not answer");
                         return Ok(no_leader(r));
                     }
-                    return Err(format!("{url}: {}: {}", status.code(), status.message()));
+                    let why = format!("{url}: {}: {}", status.code(), status.message());
+                    // The one in use does not answer (dead, frozen, cut
+                    // off). If another replica answers, the allocator is
+                    // reachable: its answer counts (a grant from a new
+                    // leader, or "no leader yet"), not an outage.
+                    if hops == 0 {
+                        if let Some(reply) = self.ask_another(i, &batch).await {
+                            return Ok(reply);
+                        }
+                    }
+                    return Err(why);
                 }
             };
             self.learn(&reply);

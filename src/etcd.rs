@@ -47,6 +47,13 @@ use quotalease_model::rules::RuleSet;
 use crate::run::{self, LedgerRecord, Termination};
 use crate::AllocatorArgs;
 
+/// HTTP/2 pings on etcd connections: no more often than etcd's default
+/// `--grpc-keepalive-min-time` (5 s) allows. Pinging every second made
+/// etcd close the connections (too many pings) and broke every idle
+/// campaign every few seconds (a fourth adversarial review saw the churn).
+const ETCD_PING: Duration = Duration::from_secs(6);
+const ETCD_PING_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Keys per checkpoint chunk (one etcd value, one transaction each): at
 /// most about 1.6 KB per key line, well below etcd's 1.5 MiB request limit.
 const CHECKPOINT_CHUNK_KEYS: usize = 400;
@@ -392,7 +399,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_timeout(Duration::from_millis(500))
-            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .with_keep_alive(ETCD_PING, ETCD_PING_TIMEOUT)
     };
     let client = Client::connect(&args.etcd, Some(options()))
         .await
@@ -413,7 +420,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         Some(
             ConnectOptions::new()
                 .with_connect_timeout(Duration::from_secs(2))
-                .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2)),
+                .with_keep_alive(ETCD_PING, ETCD_PING_TIMEOUT),
         ),
     )
     .await

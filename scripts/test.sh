@@ -6,8 +6,9 @@
 #
 # Nothing external is needed beyond Rust, a C compiler and Python 3 (for
 # a real Envoy, below): our protos compile with protox, and etcd-client's
-# build script runs scripts/protoc (a system protoc, else the one shipped
-# in the protoc-bin-vendored crate). promtool (for tests/e2e_metrics.rs)
+# build script runs scripts/protoc (a system protoc, installed below from
+# Debian's protobuf-compiler where it can be, else the one shipped in the
+# protoc-bin-vendored crate). promtool (for tests/e2e_metrics.rs)
 # and etcd (for tests/e2e_ha.rs) are taken from Debian's `prometheus` and
 # `etcd-server` packages, the binaries alone.
 set -euo pipefail
@@ -62,18 +63,20 @@ find_envoy
 export QUOTALEASE_ENVOY
 log "envoy: $QUOTALEASE_ENVOY ($("$QUOTALEASE_ENVOY" --version 2>/dev/null | grep -o '[0-9]*\.[0-9]*\.[0-9]*/' | head -1 | tr -d /))"
 
-# promtool only: installing the `prometheus` package would run its postinst,
-# which starts a Prometheus server on 0.0.0.0:9090. Extract the binary from
-# the .deb instead. Without apt (or root) the e2e_metrics test skips its
-# promtool checks, and fails under CI.
-install_promtool() {
-  command -v promtool >/dev/null 2>&1 && return 0
+# One binary out of a Debian package, without installing the package (its
+# postinst would start or set up a service): promtool from `prometheus`
+# (the package would start a Prometheus server on 0.0.0.0:9090) for
+# tests/e2e_metrics.rs, etcd from `etcd-server` for tests/e2e_ha.rs (a
+# 3-member cluster on 127.0.0.1 that the test starts and stops). Without
+# apt (or root) those tests skip, and fail under CI.
+install_deb_binary() { # binary package what-needs-it
+  command -v "$1" >/dev/null 2>&1 && return 0
   if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
-    echo "promtool is missing and cannot be installed here (needs apt-get as root):" \
-      "put Prometheus' promtool on PATH (or set PROMTOOL); under CI tests/e2e_metrics.rs fails without it" >&2
+    echo "$1 is missing and cannot be installed here (needs apt-get as root):" \
+      "put $1 on PATH; under CI $3 fails without it" >&2
     return 0
   fi
-  log "installing promtool (the binary of Debian's prometheus package, no server)"
+  log "installing $1 (the binary of Debian's $2 package, no service)"
   local tmp
   tmp=$(mktemp -d)
   # apt downloads as its _apt user where it can.
@@ -81,40 +84,28 @@ install_promtool() {
   (
     cd "$tmp"
     apt-get update -qq
-    apt-get download prometheus
-    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool
-    install -m 755 usr/bin/promtool /usr/local/bin/promtool
+    apt-get download "$2"
+    dpkg-deb --fsys-tarfile "$2"_*.deb | tar -x "./usr/bin/$1"
+    install -m 755 "usr/bin/$1" "/usr/local/bin/$1"
   )
   rm -rf "$tmp"
-  promtool --version | head -1
+  "$1" --version | head -1
 }
-install_promtool
+install_deb_binary promtool prometheus tests/e2e_metrics.rs
+install_deb_binary etcd etcd-server tests/e2e_ha.rs
 
-# etcd for tests/e2e_ha.rs (a 3-member cluster on 127.0.0.1 that the test
-# starts and stops): the binary of Debian's etcd-server package, extracted
-# like promtool (its postinst would set up a system service).
-install_etcd() {
-  command -v etcd >/dev/null 2>&1 && return 0
-  if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
-    echo "etcd is missing and cannot be installed here (needs apt-get as root):" \
-      "put etcd on PATH (or set QUOTALEASE_ETCD); under CI tests/e2e_ha.rs fails without it" >&2
-    return 0
+# protoc for etcd-client's build script: Debian's protobuf-compiler where
+# it can be installed; otherwise scripts/protoc runs the one shipped in the
+# protoc-bin-vendored crate (.cargo/config.toml), so the build works either
+# way.
+if ! command -v protoc >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    log "installing protoc (Debian's protobuf-compiler)"
+    apt_install protobuf-compiler
+  else
+    log "no protoc: etcd-client builds with the protoc of the protoc-bin-vendored crate"
   fi
-  log "installing etcd (the binary of Debian's etcd-server package, no service)"
-  local tmp
-  tmp=$(mktemp -d)
-  chown _apt "$tmp" 2>/dev/null || true
-  (
-    cd "$tmp"
-    apt-get update -qq
-    apt-get download etcd-server
-    dpkg-deb --fsys-tarfile etcd-server_*.deb | tar -x ./usr/bin/etcd
-    install -m 755 usr/bin/etcd /usr/local/bin/etcd
-  )
-  rm -rf "$tmp"
-  etcd --version | head -1
-}
-install_etcd
+fi
 
 # A test run builds from scratch more often than not: incremental caches
 # only cost disk. Show the disk so a full one is seen at once.

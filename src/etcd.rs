@@ -375,14 +375,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
             args.etcd_lease_ttl
         ));
     }
-    let ttl_max_ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
-    if ttl_max_ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ttl_max_ms == 0 {
-        return Err(anyhow!(
-            "--ttl-max: {:?} is outside 1ms..={}s",
-            args.ttl_max,
-            TTL_MAX_CAP_NS / 1_000_000_000
-        ));
-    }
+    run::ttl_max_ms(&args)?;
     // Rules from --rules FILE (re-read on change), else as published in
     // etcd (`quotalease rules publish`, watched). A file must be good
     // before anything else happens.

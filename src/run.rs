@@ -405,6 +405,20 @@ async fn keep_ledger_record(
     }
 }
 
+/// `--ttl-max` in ms, within 1 ms..= the compiled cap, or an error naming
+/// the flag.
+pub(crate) fn ttl_max_ms(args: &AllocatorArgs) -> anyhow::Result<u64> {
+    let ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
+    if ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ms == 0 {
+        return Err(anyhow!(
+            "--ttl-max: {:?} is outside 1ms..={}s (the compiled cap: how long a lost ledger's leases may be out)",
+            args.ttl_max,
+            TTL_MAX_CAP_NS / 1_000_000_000
+        ));
+    }
+    Ok(ms)
+}
+
 /// `quotalease allocator`.
 pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let stop = Termination::catch();
@@ -436,14 +450,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         ));
     };
     let tls = server_tls(&args)?;
-    let ttl_max_ms = u64::try_from(args.ttl_max.as_millis()).unwrap_or(u64::MAX);
-    if ttl_max_ms.saturating_mul(1_000_000) > TTL_MAX_CAP_NS || ttl_max_ms == 0 {
-        return Err(anyhow!(
-            "--ttl-max: {:?} is outside 1ms..={}s (the compiled cap: how long a lost ledger's leases may be out)",
-            args.ttl_max,
-            TTL_MAX_CAP_NS / 1_000_000_000
-        ));
-    }
+    let ttl_max_ms = ttl_max_ms(&args)?;
     let dir = args
         .state_dir
         .clone()

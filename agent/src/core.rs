@@ -1247,9 +1247,13 @@ impl AgentCore {
     ) -> Installed {
         let mut k = KeyState::load(&r.slot);
         if !k.held {
-            // The key was forgotten meanwhile: give fresh tokens back.
-            if g.carried == 0 && g.lease_id != 0 {
+            // The key was forgotten meanwhile: give fresh tokens back, as
+            // for a batch given up on (a grant that carried or continues
+            // the old lease is left to expire).
+            if g.carried == 0 && g.version_of == 0 && g.lease_id != 0 {
                 tracing::debug!(lease = g.lease_id, "grant for a forgotten key; released");
+                self.late_releases
+                    .push(r.slot.release_item(g.lease_id, 0, g.tokens));
             }
             return Installed::Done;
         }

@@ -74,6 +74,10 @@ pub struct Lease {
     /// reply arrives, so they count on top of the capacity until the holder
     /// names this version (or a later one) or it expires. 0 otherwise.
     pub in_flight: u64,
+    /// A rate version: the version of this holder it follows (the one the
+    /// holder named when it asked), 0 for a first version or a lease of
+    /// tokens only.
+    pub follows: u64,
 }
 
 impl Lease {
@@ -290,6 +294,7 @@ impl KeyLedger {
                 rate_utps: 0,
                 capacity: 0,
                 in_flight: 0,
+                follows: 0,
             });
             l.outstanding = burst;
         } else {
@@ -339,6 +344,7 @@ impl KeyLedger {
                 rate_utps: cp.rates_out_utps,
                 capacity: cp.outstanding,
                 in_flight: 0,
+                follows: 0,
             });
             l.rate_leases = 1;
             l.recount_rates();
@@ -771,6 +777,7 @@ impl KeyLedger {
                 rate_utps: 0,
                 capacity: 0,
                 in_flight: 0,
+                follows: 0,
             });
             self.outstanding += tokens;
             req.new_id
@@ -1034,6 +1041,7 @@ impl KeyLedger {
             rate_utps: rate,
             capacity,
             in_flight,
+            follows: version_of,
         });
         self.rate_leases += 1;
         self.recount_rates();
@@ -1081,10 +1089,15 @@ impl KeyLedger {
     }
 
     /// [`KeyLedger::release`]; for a rate lease, `left` is the level the
-    /// holder had when it stopped using it: that version and the holder's
-    /// older ones stop counting and `left` (at most their count) returns to
-    /// `available`. A later version the holder never acknowledged still
-    /// counts until it expires.
+    /// holder had when it stopped using it: that version and the versions
+    /// it follows stop counting and `left` (at most their count) returns to
+    /// `available`. Any other version of the holder still counts until it
+    /// is released or expires: a later one it never acknowledged, and an
+    /// older one it did not follow from. The latter is the version the
+    /// holder may be spending when the released one answered a request it
+    /// gave up on and the allocator met the two requests in the other order
+    /// (releasing every older version then let a held version go uncounted
+    /// while its holder refilled it: I1 broken).
     pub fn release_with(
         &mut self,
         now_ns: u64,
@@ -1100,9 +1113,20 @@ impl KeyLedger {
             .position(|l| l.id == lease_id && l.holder == holder && lease_id != 0)?;
         if self.leases[i].is_rate() {
             let (counted, _) = self.counted_for(holder);
+            // The released version and the chain it follows.
+            let mut chain = vec![lease_id];
+            let mut follows = self.leases[i].follows;
+            while follows != 0 {
+                chain.push(follows);
+                follows = self
+                    .leases
+                    .iter()
+                    .find(|l| l.id == follows && l.holder == holder)
+                    .map_or(0, |l| l.follows);
+            }
             let before = self.leases.len();
             self.leases
-                .retain(|l| !(l.holder == holder && l.is_rate() && l.id <= lease_id));
+                .retain(|l| !(l.holder == holder && l.is_rate() && chain.contains(&l.id)));
             self.rate_leases -= (before - self.leases.len()) as u32;
             self.recount_rates();
             let rest = left.min(counted);

@@ -747,7 +747,10 @@ enum MOp {
     Advance(u64),
     /// holder, want, rate (0: tokens only), reply lost?, name nothing?
     Renew(u32, u64, u64, bool, bool),
-    /// a late reply (index) arrives and is applied as if awaited
+    /// a late reply (index) arrives: applied if its request is the one the
+    /// holder awaits, else treated as the agent treats a reply to a request
+    /// it gave up on (agent/src/core.rs `install_key`: a first version or a
+    /// fresh lease of tokens is released, anything else left to expire)
     DeliverApply(u32, usize),
     /// a late reply arrives for a request given up on: the agent releases
     /// a first version / fresh lease of tokens
@@ -791,8 +794,13 @@ struct MHolder {
     level_nt: u128,
     cur: Option<MCur>,
     refilled_to_ns: u64,
-    /// (grant, sent at, level at send in whole tokens)
-    late: Vec<(Granted, u64, u64)>,
+    /// (grant, sent at, level at send in whole tokens, request tag)
+    late: Vec<(Granted, u64, u64, u64)>,
+    /// The request whose reply the holder awaits, like the agent's
+    /// `in_flight`: one per key; a renewal sent meanwhile means the holder
+    /// gave up on it (the agent sends no other renewal while one is
+    /// awaited), and a release forgets it.
+    awaits: Option<u64>,
 }
 
 impl MHolder {
@@ -926,20 +934,27 @@ proptest! {
                     }, SEC);
                     next_id += 1;
                     prop_assert!(!g.shadow_violation, "shadow bucket fired");
-                    if lost { me.late.push((g, now, at_send)); } else { me.apply(&g, now, at_send, ttl_ns, now); }
-                }
-                MOp::DeliverApply(h, i) => {
-                    let me = &mut hs[h as usize];
-                    if i < me.late.len() {
-                        let (g, sent, at) = me.late.remove(i);
-                        me.apply(&g, sent, at, ttl_ns, now);
+                    let tag = next_id;
+                    next_id += 1;
+                    if lost {
+                        me.late.push((g, now, at_send, tag));
+                        me.awaits = Some(tag);
+                    } else {
+                        me.awaits = None;
+                        me.apply(&g, now, at_send, ttl_ns, now);
                     }
                 }
-                MOp::DeliverRelease(h, i) => {
+                MOp::DeliverApply(h, i) | MOp::DeliverRelease(h, i) => {
                     let me = &mut hs[h as usize];
                     if i < me.late.len() {
-                        let (g, _, _) = me.late.remove(i);
-                        if g.carried == 0 && g.version_of == 0 && g.lease_id != 0 {
+                        let (g, sent, at, tag) = me.late.remove(i);
+                        let awaited = me.awaits == Some(tag);
+                        if awaited {
+                            me.awaits = None;
+                        }
+                        if awaited && matches!(o, MOp::DeliverApply(..)) {
+                            me.apply(&g, sent, at, ttl_ns, now);
+                        } else if g.carried == 0 && g.version_of == 0 && g.lease_id != 0 {
                             l.release_with(now, h, g.lease_id, 0, g.tokens);
                         }
                     }
@@ -972,7 +987,7 @@ proptest! {
                         }
                     }
                     let late = std::mem::take(&mut me.late);
-                    *me = MHolder { refilled_to_ns: now, late, ..MHolder::default() };
+                    *me = MHolder { refilled_to_ns: now, late, awaits: None, ..MHolder::default() };
                 }
                 MOp::Restart => {
                     l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
@@ -1174,4 +1189,37 @@ fn a_rate_version_at_2_per_s_burst_600_keeps_i1() {
         a.tokens(),
         gc.fresh
     );
+}
+
+#[test]
+fn releasing_a_version_given_up_on_keeps_the_held_version_counted() {
+    // The allocator met an agent's two requests for a key in the other
+    // order: B (sent after the agent gave up on A) got version 1, which the
+    // agent installed and spends; A got version 2, whose late reply the
+    // agent releases. Releasing version 2 took version 1 out of the count
+    // too (every older version went): another holder got the whole burst
+    // and rate while the first still refilled version 1 (I1 broken).
+    let (r, burst, ttl_ns) = (rate(4, 1), 4u64, 500 * MS);
+    let mut l = KeyLedger::new(r, burst, 0, None);
+    let ask = |holder, new_id| Renewal {
+        holder,
+        lease_id: 0,
+        spent: 0,
+        want: 4,
+        ttl_ns,
+        new_id,
+        want_rate_utps: 4_000_000,
+    };
+    let b = l.renew(0, ask(3, 1), SEC);
+    assert_eq!((b.capacity, b.tokens), (4, 4));
+    let a = l.renew(0, ask(3, 2), SEC);
+    assert_eq!(a.version_of, 0, "a first version");
+    l.release_with(0, 3, a.lease_id, 0, a.tokens);
+    assert_eq!(l.outstanding(), 4, "version 1 still counts");
+    let other = l.renew(0, ask(4, 3), SEC);
+    assert_eq!(other.capacity, 0, "{other:?}");
+    // Released itself (with what it has left), it stops counting.
+    l.release_with(100 * MS, 3, b.lease_id, 0, 0);
+    assert_eq!(l.outstanding(), 0);
+    assert!(l.i2_holds());
 }

@@ -236,6 +236,7 @@ fn run_allocator(n: usize) -> Run {
         header: Some(header(1, 0)),
         items: vec![],
         ttl_ms: 0,
+        shard: 0,
     });
     let version = hello.rules.map_or(0, |r| r.version);
     let before = trimmed_rss();
@@ -260,6 +261,7 @@ fn run_allocator(n: usize) -> Run {
             header: Some(header(b as u64 + 2, version)),
             items,
             ttl_ms: TTL.as_millis() as u64,
+            shard: 0,
         });
         held += reply
             .grants

@@ -43,6 +43,7 @@ use quotalease_allocator::server::{self as alloc_server, Shared};
 use quotalease_allocator::term;
 use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
+use quotalease_proto::lease::ShardRoute;
 
 use crate::run::{self, LedgerRecord, Termination};
 use crate::AllocatorArgs;
@@ -121,6 +122,10 @@ async fn txn(client: &Client, txn: Txn) -> Result<etcd_client::TxnResponse, etcd
 /// etcd key names under `--etcd-prefix`.
 #[derive(Clone, Debug)]
 struct Keys {
+    /// `--etcd-prefix`: the cluster's rules and shard map.
+    root: String,
+    /// This replica's ledger, election and registrations: the root, or
+    /// `ROOT/shard/K` for shard K.
     prefix: String,
 }
 
@@ -137,7 +142,25 @@ impl Keys {
         format!("{}/ckpt-done", self.prefix)
     }
     fn rules(&self) -> String {
-        format!("{}/rules", self.prefix)
+        format!("{}/rules", self.root)
+    }
+    /// The shard map: the shard count, written once by the first replica.
+    fn shard_map(&self) -> String {
+        format!("{}/shards", self.root)
+    }
+    /// Keys of a sharded cluster's shard `shard`.
+    fn of_shard(root: &str, shard: u32) -> Self {
+        Self {
+            root: root.to_string(),
+            prefix: format!("{root}/shard/{shard}"),
+        }
+    }
+    /// Keys of a cluster that is not sharded.
+    fn unsharded(root: &str) -> Self {
+        Self {
+            root: root.to_string(),
+            prefix: root.to_string(),
+        }
     }
     fn election(&self) -> String {
         format!("{}/election", self.prefix)
@@ -418,21 +441,28 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     )
     .await
     .with_context(|| format!("--etcd {}: cannot connect", args.etcd.join(",")))?;
-    let keys = Keys {
-        prefix: args.etcd_prefix.trim_end_matches('/').to_string(),
+    let root = args.etcd_prefix.trim_end_matches('/').to_string();
+    let keys = match args.shard {
+        Some((k, _)) => Keys::of_shard(&root, k),
+        None => Keys::unsharded(&root),
     };
+    check_shard_map(&client, &keys, args.shard).await?;
     // Until it leads, the replica's core grants nothing (the lease
     // service refuses first); each term replaces it.
     let shared = Shared::new(
         CoreConfig {
             ttl_max_ns: args.ttl_max.as_nanos() as u64,
             reservations: true,
+            shard: args.shard.unwrap_or((0, 1)),
             ..CoreConfig::default()
         },
         rules,
         rules_path,
     );
     let leadership = Arc::new(Leadership::new(advertise.clone(), NO_LEADER_RETRY_MS));
+    if let Some((k, n)) = args.shard {
+        leadership.set_shard(k, n, SHARD_MAP_VERSION);
+    }
     shared.set_leadership(leadership.clone());
     let durability = Durability::none();
     let grpc = run::bind("--listen", args.listen).await?;
@@ -480,6 +510,10 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         .then(|| tokio::spawn(watch_rules(replica.clone())));
     let observer = tokio::spawn(observe(replica.clone()));
     let lister = tokio::spawn(list_replicas(replica.clone()));
+    let router = replica
+        .args
+        .shard
+        .map(|(_, n)| tokio::spawn(shard_routes(replica.clone(), n)));
     let sessions = tokio::spawn(sessions(replica.clone()));
     stop.wait().await;
     tracing::info!("stopping");
@@ -490,6 +524,9 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     let _ = tokio::time::timeout(Duration::from_secs(5), sessions).await;
     observer.abort();
     lister.abort();
+    if let Some(r) = router {
+        r.abort();
+    }
     if let Some(w) = rules_watch {
         w.abort();
     }
@@ -577,6 +614,98 @@ async fn observe(r: Arc<Replica>) {
             Err(e) => tracing::debug!(error = %e, "cannot observe the election"),
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The shard map's version in replies (the map is only a shard count,
+/// written once).
+const SHARD_MAP_VERSION: u64 = 1;
+
+/// The cluster's shard count as recorded in etcd must be `--shard`'s (the
+/// first replica of a sharded cluster records it): a replica that splits
+/// keys otherwise would serve keys another shard's leader serves too.
+async fn check_shard_map(
+    client: &Client,
+    keys: &Keys,
+    shard: Option<(u32, u32)>,
+) -> anyhow::Result<()> {
+    let want = shard.map_or(1, |(_, n)| n);
+    let key = keys.shard_map();
+    let put = Txn::new()
+        .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key.as_str(), want.to_string(), None)])
+        .or_else([TxnOp::get(key.as_str(), None)]);
+    let resp = txn(client, put)
+        .await
+        .with_context(|| format!("reading the shard map {key}"))?;
+    if resp.succeeded() {
+        if want > 1 {
+            tracing::info!(%key, shards = want, "recorded the shard map");
+        }
+        return Ok(());
+    }
+    let recorded = resp
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .and_then(|kv| kv.value_str().ok().map(str::to_string)),
+            _ => None,
+        })
+        .unwrap_or_default();
+    let have: u32 = recorded
+        .trim()
+        .parse()
+        .map_err(|_| anyhow!("the shard map {key} holds {recorded:?}, not a shard count"))?;
+    if have != want {
+        return Err(match shard {
+            None => anyhow!(
+                "--shard: the cluster under {} is split into {have} shards ({key}); start each replica with --shard K/{have}",
+                keys.root
+            ),
+            Some((_, n)) => anyhow!(
+                "--shard K/{n}: the cluster under {} is split into {have} shards ({key}); the shard count cannot change",
+                keys.root
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A sharded cluster: every shard's leader and replicas, read from etcd
+/// every second, for the replies' `shard_routes`.
+async fn shard_routes(r: Arc<Replica>, count: u32) {
+    loop {
+        let mut routes = Vec::with_capacity(count as usize);
+        for shard in 0..count {
+            let keys = Keys::of_shard(&r.keys.root, shard);
+            let mut c = r.client.clone();
+            let leader_url = match c.leader(keys.election()).await {
+                Ok(resp) => resp
+                    .kv()
+                    .and_then(|kv| kv.value_str().ok().map(str::to_string))
+                    .unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            let all = GetOptions::new().with_prefix();
+            let replicas = match get(&r.client, &keys.replicas(), Some(all)).await {
+                Ok(resp) => resp
+                    .kvs()
+                    .iter()
+                    .filter_map(|kv| kv.value_str().ok().map(str::to_string))
+                    .collect(),
+                Err(_) => Vec::new(),
+            };
+            routes.push(ShardRoute {
+                shard,
+                leader_url,
+                replicas,
+            });
+        }
+        r.leadership.set_shard_routes(routes);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -963,6 +1092,7 @@ async fn lead(
     let cfg = term::config(
         CoreConfig {
             ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
+            shard: r.args.shard.unwrap_or((0, 1)),
             ..CoreConfig::default()
         },
         &durable,
@@ -1243,6 +1373,7 @@ pub async fn publish(file: &Path, etcd: &[String], prefix: &str) -> anyhow::Resu
     let text = std::fs::read_to_string(file)
         .with_context(|| format!("{}: cannot read", file.display()))?;
     let keys = Keys {
+        root: prefix.trim_end_matches('/').to_string(),
         prefix: prefix.trim_end_matches('/').to_string(),
     };
     let options = ConnectOptions::new()
@@ -1308,9 +1439,7 @@ mod tests {
 
     #[test]
     fn reservation_keys_round_trip_any_key_and_refuse_others() {
-        let keys = Keys {
-            prefix: "/ql".into(),
-        };
+        let keys = Keys::unsharded("/ql");
         let k = KeyId {
             rule: "r/1".into(),
             tenant: "t é".into(),
@@ -1405,9 +1534,7 @@ mod tests {
             .await
             .unwrap();
         let rev = leader.header().unwrap().revision();
-        let keys = Keys {
-            prefix: "/t".into(),
-        };
+        let keys = Keys::unsharded("/t");
         let deposed = Arc::new(AtomicBool::new(false));
         let mut store = EtcdStore {
             client: c.clone(),

@@ -71,6 +71,20 @@ enum RulesCommand {
 /// would overflow deadlines computed from them.
 pub const MAX_FLAG_DURATION: Duration = Duration::from_secs(24 * 3600);
 
+/// `K/N` of `--shard`: shard K of N, `K < N`, `2 <= N <= 1024`.
+fn parse_shard(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{s:?} is not K/N (shard K of N shards, 0 <= K < N, 2 <= N <= 1024)");
+    let (k, n) = s.split_once('/').ok_or_else(bad)?;
+    let (k, n): (u32, u32) = (
+        k.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
+    if !(2..=1024).contains(&n) || k >= n {
+        return Err(bad());
+    }
+    Ok((k, n))
+}
+
 /// Parse "250ms", "2s", "1m", "1h" (at most [`MAX_FLAG_DURATION`]).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -192,6 +206,14 @@ pub struct AllocatorArgs {
     /// (one prefix per allocator cluster).
     #[arg(long = "etcd-prefix", default_value = "/quotalease")]
     etcd_prefix: String,
+    /// With --etcd: this replica serves shard K of N (`K/N`, SPEC §7
+    /// "Sharding"): keys are split over N shards by a hash of rule, tenant
+    /// and route; each shard elects its own leader among its replicas and
+    /// keeps its own ledger under `PREFIX/shard/K`. Every replica of the
+    /// cluster must say the same N (recorded in etcd by the first). Agents
+    /// learn the shards from any replica's replies.
+    #[arg(long, value_parser = parse_shard)]
+    shard: Option<(u32, u32)>,
     /// With --etcd: TTL of each replica's etcd lease. A dead leader is
     /// replaced after about this long; a leader that cannot renew it stops
     /// granting a third of it (at least 1 s) before it can expire.

@@ -428,6 +428,11 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
                 "--etcd: a regional allocator (--parent) keeps no state and is not replicated through etcd"
             ))
         }
+        (Some(_), Some(_)) if args.shard.is_some() => {
+            return Err(anyhow!(
+                "--shard: a regional allocator is not sharded (its parent may not be either, see docs/operations.md \"Sharding\")"
+            ))
+        }
         (Some(_), Some(_)) => return regional(args, stop).await,
         (Some(_), None) => {
             return Err(anyhow!(
@@ -443,6 +448,11 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     }
     if !args.etcd.is_empty() {
         return crate::etcd::allocator(args, stop).await;
+    }
+    if args.shard.is_some() {
+        return Err(anyhow!(
+            "--shard needs --etcd: agents learn every shard's leader from the replicas, which find each other through etcd"
+        ));
     }
     let Some(rules_path) = args.rules.clone() else {
         return Err(anyhow!(

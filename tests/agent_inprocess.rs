@@ -221,6 +221,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
         }),
         items: vec![],
         ttl_ms: 0,
+        shard: 0,
     });
     // The same identity (id and instance 0, as a protocol-1 agent sends)
     // catches up with the record.

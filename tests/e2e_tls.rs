@@ -172,6 +172,7 @@ fn batch(agent_id: &str, instance: u64, seq: u64, item: LeaseItem) -> LeaseBatch
         }),
         items: vec![item],
         ttl_ms: 2_000,
+        shard: 0,
     }
 }
 

@@ -1206,7 +1206,7 @@ impl Agent {
                     return Step::Done(Ok(self.over_limit(rule, rules, 1_000)));
                 }
                 let dry_until = slot.dry_until();
-                let reach = core.reach();
+                let reach = core.reach_of(&slot);
                 // Behind a regional allocator whose parent is unreachable the
                 // regional's pool still counts as leased: ask it once; when
                 // it is dry, the fail policy applies (SPEC §2 I3, §6).

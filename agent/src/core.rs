@@ -355,8 +355,6 @@ struct Pending {
 pub struct AgentCore {
     cfg: CoreConfig,
     incarnation: u64,
-    /// The ledger id of the allocator that last answered (0: none yet).
-    ledger_id: u64,
     seq: u64,
     table: Arc<Table>,
     rules: Arc<RulesCell>,
@@ -380,18 +378,13 @@ pub struct AgentCore {
     late_releases: Vec<LeaseItem>,
     transmits: VecDeque<Transmit>,
     events: VecDeque<Event>,
-    /// The last allocator call succeeded.
-    connected: bool,
-    /// The allocator is taken for unreachable (fail policies apply).
-    down: bool,
-    /// A regional allocator reports its own parent unreachable.
-    parent_down: bool,
-    /// Counts outages; an emergency bucket belongs to one outage.
-    outage: u64,
+    /// Per shard (SPEC §7 "Sharding"; one while no reply said more): how
+    /// its allocator is reached. A key's shard is
+    /// `quotalease_proto::shard_of` over `ups.len()`.
+    ups: Vec<Upstream>,
+    /// Counts outages of every shard; an emergency bucket belongs to one.
+    outages: u64,
     last_sent_ns: u64,
-    last_reply_ns: Option<u64>,
-    /// Since when every reply said "no leader yet" (SPEC §7).
-    no_leader_since_ns: Option<u64>,
     next_tick_ns: u64,
     planned_version: u64,
     /// A tick's walk over the listed keys, when it is under way.
@@ -419,6 +412,25 @@ struct Walk {
     ctx: PlanCtx,
 }
 
+/// How one shard's allocator is reached (the whole allocator when it is
+/// not sharded).
+#[derive(Clone, Debug, Default)]
+struct Upstream {
+    /// The last call to it succeeded.
+    connected: bool,
+    /// Taken for unreachable (fail policies apply to its keys).
+    down: bool,
+    /// A regional allocator reports its own parent unreachable.
+    parent_down: bool,
+    /// The outage (of `AgentCore::outages`) it is in or was in last.
+    outage: u64,
+    last_reply_ns: Option<u64>,
+    /// Since when every reply said "no leader yet" (SPEC §7).
+    no_leader_since_ns: Option<u64>,
+    /// The ledger id of the allocator that last answered (0: none yet).
+    ledger_id: u64,
+}
+
 /// Where a request stands with the core, for the slow path.
 #[derive(Clone, Copy, Debug)]
 pub struct Reach {
@@ -441,7 +453,6 @@ impl AgentCore {
     ) -> Self {
         Self {
             incarnation: cfg.incarnation,
-            ledger_id: 0,
             cfg,
             seq: 0,
             table,
@@ -455,13 +466,9 @@ impl AgentCore {
             late_releases: Vec::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
-            connected: false,
-            down: false,
-            parent_down: false,
-            outage: 0,
+            ups: vec![Upstream::default()],
+            outages: 0,
             last_sent_ns: 0,
-            last_reply_ns: None,
-            no_leader_since_ns: None,
             next_tick_ns: now,
             planned_version: 0,
             walk: None,
@@ -478,13 +485,34 @@ impl AgentCore {
         self.incarnation
     }
 
-    /// Reachability, for the slow path and readiness.
+    /// Reachability of the whole allocator, for readiness: connected
+    /// while every shard's last call succeeded, down while one is down.
     pub fn reach(&self) -> Reach {
         Reach {
-            down: self.down,
-            connected: self.connected,
-            parent_down: self.parent_down,
+            down: self.ups.iter().any(|u| u.down),
+            connected: self.ups.iter().all(|u| u.connected),
+            parent_down: self.ups.iter().any(|u| u.parent_down),
         }
+    }
+
+    /// Reachability of the shard `slot`'s key belongs to, for the slow
+    /// path: one shard's outage is its keys' alone.
+    pub fn reach_of(&self, slot: &Slot) -> Reach {
+        let u = &self.ups[self.shard_of(slot)];
+        Reach {
+            down: u.down,
+            connected: u.connected,
+            parent_down: u.parent_down,
+        }
+    }
+
+    /// Shards the allocator has, as last learned (1: not sharded).
+    pub fn shard_count(&self) -> usize {
+        self.ups.len()
+    }
+
+    fn shard_of(&self, slot: &Slot) -> usize {
+        key_shard(slot, self.ups.len())
     }
 
     /// Number of keys with renewal state.
@@ -543,7 +571,7 @@ impl AgentCore {
     /// consumption, R / holders)`, burst `b_e = max(1, B / holders)` (SPEC §2
     /// I3, §6). The tokens left, or `None` when it is empty.
     pub fn emergency_take(&mut self, slot: &Slot, rule: &Rule, cost: u64, t: u64) -> Option<u64> {
-        let outage = self.outage;
+        let outage = self.ups[self.shard_of(slot)].outage;
         let cfg = self.cfg.emergency;
         let record = self.cfg.record_emergency;
         let k = KeyState::load(slot);
@@ -667,13 +695,29 @@ impl AgentCore {
         let Some(p) = self.pending.get(&seq) else {
             return;
         };
+        let shard = answering_shard(&reply, p.batch.shard);
+        // The shard count, learned from every reply: keys the allocator
+        // says belong elsewhere are asked again at once, each from its
+        // shard's leader.
+        let count = reply.shard_count.clamp(1, MAX_SHARDS) as usize;
+        let resharded = count != self.ups.len();
+        if resharded {
+            tracing::info!(
+                from = self.ups.len(),
+                to = count,
+                "the allocator's shard count changed"
+            );
+            self.ups.resize(count, Upstream::default());
+        }
         if reply.not_leader && reply.grants.is_empty() {
             // An allocator replica without a leader (the transport follows
             // a named one): nothing was applied. Reachable but empty, for
             // as long as an election takes: every key is answered "dry,
             // ask again after the hint", and the leases held stay usable
             // under their own deadlines (a grant naming no lease).
-            let since = *self.no_leader_since_ns.get_or_insert(now);
+            let since = *up_of(&mut self.ups, shard)
+                .no_leader_since_ns
+                .get_or_insert(now);
             if now.saturating_sub(since) > NO_LEADER_GRACE.as_nanos() as u64 {
                 let attempt = p.attempt;
                 self.attempt_failed(now, seq, attempt, "no allocator leader");
@@ -714,7 +758,11 @@ impl AgentCore {
                     }
                 })
                 .collect();
-        } else if self.no_leader_since_ns.take().is_some() {
+        } else if up_of(&mut self.ups, shard)
+            .no_leader_since_ns
+            .take()
+            .is_some()
+        {
             tracing::info!("the allocator replicas have a leader again");
         }
         let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
@@ -732,15 +780,16 @@ impl AgentCore {
             return;
         }
         let p = self.pending.remove(&seq).expect("looked up above");
-        self.last_reply_ns = Some(now);
+        let up = self.up(shard);
+        up.last_reply_ns = Some(now);
+        up.down = false;
+        if !up.connected {
+            up.connected = true;
+            tracing::info!(shard, "allocator reachable");
+        }
         self.metrics
             .record_renewal(Duration::from_nanos(now.saturating_sub(p.first_sent_ns)));
-        self.down = false;
-        if !self.connected {
-            self.connected = true;
-            tracing::info!("allocator reachable");
-        }
-        let again = self.apply_reply(reply, seq, &p, now);
+        let again = self.apply_reply(reply, seq, &p, now, resharded);
         if p.abandoned {
             return;
         }
@@ -806,6 +855,12 @@ impl AgentCore {
 
     // -- internals --
 
+    /// Shard `shard`'s state (a batch sent before the shard count shrank
+    /// names one past the end: the last one's).
+    fn up(&mut self, shard: usize) -> &mut Upstream {
+        up_of(&mut self.ups, shard)
+    }
+
     fn in_flight(&self) -> usize {
         self.pending.values().filter(|p| !p.abandoned).count()
     }
@@ -834,19 +889,24 @@ impl AgentCore {
         // Overload is not an outage: only a batch that saw no reply at all
         // since it was first sent makes the allocator unreachable.
         let first_sent = p.first_sent_ns;
+        let shard = p.batch.shard as usize;
         self.abandon(seq);
-        let heard_since = self.last_reply_ns.is_some_and(|r| r >= first_sent);
+        let outages = self.outages + 1;
+        let up = self.up(shard);
+        let heard_since = up.last_reply_ns.is_some_and(|r| r >= first_sent);
         if heard_since {
             tracing::debug!(seq, %why, "batch given up on; the allocator answers others (overload, not an outage)");
             return;
         }
-        if !self.down {
-            self.down = true;
-            self.outage += 1;
+        if !up.down {
+            up.down = true;
+            up.outage = outages;
+            self.outages = outages;
         }
-        if self.connected {
-            self.connected = false;
-            tracing::warn!(%why, "allocator unreachable; serving from leases, then fail policies");
+        let up = self.up(shard);
+        if up.connected {
+            up.connected = false;
+            tracing::warn!(shard, %why, "allocator unreachable; serving from leases, then fail policies");
         }
     }
 
@@ -903,16 +963,55 @@ impl AgentCore {
     /// Send planned items (releases first, then renewals with their slot
     /// ids in item order) in batches of at most [`MAX_BATCH_ITEMS`], or a
     /// heartbeat when nothing is planned and one is due.
-    fn send(&mut self, t: u64, mut items: Vec<LeaseItem>, mut renews: Vec<Renewing>) {
-        let heartbeat_due = (t.saturating_sub(self.last_sent_ns)
-            >= self.cfg.heartbeat.as_nanos() as u64
-            || !self.rules.has_rules()
-            || !self.connected)
-            && self.in_flight() == 0;
-        if items.is_empty() && !heartbeat_due {
+    fn send(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<Renewing>) {
+        // A heartbeat is due when nothing was sent for its interval, while
+        // no rules are known, and to a shard not reached yet.
+        let quiet = self.in_flight() == 0;
+        let due = quiet
+            && (t.saturating_sub(self.last_sent_ns) >= self.cfg.heartbeat.as_nanos() as u64
+                || !self.rules.has_rules());
+        let heartbeat_due = |u: &Upstream| due || (quiet && !u.connected);
+        if items.is_empty() && !self.ups.iter().any(heartbeat_due) {
             return;
         }
         self.last_sent_ns = t;
+        let count = self.ups.len();
+        if count == 1 {
+            self.send_to(t, 0, items, renews);
+            return;
+        }
+        // One batch (or more) per shard, each item to its key's shard; a
+        // heartbeat to every shard.
+        let releases = items.len() - renews.len();
+        let mut per: Vec<(Vec<LeaseItem>, Vec<Renewing>)> =
+            (0..count).map(|_| (Vec::new(), Vec::new())).collect();
+        let mut items = items.into_iter();
+        for item in items.by_ref().take(releases) {
+            let s =
+                quotalease_proto::shard_of(&item.rule_id, &item.tenant, &item.route, count as u32);
+            per[s as usize].0.push(item);
+        }
+        for (item, r) in items.zip(renews) {
+            let s = key_shard(&r.slot, count);
+            per[s].0.push(item);
+            per[s].1.push(r);
+        }
+        let due: Vec<bool> = self.ups.iter().map(heartbeat_due).collect();
+        for (s, (items, renews)) in per.into_iter().enumerate() {
+            if !items.is_empty() || due[s] {
+                self.send_to(t, s as u32, items, renews);
+            }
+        }
+    }
+
+    /// [`AgentCore::send`] of items of one shard.
+    fn send_to(
+        &mut self,
+        t: u64,
+        shard: u32,
+        mut items: Vec<LeaseItem>,
+        mut renews: Vec<Renewing>,
+    ) {
         // The first `releases` items are releases, the rest renewals.
         let mut releases = items.len() - renews.len();
         loop {
@@ -920,7 +1019,7 @@ impl AgentCore {
             let rest = items.split_off(take);
             let rest_renews = renews.split_off(take.saturating_sub(releases));
             releases = releases.saturating_sub(take);
-            self.send_one(t, items, renews);
+            self.send_one(t, shard, items, renews);
             items = rest;
             renews = rest_renews;
             if items.is_empty() {
@@ -929,7 +1028,7 @@ impl AgentCore {
         }
     }
 
-    fn send_one(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<Renewing>) {
+    fn send_one(&mut self, t: u64, shard: u32, items: Vec<LeaseItem>, renews: Vec<Renewing>) {
         self.seq += 1;
         let seq = self.seq;
         for r in &renews {
@@ -939,7 +1038,11 @@ impl AgentCore {
                 k.store(&r.slot);
             }
         }
-        let batch = self.batch(seq, items, self.cfg.lease_ttl.as_millis() as u64);
+        let mut batch = self.batch(seq, items, self.cfg.lease_ttl.as_millis() as u64);
+        batch.shard = shard;
+        if let Some(h) = &mut batch.header {
+            h.ledger_id = self.ups.get(shard as usize).map_or(0, |u| u.ledger_id);
+        }
         let digest = quotalease_proto::request_digest(&batch);
         self.transmits.push_back(Transmit {
             seq,
@@ -969,10 +1072,11 @@ impl AgentCore {
                 protocol_version: PROTOCOL_VERSION,
                 rules_version: self.rules.version(),
                 instance: self.cfg.instance,
-                ledger_id: self.ledger_id,
+                ledger_id: self.ups[0].ledger_id,
             }),
             ttl_ms,
             items,
+            shard: 0,
         }
     }
 
@@ -990,8 +1094,7 @@ impl AgentCore {
             idle_ns: self.cfg.plan.idle_release.as_nanos() as u64,
             lead_ns: (4 * self.cfg.plan.renew_interval.as_nanos() as u64)
                 .max(self.cfg.plan.low_water.as_nanos() as u64),
-            down: self.down,
-            outage: self.outage,
+            ups: self.ups.iter().map(|u| (u.down, u.outage)).collect(),
             late: std::mem::take(&mut self.late_releases),
             releases: Vec::new(),
             renews: Vec::new(),
@@ -1174,11 +1277,19 @@ impl AgentCore {
 
     /// Apply a reply; returns the keys whose item was not applied and
     /// should be asked again.
-    fn apply_reply(&mut self, reply: LeaseReply, seq: u64, p: &Pending, t: u64) -> Vec<Slot> {
+    fn apply_reply(
+        &mut self,
+        reply: LeaseReply,
+        seq: u64,
+        p: &Pending,
+        t: u64,
+        resharded: bool,
+    ) -> Vec<Slot> {
+        let shard = answering_shard(&reply, p.batch.shard);
         if reply.ledger_id != 0 {
             // The ledger that served us: presented from now on (SPEC §2
             // "First start").
-            self.ledger_id = reply.ledger_id;
+            self.up(shard).ledger_id = reply.ledger_id;
         }
         if reply.holder_incarnation > self.incarnation {
             // The allocator knows this identity under a higher incarnation
@@ -1214,7 +1325,8 @@ impl AgentCore {
         // Releases the allocator did not apply go back to the queue.
         for (item, g) in p.batch.items.iter().zip(reply.grants.iter()) {
             let not_applied = g.status == GrantStatus::Stale as i32
-                || g.status == GrantStatus::SeqConflict as i32;
+                || g.status == GrantStatus::SeqConflict as i32
+                || (g.status == GrantStatus::WrongShard as i32 && resharded);
             if item.kind == ItemKind::Release as i32 && not_applied {
                 self.late_releases.push(item.clone());
             }
@@ -1229,6 +1341,15 @@ impl AgentCore {
         let sent_ns = p.first_sent_ns;
         let mut again = Vec::new();
         for (grant, r) in renews.zip(p.renews.iter()) {
+            if grant.status == GrantStatus::WrongShard as i32
+                && key_shard(&r.slot, self.ups.len()) != shard
+            {
+                // Another shard's key (this batch reached the leader of
+                // another shard than the key's, before the shards were
+                // known): nothing applied, ask its shard at once.
+                again.push(r.slot.clone());
+                continue;
+            }
             if self.install(r, grant, seq, sent_ns, version, t) == Installed::AskAgain {
                 again.push(r.slot.clone());
             }
@@ -1338,14 +1459,18 @@ impl AgentCore {
         }
         // A regional allocator tells whether its own parent is reachable; a
         // cut-off region's agents apply fail policies once its pool is dry.
+        let outages = self.outages + 1;
+        let n = self.ups.len();
+        let up = &mut self.ups[key_shard(&f.slot, n)];
         if g.parent_unreachable {
-            if !self.parent_down {
-                self.parent_down = true;
-                self.outage += 1;
+            if !up.parent_down {
+                up.parent_down = true;
+                up.outage = outages;
+                self.outages = outages;
                 tracing::warn!("the regional allocator reports its parent unreachable");
             }
-        } else if self.parent_down {
-            self.parent_down = false;
+        } else if up.parent_down {
+            up.parent_down = false;
             tracing::info!("the regional allocator reaches its parent again");
         }
         k.holders = u64::from(g.holders.max(1));
@@ -1529,6 +1654,33 @@ fn finish_plan(ctx: PlanCtx) -> (Vec<LeaseItem>, Vec<Renewing>) {
     (items, keys)
 }
 
+/// Shards an agent follows at most (a reply cannot make it hold more).
+const MAX_SHARDS: u32 = 1024;
+
+/// Shard `shard`'s state in `ups` (a batch sent before the shard count
+/// shrank names one past the end: the last one's).
+fn up_of(ups: &mut [Upstream], shard: usize) -> &mut Upstream {
+    let last = ups.len() - 1;
+    &mut ups[shard.min(last)]
+}
+
+/// The shard whose allocator answered a batch sent to `sent_to`: the one
+/// the reply names when sharded (a first contact's leader may serve
+/// another shard than the batch was meant for, before the shards are
+/// known), else the batch's.
+fn answering_shard(reply: &LeaseReply, sent_to: u32) -> usize {
+    if reply.shard_count > 1 {
+        reply.shard.min(reply.shard_count - 1) as usize
+    } else {
+        sent_to as usize
+    }
+}
+
+/// The shard of `slot`'s key among `count`.
+fn key_shard(slot: &Slot, count: usize) -> usize {
+    quotalease_proto::shard_of(slot.rule_id(), slot.tenant(), slot.route(), count as u32) as usize
+}
+
 /// Working state of one planning pass.
 #[derive(Debug)]
 struct PlanCtx {
@@ -1536,8 +1688,8 @@ struct PlanCtx {
     rules_changed: bool,
     idle_ns: u64,
     lead_ns: u64,
-    down: bool,
-    outage: u64,
+    /// Per shard: (down, its outage).
+    ups: Vec<(bool, u64)>,
     /// Releases to send again (not applied by the allocator before).
     late: Vec<LeaseItem>,
     releases: Vec<LeaseItem>,
@@ -1707,11 +1859,12 @@ fn plan_key(
             }
             // Keep a key whose emergency bucket serves the current outage:
             // dropping it would start a full bucket again.
-            if ctx.down
+            let (down, outage) = ctx.ups[key_shard(slot, ctx.ups.len())];
+            if down
                 && rare
                     .get(slot)
                     .and_then(|r| r.emergency.as_ref())
-                    .is_some_and(|(o, _)| *o == ctx.outage)
+                    .is_some_and(|(o, _)| *o == outage)
             {
                 return;
             }

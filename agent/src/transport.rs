@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use quotalease_proto::follow::LeaderClient;
+use quotalease_proto::follow::ShardedClient;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 use tonic::transport::{Channel, Endpoint};
 
@@ -22,10 +22,11 @@ pub trait Transport: Send + Sync + 'static {
 /// gRPC to the allocator leader: the first contacts (`--allocator`), then
 /// whatever replicas and leader the replies name
 /// ([`quotalease_proto::follow::LeaderClient`]); on an error the next one
-/// is tried on the following call.
+/// is tried on the following call. With shards, each batch goes to the
+/// leader of the shard it names ([`quotalease_proto::follow::ShardedClient`]).
 #[derive(Debug)]
 pub struct GrpcTransport {
-    client: LeaderClient,
+    client: ShardedClient,
 }
 
 impl GrpcTransport {
@@ -54,7 +55,7 @@ impl GrpcTransport {
             channels.push((url.clone(), connect(url)?));
         }
         Ok(Self {
-            client: LeaderClient::new(channels, std::sync::Arc::new(connect))?,
+            client: ShardedClient::new(channels, std::sync::Arc::new(connect))?,
         })
     }
 
@@ -65,7 +66,7 @@ impl GrpcTransport {
     pub fn from_channels(channels: Vec<(String, Channel)>) -> Result<Self, String> {
         let connect = |url: &str| Ok(endpoint(url, Duration::from_secs(2))?.connect_lazy());
         Ok(Self {
-            client: LeaderClient::new(channels, std::sync::Arc::new(connect))
+            client: ShardedClient::new(channels, std::sync::Arc::new(connect))
                 .map_err(|e| format!("--allocator: {e}"))?,
         })
     }

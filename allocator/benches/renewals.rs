@@ -93,6 +93,7 @@ impl Holder {
                     })
                     .collect(),
                 ttl_ms: 1_000,
+                shard: 0,
             })
             .collect();
         let mut h = Holder {

@@ -71,6 +71,10 @@ pub struct CoreConfig {
     /// allocators with a state directory): a grant that breaks a key's
     /// durable promise is answered only once its new record is durable.
     pub reservations: bool,
+    /// Sharding (SPEC §7): this allocator serves shard `.0` of `.1`; an
+    /// item of a key of another shard is answered `WRONG_SHARD` and
+    /// nothing is applied. (0, 1): not sharded.
+    pub shard: (u32, u32),
 }
 
 /// The largest `TTL_max` an allocator accepts (`--ttl-max`): how long a
@@ -91,6 +95,7 @@ impl Default for CoreConfig {
             ledger_id: 0,
             new_ledger: false,
             reservations: false,
+            shard: (0, 1),
         }
     }
 }
@@ -706,6 +711,8 @@ impl AllocatorCore {
             rules: (header.rules_version < self.rules.version).then(|| self.rules.to_proto()),
             request_digest: digest,
             ledger_id: self.cfg.ledger_id,
+            shard: self.cfg.shard.0,
+            shard_count: self.cfg.shard.1,
             ..LeaseReply::default()
         };
         let cap = self.cfg.reply_cache.max(1);
@@ -758,6 +765,17 @@ impl AllocatorCore {
             detail,
             ..Grant::default()
         };
+        let (shard, shards) = self.cfg.shard;
+        if shards > 1
+            && quotalease_proto::shard_of(&item.rule_id, &item.tenant, &item.route, shards) != shard
+        {
+            return Grant {
+                status: GrantStatus::WrongShard as i32,
+                rule_version: version,
+                detail: format!("the key belongs to another shard than {shard} of {shards}"),
+                ..Grant::default()
+            };
+        }
         let Some(rule) = self.rules.get(&item.rule_id) else {
             // A release for a rule that is gone still frees its lease.
             if item.kind == ItemKind::Release as i32 {

@@ -14,7 +14,7 @@
 //! or frozen and woken up — stops granting before a successor can exist.
 
 use parking_lot::Mutex;
-use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::lease::{LeaseBatch, LeaseReply, ShardRoute};
 use quotalease_proto::PROTOCOL_VERSION;
 
 /// What replicas know of each other; stamped on every reply.
@@ -28,6 +28,14 @@ pub struct View {
     pub epoch: u64,
     /// Version of the shard map (0: one shard).
     pub shard_map_version: u64,
+    /// The shard this replica serves, of `shard_count` (0 and 0: not
+    /// sharded).
+    pub shard: u32,
+    /// See `shard`.
+    pub shard_count: u32,
+    /// Every shard's leader and replicas as last read from etcd (this
+    /// replica's own shard included).
+    pub shard_routes: Vec<ShardRoute>,
 }
 
 #[derive(Debug, Default)]
@@ -143,6 +151,20 @@ impl Leadership {
         self.state.lock().view.replicas = replicas;
     }
 
+    /// This replica serves shard `shard` of `count`, under shard map
+    /// version `version`.
+    pub fn set_shard(&self, shard: u32, count: u32, version: u64) {
+        let mut s = self.state.lock();
+        s.view.shard = shard;
+        s.view.shard_count = count;
+        s.view.shard_map_version = version;
+    }
+
+    /// Every shard's leader and replicas as read from etcd.
+    pub fn set_shard_routes(&self, routes: Vec<ShardRoute>) {
+        self.state.lock().view.shard_routes = routes;
+    }
+
     /// What replies say of the replicas now: this replica as the leader
     /// while it may grant, else the leader last observed (never itself).
     pub fn view(&self) -> View {
@@ -168,6 +190,11 @@ impl Leadership {
         reply.leader_url = v.leader_url;
         reply.replicas = v.replicas;
         reply.shard_map_version = v.shard_map_version;
+        if v.shard_count > 1 {
+            reply.shard = v.shard;
+            reply.shard_count = v.shard_count;
+            reply.shard_routes = v.shard_routes;
+        }
     }
 
     /// The reply of a replica that may not grant: nothing applied, go to
@@ -200,6 +227,9 @@ impl Leadership {
             leader_url,
             replicas: v.replicas,
             shard_map_version: v.shard_map_version,
+            shard: v.shard,
+            shard_count: v.shard_count,
+            shard_routes: v.shard_routes,
             not_leader: true,
             ..LeaseReply::default()
         }

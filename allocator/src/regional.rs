@@ -287,6 +287,8 @@ pub struct RegionalCore {
     /// Reachability at the last walk over every key (a change walks all).
     walked_reachable: bool,
     in_flight: Option<InFlight>,
+    /// The parent said it is sharded (logged once).
+    warned_sharded: bool,
     last_sent_ns: Option<u64>,
     not_before_ns: u64,
     started_ns: u64,
@@ -370,6 +372,7 @@ impl RegionalCore {
             walk_all: true,
             walked_reachable: false,
             in_flight: None,
+            warned_sharded: false,
             last_sent_ns: None,
             not_before_ns: 0,
             started_ns: now_ns,
@@ -833,6 +836,7 @@ impl RegionalCore {
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,
+            shard: 0,
         };
         self.in_flight = Some(InFlight {
             seq: self.seq,
@@ -913,6 +917,15 @@ impl RegionalCore {
     /// answers another one: another seq, or a digest that is not our
     /// request's).
     pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
+        if reply.shard_count > 1 && !self.warned_sharded {
+            // Not built: a regional allocator sends all its keys to one
+            // parent; the keys of the parent's other shards are refused.
+            self.warned_sharded = true;
+            tracing::error!(
+                shards = reply.shard_count,
+                "the parent allocator is sharded; a regional allocator does not route keys by shard (docs/operations.md \"Sharding\"): keys of the other shards are refused"
+            );
+        }
         if reply.not_leader && reply.grants.is_empty() {
             // The parent's replicas have no leader yet (SPEC §7; a named
             // leader is followed by the transport): nothing was applied.

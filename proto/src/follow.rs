@@ -7,6 +7,12 @@
 //! the replica list is where the next call goes when the one in use fails.
 //! A reply that says `not_leader` with no leader is returned as it is: the
 //! allocator is reachable and has nothing to grant yet.
+//!
+//! [`ShardedClient`] keeps one such client per shard (SPEC §7
+//! "Sharding"): a batch goes to the leader of the shard it names
+//! (`LeaseBatch.shard`), learned from the `shard_routes` of every reply;
+//! a shard not learned yet is asked through the first contacts, whose
+//! replicas answer its keys `WRONG_SHARD` with the routes.
 
 #![warn(clippy::all)]
 
@@ -224,5 +230,98 @@ impl LeaderClient {
             hops += 1;
             redirected = Some(reply);
         }
+    }
+}
+
+/// One [`LeaderClient`] per shard (see the module docs).
+pub struct ShardedClient {
+    /// The first contacts (`--allocator`): shard 0's until a reply says
+    /// otherwise, and the way to any shard not learned yet.
+    first: Arc<LeaderClient>,
+    connect: Arc<Connect>,
+    shards: Mutex<std::collections::BTreeMap<u32, Arc<LeaderClient>>>,
+}
+
+impl std::fmt::Debug for ShardedClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedClient")
+            .field("first", &self.first)
+            .field("shards", &self.shards.lock().keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Shards learned at most (a reply cannot make us hold more).
+const MAX_SHARDS: usize = 1024;
+
+impl ShardedClient {
+    /// Over the first contacts (see [`LeaderClient::new`]).
+    pub fn new(first: Vec<(String, Channel)>, connect: Arc<Connect>) -> Result<Self, String> {
+        Ok(Self {
+            first: Arc::new(LeaderClient::new(first, connect.clone())?),
+            connect,
+            shards: Mutex::new(std::collections::BTreeMap::new()),
+        })
+    }
+
+    /// The URL shard 0's calls go to now (the first contacts' until a
+    /// route for it is learned).
+    pub fn current_url(&self) -> String {
+        self.client_for(0).current_url()
+    }
+
+    fn client_for(&self, shard: u32) -> Arc<LeaderClient> {
+        self.shards
+            .lock()
+            .get(&shard)
+            .cloned()
+            .unwrap_or_else(|| self.first.clone())
+    }
+
+    /// A client for every shard a reply names that has none yet, starting
+    /// from its leader (if named) and its replicas.
+    fn learn(&self, reply: &LeaseReply) {
+        if reply.shard_count <= 1 {
+            return;
+        }
+        let mut g = self.shards.lock();
+        for route in &reply.shard_routes {
+            if route.shard >= reply.shard_count || g.contains_key(&route.shard) {
+                continue;
+            }
+            if g.len() >= MAX_SHARDS {
+                return;
+            }
+            let urls: Vec<&String> = std::iter::once(&route.leader_url)
+                .filter(|u| !u.is_empty())
+                .chain(route.replicas.iter())
+                .take(MAX_REPLICAS)
+                .collect();
+            let mut first = Vec::new();
+            for url in urls {
+                if first.iter().any(|(u, _)| u == url) {
+                    continue;
+                }
+                match (self.connect)(url) {
+                    Ok(ch) => first.push((url.clone(), ch)),
+                    Err(e) => {
+                        tracing::warn!(%url, error = %e, "a shard replica's advertised URL cannot be used");
+                    }
+                }
+            }
+            if let Ok(c) = LeaderClient::new(first, self.connect.clone()) {
+                tracing::info!(shard = route.shard, urls = ?c.urls(), "learned an allocator shard");
+                g.insert(route.shard, Arc::new(c));
+            }
+        }
+    }
+
+    /// Send `batch` to the leader of the shard it names (see
+    /// [`LeaderClient::lease`]).
+    pub async fn lease(&self, batch: LeaseBatch) -> Result<LeaseReply, String> {
+        let client = self.client_for(batch.shard);
+        let reply = client.lease(batch).await?;
+        self.learn(&reply);
+        Ok(reply)
     }
 }

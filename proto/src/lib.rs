@@ -69,6 +69,26 @@ pub mod envoy {
 /// asks for one and is never sent one.
 pub const PROTOCOL_VERSION: u32 = 3;
 
+/// The shard of a key among `count` shards (SPEC §7 "Sharding"): 64-bit
+/// FNV-1a over `rule_id`, `tenant` and `route` (the key parts as the lease
+/// protocol carries them), each followed by a 0xff byte (which UTF-8 never
+/// contains), modulo `count`; 0 when `count` is 0 or 1. Part of the
+/// protocol: agents and allocators of adjacent releases must agree (a test
+/// pins values).
+pub fn shard_of(rule_id: &str, tenant: &str, route: &str, count: u32) -> u32 {
+    if count <= 1 {
+        return 0;
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in [rule_id, tenant, route] {
+        for &b in part.as_bytes().iter().chain(std::iter::once(&0xffu8)) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    (h % u64::from(count)) as u32
+}
+
 /// A fresh random `RequestHeader.instance` (never 0): std's `RandomState`
 /// keys come from the operating system's random source, mixed with the
 /// process id and the wall clock so that even a failed random source
@@ -120,6 +140,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_shard_of_a_key_is_pinned_across_releases() {
+        // Agents and allocators of adjacent releases must agree.
+        for (key, two, seven, many) in [
+            (("ha", "hot", "/api/ha"), 1, 0, 275),
+            (("slow", "t1", "/api/slow"), 1, 1, 345),
+            (("r", "", ""), 0, 4, 388),
+        ] {
+            let (r, t, p) = key;
+            assert_eq!(shard_of(r, t, p, 2), two, "{key:?}");
+            assert_eq!(shard_of(r, t, p, 7), seven, "{key:?}");
+            assert_eq!(shard_of(r, t, p, 1024), many, "{key:?}");
+            assert_eq!(shard_of(r, t, p, 1), 0);
+            assert_eq!(shard_of(r, t, p, 0), 0);
+        }
+    }
+
+    #[test]
     fn the_request_digest_is_pinned_across_releases() {
         let batch = lease::LeaseBatch {
             header: Some(lease::RequestHeader {
@@ -138,6 +175,7 @@ mod tests {
                 ..lease::LeaseItem::default()
             }],
             ttl_ms: 2000,
+            shard: 0,
         };
         let d = request_digest(&batch);
         assert_eq!(d, request_digest(&batch.clone()));

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use quotalease_proto::v1::rate_limiter_client::RateLimiterClient;
 use tonic::transport::Channel;
 
+pub mod etcd;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_quotalease");
 
 /// A child process killed (SIGKILL) when dropped.

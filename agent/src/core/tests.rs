@@ -508,3 +508,83 @@ fn no_leader_yet_is_reachable_and_empty_until_the_grace_then_an_outage() {
         "no leader for longer than the grace is an outage"
     );
 }
+
+/// A shard's answer: `grant_all` for keys of `shard`, `WRONG_SHARD` for the
+/// others, as a sharded allocator of 2 shards says it.
+fn shard_reply(tx: &Transmit, shard: u32) -> LeaseReply {
+    let mut r = grant_all(tx);
+    for (g, item) in r.grants.iter_mut().zip(&tx.batch.items) {
+        if quotalease_proto::shard_of(&item.rule_id, &item.tenant, &item.route, 2) != shard {
+            *g = Grant {
+                status: GrantStatus::WrongShard as i32,
+                ..Grant::default()
+            };
+        }
+    }
+    r.shard = shard;
+    r.shard_count = 2;
+    r
+}
+
+fn tenant_in(shard: u32) -> String {
+    (0..)
+        .map(|i| format!("t{i}"))
+        .find(|t| quotalease_proto::shard_of("r", t, "", 2) == shard)
+        .unwrap()
+}
+
+#[test]
+fn keys_go_to_their_shard_and_one_shards_outage_is_its_keys_alone() {
+    let (mut c, rules) = core(8);
+    let (a, b) = (tenant_in(0), tenant_in(1));
+    // Before any reply the agent knows one shard: both keys in one batch,
+    // to the first contact, whose leader serves shard 1.
+    let slot_a = c.slot_for(&rules.rules[0], &a, "").unwrap();
+    let slot_b = c.slot_for(&rules.rules[0], &b, "").unwrap();
+    c.want(slot_a.clone(), 1);
+    c.want(slot_b.clone(), 1);
+    let first = pump(&mut c, T0);
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].batch.shard, 0);
+    c.handle_reply(T0 + MS, first[0].seq, shard_reply(&first[0], 1));
+    assert_eq!(c.shard_count(), 2);
+    // Shard 1's key was granted; shard 0's is asked again at once, alone,
+    // in a batch for shard 0.
+    let again = pump(&mut c, T0 + 2 * MS);
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(again[0].batch.shard, 0);
+    assert_eq!(renew_keys(&again[0]), vec![a.clone()]);
+    c.handle_reply(T0 + 3 * MS, again[0].seq, shard_reply(&again[0], 0));
+    assert!(c.reach().connected);
+    // From now on every batch holds one shard's keys.
+    let mut t = T0 + 3 * MS;
+    let mut sent = Vec::new();
+    for _ in 0..10 {
+        t += 100 * MS;
+        // Requests wait for both keys (their leases ran low, say).
+        c.want(slot_a.clone(), 1);
+        c.want(slot_b.clone(), 1);
+        for tx in pump(&mut c, t).into_iter().chain(pump(&mut c, t)) {
+            for item in &tx.batch.items {
+                assert_eq!(
+                    quotalease_proto::shard_of(&item.rule_id, &item.tenant, &item.route, 2),
+                    tx.batch.shard
+                );
+            }
+            sent.push(tx);
+        }
+        // Shard 0 answers; shard 1 is gone (every attempt fails).
+        for tx in sent.drain(..) {
+            if tx.batch.shard == 0 {
+                c.handle_reply(t, tx.seq, shard_reply(&tx, 0));
+            } else {
+                c.handle_failure(t, tx.seq, tx.attempt, "shard 1 unreachable");
+            }
+        }
+    }
+    // Shard 1's outage is its keys': fail policies there, not on shard 0.
+    assert!(c.reach_of(&slot_b).down, "shard 1 not taken for down");
+    assert!(!c.reach_of(&slot_a).down, "shard 0 taken for down");
+    assert!(c.reach_of(&slot_a).connected);
+    assert!(!c.reach().connected, "readiness ignores shard 1's outage");
+}

@@ -45,6 +45,7 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
         }),
         items,
         ttl_ms: 1000,
+        shard: 0,
     }
 }
 
@@ -713,5 +714,43 @@ fn a_lowered_burst_lowers_the_promise_below_what_is_left() {
     assert!(
         floor <= avail,
         "floor {floor} above what is left {avail} (was {before})"
+    );
+}
+
+#[test]
+fn a_shard_applies_nothing_for_another_shards_key() {
+    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
+    let cfg = CoreConfig {
+        shard: (0, 2),
+        ..CoreConfig::default()
+    };
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
+    c.ready_at_ns = None;
+    let tenant_in = |shard| {
+        (0..)
+            .map(|i| format!("t{i}"))
+            .find(|t| quotalease_proto::shard_of("orders", t, "/api/orders", 2) == shard)
+            .unwrap()
+    };
+    let (ours, theirs) = (tenant_in(0), tenant_in(1));
+    let b = batch(
+        "a1",
+        1,
+        1,
+        vec![
+            renew("orders", &theirs, "/api/orders", 0, 0, 5),
+            renew("orders", &ours, "/api/orders", 0, 0, 5),
+        ],
+    );
+    let r = c.handle(T, &b);
+    assert_eq!(r.grants[0].status, GrantStatus::WrongShard as i32);
+    assert_eq!((r.grants[0].tokens, r.grants[0].lease_id), (0, 0));
+    assert_eq!(r.grants[1].status, GrantStatus::Granted as i32);
+    assert_eq!(r.grants[1].tokens, 5);
+    assert_eq!((r.shard, r.shard_count), (0, 2));
+    assert_eq!(
+        c.key_count(),
+        1,
+        "a ledger was made for another shard's key"
     );
 }

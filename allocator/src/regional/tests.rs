@@ -77,6 +77,7 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
         }),
         items,
         ttl_ms: 2_000,
+        shard: 0,
     }
 }
 

@@ -148,6 +148,19 @@ impl Keys {
     fn shard_map(&self) -> String {
         format!("{}/shards", self.root)
     }
+    /// The shard count again, under this replica's own prefix: a replica
+    /// started without `--shard` on a shard's prefix finds it there.
+    fn shard_marker(&self) -> String {
+        format!("{}/shards", self.prefix)
+    }
+    /// Where each shard's leader writes its URL under its session lease
+    /// (`ROOT/leaders/K`): every shard's leader in one range read.
+    fn leader_hints(&self) -> String {
+        format!("{}/leaders/", self.root)
+    }
+    fn leader_hint(&self, shard: u32) -> String {
+        format!("{}{shard}", self.leader_hints())
+    }
     /// Keys of a sharded cluster's shard `shard`.
     fn of_shard(root: &str, shard: u32) -> Self {
         Self {
@@ -630,7 +643,22 @@ async fn check_shard_map(
     shard: Option<(u32, u32)>,
 ) -> anyhow::Result<()> {
     let want = shard.map_or(1, |(_, n)| n);
-    let key = keys.shard_map();
+    check_shard_key(client, keys, shard, want, keys.shard_map()).await?;
+    if keys.shard_marker() != keys.shard_map() {
+        check_shard_key(client, keys, shard, want, keys.shard_marker()).await?;
+    }
+    Ok(())
+}
+
+/// [`check_shard_map`] of one key: put `want` there if it is absent, else
+/// it must hold `want`.
+async fn check_shard_key(
+    client: &Client,
+    keys: &Keys,
+    shard: Option<(u32, u32)>,
+    want: u32,
+    key: String,
+) -> anyhow::Result<()> {
     let put = Txn::new()
         .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key.as_str(), want.to_string(), None)])
@@ -674,37 +702,36 @@ async fn check_shard_map(
     Ok(())
 }
 
-/// A sharded cluster: every shard's leader and replicas, read from etcd
-/// every second, for the replies' `shard_routes`.
+/// A sharded cluster: every shard's leader, from the leaders' hints
+/// (`ROOT/leaders/K`, one range read a second whatever the shard count),
+/// for the replies' `shard_routes`. A route names the leader only: a
+/// shard's own replies name its replicas. A failed read keeps the routes
+/// known.
 async fn shard_routes(r: Arc<Replica>, count: u32) {
     loop {
-        let mut routes = Vec::with_capacity(count as usize);
-        for shard in 0..count {
-            let keys = Keys::of_shard(&r.keys.root, shard);
-            let mut c = r.client.clone();
-            let leader_url = match c.leader(keys.election()).await {
-                Ok(resp) => resp
-                    .kv()
-                    .and_then(|kv| kv.value_str().ok().map(str::to_string))
-                    .unwrap_or_default(),
-                Err(_) => String::new(),
-            };
-            let all = GetOptions::new().with_prefix();
-            let replicas = match get(&r.client, &keys.replicas(), Some(all)).await {
-                Ok(resp) => resp
-                    .kvs()
-                    .iter()
-                    .filter_map(|kv| kv.value_str().ok().map(str::to_string))
-                    .collect(),
-                Err(_) => Vec::new(),
-            };
-            routes.push(ShardRoute {
-                shard,
-                leader_url,
-                replicas,
-            });
+        let all = GetOptions::new().with_prefix();
+        if let Ok(resp) = get(&r.client, &r.keys.leader_hints(), Some(all)).await {
+            let mut routes: Vec<ShardRoute> = resp
+                .kvs()
+                .iter()
+                .filter_map(|kv| {
+                    let shard = kv
+                        .key_str()
+                        .ok()?
+                        .strip_prefix(&r.keys.leader_hints())?
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|s| *s < count)?;
+                    Some(ShardRoute {
+                        shard,
+                        leader_url: kv.value_str().ok()?.to_string(),
+                        replicas: Vec::new(),
+                    })
+                })
+                .collect();
+            routes.sort_by_key(|r| r.shard);
+            r.leadership.set_shard_routes(routes);
         }
-        r.leadership.set_shard_routes(routes);
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -803,7 +830,31 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
             .leader()
             .cloned()
             .ok_or_else(|| anyhow!("etcd elected us without a leader key"))?;
-        lead(r, &leader, &validity, &mut done).await?;
+        // Where the other shards' replicas send this shard's keys, under
+        // the session lease, written again every 2 s while the session
+        // lasts (a hint only: a stale one is corrected by a redirect, and
+        // a late write of a predecessor is overwritten).
+        let hint = r.args.shard.map(|(k, _)| {
+            let r = r.clone();
+            tokio::spawn(async move {
+                loop {
+                    let mut c = r.client.clone();
+                    let put = PutOptions::new().with_lease(id);
+                    if let Err(e) = c
+                        .put(r.keys.leader_hint(k), r.leadership.advertise(), Some(put))
+                        .await
+                    {
+                        tracing::debug!(error = %e, "cannot write the shard's leader hint");
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            })
+        });
+        let led = lead(r, &leader, &validity, &mut done).await;
+        if let Some(h) = hint {
+            h.abort();
+        }
+        led?;
         Ok(())
     }
     .await;

@@ -46,7 +46,7 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
     let rules = write_rules(&dir, HA_RULES);
     let etcd = Etcd::start(&bin, &dir, 1);
     let urls = etcd.urls();
-    let logs: Vec<PathBuf> = (0..4)
+    let logs: Vec<PathBuf> = (0..6)
         .map(|i| dir.join(format!("replica-{i}.log")))
         .collect();
     // Replicas 0 and 1 serve shard 0, 2 and 3 shard 1.
@@ -100,6 +100,37 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
         "info",
     );
     assert!(wrong.is_err(), "a replica with another shard count started");
+    let why = std::fs::read_to_string(&wrong_log).unwrap_or_default();
+    assert!(why.contains("split into 2 shards"), "{why}");
+    // So is one without --shard on a shard's own prefix (it would serve
+    // every shard's keys beside that shard's leader: I1 broken twice over,
+    // an adversarial review).
+    let inside = Proc::try_spawn_at_level(
+        "inside",
+        &[
+            "allocator",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--advertise",
+            "http://127.0.0.1:1",
+            "--etcd",
+            &urls,
+            "--etcd-prefix",
+            &format!("{prefix}/shard/1"),
+            "--rules",
+            &rules.display().to_string(),
+        ]
+        .map(String::from),
+        None,
+        Some(&wrong_log),
+        "info",
+    );
+    assert!(
+        inside.is_err(),
+        "an unsharded replica started on a shard's prefix"
+    );
     let why = std::fs::read_to_string(&wrong_log).unwrap_or_default();
     assert!(why.contains("split into 2 shards"), "{why}");
     let first = shards[1][1 - leaders[1]].as_ref().unwrap().url();
@@ -162,6 +193,49 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
     let (allowed0, errors0, failure0) = l0.stop().await;
     let (allowed1, errors1, failure1) = l1.stop().await;
     let rest = count_allowed(&agents[1], &at_rest, "/api/slow", 8, false).await;
+    // Shard 0 moves to new machines: its replica goes (SIGTERM, an exact
+    // checkpoint), two new ones on new URLs come. The agents knew only the
+    // old URLs; they find the new leader through the other shard's routes.
+    for p in shards[0].iter_mut().filter_map(Option::take) {
+        assert!(p.terminate().success());
+    }
+    let fresh: Vec<Option<Proc>> = (4..6)
+        .map(|i| {
+            Some(replica_with(
+                &dir,
+                Some(&rules),
+                &urls,
+                i,
+                &logs[i],
+                &["--shard", "0/2"],
+            ))
+        })
+        .collect();
+    leader_of(&fresh, None, Duration::from_secs(20));
+    let relocated = Instant::now();
+    let moved_key = tenant_in(0, "slow", "/api/slow", "moved");
+    // Until then its keys apply their fail policy (`closed`: an error).
+    let mut c = client(&agents[0]).await;
+    loop {
+        assert!(
+            relocated.elapsed() < Duration::from_secs(20),
+            "the agent never found shard 0's new leader"
+        );
+        let req = quotalease_proto::v1::CheckRequest {
+            tenant_id: moved_key.clone(),
+            route_id: "/api/slow".into(),
+            cost: 1,
+            ..Default::default()
+        };
+        if c.check(req).await.is_ok_and(|r| r.into_inner().allowed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let found = relocated.elapsed();
+    let got = 1 + count_allowed(&agents[0], &moved_key, "/api/slow", 7, false).await;
+    assert_eq!(got, 5, "a fresh key on the relocated shard");
+    wait_ok(agents[0].http, "/readyz", Duration::from_secs(5));
     for a in agents {
         assert!(a.terminate().success());
     }
@@ -172,7 +246,7 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
     eprintln!(
         "shards: planned move of shard 0 in {handover:?} (longest gap: shard 0 {gap0_move:?}, shard 1 {gap1_move:?}); \
          shard 1 failed over in {elected:?} (longest gap: shard 0 {gap0_kill:?}, shard 1 {gap1_kill:?}); \
-         hot keys {:.1} % and {:.1} % of B + R*T; slow key at rest {rest} of 5; errors {errors0}+{errors1}, failure-mode {failure0}+{failure1}",
+         shard 0 on new URLs found after {found:?}; hot keys {:.1} % and {:.1} % of B + R*T; slow key at rest {rest} of 5; errors {errors0}+{errors1}, failure-mode {failure0}+{failure1}",
         k0.util * 100.0,
         k1.util * 100.0
     );

@@ -348,6 +348,8 @@ struct Pending {
     renews: Vec<Renewing>,
     /// Given up on: a late reply only releases what it granted.
     abandoned: bool,
+    /// The shard count its items were split under.
+    shards: usize,
 }
 
 /// The agent's single-owner core. See the module docs.
@@ -1059,6 +1061,7 @@ impl AgentCore {
                 digest,
                 renews,
                 abandoned: false,
+                shards: self.ups.len(),
             },
         );
     }
@@ -1341,13 +1344,33 @@ impl AgentCore {
         let sent_ns = p.first_sent_ns;
         let mut again = Vec::new();
         for (grant, r) in renews.zip(p.renews.iter()) {
-            if grant.status == GrantStatus::WrongShard as i32
-                && key_shard(&r.slot, self.ups.len()) != shard
-            {
-                // Another shard's key (this batch reached the leader of
-                // another shard than the key's, before the shards were
-                // known): nothing applied, ask its shard at once.
-                again.push(r.slot.clone());
+            let ks = key_shard(&r.slot, self.ups.len());
+            if grant.status == GrantStatus::WrongShard as i32 && ks != shard {
+                if p.shards != self.ups.len() {
+                    // Split under another shard count (before it was
+                    // known): nothing applied, ask the key's shard at once.
+                    again.push(r.slot.clone());
+                    continue;
+                }
+                // Meant for its shard but answered by another: the
+                // transport knows no way to that shard's leader yet.
+                // Reachable but empty for the key (ask again after a
+                // while), and for its shard "no leader yet" (its fail
+                // policies after the grace).
+                r.slot.set_dry_until(t.saturating_add(NO_ROUTE_RETRY_NS));
+                let outages = self.outages + 1;
+                let up = up_of(&mut self.ups, ks);
+                let since = *up.no_leader_since_ns.get_or_insert(t);
+                if t.saturating_sub(since) > NO_LEADER_GRACE.as_nanos() as u64 && !up.down {
+                    up.down = true;
+                    up.connected = false;
+                    up.outage = outages;
+                    self.outages = outages;
+                    tracing::warn!(
+                        shard = ks,
+                        "no way to an allocator shard's leader; its keys apply their fail policies"
+                    );
+                }
                 continue;
             }
             if self.install(r, grant, seq, sent_ns, version, t) == Installed::AskAgain {
@@ -1653,6 +1676,10 @@ fn finish_plan(ctx: PlanCtx) -> (Vec<LeaseItem>, Vec<Renewing>) {
     }
     (items, keys)
 }
+
+/// How long a key whose shard the transport cannot reach yet waits before
+/// it asks again.
+const NO_ROUTE_RETRY_NS: u64 = 500_000_000;
 
 /// Shards an agent follows at most (a reply cannot make it hold more).
 const MAX_SHARDS: u32 = 1024;

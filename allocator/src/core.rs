@@ -605,7 +605,12 @@ impl AllocatorCore {
                 "header.protocol_version: unsupported",
             );
         }
+        // A batch meant for another shard presents that shard's ledger id
+        // (agents keep one per shard): it says nothing of this ledger.
+        let (shard, shards) = self.cfg.shard;
+        let ours = shards <= 1 || batch.shard == shard;
         if self.cfg.ledger_id != 0
+            && ours
             && !self.cfg.new_ledger
             && header.ledger_id != 0
             && header.ledger_id != self.cfg.ledger_id

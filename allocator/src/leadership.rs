@@ -184,8 +184,11 @@ impl Leadership {
         v
     }
 
-    /// Stamp `reply` with the view.
-    pub fn stamp(&self, reply: &mut LeaseReply) {
+    /// Stamp `reply` to `batch` with the view. The shard routes go only
+    /// where the requester may need them (they grow with the shard
+    /// count): to a heartbeat, to a batch meant for another shard, and to
+    /// one that had an item of another shard's key.
+    pub fn stamp(&self, batch: &LeaseBatch, reply: &mut LeaseReply) {
         let v = self.view();
         reply.leader_url = v.leader_url;
         reply.replicas = v.replicas;
@@ -193,7 +196,13 @@ impl Leadership {
         if v.shard_count > 1 {
             reply.shard = v.shard;
             reply.shard_count = v.shard_count;
-            reply.shard_routes = v.shard_routes;
+            let wrong = quotalease_proto::lease::GrantStatus::WrongShard as i32;
+            if batch.items.is_empty()
+                || batch.shard != v.shard
+                || reply.grants.iter().any(|g| g.status == wrong)
+            {
+                reply.shard_routes = v.shard_routes;
+            }
         }
     }
 

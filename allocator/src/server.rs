@@ -405,7 +405,7 @@ impl Allocator for LeaseService {
             if l.term() != term || !l.serving() {
                 return Ok(Response::new(l.refusal(&batch)));
             }
-            l.stamp(&mut reply);
+            l.stamp(&batch, &mut reply);
         }
         Ok(Response::new(reply))
     }

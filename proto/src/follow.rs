@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use tonic::transport::Channel;
 
 use crate::lease::allocator_client::AllocatorClient;
-use crate::lease::{LeaseBatch, LeaseReply};
+use crate::lease::{LeaseBatch, LeaseReply, ShardRoute};
 use crate::MAX_MESSAGE_BYTES;
 
 /// Makes a lazily connecting channel for a URL (settings, TLS) or says why
@@ -129,6 +129,19 @@ impl LeaderClient {
                 tracing::warn!(%url, error = %e, "an allocator replica's advertised URL cannot be used");
                 None
             }
+        }
+    }
+
+    /// Another shard's replica named `leader` as this client's leader:
+    /// add it if it is new and go there next (a stale name costs one
+    /// redirect).
+    fn follow_hint(&self, leader: &str) {
+        if leader.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock();
+        if let Some(i) = self.index_of(&mut g, leader) {
+            g.current = i;
         }
     }
 
@@ -279,18 +292,34 @@ impl ShardedClient {
     }
 
     /// A client for every shard a reply names that has none yet, starting
-    /// from its leader (if named) and its replicas.
-    fn learn(&self, reply: &LeaseReply) {
+    /// from its leader (if named) and its replicas; a known shard's client
+    /// goes to the leader named next (shards move: new replicas, new
+    /// URLs). Whether a route changed a known shard's leader.
+    fn learn(&self, reply: &LeaseReply) -> bool {
         if reply.shard_count <= 1 {
-            return;
+            return false;
         }
+        let mut moved = false;
         let mut g = self.shards.lock();
-        for route in &reply.shard_routes {
-            if route.shard >= reply.shard_count || g.contains_key(&route.shard) {
+        // The answering replica names its own shard's leader too.
+        let own = ShardRoute {
+            shard: reply.shard,
+            leader_url: reply.leader_url.clone(),
+            replicas: reply.replicas.clone(),
+        };
+        for route in reply.shard_routes.iter().chain(std::iter::once(&own)) {
+            if route.shard >= reply.shard_count {
+                continue;
+            }
+            if let Some(c) = g.get(&route.shard) {
+                if !route.leader_url.is_empty() && c.current_url() != route.leader_url {
+                    c.follow_hint(&route.leader_url);
+                    moved = true;
+                }
                 continue;
             }
             if g.len() >= MAX_SHARDS {
-                return;
+                return moved;
             }
             let urls: Vec<&String> = std::iter::once(&route.leader_url)
                 .filter(|u| !u.is_empty())
@@ -314,14 +343,51 @@ impl ShardedClient {
                 g.insert(route.shard, Arc::new(c));
             }
         }
+        moved
     }
 
     /// Send `batch` to the leader of the shard it names (see
     /// [`LeaderClient::lease`]).
+    ///
+    /// When a learned shard does not answer, the batch goes to the first
+    /// contacts too: a replica of another shard applies nothing of it
+    /// (`WRONG_SHARD`) and names every shard's leader; if the shard's
+    /// leader moved (new replicas, new URLs), the batch goes there, once.
     pub async fn lease(&self, batch: LeaseBatch) -> Result<LeaseReply, String> {
-        let client = self.client_for(batch.shard);
-        let reply = client.lease(batch).await?;
-        self.learn(&reply);
-        Ok(reply)
+        let learned = self.shards.lock().get(&batch.shard).cloned();
+        let Some(client) = learned else {
+            let reply = self.first.lease(batch).await?;
+            self.learn(&reply);
+            return Ok(reply);
+        };
+        match client.lease(batch.clone()).await {
+            Ok(reply) => {
+                self.learn(&reply);
+                Ok(reply)
+            }
+            Err(why) => {
+                let moved = match self.first.lease(batch.clone()).await {
+                    // The first contacts reached this shard's leader: its
+                    // answer is the answer (a retry of the same batch is a
+                    // duplicate there).
+                    Ok(other)
+                        if other.shard_count > 1
+                            && other.shard == batch.shard
+                            && !other.not_leader =>
+                    {
+                        self.learn(&other);
+                        return Ok(other);
+                    }
+                    Ok(other) => self.learn(&other),
+                    Err(_) => false,
+                };
+                if !moved {
+                    return Err(why);
+                }
+                let reply = client.lease(batch).await?;
+                self.learn(&reply);
+                Ok(reply)
+            }
+        }
     }
 }

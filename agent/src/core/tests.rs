@@ -588,3 +588,39 @@ fn keys_go_to_their_shard_and_one_shards_outage_is_its_keys_alone() {
     assert!(c.reach_of(&slot_a).connected);
     assert!(!c.reach().connected, "readiness ignores shard 1's outage");
 }
+
+#[test]
+fn a_key_whose_shard_cannot_be_reached_waits_instead_of_asking_in_a_loop() {
+    // The shard count is known (2) but shard 1's leader is not: its key's
+    // batches reach shard 0, which answers WRONG_SHARD. Asking again at
+    // once sent ~870 messages a second to shard 0 (an adversarial review).
+    let (mut c, rules) = core(8);
+    let b = tenant_in(1);
+    let slot_b = c.slot_for(&rules.rules[0], &b, "").unwrap();
+    c.want(slot_b.clone(), 1);
+    let first = pump(&mut c, T0);
+    c.handle_reply(T0 + MS, first[0].seq, shard_reply(&first[0], 0));
+    // Under the count just learned the key is shard 1's: asked again at
+    // once, in a batch for shard 1 (which the transport sends to shard 0
+    // again: it knows no leader of shard 1).
+    let again = pump(&mut c, T0 + 2 * MS);
+    let to1: Vec<&Transmit> = again.iter().filter(|t| t.batch.shard == 1).collect();
+    assert_eq!(to1.len(), 1, "{again:?}");
+    assert_eq!(renew_keys(to1[0]), vec![b.clone()]);
+    c.handle_reply(T0 + 3 * MS, to1[0].seq, shard_reply(to1[0], 0));
+    for tx in again.iter().filter(|t| t.batch.shard == 0) {
+        c.handle_reply(T0 + 3 * MS, tx.seq, shard_reply(tx, 0));
+    }
+    // Now it waits: more requests for it send nothing for a while.
+    let mut renewals = 0;
+    for step in 1..=40u64 {
+        let t = T0 + 3 * MS + step * 10 * MS;
+        c.want(slot_b.clone(), 1);
+        for tx in pump(&mut c, t) {
+            renewals += renew_keys(&tx).len();
+            c.handle_reply(t, tx.seq, shard_reply(&tx, 0));
+        }
+    }
+    assert!(renewals <= 1, "{renewals} renewals of the key in 400 ms");
+    assert!(!c.reach_of(&slot_b).down, "down before the grace");
+}

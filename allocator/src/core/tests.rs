@@ -754,3 +754,46 @@ fn a_shard_applies_nothing_for_another_shards_key() {
         "a ledger was made for another shard's key"
     );
 }
+
+#[test]
+fn a_batch_meant_for_another_shard_does_not_make_this_one_think_its_ledger_lost() {
+    // Agents keep one ledger id per shard; a batch that reached this
+    // shard's leader while meant for another (routes not known yet)
+    // presents that shard's id. Taking it for a lost ledger made the whole
+    // shard wait a minute (an adversarial review).
+    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
+    let cfg = CoreConfig {
+        shard: (0, 2),
+        ledger_id: 0xaaaa,
+        ..CoreConfig::default()
+    };
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
+    c.ready_at_ns = None;
+    let tenant_in = |shard| {
+        (0..)
+            .map(|i| format!("t{i}"))
+            .find(|t| quotalease_proto::shard_of("orders", t, "/api/orders", 2) == shard)
+            .unwrap()
+    };
+    let mut b = batch(
+        "a1",
+        1,
+        1,
+        vec![renew("orders", &tenant_in(1), "/api/orders", 0, 0, 5)],
+    );
+    b.shard = 1;
+    b.header.as_mut().unwrap().ledger_id = 0xbbbb;
+    let r = c.handle(T, &b);
+    assert_eq!(r.grants[0].status, GrantStatus::WrongShard as i32);
+    // This shard's keys are served at once, as before.
+    let r = c.handle(
+        T,
+        &batch(
+            "a2",
+            1,
+            1,
+            vec![renew("orders", &tenant_in(0), "/api/orders", 0, 0, 5)],
+        ),
+    );
+    assert_eq!(r.grants[0].tokens, 5, "{r:?}");
+}

@@ -41,16 +41,25 @@ rules:
     rate: 5/m
     burst: 5
     fail_policy: closed
+  - id: checkout
+    match: { tenant: "*", route: /api/checkout }
+    rate: 2000/s
+    burst: 100
+    fail_policy: lease_only
   - id: tenant-total
     match: { tenant: "*" }
-    rate: 1000/s
-    burst: 500
+    rate: 5000/s
+    burst: 2500
     fail_policy: lease_only
 "#;
 
 const AGENTS: usize = 6;
 const REGIONS: [&str; 2] = ["eu", "us"];
 const HOT_TENANT: &str = "acme";
+/// The tenant that asks twice the small-burst `checkout` rule's rate.
+const CHECKOUT_TENANT: &str = "globex";
+/// Its checks per second over all agents: 2 x the rule's 2000/s.
+const CHECKOUT_RATE: f64 = 4000.0;
 const COLD_TENANTS: usize = 300;
 
 /// Admissions per key: (rule, tenant part, route part) -> [(t_ns, cost)].
@@ -110,7 +119,8 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         duration.as_secs()
     );
     println!("rules: orders 200/s burst 200 per tenant (hot tenant {HOT_TENANT} asks 600/s), search 10/s burst 20 per tenant ({COLD_TENANTS} cold tenants, ~1/s each),");
-    println!("       login 5/m burst 5 per tenant ({HOT_TENANT} tries 1 every 2 s), tenant-total 1000/s burst 500 per tenant");
+    println!("       login 5/m burst 5 per tenant ({HOT_TENANT} tries 1 every 2 s), checkout 2000/s burst 100 per tenant (a burst of 0.05 s of rate; {CHECKOUT_TENANT} asks {CHECKOUT_RATE}/s),");
+    println!("       tenant-total 5000/s burst 2500 per tenant");
     let mut agents = Vec::new();
     for i in 0..AGENTS {
         let url = &regional_urls[i * REGIONS.len() / AGENTS];
@@ -309,9 +319,11 @@ async fn load(
 ) {
     let hot_per_agent = 600.0 / AGENTS as f64; // 3x the orders rate of 200/s
     let cold_per_agent = COLD_TENANTS as f64 / AGENTS as f64; // ~1/s per cold tenant
+    let checkout_per_agent = CHECKOUT_RATE / AGENTS as f64;
     let start = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(5));
     let (mut hot_due, mut cold_due, mut login_due) = (0.0f64, 0.0f64, 0.0f64);
+    let mut checkout_due = 0.0f64;
     let mut n = 0u64;
     let rules = agent.rules().expect("agent is ready");
     let mut inflight = tokio::task::JoinSet::new();
@@ -321,6 +333,7 @@ async fn load(
         hot_due += hot_per_agent * dt;
         cold_due += cold_per_agent * dt;
         login_due += 0.5 * dt;
+        checkout_due += checkout_per_agent * dt;
         let mut batch: Vec<(String, &'static str)> = Vec::new();
         while hot_due >= 1.0 {
             hot_due -= 1.0;
@@ -335,6 +348,10 @@ async fn load(
         while login_due >= 1.0 {
             login_due -= 1.0;
             batch.push((HOT_TENANT.to_string(), "/api/login"));
+        }
+        while checkout_due >= 1.0 {
+            checkout_due -= 1.0;
+            batch.push((CHECKOUT_TENANT.to_string(), "/api/checkout"));
         }
         // A gateway does not wait for one request before taking the next:
         // each check runs on its own task (a cold key's first check waits

@@ -285,6 +285,18 @@ async fn hot_load(
 /// (agents' clock: CLOCK_BOOTTIME, the same as ours on one machine), and
 /// the number admitted after it.
 pub fn gap_after(logs: &[PathBuf], key: (&str, &str, &str), from_ns: u64) -> (Duration, u64) {
+    gap_between(logs, key, from_ns, u64::MAX)
+}
+
+/// [`gap_after`] over the admissions in `[from_ns, to_ns)` only. Read the
+/// logs once the agents are stopped: a log being written may end in half
+/// a line.
+pub fn gap_between(
+    logs: &[PathBuf],
+    key: (&str, &str, &str),
+    from_ns: u64,
+    to_ns: u64,
+) -> (Duration, u64) {
     let adm = read_admissions(logs);
     let k = (key.0.to_string(), key.1.to_string(), key.2.to_string());
     let mut ts: Vec<u64> = adm
@@ -298,7 +310,7 @@ pub fn gap_after(logs: &[PathBuf], key: (&str, &str, &str), from_ns: u64) -> (Du
     let mut last = from_ns;
     let mut gap = 0;
     let mut after = 0;
-    for t in ts.into_iter().filter(|t| *t >= from_ns) {
+    for t in ts.into_iter().filter(|t| (from_ns..to_ns).contains(t)) {
         gap = gap.max(t - last);
         last = t;
         after += 1;

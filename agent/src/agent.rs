@@ -747,6 +747,19 @@ impl Agent {
 
     /// Answer one check.
     pub async fn check(&self, input: CheckInput<'_>) -> Result<CheckResponse, CheckError> {
+        self.check_by(input, None).await
+    }
+
+    /// [`Agent::check`], answered by `deadline` (the caller's own timeout,
+    /// say Envoy's rate limit filter's `timeout`, which turns a late answer
+    /// into a 503): a request that would still wait for a grant then is
+    /// decided at once, as after its last wait (429 with a retry hint, or
+    /// its fail policy while the allocator is unreachable).
+    pub async fn check_by(
+        &self,
+        input: CheckInput<'_>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<CheckResponse, CheckError> {
         let cost = match validate(&input) {
             Ok(c) => c,
             Err(e) => {
@@ -779,14 +792,14 @@ impl Agent {
                         }
                     }
                     Claim::First(ticket) => {
-                        let answer = self.decide(&input, cost).await;
+                        let answer = self.decide(&input, cost, deadline).await;
                         let replayable = replayable(&answer);
                         return ticket.finish(answer, replayable);
                     }
                 }
             }
         }
-        self.decide(&input, cost).await
+        self.decide(&input, cost, deadline).await
     }
 
     /// The in-process fast path, for gateways that link the agent: `Some`
@@ -1053,7 +1066,12 @@ impl Agent {
     }
 
     #[tracing::instrument(level = "debug", name = "check", skip_all, fields(cost))]
-    async fn decide(&self, input: &CheckInput<'_>, cost: u64) -> Result<CheckResponse, CheckError> {
+    async fn decide(
+        &self,
+        input: &CheckInput<'_>,
+        cost: u64,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<CheckResponse, CheckError> {
         let inner = &*self.inner;
         let (rules, m) = match self.slow_prelude(input, cost, self.now())? {
             Ok(answer) => return Ok(answer),
@@ -1070,6 +1088,7 @@ impl Agent {
                     // between is not missed), at most `fetch_timeout`.
                     attempt += 1;
                     let until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
+                    let until = deadline.map_or(until, |d| d.min(until));
                     loop {
                         let parked = inner.parked_on(&slot).notified();
                         tokio::pin!(parked);
@@ -1080,6 +1099,10 @@ impl Agent {
                         if tokio::time::timeout_at(until, parked).await.is_err() {
                             break;
                         }
+                    }
+                    if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+                        // The caller's time is up: no more waiting.
+                        attempt = u32::MAX;
                     }
                 }
             }

@@ -112,6 +112,8 @@ impl RateLimitService for EnvoyService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        // Answer within Envoy's `timeout`: a late answer is its 503.
+        let deadline = crate::grpc_deadline(request.metadata());
         let req = request.into_inner();
         if req.descriptors.len() > MAX_DESCRIPTORS {
             return Err(Status::invalid_argument(format!(
@@ -165,7 +167,7 @@ impl RateLimitService for EnvoyService {
             let checked = match fast {
                 Some(r) => Ok(r),
                 // Boxed: keeps this future small when the fast path answers.
-                None => Box::pin(self.agent.check(input)).await,
+                None => Box::pin(self.agent.check_by(input, deadline)).await,
             };
             let resp = match checked {
                 Ok(r) => r,

@@ -43,6 +43,7 @@ impl RateLimiter for CheckService {
         &self,
         request: Request<CheckRequest>,
     ) -> Result<Response<CheckResponse>, Status> {
+        let deadline = crate::grpc_deadline(request.metadata());
         let req = request.into_inner();
         let input = CheckInput {
             tenant: &req.tenant_id,
@@ -51,7 +52,7 @@ impl RateLimiter for CheckService {
             request_id: &req.request_id,
             domain: None,
         };
-        match self.agent.check(input).await {
+        match self.agent.check_by(input, deadline).await {
             Ok(resp) => Ok(Response::new(resp)),
             Err(CheckError::Invalid { field, reason }) => {
                 tracing::debug!(field, %reason, "invalid check");

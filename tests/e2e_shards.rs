@@ -74,10 +74,9 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
     }
     // A replica that disagrees on the shard count is refused at start.
     let prefix = format!("/test-{}", dir.file_name().unwrap().to_string_lossy());
-    let wrong_log = dir.join("wrong.log");
-    let wrong = Proc::try_spawn_at_level(
-        "wrong",
-        &[
+    let refused = |name: &str, prefix: &str, extra: &[&str]| {
+        let log = dir.join(format!("{name}.log"));
+        let mut args: Vec<String> = [
             "allocator",
             "--listen",
             "127.0.0.1:0",
@@ -88,51 +87,23 @@ async fn two_shards_route_keys_move_exactly_and_fail_over_alone() {
             "--etcd",
             &urls,
             "--etcd-prefix",
-            &prefix,
-            "--shard",
-            "0/3",
+            prefix,
             "--rules",
             &rules.display().to_string(),
         ]
-        .map(String::from),
-        None,
-        Some(&wrong_log),
-        "info",
-    );
-    assert!(wrong.is_err(), "a replica with another shard count started");
-    let why = std::fs::read_to_string(&wrong_log).unwrap_or_default();
-    assert!(why.contains("split into 2 shards"), "{why}");
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let started = Proc::try_spawn_at_level(name, &args, None, Some(&log), "info");
+        assert!(started.is_err(), "{name}: the replica started");
+        let why = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(why.contains("split into 2 shards"), "{name}: {why}");
+    };
+    refused("wrong", &prefix, &["--shard", "0/3"]);
     // So is one without --shard on a shard's own prefix (it would serve
     // every shard's keys beside that shard's leader: I1 broken twice over,
     // an adversarial review).
-    let inside = Proc::try_spawn_at_level(
-        "inside",
-        &[
-            "allocator",
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--advertise",
-            "http://127.0.0.1:1",
-            "--etcd",
-            &urls,
-            "--etcd-prefix",
-            &format!("{prefix}/shard/1"),
-            "--rules",
-            &rules.display().to_string(),
-        ]
-        .map(String::from),
-        None,
-        Some(&wrong_log),
-        "info",
-    );
-    assert!(
-        inside.is_err(),
-        "an unsharded replica started on a shard's prefix"
-    );
-    let why = std::fs::read_to_string(&wrong_log).unwrap_or_default();
-    assert!(why.contains("split into 2 shards"), "{why}");
+    refused("inside", &format!("{prefix}/shard/1"), &[]);
     let first = shards[1][1 - leaders[1]].as_ref().unwrap().url();
     let adm: Vec<PathBuf> = (0..2).map(|i| dir.join(format!("adm-{i}.log"))).collect();
     let agents: Vec<Proc> = (0..2)

@@ -717,21 +717,30 @@ fn a_lowered_burst_lowers_the_promise_below_what_is_left() {
     );
 }
 
-#[test]
-fn a_shard_applies_nothing_for_another_shards_key() {
+/// A ready core serving shard 0 of 2 with ledger id `ledger_id`.
+fn shard_core(ledger_id: u64) -> AllocatorCore {
     let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
     let cfg = CoreConfig {
         shard: (0, 2),
+        ledger_id,
         ..CoreConfig::default()
     };
     let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
     c.ready_at_ns = None;
-    let tenant_in = |shard| {
-        (0..)
-            .map(|i| format!("t{i}"))
-            .find(|t| quotalease_proto::shard_of("orders", t, "/api/orders", 2) == shard)
-            .unwrap()
-    };
+    c
+}
+
+/// A tenant whose `orders` key is in `shard` of 2.
+fn tenant_in(shard: u32) -> String {
+    (0..)
+        .map(|i| format!("t{i}"))
+        .find(|t| quotalease_proto::shard_of("orders", t, "/api/orders", 2) == shard)
+        .unwrap()
+}
+
+#[test]
+fn a_shard_applies_nothing_for_another_shards_key() {
+    let mut c = shard_core(0);
     let (ours, theirs) = (tenant_in(0), tenant_in(1));
     let b = batch(
         "a1",
@@ -761,20 +770,7 @@ fn a_batch_meant_for_another_shard_does_not_make_this_one_think_its_ledger_lost(
     // shard's leader while meant for another (routes not known yet)
     // presents that shard's id. Taking it for a lost ledger made the whole
     // shard wait a minute (an adversarial review).
-    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
-    let cfg = CoreConfig {
-        shard: (0, 2),
-        ledger_id: 0xaaaa,
-        ..CoreConfig::default()
-    };
-    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
-    c.ready_at_ns = None;
-    let tenant_in = |shard| {
-        (0..)
-            .map(|i| format!("t{i}"))
-            .find(|t| quotalease_proto::shard_of("orders", t, "/api/orders", 2) == shard)
-            .unwrap()
-    };
+    let mut c = shard_core(0xaaaa);
     let mut b = batch(
         "a1",
         1,

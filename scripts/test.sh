@@ -151,6 +151,7 @@ sweep small-burst 0.1 1..10
 sweep small-burst-below-rate 0.1 1..10
 sweep small-burst-flash 0.1 1..10
 sweep failover 0.5 1..20
+sweep demo-shape 1 1..10
 
 log "simulator: swarm sweep (a fault plan per seed, liveness after the faults heal)"
 "$sim" sim --swarm --seeds 1..100

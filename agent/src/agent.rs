@@ -266,8 +266,13 @@ pub struct CheckInput<'a> {
 
 /// Rounds a request waits for a grant before it is denied.
 const MAX_ATTEMPTS: u32 = 2;
-/// The same while the allocator is opening the key upstream.
-const MAX_ATTEMPTS_OPENING: u32 = 4;
+/// While the allocator is opening the key upstream a request waits up to
+/// `fetch_timeout` from its arrival (or its caller's deadline), asking again
+/// as the allocator's hints say, in at most this many rounds. Counting
+/// rounds alone let a regional's quick "still opening" answers use them up
+/// in 4 ms while its parent's grant was a millisecond away (the demo's cold
+/// tenants: most of their denials).
+const MAX_ROUNDS_OPENING: u32 = 16;
 
 /// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
 /// too many is an invalid `tenant_id`.
@@ -540,11 +545,11 @@ enum Step {
 pub enum CheckStep {
     /// The answer.
     Answer(Result<CheckResponse, CheckError>),
-    /// The request waits for a grant: the driver pumps the core (see
-    /// [`Agent::core`]) and calls `check_at` again with `attempt + 1` once
-    /// the core reported the key settled ([`Event::Settled`]) or
-    /// `fetch_timeout` passed.
-    Wait,
+    /// The request waits for a grant of this key: the driver pumps the
+    /// core (see [`Agent::core`]) and calls `check_at` again with
+    /// `attempt + 1` once the core reported this key settled
+    /// ([`Event::Settled`]) or `fetch_timeout` passed.
+    Wait(Slot),
 }
 
 /// A running agent. Cheap to clone.
@@ -1078,8 +1083,9 @@ impl Agent {
             Err(go_on) => go_on,
         };
         let mut attempt = 0;
+        let since = self.now();
         loop {
-            match self.decide_step(&rules, &m, input, cost, attempt, self.now()) {
+            match self.decide_step(&rules, &m, input, cost, attempt, since, self.now()) {
                 Step::Done(answer) => return answer,
                 Step::Park { slot, seen } => {
                     // Registered with the core already (in decide_step):
@@ -1110,9 +1116,10 @@ impl Agent {
     }
 
     /// The sans-IO form of [`Agent::check`] for drivers that own time and
-    /// waiting (the simulator): decide at agent-clock instant `t`. Replays
-    /// by request id are not handled here.
-    pub fn check_at(&self, input: &CheckInput<'_>, attempt: u32, t: u64) -> CheckStep {
+    /// waiting (the simulator): decide at agent-clock instant `t` the
+    /// `attempt`-th round of a request that arrived at `since`. Replays by
+    /// request id are not handled here.
+    pub fn check_at(&self, input: &CheckInput<'_>, attempt: u32, since: u64, t: u64) -> CheckStep {
         let cost = match validate(input) {
             Ok(c) => c,
             Err(e) => {
@@ -1125,9 +1132,9 @@ impl Agent {
             Ok(Ok(answer)) => return CheckStep::Answer(Ok(answer)),
             Ok(Err(go_on)) => go_on,
         };
-        match self.decide_step(&rules, &m, input, cost, attempt, t) {
+        match self.decide_step(&rules, &m, input, cost, attempt, since, t) {
             Step::Done(answer) => CheckStep::Answer(answer),
-            Step::Park { .. } => CheckStep::Wait,
+            Step::Park { slot, .. } => CheckStep::Wait(slot),
         }
     }
 
@@ -1182,6 +1189,7 @@ impl Agent {
 
     /// One pass of the slow path at `t`: charge, deny, apply a fail policy,
     /// or park for the next grant.
+    #[allow(clippy::too_many_arguments)]
     fn decide_step(
         &self,
         rules: &RuleSet,
@@ -1189,6 +1197,7 @@ impl Agent {
         input: &CheckInput<'_>,
         cost: u64,
         attempt: u32,
+        since: u64,
         t: u64,
     ) -> Step {
         let inner = &*self.inner;
@@ -1235,18 +1244,13 @@ impl Agent {
                 // it is dry, the fail policy applies (SPEC §2 I3, §6).
                 let parent_cut = reach.parent_down && (attempt > 0 || dry_until > t);
                 let cut_off = parent_cut || reach.down || (!reach.connected && attempt > 0);
-                // A key the allocator is still fetching from its parent gets
-                // a few more rounds (each bounded by `fetch_timeout`).
-                let max_attempts = if slot.opening() {
-                    MAX_ATTEMPTS_OPENING
-                } else {
-                    MAX_ATTEMPTS
-                };
-                if dry_until > t
-                    && !parent_cut
-                    && max_attempts > MAX_ATTEMPTS
-                    && attempt < max_attempts
-                {
+                // A key the allocator is still fetching from its parent
+                // waits for it (see MAX_ROUNDS_OPENING).
+                let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
+                let opening_wait = slot.opening()
+                    && attempt < MAX_ROUNDS_OPENING
+                    && t.saturating_sub(since) < fetch_ns;
+                if dry_until > t && !parent_cut && opening_wait {
                     self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
                     let seen = slot.settles();
                     return Step::Park { slot, seen };
@@ -1293,7 +1297,7 @@ impl Agent {
                     drop(core);
                     return Step::Done(self.fail_policy(rule, rules, "allocator unreachable"));
                 }
-                if attempt >= max_attempts {
+                if attempt >= MAX_ATTEMPTS && !opening_wait {
                     drop(core);
                     slot.add_denied(cost);
                     inner.metrics.over_limit.add(1);

@@ -1813,6 +1813,7 @@ fn plan_key(
                     0
                 },
                 asked_rate_utps: k.asked_rate_utps,
+                lease_ttl_ns: cfg.lease_ttl.as_nanos() as u64,
             },
             t,
         ),

@@ -144,6 +144,8 @@ pub struct KeyNow {
     pub lease_rate_utps: u64,
     /// The rate asked for in the last renewal (micro-tokens per second).
     pub asked_rate_utps: u64,
+    /// The lease TTL this agent asks for.
+    pub lease_ttl_ns: u64,
 }
 
 /// Rate to ask for: `1.25 x` the demand, at most the rule's rate; 0 for
@@ -208,7 +210,14 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
     let low_water = (usage.rate * cfg.low_water.as_secs_f64()).ceil() as u64;
     let horizon = 2.0 * cfg.low_water.as_secs_f64() + cfg.renew_interval.as_secs_f64();
     let target = (usage.rate * horizon).ceil() as u64;
-    let cold = (k.burst / 16).max(1);
+    // A key whose requests are too sparse to spend two tokens in a lease's
+    // life fetches nothing ahead: a token fetched ahead would strand here
+    // until the lease lapses, and a pool counts it spent then (the demo's
+    // cold tenants, a request per agent every few seconds, kept their
+    // regions' small pools dry with tokens stranded at agents).
+    let sparse = usage.rate > 0.0 && usage.rate * (k.lease_ttl_ns as f64 / 1e9) < 2.0;
+    let target = if sparse { 0 } else { target };
+    let cold = if sparse { 1 } else { (k.burst / 16).max(1) };
     let want = target
         .saturating_sub(k.held)
         .max(k.waiting_cost)
@@ -222,13 +231,13 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
         return renew(want);
     }
     if !k.valid {
-        return if recently_active {
+        return if recently_active && !sparse {
             renew(want)
         } else {
             Plan::Wait
         };
     }
-    if !rate_lease && usage.rate > 0.0 && k.held <= low_water {
+    if !rate_lease && usage.rate > 0.0 && !sparse && k.held <= low_water {
         return renew(want);
     }
     // A rate lease refills itself: renew when the rate wanted moved.
@@ -264,6 +273,7 @@ mod tests {
             rule_rate_utps: 1_000 * 1_000_000,
             lease_rate_utps: 0,
             asked_rate_utps: 0,
+            lease_ttl_ns: 2_000 * MS,
         }
     }
 

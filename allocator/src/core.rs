@@ -881,13 +881,21 @@ impl AllocatorCore {
         let mut ttl_ns = ttl_ns;
         let mut parent_unreachable = false;
         let mut opening = false;
+        let mut fetch_retry_ms = u64::MAX;
         if let (Some(mode), Some(pool)) = (self.pooled, ledger.pool()) {
             // No parent lease yet, or the pool is short while the parent
             // has tokens: the regional is fetching, the child should wait.
-            // (A pool refilled by a rate lease is not fetching: it refills
-            // here, and the retry hint says when.)
-            opening = (pool.deadline_ns <= now_ns || (!pool.parent_dry && pool.rate_utps == 0))
+            // A pool refilled by a rate lease fetches too while the parent
+            // last said it has tokens beyond the region's lease (the
+            // regional renews with a larger rate and capacity at once); a
+            // key the parent has nothing more of (a hot key at its rate)
+            // waits for its refill here, and the retry hint says when.
+            opening = (pool.deadline_ns <= now_ns
+                || (!pool.parent_dry && (pool.rate_utps == 0 || pool.parent_available > 0)))
                 && !mode.parent_unreachable;
+            // Fetching: come back when the parent's answer can be in (not
+            // when the pool's own refill would have a token).
+            fetch_retry_ms = pool.retry_ms.max(1);
             // A sub-lease never outlives the parent lease: whole
             // milliseconds up to the pool's deadline, and nothing new from
             // the pool when that is too short to be of use (the ledger
@@ -953,7 +961,11 @@ impl AllocatorCore {
             carried: g.carried,
             ttl_ms: ttl_ns / 1_000_000,
             rule_version: version,
-            retry_after_ms: g.retry_after_ms,
+            retry_after_ms: if opening && g.tokens == 0 {
+                g.retry_after_ms.min(fetch_retry_ms)
+            } else {
+                g.retry_after_ms
+            },
             parent_unreachable,
             detail: String::new(),
             holders: g.holders,

@@ -937,6 +937,15 @@ impl KeyLedger {
             .count()
             .max(1) as u64;
         let share = share.max(self.burst / (4 * asking));
+        // A holder's first version covers what it asks for now, as far as
+        // a fair share of the room goes: its rate share alone can be far
+        // below a burst its children spend at once (a region opening a key
+        // for 25 of a 100/s burst 50 rule asks 25/s: a quarter of B).
+        let share = if own_count == 0 {
+            share.max(req.want.min(self.fair_level(room)))
+        } else {
+            share
+        };
         // A holder keeps its capacity unless its share moved by more than
         // a quarter: a smaller version destroys what no longer fits at the
         // holder, so capacities must not follow every small move of rate.

@@ -104,12 +104,18 @@ impl KeyQuality {
     /// Shortfall (SPEC §2): tokens we admitted / tokens one ideal global
     /// bucket admits over the same arrivals (NaN if it admits none).
     pub fn versus_ideal(&self) -> f64 {
-        let (ours, ideal) = self.false_rejects.versus_ideal();
+        let (ours, ideal) = self.versus_ideal_tokens();
         if ideal == 0 {
             f64::NAN
         } else {
             ours as f64 / ideal as f64
         }
+    }
+
+    /// Tokens we admitted and tokens one ideal global bucket admitted over
+    /// the same arrivals.
+    pub fn versus_ideal_tokens(&self) -> (u64, u64) {
+        self.false_rejects.versus_ideal()
     }
 
     /// Utilization per window.
@@ -500,6 +506,72 @@ pub fn worst_fair_ratio(actual: &[f64], demands: &[f64], supply: f64) -> f64 {
         .fold(1.0, f64::min)
 }
 
+/// How long checks waited for their answer (arrival to decision, on the
+/// simulated clock): what a gateway's client sees of a key's opening or
+/// a renewal. A histogram with 8 buckets per power of two (within 12.5 %).
+#[derive(Clone, Debug, Default)]
+pub struct WaitHistogram {
+    counts: Vec<u64>,
+    /// Checks decided.
+    pub checks: u64,
+    /// Of those, checks that waited (were not decided on arrival).
+    pub waited: u64,
+    /// The longest wait (ns).
+    pub max_ns: u64,
+}
+
+impl WaitHistogram {
+    fn bucket(ns: u64) -> usize {
+        if ns < 8 {
+            return ns as usize;
+        }
+        let top = 63 - ns.leading_zeros() as usize; // >= 3
+        let sub = ((ns >> (top - 3)) & 7) as usize;
+        (top - 2) * 8 + sub
+    }
+
+    /// The smallest wait in `bucket` (ns).
+    fn floor(bucket: usize) -> u64 {
+        if bucket < 8 {
+            return bucket as u64;
+        }
+        let top = bucket / 8 + 2;
+        (8 + (bucket % 8) as u64) << (top - 3)
+    }
+
+    /// One check decided after `wait_ns` (0: on arrival).
+    pub fn push(&mut self, wait_ns: u64) {
+        self.checks += 1;
+        if wait_ns == 0 {
+            return;
+        }
+        self.waited += 1;
+        self.max_ns = self.max_ns.max(wait_ns);
+        let b = Self::bucket(wait_ns);
+        if self.counts.len() <= b {
+            self.counts.resize(b + 1, 0);
+        }
+        self.counts[b] += 1;
+    }
+
+    /// The `q` quantile of the waits of the checks that waited (ns, the
+    /// floor of its bucket; 0 if none waited).
+    pub fn quantile_ns(&self, q: f64) -> u64 {
+        if self.waited == 0 {
+            return 0;
+        }
+        let rank = ((self.waited as f64 * q).ceil() as u64).clamp(1, self.waited);
+        let mut seen = 0;
+        for (b, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Self::floor(b);
+            }
+        }
+        self.max_ns
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -760,5 +832,20 @@ mod tests {
         assert!((f - 0.25).abs() < 1e-12, "{f}");
         assert_eq!(worst_fair_ratio(&[1.0, 4.0, 1.5, 4.0], &d, 12.0), 0.5);
         assert_eq!(worst_fair_ratio(&[], &[], 1.0), 1.0);
+    }
+
+    #[test]
+    fn wait_histogram_quantiles_are_within_a_bucket() {
+        let mut h = WaitHistogram::default();
+        h.push(0);
+        for ms in 1..=100u64 {
+            h.push(ms * 1_000_000);
+        }
+        assert_eq!((h.checks, h.waited, h.max_ns), (101, 100, 100_000_000));
+        for (q, ms) in [(0.5, 50.0), (0.99, 99.0), (1.0, 100.0)] {
+            let got = h.quantile_ns(q) as f64 / 1e6;
+            assert!(got <= ms && got >= ms * 0.875, "q {q}: {got} ms for {ms}");
+        }
+        assert_eq!(WaitHistogram::default().quantile_ns(0.99), 0);
     }
 }

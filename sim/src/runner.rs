@@ -220,6 +220,68 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     }
 }
 
+/// Every key of a rule together (the keys table shows only a few): what
+/// its many cold keys got, against one ideal bucket per key over the same
+/// arrivals.
+fn rule_table(o: &Outcome) -> Table {
+    #[derive(Default)]
+    struct Sum {
+        keys: u64,
+        requests: u64,
+        denied: u64,
+        false_denied: u64,
+        admitted: u64,
+        ideal: u64,
+    }
+    let mut by_rule: std::collections::BTreeMap<&str, Sum> = Default::default();
+    for k in &o.keys {
+        let s = by_rule.entry(k.key.rule.as_str()).or_default();
+        s.keys += 1;
+        s.requests += k.requests;
+        s.denied += k.denied;
+        if let Some((f, ours, ideal)) = k.versus_ideal() {
+            s.false_denied += f.false_denied;
+            s.admitted += ours;
+            s.ideal += ideal;
+        }
+    }
+    let pct = |a: u64, b: u64| {
+        if b == 0 {
+            "-".to_string()
+        } else {
+            fmt_f(a as f64 * 100.0 / b as f64, 3)
+        }
+    };
+    let rows = by_rule
+        .into_iter()
+        .map(|(rule, s)| {
+            vec![
+                rule.to_string(),
+                s.keys.to_string(),
+                s.requests.to_string(),
+                pct(s.denied, s.requests),
+                pct(s.false_denied, s.requests),
+                pct(s.admitted, s.ideal),
+            ]
+        })
+        .collect();
+    Table {
+        title: "Rules (every key of the rule)".into(),
+        headers: [
+            "rule",
+            "keys",
+            "requests",
+            "denied %",
+            "false rejects %",
+            "vs ideal %",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        rows,
+    }
+}
+
 /// Keys shown in a report: tracked ones, then the busiest, at most 8.
 fn shown(o: &Outcome) -> Vec<&KeyStats> {
     let mut ks: Vec<&KeyStats> = o.keys.iter().collect();
@@ -279,6 +341,19 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 o.unavailable
             ),
             format!("Verdict: {verdict}."),
+            {
+                let w = &o.waits;
+                let ms = |ns: u64| ns as f64 / 1e6;
+                format!(
+                    "Checks that waited for a grant (not decided on arrival): {} of {} ({:.2} %); their wait p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.",
+                    w.waited,
+                    w.checks,
+                    if w.checks == 0 { 0.0 } else { w.waited as f64 * 100.0 / w.checks as f64 },
+                    ms(w.quantile_ns(0.5)),
+                    ms(w.quantile_ns(0.99)),
+                    ms(w.max_ns)
+                )
+            },
         ];
         for n in &o.tier_notes {
             paragraphs.push(format!("- {n}"));
@@ -341,6 +416,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             .collect(),
             rows,
         };
+        let rules_table = rule_table(o);
         let mut plots = Vec::new();
         let mut csv = Vec::new();
         if let Some(k) = shown(o).into_iter().find(|k| k.quality.is_some()) {
@@ -392,7 +468,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         sections.push(Section {
             title: o.name.clone(),
             paragraphs,
-            tables: vec![table],
+            tables: vec![table, rules_table],
             plots,
             csv,
         });

@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, CheckStep};
 use quotalease_agent::core::Event as CoreEvent;
+use quotalease_agent::lease_table::Slot;
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_allocator::core::{AllocatorCore, CoreConfig};
 use quotalease_allocator::regional::{RegionalConfig, RegionalCore};
@@ -50,7 +51,7 @@ use crate::checker::{StreamChecker, Worst};
 use crate::failover::{Deposed, Failover};
 use crate::liveness::{self, KeyLiveness};
 use crate::net::{Net, Node};
-use crate::quality::KeyQuality;
+use crate::quality::{FalseRejectStream, FalseRejects, KeyQuality, WaitHistogram};
 use crate::rng::SimRng;
 use crate::scenario::{Scenario, Variant};
 use crate::workload::{tenant_name, Arrival, Workload, WorkloadSpec};
@@ -227,8 +228,8 @@ struct AgentNode {
     /// True time of the pending core timer (a `Tick` at another time is
     /// stale).
     timer_at: u64,
-    /// Parked requests: park id -> (arrival, attempt).
-    parked: BTreeMap<u64, (Arrival, u32)>,
+    /// Parked requests: park id -> (arrival, attempt, the key it waits on).
+    parked: BTreeMap<u64, (Arrival, u32, Slot)>,
     /// Suspended until this true time (0: awake).
     asleep_until: u64,
 }
@@ -287,6 +288,10 @@ pub struct KeyStats {
     /// Tracked keys' quality figures (false rejects, utilization),
     /// computed as the run goes.
     pub quality: Option<KeyQuality>,
+    /// The other keys (cold ones, Zipf tenants): false rejects and
+    /// shortfall against an ideal bucket over their arrivals, for the
+    /// per-rule table (a user's cold tenants are most of their keys).
+    pub ideal: Option<FalseRejectStream>,
     /// Admitted per second per region (tracked keys).
     pub per_second: Vec<Vec<u64>>,
     /// Requests per region (demand, for fairness).
@@ -295,6 +300,20 @@ pub struct KeyStats {
     /// and tokens admitted `OK` (not through an emergency bucket); for
     /// liveness.
     pub live_per_second: Vec<(u64, u64)>,
+}
+
+impl KeyStats {
+    /// False rejects, and the tokens admitted here and by one ideal bucket
+    /// over the same arrivals (every key has them: tracked keys through
+    /// their quality figures).
+    pub fn versus_ideal(&self) -> Option<(FalseRejects, u64, u64)> {
+        let (f, (ours, ideal)) = match (&self.quality, &self.ideal) {
+            (Some(q), _) => (q.false_rejects(), q.versus_ideal_tokens()),
+            (None, Some(s)) => (s.so_far(), s.versus_ideal()),
+            (None, None) => return None,
+        };
+        Some((f, ours, ideal))
+    }
 }
 
 /// Everything a run produced.
@@ -326,6 +345,8 @@ pub struct Outcome {
     pub shadow_violations: u64,
     /// Requests answered "unavailable" (fail closed, crashed agent).
     pub unavailable: u64,
+    /// How long the agents' checks waited for their answers.
+    pub waits: WaitHistogram,
     /// One regional round trip, ns (the false-reject shift).
     pub round_trip_ns: u64,
     /// Length of the fault window (for I3), ns.
@@ -499,6 +520,7 @@ pub struct World {
     msgs_regional_tier: u64,
     i2_violations: Vec<String>,
     unavailable: u64,
+    waits: WaitHistogram,
     tracked_tenants: std::collections::BTreeSet<u32>,
     fault_window_ns: u64,
     /// Rule changes published so far: (true time, change).
@@ -606,6 +628,7 @@ impl World {
             msgs_regional_tier: 0,
             i2_violations: Vec::new(),
             unavailable: 0,
+            waits: WaitHistogram::default(),
             tracked_tenants,
             fault_window_ns,
             rule_history: Vec::new(),
@@ -867,7 +890,7 @@ impl World {
                 if node.life != life {
                     return;
                 }
-                if let Some((a, attempt)) = node.parked.remove(&park) {
+                if let Some((a, attempt, _)) = node.parked.remove(&park) {
                     self.arrive(a, attempt + 1);
                 }
             }
@@ -1152,10 +1175,10 @@ impl World {
             self.count_message(Node::Agent(i), &tx.batch);
             self.transmit(Node::Agent(i), parent, Msg::Batch(tx.batch));
         }
-        let mut settled = false;
+        let mut settled = Vec::new();
         for ev in events {
             match ev {
-                CoreEvent::Settled(_) => settled = true,
+                CoreEvent::Settled(slot) => settled.push(slot),
                 CoreEvent::EmergencyOpened(e) => {
                     let key = KeyId {
                         rule: e.rule_id,
@@ -1166,8 +1189,8 @@ impl World {
                 }
             }
         }
-        if settled {
-            self.recheck_parked(i);
+        if !settled.is_empty() {
+            self.recheck_parked(i, &settled);
         }
     }
 
@@ -1524,10 +1547,20 @@ impl World {
         }
     }
 
-    fn recheck_parked(&mut self, i: u32) {
-        let parked = std::mem::take(&mut self.agents[i as usize].parked);
-        for (_, (a, attempt)) in parked {
-            self.arrive(a, attempt + 1);
+    /// The requests parked on a key that settled re-check (as the tokio
+    /// driver wakes only those: a settle of another key is no round of
+    /// theirs).
+    fn recheck_parked(&mut self, i: u32, settled: &[Slot]) {
+        let parked = &mut self.agents[i as usize].parked;
+        let due: Vec<u64> = parked
+            .iter()
+            .filter(|(_, (_, _, slot))| settled.contains(slot))
+            .map(|(park, _)| *park)
+            .collect();
+        for park in due {
+            if let Some((a, attempt, _)) = self.agents[i as usize].parked.remove(&park) {
+                self.arrive(a, attempt + 1);
+            }
         }
     }
 
@@ -1575,6 +1608,13 @@ impl World {
                                 (self.sc.warmup_s * SEC as f64) as u64,
                                 (self.sc.duration_s * SEC as f64) as u64,
                                 10 * self.sc.ttl_max_ms * 1_000_000,
+                            )
+                        }),
+                        ideal: (!tracked).then(|| {
+                            FalseRejectStream::new(
+                                rule.rate,
+                                rule.burst,
+                                self.sc.regional_round_trip_ns(),
                             )
                         }),
                         per_second: Vec::new(),
@@ -1640,34 +1680,40 @@ impl World {
         }
         // As the agent's gRPC and HTTP faces do (`Agent::check`): the fast
         // path through a cached handle first, else the slow path.
-        let answer = match agent.check_at(&input, attempt, now) {
-            CheckStep::Answer(Ok(resp)) => Some((
+        let answer = match agent.check_at(&input, attempt, node.clock.local(a.t_ns), now) {
+            CheckStep::Answer(Ok(resp)) => Ok((
                 resp.allowed,
                 resp.reason == Reason::FailureModeAllowed as i32,
             )),
             CheckStep::Answer(Err(_)) => {
                 self.unavailable += 1;
-                Some((false, false))
+                Ok((false, false))
             }
-            CheckStep::Wait => None,
+            CheckStep::Wait(waits_on) => Err(waits_on),
         };
-        let Some((allowed, emergency)) = answer else {
-            self.next_park += 1;
-            let park = self.next_park;
-            let life = node.life;
-            node.parked.insert(park, (a, attempt));
-            let at = t + self.fetch_timeout_ns();
-            self.schedule(
-                at,
-                Event::Recheck {
-                    agent: a.agent,
-                    park,
-                    life,
-                },
-            );
-            // The core plans the key now (as the tokio driver is woken).
-            self.agent_pump(a.agent);
-            return;
+        let (allowed, emergency) = match answer {
+            Ok(decided) => {
+                self.waits.push(t.saturating_sub(a.t_ns));
+                decided
+            }
+            Err(waits_on) => {
+                self.next_park += 1;
+                let park = self.next_park;
+                let life = node.life;
+                node.parked.insert(park, (a, attempt, waits_on));
+                let at = t + self.fetch_timeout_ns();
+                self.schedule(
+                    at,
+                    Event::Recheck {
+                        agent: a.agent,
+                        park,
+                        life,
+                    },
+                );
+                // The core plans the key now (as the tokio driver is woken).
+                self.agent_pump(a.agent);
+                return;
+            }
         };
         // Emergency buckets opened or keys asked for: pump (a plain denial
         // leaves the core nothing to do).
@@ -1696,6 +1742,8 @@ impl World {
                 if allowed && !emergency {
                     live.1 += u64::from(a.cost);
                 }
+            } else if let Some(f) = ks.ideal.as_mut() {
+                f.push(t, u64::from(a.cost), allowed);
             }
             if allowed {
                 ks.admitted += u64::from(a.cost);
@@ -1744,6 +1792,9 @@ impl World {
             if let Some(q) = k.quality.as_mut() {
                 q.finish();
             }
+            if let Some(f) = k.ideal.as_mut() {
+                f.finish();
+            }
         }
         keys.sort_by(|a, b| a.key.cmp(&b.key));
         if let Some(f) = &self.failover {
@@ -1764,6 +1815,7 @@ impl World {
             i2_violations: self.i2_violations,
             shadow_violations,
             unavailable: self.unavailable,
+            waits: self.waits,
             round_trip_ns: rtt,
             i3_window_ns: self.fault_window_ns,
             tier_notes,

@@ -326,6 +326,38 @@ mod tests {
     }
 
     #[test]
+    fn a_sparse_key_fetches_only_for_waiting_requests() {
+        let cfg = PlanConfig::default();
+        // 0.5/s with 2 s leases: one token in a lease's life.
+        let u = Usage {
+            rate: 0.5,
+            admitted_rate: 0.5,
+            denied_since_tick: 0,
+            last_active_ns: 1_000 * MS,
+            last_tick_ns: 1_000 * MS,
+            since_tick: 0,
+        };
+        // Empty, or lapsed while recently active: nothing fetched ahead.
+        assert_eq!(plan(&cfg, &u, key(0), 1_000 * MS), Plan::Wait);
+        let mut lapsed = key(0);
+        lapsed.deadline_ns = 0;
+        assert_eq!(plan(&cfg, &u, lapsed, 1_000 * MS), Plan::Wait);
+        // A waiting request gets exactly its cost.
+        let mut k = key(0);
+        k.waiting_cost = 1;
+        assert!(matches!(
+            plan(&cfg, &u, k, 1_000 * MS),
+            Plan::Renew { want: 1, .. }
+        ));
+        // 1/s with 2 s leases (two tokens a lease's life) fetches ahead.
+        let busier = Usage { rate: 1.0, ..u };
+        assert!(matches!(
+            plan(&cfg, &busier, key(0), 1_000 * MS),
+            Plan::Renew { .. }
+        ));
+    }
+
+    #[test]
     fn dry_keys_wait_and_idle_keys_release() {
         let cfg = PlanConfig::default();
         let u = Usage {

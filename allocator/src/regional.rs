@@ -49,6 +49,11 @@ const MS: u64 = 1_000_000;
 /// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
 /// upstream for this long.
 pub const HEARTBEAT_NS: u64 = 1_000 * MS;
+/// The same while the regional holds a parent lease: its children's fail
+/// policies follow its view of the parent, and pools refilled by rate
+/// leases seldom ask, so without it a cut parent went unnoticed for up to
+/// `HEARTBEAT_NS + fetch_timeout`.
+pub const HEARTBEAT_HOLDING_NS: u64 = 250 * MS;
 /// Shortest retry hint given to a child the pool cannot serve.
 pub const MIN_CHILD_RETRY_MS: u64 = 5;
 /// Time constant of the per-key consumption estimate.
@@ -786,7 +791,14 @@ impl RegionalCore {
                 Some(t) if !self.rules_known || self.last_failed => {
                     now_ns >= t.saturating_add(self.cfg.renew_interval_ns)
                 }
-                Some(t) => now_ns >= t.saturating_add(HEARTBEAT_NS),
+                Some(t) => {
+                    let every = if self.chain_deadlines.is_empty() {
+                        HEARTBEAT_NS
+                    } else {
+                        HEARTBEAT_HOLDING_NS
+                    };
+                    now_ns >= t.saturating_add(every)
+                }
             };
         if items.is_empty() && !heartbeat {
             return None;

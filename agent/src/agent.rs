@@ -274,6 +274,13 @@ const MAX_ATTEMPTS: u32 = 2;
 /// tenants: most of their denials).
 const MAX_ROUNDS_OPENING: u32 = 16;
 
+/// What is left of a request's wait for a key being opened: `fetch_timeout`
+/// from its arrival at `since`, at `now` (the drivers bound a waiting round
+/// by it; `Agent::check_at`'s callers too).
+pub fn opening_wait_left_ns(fetch_timeout_ns: u64, since: u64, now: u64) -> u64 {
+    since.saturating_add(fetch_timeout_ns).saturating_sub(now)
+}
+
 /// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
 /// too many is an invalid `tenant_id`.
 #[inline]
@@ -1091,9 +1098,16 @@ impl Agent {
                     // Registered with the core already (in decide_step):
                     // wait until the key's batch settles (its count moves
                     // past `seen`; checked after `enable`, so a settle in
-                    // between is not missed), at most `fetch_timeout`.
+                    // between is not missed), at most `fetch_timeout`, and
+                    // for a key being opened no later than `fetch_timeout`
+                    // after the request's arrival.
                     attempt += 1;
-                    let until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
+                    let mut until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
+                    if slot.opening() {
+                        let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
+                        let left = opening_wait_left_ns(fetch_ns, since, self.now());
+                        until = until.min(tokio::time::Instant::now() + Duration::from_nanos(left));
+                    }
                     let until = deadline.map_or(until, |d| d.min(until));
                     loop {
                         let parked = inner.parked_on(&slot).notified();

@@ -71,8 +71,8 @@ pub struct RegionalConfig {
     pub core: CoreConfig,
     /// Region name; the regional talks to its parent as `region/<NAME>`.
     pub region: String,
-    /// How often the upstream planner runs (and the throttle between
-    /// upstream messages that are not urgent).
+    /// How often the upstream planner walks every key (plans that are not
+    /// urgent go out only with a walk; urgent ones at once).
     pub renew_interval_ns: u64,
     /// Ask the parent ahead: when the pool covers less than this much of the
     /// children's consumption, and when the parent lease is this close to `E`.
@@ -202,6 +202,10 @@ struct Chain {
     /// is worth a renewal of its own only when this is larger than what
     /// would be counted then (a shrink); every renewal names one anyway.
     counted_capacity: u64,
+    /// A version since the one last told brought tokens: the parent counts
+    /// those on top of its capacity until the version is named (unless they
+    /// fit under it), so naming it is worth a renewal too.
+    unnamed_tokens: bool,
 }
 
 impl Chain {
@@ -754,6 +758,7 @@ impl RegionalCore {
                                 // Only the newest version is counted now
                                 // (and the one this renewal brings).
                                 c.counted_capacity = c.capacity;
+                                c.unnamed_tokens = false;
                             }
                         }
                         self.item(&key, ItemKind::Renew, c.ack_id, 0, want)
@@ -1142,6 +1147,7 @@ impl RegionalCore {
             c.rate_utps = g.rate_utps;
             c.capacity = g.capacity;
             c.counted_capacity = c.counted_capacity.max(g.capacity);
+            c.unnamed_tokens |= g.tokens > 0;
             if !was_rate {
                 // From a lease of tokens: the parent removed it and counts
                 // the new version alone (its capacity covers the rest).
@@ -1150,6 +1156,7 @@ impl RegionalCore {
                 c.ack_deadline_ns = deadline;
                 c.told_ack_id = g.lease_id;
                 c.counted_capacity = g.capacity;
+                c.unnamed_tokens = false;
             }
             move_deadline(&mut self.chain_deadlines, c, key, deadline);
             let Some(ledger) = self.core.ledger_mut(key) else {
@@ -1236,6 +1243,7 @@ impl RegionalCore {
             ack_deadline_ns: deadline,
             told_ack_id: g.lease_id,
             counted_capacity: g.capacity,
+            unnamed_tokens: false,
         });
         self.chain_deadlines
             .push(Reverse((deadline, self.next_serial, key.clone())));
@@ -1503,10 +1511,12 @@ fn plan_key(
             // The rate asked for moved by more than a quarter (a share
             // freed or needed), or a shrink waits to be acknowledged.
             let moved = want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
-            // The parent counts the older versions until told: a shrink
-            // is told at once (a grown or equal version needs no telling).
-            let ack =
-                c.ack_id != c.told_ack_id && c.counted_capacity > c.capacity.max(c.ack_capacity);
+            // The parent counts the older versions until told: a shrink,
+            // or a version that brought tokens (counted on top of its
+            // capacity until named), is told at the next walk; a grown or
+            // equal version without tokens waits for the next renewal.
+            let ack = c.ack_id != c.told_ack_id
+                && (c.unnamed_tokens || c.counted_capacity > c.capacity.max(c.ack_capacity));
             if ahead || short || (may_ask && moved) || ack {
                 Plan::Renew {
                     want: if may_ask && short { want } else { 0 },

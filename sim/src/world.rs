@@ -35,7 +35,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::time::Duration;
 
-use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::agent::{opening_wait_left_ns, Agent, AgentConfig, CheckInput, CheckStep};
 use quotalease_agent::core::Event as CoreEvent;
 use quotalease_agent::lease_table::Slot;
 use quotalease_agent::renewal::PlanConfig;
@@ -674,10 +674,6 @@ impl World {
 
     fn renew_interval_ns(&self) -> u64 {
         self.sc.renew_interval_ms * 1_000_000
-    }
-
-    fn fetch_timeout_ns(&self) -> u64 {
-        self.sc.fetch_timeout_ms * 1_000_000
     }
 
     fn boot_global(&mut self, first: bool) {
@@ -1700,8 +1696,16 @@ impl World {
                 self.next_park += 1;
                 let park = self.next_park;
                 let life = node.life;
+                // A round lasts `fetch_timeout`; one on a key being opened
+                // ends `fetch_timeout` after the request's arrival.
+                let fetch = self.sc.fetch_timeout_ms * 1_000_000;
+                let wait = if waits_on.opening() {
+                    opening_wait_left_ns(fetch, a.t_ns, t).clamp(1, fetch)
+                } else {
+                    fetch
+                };
                 node.parked.insert(park, (a, attempt, waits_on));
-                let at = t + self.fetch_timeout_ns();
+                let at = t + wait;
                 self.schedule(
                     at,
                     Event::Recheck {

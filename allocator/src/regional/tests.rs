@@ -43,6 +43,15 @@ fn regional_at(now: u64, bootstrap: bool) -> RegionalCore {
     RegionalCore::new(cfg, bootstrap.then(|| rules(0)), 7_000_000, 5_000_000, now)
 }
 
+/// A regional of rate chains (the default) with bootstrap rules.
+fn rate_regional_at(now: u64) -> RegionalCore {
+    let cfg = RegionalConfig {
+        region: "eu".into(),
+        ..RegionalConfig::default()
+    };
+    RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now)
+}
+
 fn key() -> KeyId {
     KeyId {
         rule: "hot".into(),
@@ -865,11 +874,7 @@ fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
 fn a_hot_chain_is_renewed_ahead_of_its_deadline_while_cold_keys_keep_opening() {
     let mut now = T0;
     let mut parent = parent_at(now);
-    let cfg = RegionalConfig {
-        region: "eu".into(),
-        ..RegionalConfig::default()
-    };
-    let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+    let mut reg = rate_regional_at(now);
     let tenant_item = |tenant: &str, lease: u64, spent: u64, want: u64| LeaseItem {
         tenant: tenant.into(),
         ..item(ItemKind::Renew, lease, spent, want)
@@ -921,11 +926,7 @@ fn a_hot_chain_is_renewed_ahead_of_its_deadline_while_cold_keys_keep_opening() {
 fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
     let mut now = T0;
     let mut parent = parent_at(now);
-    let cfg = RegionalConfig {
-        region: "eu".into(),
-        ..RegionalConfig::default()
-    };
-    let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+    let mut reg = rate_regional_at(now);
     let (mut lease, mut seq, mut items) = (0u64, 0u64, 0u64);
     for step in 0..300u64 {
         // 20/s of a 100/s rule: a token every 50 ms, spent at once.

@@ -175,8 +175,9 @@ fn a_started_allocator_grants_nothing_until_ttl_max_has_passed() {
     );
     assert_eq!(r.grants[0].tokens, 0);
     assert!(r.grants[0].retry_after_ms > 0);
-    // Right after ready the bucket has only refilled since then (1/s).
-    let at = SEC + wait + 2 * SEC;
+    // Right after ready the bucket has only refilled since then (1/s,
+    // slowed by rho: 2 tokens take 2.002002 s).
+    let at = SEC + wait + 2 * SEC + 3 * MS;
     let r = c.handle(
         at,
         &batch(

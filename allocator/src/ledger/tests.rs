@@ -13,6 +13,12 @@ fn rate(tokens: u64, period_s: u64) -> Rate {
     Rate { tokens, period_s }
 }
 
+/// How long the root takes to refill what `R` gives in `ns`: it refills at
+/// `R (1 - rho)` (SPEC §2), `rho` = 1e-3.
+fn at_root_rate(ns: u64) -> u64 {
+    ns + ns.div_ceil(999)
+}
+
 fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) -> Renewal {
     Renewal {
         holder,
@@ -27,13 +33,13 @@ fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) 
 
 #[test]
 fn fresh_key_is_full_and_grants_fair_shares() {
-    let mut l = KeyLedger::new(rate(10, 1), 100, 10 * SEC, Some(0));
+    let mut l = KeyLedger::new(rate(10, 1), 100, T0, Some(0));
     assert_eq!(l.available(), 100);
-    let g = l.renew(10 * SEC, renewal(1, 0, 0, 30, 1), SEC);
+    let g = l.renew(T0, renewal(1, 0, 0, 30, 1), SEC);
     assert_eq!((g.tokens, g.fresh, g.carried), (30, 30, 0));
     assert_eq!(l.available() + l.outstanding(), 100);
     // Two holders asking 1000 each share the remaining 70.
-    let g2 = l.renew(10 * SEC, renewal(2, 0, 0, 1000, 2), SEC);
+    let g2 = l.renew(T0, renewal(2, 0, 0, 1000, 2), SEC);
     // Holder 1 wants 30 (already satisfied), holder 2 gets the rest of the level.
     assert_eq!(g2.fresh, 70);
     assert!(g2.retry_after_ms >= 1);
@@ -56,16 +62,36 @@ fn spent_reports_free_room_for_refill_and_never_count_twice() {
     let g3 = l.renew(T0 + SEC, renewal(1, 1, 15, 0, 3), SEC);
     assert_eq!(g3.carried, 0);
     assert_eq!(l.outstanding(), 5);
-    l.advance(T0 + 2 * SEC);
+    l.advance(T0 + SEC + at_root_rate(SEC));
     assert_eq!(l.available(), 10);
+}
+
+#[test]
+fn the_root_refills_at_its_rate_slowed_by_rho() {
+    // Its clock may run fast by rho: R on it could be more than R in true
+    // time, so it refills at R (1 - rho), 9.99/s for a 10/s rule.
+    let mut l = KeyLedger::new(rate(10, 1), 1_000_000, 0, Some(0));
+    l.advance(1_000 * SEC);
+    assert_eq!(l.available(), 9_990);
+    l.advance(1_000 * SEC + 100 * MS);
+    assert_eq!(l.available(), 9_990, "0.999 of a token in 100 ms");
+    l.advance(1_000 * SEC + 101 * MS);
+    assert_eq!(l.available(), 9_991);
+    // A holder told to come back for one token is told the slowed time:
+    // 100.1 ms for the next one, rounded up to 101.
+    let mut e = KeyLedger::new(rate(10, 1), 20, 0, Some(0));
+    let g = e.renew(0, renewal(1, 0, 0, 1, 1), SEC);
+    assert_eq!(g.tokens, 0);
+    assert_eq!(g.retry_after_ms, 101);
 }
 
 #[test]
 fn expiry_applies_at_its_instant_and_unspent_counts_as_spent() {
     let mut l = KeyLedger::new(rate(10, 1), 20, T0, Some(0));
     l.renew(T0, renewal(1, 0, 0, 20, 1), SEC); // expires at 2 s
-                                               // Advance straight to 3 s: the lease expired at 2 s, so only 1 s of refill.
-    l.advance(T0 + 3 * SEC);
+                                               // Advance straight past 3 s: the lease expired at 2 s, so only 1 s of
+                                               // refill (at R (1 - rho)).
+    l.advance(T0 + 2 * SEC + at_root_rate(SEC));
     assert_eq!(l.outstanding(), 0);
     assert_eq!(l.available(), 10);
 }
@@ -90,14 +116,19 @@ fn restart_treats_the_key_as_fully_leased_until_ready() {
     let g = l.renew(SEC, renewal(1, 0, 0, 5, 1), SEC);
     assert_eq!(g.tokens, 0);
     assert!(g.retry_after_ms > 0);
-    l.advance(3 * SEC);
+    l.advance(2 * SEC + at_root_rate(SEC));
     assert_eq!(l.outstanding(), 0);
     assert_eq!(l.available(), 10);
     // A key first seen well after ready is full.
     let l2 = KeyLedger::new(rate(10, 1), 20, 10 * SEC, Some(2 * SEC));
     assert_eq!(l2.available(), 20);
     // ... but one seen just after ready has only refilled since ready.
-    let l3 = KeyLedger::new(rate(10, 1), 20, 2 * SEC + 500 * MS, Some(2 * SEC));
+    let l3 = KeyLedger::new(
+        rate(10, 1),
+        20,
+        2 * SEC + at_root_rate(500 * MS),
+        Some(2 * SEC),
+    );
     assert_eq!(l3.available(), 5);
 }
 
@@ -118,9 +149,10 @@ fn rate_change_does_not_reset_to_full() {
     l.renew(T0, renewal(1, 0, 0, 20, 1), SEC);
     l.release(T0, 1, 1, 20);
     assert_eq!(l.available(), 0);
-    l.set_limits(rate(2, 1), 20, T0 + 5 * SEC); // 5 tokens at 1/s
+    let t = T0 + at_root_rate(5 * SEC);
+    l.set_limits(rate(2, 1), 20, t); // 5 tokens at 1/s
     assert_eq!(l.available(), 5);
-    l.advance(T0 + 6 * SEC);
+    l.advance(t + at_root_rate(SEC));
     assert_eq!(l.available(), 7);
 }
 
@@ -296,13 +328,13 @@ fn rates_lent_out_slow_the_root_and_capacities_count_until_acknowledged() {
     assert_eq!(l.rates_out_utps(), 40_000_000);
     assert_eq!(l.outstanding(), 41);
     assert_eq!(l.available(), 59);
-    // The root refills at R - 40/s = 60/s: 20 spent here come back in 1/3 s.
+    // The root refills at R (1 - rho) - 40/s = 59.9/s.
     let g_tokens = l.renew(T0, renewal(2, 0, 0, 20, 9), SEC);
     assert_eq!(g_tokens.tokens, 20);
     assert_eq!(l.available(), 39);
     assert_eq!(l.release(T0, 2, 9, 20), Some(0), "all 20 spent");
     l.advance(T0 + 200 * MS);
-    assert_eq!(l.available(), 39 + 12);
+    assert_eq!(l.available(), 39 + 11, "11.98 in 200 ms");
     // A new version with a lower rate and capacity (its share of B is 11,
     // raised to the floor of B / 4 for one holder asking for a rate):
     // until acknowledged, the larger of the two counts.

@@ -852,17 +852,13 @@ impl KeyLedger {
                         // buckets refill the rest of `R` and their versions
                         // come back when they expire, so a token is never
                         // further than the rule's own rate makes it (a
-                        // `1/d` rule with its rate lent told a week).
+                        // `1/d` rule with its rate lent told a week). At
+                        // `R` itself, not slowed by rho: a client is told
+                        // at most the rule's period (a `1/d` rule: a day,
+                        // not a day and 86 s); coming back up to rho early
+                        // it is told the rest.
                         None => (
-                            one.min(
-                                self.available
-                                    .wait_ms_fine(
-                                        self.rate,
-                                        root_refill_fine(self.rate),
-                                        avail - fresh + 1,
-                                    )
-                                    .max(1),
-                            ),
+                            one.min(self.available.wait_ms(self.rate, avail - fresh + 1).max(1)),
                             ECONOMY_WAIT_MS,
                             target,
                         ),

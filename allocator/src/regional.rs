@@ -252,6 +252,9 @@ struct KeyState {
     sample_ns: u64,
     /// Do not ask the parent for more before this (its retry hint).
     retry_at_ns: u64,
+    /// Holders the parent last said share this key (this region included;
+    /// 0: not told yet).
+    parent_holders: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -1074,6 +1077,9 @@ impl RegionalCore {
             ks.retry_at_ns = ks.retry_at_ns.max(now_ns.saturating_add(1_000 * MS));
             return;
         }
+        if g.holders > 0 {
+            ks.parent_holders = g.holders;
+        }
         // A rate lease, or an answer to a rate chain's renewal (even one
         // without a new version: "no room", the chain keeps its versions).
         let rate_chain = ks.chain.as_ref().is_some_and(Chain::is_rate);
@@ -1511,13 +1517,28 @@ fn plan_key(
             // The rate asked for moved by more than a quarter (a share
             // freed or needed), or a shrink waits to be acknowledged.
             let moved = want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
+            // Below a quarter of an equal share of the holders the parent
+            // named while children miss tokens, a larger rate is asked for
+            // without waiting out the parent's retry hint: that hint is
+            // about the bucket's tokens (none while the rates are lent),
+            // not about the rate another holder's renewal frees. Waiting
+            // it out, a region that opened a key at 375/s sat there 250 ms
+            // while its children asked for 37 000/s
+            // (small-burst-below-rate: most false rejects were in that
+            // first second). Above the quarter share the hint holds, so an
+            // overloaded key does not renew every walk.
+            let starved = unmet > 0
+                && ks.parent_holders > 0
+                && want_rate > c.rate_utps
+                && (c.rate_utps as f64 / 1e6) * f64::from(ks.parent_holders)
+                    < 0.25 * ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
             // The parent counts the older versions until told: a shrink,
             // or a version that brought tokens (counted on top of its
             // capacity until named), is told at the next walk; a grown or
             // equal version without tokens waits for the next renewal.
             let ack = c.ack_id != c.told_ack_id
                 && (c.unnamed_tokens || c.counted_capacity > c.capacity.max(c.ack_capacity));
-            if ahead || short || (may_ask && moved) || ack {
+            if ahead || short || (moved && (may_ask || starved)) || ack {
                 Plan::Renew {
                     want: if may_ask && short { want } else { 0 },
                     want_rate,

@@ -399,6 +399,38 @@ fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
     }
 }
 
+#[test]
+fn a_first_ask_counts_as_an_equal_share_until_the_holder_asks_again() {
+    // 300/s: two holders open asking 3/s each (their children cold), a
+    // third then asks for 250/s.
+    let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
+    let ask = |holder, lease_id, rate_tps: u64, new_id| Renewal {
+        want_rate_utps: rate_tps * 1_000_000,
+        ..renewal(holder, lease_id, 0, 0, new_id)
+    };
+    let a = l.renew(T0, ask(0, 0, 3, 1), SEC);
+    let b = l.renew(T0, ask(1, 0, 3, 2), SEC);
+    assert_eq!((a.rate_utps, b.rate_utps), (3_000_000, 3_000_000));
+    // Taken at their word the two first asks leave 293.7/s to the third;
+    // as first asks they count as a third of R (1 - rho) each.
+    let c = l.renew(T0 + MS, ask(2, 0, 250, 3), SEC);
+    assert_eq!(c.rate_utps, 99_900_000);
+    // The first two ask again, for their equal share: it is there.
+    let a = l.renew(T0 + 2 * MS, ask(0, a.lease_id, 200, 4), SEC);
+    let b = l.renew(T0 + 2 * MS, ask(1, b.lease_id, 200, 5), SEC);
+    assert_eq!((a.rate_utps, b.rate_utps), (99_900_000, 99_900_000));
+    assert!(l.rates_out_utps() <= 299_700_000, "over R (1 - rho)");
+    // Had the two re-asked for 3/s, the third grows into the rest.
+    let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
+    let a = l.renew(T0, ask(0, 0, 3, 1), SEC);
+    let b = l.renew(T0, ask(1, 0, 3, 2), SEC);
+    let c = l.renew(T0 + MS, ask(2, 0, 250, 3), SEC);
+    l.renew(T0 + 2 * MS, ask(0, a.lease_id, 3, 4), SEC);
+    l.renew(T0 + 2 * MS, ask(1, b.lease_id, 3, 5), SEC);
+    let c = l.renew(T0 + 3 * MS, ask(2, c.lease_id, 250, 6), SEC);
+    assert_eq!(c.rate_utps, 250_000_000);
+}
+
 #[derive(Clone, Debug)]
 enum ROp {
     Advance(u64),

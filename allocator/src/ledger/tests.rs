@@ -361,13 +361,18 @@ fn rates_lent_out_slow_the_root_and_capacities_count_until_acknowledged() {
     );
 }
 
-#[test]
-fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
-    let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
-    let ask = |holder, lease_id, rate_tps: u64, new_id| Renewal {
+/// A renewal asking for a rate of `rate_tps` tokens/s and no tokens.
+fn rate_ask(holder: HolderId, lease_id: u64, rate_tps: u64, new_id: u64) -> Renewal {
+    Renewal {
         want_rate_utps: rate_tps * 1_000_000,
         ..renewal(holder, lease_id, 0, 0, new_id)
-    };
+    }
+}
+
+#[test]
+fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
+    let ask = rate_ask;
+    let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
     // Three holders want 200/s each of 300/s: 1/3 of R (1 - rho) each once
     // every one of them has asked and re-asked.
     let mut ids = [0u64; 3];
@@ -401,13 +406,10 @@ fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
 
 #[test]
 fn a_first_ask_counts_as_an_equal_share_until_the_holder_asks_again() {
+    let ask = rate_ask;
     // 300/s: two holders open asking 3/s each (their children cold), a
     // third then asks for 250/s.
     let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
-    let ask = |holder, lease_id, rate_tps: u64, new_id| Renewal {
-        want_rate_utps: rate_tps * 1_000_000,
-        ..renewal(holder, lease_id, 0, 0, new_id)
-    };
     let a = l.renew(T0, ask(0, 0, 3, 1), SEC);
     let b = l.renew(T0, ask(1, 0, 3, 2), SEC);
     assert_eq!((a.rate_utps, b.rate_utps), (3_000_000, 3_000_000));

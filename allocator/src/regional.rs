@@ -202,6 +202,11 @@ struct Chain {
     /// is worth a renewal of its own only when this is larger than what
     /// would be counted then (a shrink); every renewal names one anyway.
     counted_capacity: u64,
+    /// The largest rate of the versions the parent may still count (as
+    /// `counted_capacity`): the parent counts a holder's largest rate
+    /// until the newest version is named, so a shrink of rate alone is
+    /// worth a renewal too.
+    counted_rate_utps: u64,
     /// A version since the one last told brought tokens: the parent counts
     /// those on top of its capacity until the version is named (unless they
     /// fit under it), so naming it is worth a renewal too.
@@ -761,6 +766,7 @@ impl RegionalCore {
                                 // Only the newest version is counted now
                                 // (and the one this renewal brings).
                                 c.counted_capacity = c.capacity;
+                                c.counted_rate_utps = c.rate_utps;
                                 c.unnamed_tokens = false;
                             }
                         }
@@ -1153,6 +1159,7 @@ impl RegionalCore {
             c.rate_utps = g.rate_utps;
             c.capacity = g.capacity;
             c.counted_capacity = c.counted_capacity.max(g.capacity);
+            c.counted_rate_utps = c.counted_rate_utps.max(g.rate_utps);
             c.unnamed_tokens |= g.tokens > 0;
             if !was_rate {
                 // From a lease of tokens: the parent removed it and counts
@@ -1162,6 +1169,7 @@ impl RegionalCore {
                 c.ack_deadline_ns = deadline;
                 c.told_ack_id = g.lease_id;
                 c.counted_capacity = g.capacity;
+                c.counted_rate_utps = g.rate_utps;
                 c.unnamed_tokens = false;
             }
             move_deadline(&mut self.chain_deadlines, c, key, deadline);
@@ -1249,6 +1257,7 @@ impl RegionalCore {
             ack_deadline_ns: deadline,
             told_ack_id: g.lease_id,
             counted_capacity: g.capacity,
+            counted_rate_utps: g.rate_utps,
             unnamed_tokens: false,
         });
         self.chain_deadlines
@@ -1462,14 +1471,6 @@ fn plan_key(
     let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
     let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= ctx.idle_ns;
     let may_ask = now_ns >= ks.retry_at_ns;
-    // Children's pool hint: until the next upstream answer can be in.
-    let wait_ms = ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS);
-    let hint = if ctx.reachable {
-        ctx.rtt_ms + wait_ms
-    } else {
-        ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
-    };
-    ledger.set_pool_retry_ms(hint);
     ledger.set_pool_parent_dry(!may_ask);
     // The rate to ask for: what the children consume, with room to grow;
     // twice the current rate while children miss tokens; what they ask
@@ -1517,32 +1518,42 @@ fn plan_key(
             // The rate asked for moved by more than a quarter (a share
             // freed or needed), or a shrink waits to be acknowledged.
             let moved = want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
-            // Below a quarter of an equal share of the holders the parent
-            // named while children miss tokens, a larger rate is asked for
-            // without waiting out the parent's retry hint: that hint is
-            // about the bucket's tokens (none while the rates are lent),
-            // not about the rate another holder's renewal frees. Waiting
-            // it out, a region that opened a key at 375/s sat there 250 ms
-            // while its children asked for 37 000/s
+            // Below nine tenths of an equal share of the holders the
+            // parent named while children miss tokens, a larger rate is
+            // asked for without waiting out the parent's retry hint: that
+            // hint is about the bucket's tokens (none while the rates are
+            // lent), not about the rate another holder's renewal frees.
+            // Waiting it out, a region that opened a key at 375/s sat there
+            // 250 ms while its children asked for 37 000/s
             // (small-burst-below-rate: most false rejects were in that
-            // first second). Above the quarter share the hint holds, so an
-            // overloaded key does not renew every walk.
+            // first second); at a quarter of a share (session 14) one that
+            // got 9 990/s of 20 000 sat there as long (seed 7). At an equal
+            // share (max-min gives every holder that asks more at least
+            // that, 19 980/s of 20 000 once rho is taken) the hint holds,
+            // so an overloaded key does not renew every walk.
             let starved = unmet > 0
                 && ks.parent_holders > 0
                 && want_rate > c.rate_utps
                 && (c.rate_utps as f64 / 1e6) * f64::from(ks.parent_holders)
-                    < 0.25 * ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
-            // The parent counts the older versions until told: a shrink,
-            // or a version that brought tokens (counted on top of its
-            // capacity until named), is told at the next walk; a grown or
-            // equal version without tokens waits for the next renewal.
-            let ack = c.ack_id != c.told_ack_id
-                && (c.unnamed_tokens || c.counted_capacity > c.capacity.max(c.ack_capacity));
+                    < 0.9 * ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
+            // The parent counts the older versions until told: a shrink
+            // (of capacity, or of rate once the newest version is the one
+            // acknowledged) is told at once, a version that brought tokens
+            // (counted on top of its capacity until named) at the next
+            // walk; a grown or equal version without tokens waits for the
+            // next renewal. What a shrink frees is another holder's share:
+            // told at the next walk, a region that opened a key late got
+            // half its share for another round trip
+            // (small-burst-below-rate seed 7).
+            let shrink = c.ack_id != c.told_ack_id
+                && (c.counted_capacity > c.capacity.max(c.ack_capacity)
+                    || (c.ack_id == c.parent_lease_id && c.counted_rate_utps > c.rate_utps));
+            let ack = shrink || (c.ack_id != c.told_ack_id && c.unnamed_tokens);
             if ahead || short || (moved && (may_ask || starved)) || ack {
                 Plan::Renew {
                     want: if may_ask && short { want } else { 0 },
                     want_rate,
-                    urgent: unmet > 0 && pool == 0 && may_ask,
+                    urgent: shrink || (unmet > 0 && pool == 0 && may_ask),
                 }
             } else {
                 Plan::Nothing
@@ -1568,6 +1579,29 @@ fn plan_key(
             }
         }
     };
+    // Children's pool hint: until the next upstream answer can be in: the
+    // parent's retry hint and a round trip beyond it. A pool that has no
+    // rate yet (no chain, or a first version with a capacity and rate 0)
+    // grows only by that answer, so when this walk asks the parent (an
+    // open, or a renewal that goes out despite the hint: `starved`,
+    // `ack`, `ahead`) its children are told one round trip: told the
+    // parent's hint as well, the hundred agents of a region whose first
+    // grant was a capacity without a rate waited 300 ms, none came back
+    // when the renewal brought 9 990/s 45 ms later, and the pool sat full
+    // meanwhile (small-burst-below-rate seed 7: region 0 admitted 9 486 of
+    // 18 000 in its first second). A pool that refills at a rate tells
+    // its children its own refill (the ledger's hint) within this one.
+    let rated = ks.chain.as_ref().is_some_and(|c| c.rate_utps > 0);
+    let wait_ms = match plan {
+        Plan::Open { .. } | Plan::Renew { .. } if !rated => 0,
+        _ => ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS),
+    };
+    let hint = if ctx.reachable {
+        ctx.rtt_ms + wait_ms
+    } else {
+        ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
+    };
+    ledger.set_pool_retry_ms(hint);
     (!matches!(plan, Plan::Nothing)).then_some(plan)
 }
 

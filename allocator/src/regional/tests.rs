@@ -959,3 +959,107 @@ fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
 /// Rate chains under random histories and rule changes (an adversarial
 /// review's harness and the two cases it found).
 mod rate_chains;
+
+/// A pool without a rate yet grows only by the parent's next answer: while
+/// the regional asks for a rate despite the parent's token hint (the
+/// parent's first version came with a capacity and rate 0, the rule's rate
+/// lent to other holders), its children are told one round trip, not the
+/// parent's hint on top (small-burst-below-rate seed 7: a region's hundred
+/// agents were told 300 ms and sat it out while the rate came 45 ms later).
+#[test]
+fn children_of_a_pool_without_a_rate_wait_one_round_trip_while_the_regional_asks() {
+    let now = T0;
+    let mut parent = parent_at(now);
+    let mut reg = rate_regional_at(now);
+    let g = ask(&mut reg, now, "a", 1, 0, 0, 10);
+    assert_eq!(g.tokens, 0, "nothing before the parent is asked");
+    let b = reg.poll_upstream(now).expect("the child waits: open");
+    // The parent's answer as it is when the other holders' rates fill the
+    // rule's rate: a first version with room for a capacity but no rate,
+    // no tokens, and a token hint of 250 ms.
+    let mut r = parent.handle(now, &b);
+    let pg = &mut r.grants[0];
+    assert_eq!(pg.status, GrantStatus::Granted as i32);
+    assert!(
+        pg.lease_id != 0 && pg.capacity > 0,
+        "a rate version: {pg:?}"
+    );
+    pg.rate_utps = 0;
+    pg.tokens = 0;
+    pg.retry_after_ms = 250;
+    pg.holders = 3;
+    reg.handle_upstream_reply(now + 20 * MS, &r);
+    let now = now + 21 * MS;
+    // Within the throttle: the renewal that asks for a rate (starved: rate
+    // 0 of an equal share) waits for the walk, the hint does not add the
+    // parent's 250 ms.
+    assert!(
+        reg.poll_upstream(now).is_none(),
+        "not urgent: the walk sends it"
+    );
+    let g = ask(&mut reg, now, "a", 2, 0, 0, 10);
+    assert_eq!(g.tokens, 0);
+    assert!(
+        (1..=reg.cfg.renew_interval_ns.div_ceil(MS)).contains(&g.retry_after_ms),
+        "told {} ms",
+        g.retry_after_ms
+    );
+    // The walk asks for a rate despite the hint.
+    let now = now + reg.cfg.renew_interval_ns;
+    let b = reg.poll_upstream(now).expect("the walk renews for a rate");
+    assert_eq!(b.items.len(), 1);
+    assert!(b.items[0].want_rate_utps > 0);
+    assert_eq!(b.items[0].want, 0, "no tokens asked before the hint is out");
+}
+
+/// A version that shrinks a rate chain's rate is named to the parent at
+/// once, not at the next walk or renewal: the parent counts the larger
+/// older version until then, and what the shrink frees is another
+/// region's share.
+#[test]
+fn a_shrink_of_rate_is_acknowledged_at_once() {
+    let mut now = T0;
+    let mut parent = parent_at(now);
+    let mut reg = rate_regional_at(now);
+    let (mut lease, mut seq) = (0u64, 0u64);
+    // 50/s of a 100/s rule until the regional renews its chain.
+    let renewal = loop {
+        assert!(now < T0 + 10 * SEC, "no renewal in 10 s");
+        seq += 1;
+        let g = ask(&mut reg, now, "a", seq, lease, u64::from(lease != 0), 1);
+        if g.lease_id != 0 {
+            lease = g.lease_id;
+        }
+        if let Some(b) = reg.poll_upstream(now) {
+            if reg
+                .chain_view(&key())
+                .is_some_and(|c| c.capacity > 0 && c.rate_utps > 20_000_000)
+            {
+                break b;
+            }
+            let r = parent.handle(now, &b);
+            reg.handle_upstream_reply(now, &r);
+        }
+        now += 20 * MS;
+    };
+    let c = reg.chain_view(&key()).expect("a rate chain");
+    // The parent's answer, as when another holder's demand halves this
+    // one's share: same capacity, half the rate.
+    let mut r = parent.handle(now, &renewal);
+    let pg = &mut r.grants[0];
+    assert_eq!(pg.status, GrantStatus::Granted as i32);
+    assert!(pg.lease_id != 0 && pg.capacity > 0, "{pg:?}");
+    pg.rate_utps = c.rate_utps / 2;
+    pg.capacity = c.capacity;
+    pg.tokens = 0;
+    let newest = pg.lease_id;
+    reg.handle_upstream_reply(now + 10 * MS, &r);
+    let b = reg
+        .poll_upstream(now + 11 * MS)
+        .expect("the shrink is told at once, within the throttle");
+    assert_eq!(b.items.len(), 1);
+    assert_eq!(
+        b.items[0].lease_id, newest,
+        "the renewal names the smaller version"
+    );
+}

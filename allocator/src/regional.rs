@@ -1482,9 +1482,8 @@ fn plan_key(
     // counted at the parent until the chain shrank while the key's other
     // region found no room (300 cold tenants of the demo's shape: 18-57 %
     // of their checks denied, where an ideal bucket denies none).
+    let rule_tps = ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
     let want_rate = if ctx.rate_leases {
-        let rule = ledger.rate();
-        let rule_tps = rule.tokens as f64 / rule.period_s.max(1) as f64;
         let current = ks.chain.as_ref().map_or(0.0, |c| c.rate_utps as f64 / 1e6);
         let grow = if unmet > 0 { 2.0 * current } else { 0.0 };
         let asked = unmet as f64 / EWMA_TAU_S;
@@ -1534,8 +1533,7 @@ fn plan_key(
             let starved = unmet > 0
                 && ks.parent_holders > 0
                 && want_rate > c.rate_utps
-                && (c.rate_utps as f64 / 1e6) * f64::from(ks.parent_holders)
-                    < 0.9 * ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
+                && (c.rate_utps as f64 / 1e6) * f64::from(ks.parent_holders) < 0.9 * rule_tps;
             // The parent counts the older versions until told: a shrink
             // (of capacity, or of rate once the newest version is the one
             // acknowledged) is told at once, a version that brought tokens
@@ -1545,10 +1543,11 @@ fn plan_key(
             // told at the next walk, a region that opened a key late got
             // half its share for another round trip
             // (small-burst-below-rate seed 7).
-            let shrink = c.ack_id != c.told_ack_id
+            let untold = c.ack_id != c.told_ack_id;
+            let shrink = untold
                 && (c.counted_capacity > c.capacity.max(c.ack_capacity)
                     || (c.ack_id == c.parent_lease_id && c.counted_rate_utps > c.rate_utps));
-            let ack = shrink || (c.ack_id != c.told_ack_id && c.unnamed_tokens);
+            let ack = shrink || (untold && c.unnamed_tokens);
             if ahead || short || (moved && (may_ask || starved)) || ack {
                 Plan::Renew {
                     want: if may_ask && short { want } else { 0 },

@@ -740,7 +740,13 @@ impl KeyLedger {
                 let lease = self.leases.swap_remove(i);
                 let spent = lease.spent.max(req.spent).min(lease.granted);
                 self.outstanding -= lease.unspent();
-                carried = lease.granted - spent;
+                // Never more than fits under the burst: always all of it
+                // while I2 holds, but a lowered burst would otherwise stay
+                // exceeded for as long as the holder renews (SPEC §2 "Rule
+                // changes"). The holder's level becomes what is carried; the
+                // lease renewed, still usable until its own expiry, was
+                // granted before the change.
+                carried = (lease.granted - spent).min(self.cap().saturating_sub(self.outstanding));
             }
         }
         // 2. Max-min fair share of what is available. The rate a holder
@@ -896,7 +902,7 @@ impl KeyLedger {
     ///    over the rates asked for, never more than what other holders'
     ///    counted rates leave.
     /// 3. The capacity is the same share of `B` (at least the carried rest
-    ///    and 1), never more than what the other holders leave.
+    ///    and 1), never more than what the other holders leave (0: no room).
     /// 4. Tokens: a fair share of `available` as asked for, plus whatever
     ///    the larger count would otherwise clamp out of `available`
     ///    (handed over rather than destroyed), at most the capacity.
@@ -994,11 +1000,19 @@ impl KeyLedger {
         } else {
             share
         };
-        // A holder may always keep (or shrink to) what it is counted for
-        // already, even when a lowered burst leaves no room (SPEC §2:
-        // renewals that shrink are always allowed; a refusal would end a
-        // chain whose holder still spends).
-        let capacity = share.max(carried).max(1).min(room.max(own_cap));
+        // Never more than the room the others leave, not even what the
+        // holder is counted for already: counted as `own_cap + own_in_flight`,
+        // a holder always has room for its own capacity while I2 holds, so
+        // this bites only once a lowered burst leaves the counts above it.
+        // A new version kept at `own_cap` there (or a floor of one token
+        // each) would keep them above it for as long as the holders renew
+        // (SPEC §2 "Rule changes": `1/s burst 1` over four holders
+        // admitted four tokens at once, for ever). A holder without room
+        // gets capacity 0: no new version, its versions count until they
+        // expire, and within one TTL of the change the counts fit under
+        // the new burst (each version granted after it fits under what the
+        // versions alive at its grant left).
+        let capacity = share.max(carried).max(1).min(room);
         if capacity < share.min(self.cap()) {
             self.squeezed_until_ns = now_ns.saturating_add(active_window_ns.max(req.ttl_ns));
         }

@@ -268,6 +268,9 @@ struct SentItem {
     release: bool,
     /// Serial of the chain the renewal named (None: a new chain was asked).
     chain_serial: Option<u64>,
+    /// A renewal of a chain of leases of tokens: the rest it asked the
+    /// parent to carry (`G - spent`); 0 otherwise.
+    carry_asked: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -750,6 +753,7 @@ impl RegionalCore {
                         key,
                         release: false,
                         chain_serial: None,
+                        carry_asked: 0,
                     });
                 }
                 Plan::Renew {
@@ -757,6 +761,7 @@ impl RegionalCore {
                 } => {
                     let h = self.holding(now_ns, &key);
                     let c = self.keys[&key].chain.clone().expect("planned for a chain");
+                    let mut carry_asked = 0;
                     let mut item = if c.is_rate() {
                         // A rate chain names the version it acknowledges;
                         // spent reports mean nothing for it.
@@ -773,6 +778,7 @@ impl RegionalCore {
                         self.item(&key, ItemKind::Renew, c.ack_id, 0, want)
                     } else {
                         let spent = c.granted.saturating_sub(h);
+                        carry_asked = c.granted - spent;
                         self.item(&key, ItemKind::Renew, c.parent_lease_id, spent, want)
                     };
                     item.want_rate_utps = want_rate;
@@ -781,6 +787,7 @@ impl RegionalCore {
                         key,
                         release: false,
                         chain_serial: Some(c.serial),
+                        carry_asked,
                     });
                 }
                 Plan::Release => {
@@ -790,6 +797,7 @@ impl RegionalCore {
                             key,
                             release: true,
                             chain_serial: None,
+                            carry_asked: 0,
                         });
                     }
                 }
@@ -1100,7 +1108,15 @@ impl RegionalCore {
         let fresh = g.tokens - g.carried;
         let same_chain =
             sent.chain_serial.is_some() && ks.chain.as_ref().map(|c| c.serial) == sent.chain_serial;
-        if same_chain && g.carried > 0 && g.lease_id != 0 {
+        // A parent carries less than the rest asked only when a lowered
+        // burst leaves no room for it (SPEC §2 "Rule changes"): the
+        // children's sub-leases would then hold more than the new lease
+        // backs. That is a break: the old pool is destroyed, the old
+        // sub-leases (cut from a lease granted before the change, so
+        // ending before it takes effect) are forgotten, and the carried
+        // part is left unused.
+        let clamped = g.carried < sent.carry_asked;
+        if same_chain && g.carried > 0 && g.lease_id != 0 && !clamped {
             // The chain continues: G := carried + fresh, the pool gains fresh.
             let c = ks.chain.as_mut().expect("same_chain");
             c.parent_lease_id = g.lease_id;
@@ -1314,6 +1330,7 @@ impl RegionalCore {
                         key,
                         release: true,
                         chain_serial: None,
+                        carry_asked: 0,
                     });
                 }
                 continue;
@@ -1341,6 +1358,7 @@ impl RegionalCore {
                 key,
                 release: false,
                 chain_serial: Some(c.serial),
+                carry_asked: c.granted.min(h),
             });
         }
         if items.is_empty() {

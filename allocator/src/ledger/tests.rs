@@ -450,14 +450,19 @@ enum ROp {
 }
 
 fn rop() -> impl Strategy<Value = ROp> {
+    rop_of(3)
+}
+
+/// [`rop`] over `holders` holders.
+fn rop_of(holders: u32) -> impl Strategy<Value = ROp> {
     prop_oneof![
         4 => (1u64..120).prop_map(ROp::Advance),
-        5 => (0u32..3, 0u64..60, 0u64..60, prop::bool::weighted(0.2))
+        5 => (0..holders, 0u64..60, 0u64..60, prop::bool::weighted(0.2))
             .prop_map(|(h, w, r, lost)| ROp::Renew(h, w, r, lost)),
-        1 => (0u32..3).prop_map(ROp::Deliver),
-        10 => (0u32..3, 1u64..8).prop_map(|(h, n)| ROp::Spend(h, n)),
-        3 => (0u32..3).prop_map(ROp::Drain),
-        1 => (0u32..3).prop_map(ROp::Release),
+        1 => (0..holders).prop_map(ROp::Deliver),
+        10 => (0..holders, 1u64..8).prop_map(|(h, n)| ROp::Spend(h, n)),
+        3 => (0..holders).prop_map(ROp::Drain),
+        1 => (0..holders).prop_map(ROp::Release),
         1 => Just(ROp::Restart),
         1 => (0u64..600).prop_map(ROp::CleanRestart),
     ]
@@ -530,84 +535,234 @@ proptest! {
         burst in 1u64..60,
         ops in proptest::collection::vec(rop(), 1..400),
     ) {
-        let r = rate(n, 1);
-        let ttl_ns = 500 * MS;
-        let mut now = 0u64;
-        let mut l = KeyLedger::new(r, burst, now, None);
-        let mut hs: Vec<RateHolder> = vec![RateHolder::default(); 3];
-        let mut next_id = 1u64;
-        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        let mut w = RateWorld::new(rate(n, 1), burst, 3);
         for o in ops {
-            match o {
-                ROp::Advance(d) => { now += d * MS; l.advance(now); }
-                ROp::Renew(h, want, rate_tps, lost) => {
-                    let me = &mut hs[h as usize];
-                    let named = me.current.map_or(0, |c| c.0);
-                    let g = l.renew(now, Renewal {
-                        holder: h, lease_id: named, spent: 0, want, ttl_ns,
-                        new_id: next_id, want_rate_utps: rate_tps * 1_000_000 + 1,
-                    }, SEC);
-                    next_id += 1;
-                    prop_assert!(!g.shadow_violation, "shadow bucket fired");
-                    prop_assert!(g.capacity <= burst);
-                    if lost { me.late = Some((g, now)); } else { me.apply(&g, now); }
-                }
-                ROp::Deliver(h) => {
-                    let me = &mut hs[h as usize];
-                    if let Some((g, _)) = me.late.take() { me.apply(&g, now); }
-                }
-                ROp::Spend(h, k) => {
-                    let me = &mut hs[h as usize];
-                    me.refill(now);
-                    if me.usable(now) && me.level_nt >= u128::from(k) * NT {
-                        me.level_nt -= u128::from(k) * NT;
-                        admitted.push((now, k));
-                    }
-                }
-                ROp::Drain(h) => {
-                    let me = &mut hs[h as usize];
-                    me.refill(now);
-                    let k = u64::try_from(me.level_nt / NT).unwrap();
-                    if me.usable(now) && k > 0 {
-                        me.level_nt -= u128::from(k) * NT;
-                        admitted.push((now, k));
-                    }
-                }
-                ROp::Release(h) => {
-                    let me = &mut hs[h as usize];
-                    me.refill(now);
-                    if let Some((id, ..)) = me.current {
-                        if me.usable(now) {
-                            let left = u64::try_from(me.level_nt / NT).unwrap();
-                            l.release_with(now, h, id, 0, left);
-                        }
-                    }
-                    // Stops using it either way; a late reply is ignored now.
-                    *me = RateHolder { refilled_to_ns: now, ..RateHolder::default() };
-                }
-                ROp::Restart => {
-                    l = KeyLedger::new(r, burst, now, Some(now + ttl_ns));
-                }
-                ROp::CleanRestart(pause_ms) => {
-                    let cp = l.checkpoint(now);
-                    now += pause_ms * MS;
-                    l = KeyLedger::resume(r, burst, now, &cp, MS);
-                }
-            }
-            prop_assert!(l.i2_holds(), "I2 broken at {} ms: available {} outstanding {} burst {}", now / MS, l.available(), l.outstanding(), burst);
-            prop_assert!(l.rates_out_utps() <= n * 1_000_000, "rates out {} over R", l.rates_out_utps());
+            w.step(o)?;
         }
         // I1 over every window [t_i, t_j] between admissions, exactly:
         // sum <= B + n * t / 1e9.
-        for i in 0..admitted.len() {
-            let mut sum = 0u128;
-            for j in i..admitted.len() {
-                sum += u128::from(admitted[j].1);
-                let t = u128::from(admitted[j].0 - admitted[i].0);
-                prop_assert!(sum * 1_000_000_000 <= u128::from(burst) * 1_000_000_000 + u128::from(n) * t,
-                    "I1: {} admitted in {} ms, bound {}", sum, t / 1_000_000, burst as f64 + n as f64 * t as f64 / 1e9);
+        check_windows(&w.admitted, |_, _, t| {
+            u128::from(burst) * 1_000_000_000 + u128::from(n) * u128::from(t)
+        })?;
+    }
+
+    /// A rule change that lowers the rate and the burst, to below the
+    /// number of holders (down to 1), amid renewals, lost replies and
+    /// restarts (SPEC §2 "Rule changes"): from `TTL_max` after the change
+    /// on, `available + outstanding <= B_new`; over every window,
+    /// admissions stay within `B_old + R_old * T_before + R_new * T_after`,
+    /// the change taking effect for the bound at `t_change + TTL_max`
+    /// (zero latency here: a holder uses a version until a millisecond
+    /// before its expiry). Before the capacity floor was removed a holder
+    /// kept at least one token of capacity for as long as it renewed.
+    #[test]
+    fn i1_and_i2_hold_when_a_rule_change_lowers_the_burst_below_the_holders(
+        n_old in 2u64..60,
+        burst_old in 4u64..40,
+        n_new_pct in 1u64..=100,
+        burst_new in prop_oneof![Just(1u64), 1u64..6],
+        holders in 3u32..7,
+        ops in proptest::collection::vec(rop_of(6), 1..400),
+        change_at in 0usize..200,
+    ) {
+        let n_new = (n_old * n_new_pct / 100).max(1);
+        let burst_new = burst_new.min(burst_old);
+        let mut w = RateWorld::new(rate(n_old, 1), burst_old, holders);
+        let mut t_change = None;
+        for (i, o) in ops.into_iter().enumerate() {
+            if i == change_at {
+                w.l.set_limits(rate(n_new, 1), burst_new, w.now);
+                (w.r, w.burst) = (rate(n_new, 1), burst_new);
+                t_change = Some(w.now);
+            }
+            let o = match o {
+                ROp::Renew(h, ..) | ROp::Deliver(h) | ROp::Spend(h, _) | ROp::Drain(h) | ROp::Release(h)
+                    if h >= holders => continue,
+                o => o,
+            };
+            w.step(o)?;
+            // Checked once every version granted before the change has
+            // expired, and so has a restart's phantom (a clean restart
+            // counts what was leased at its stop for up to `TTL_max` and a
+            // millisecond of margin from its resume: it cannot know how
+            // long it was down).
+            if t_change.is_some_and(|t| w.now > t.max(w.restarted_ns) + w.ttl_ns + MS) {
+                w.rates_cap_utps = n_new * 1_000_000;
+                prop_assert!(
+                    w.l.available() + w.l.outstanding() <= burst_new,
+                    "I2 under the new burst at {} ms: available {} outstanding {} burst {}",
+                    w.now / MS, w.l.available(), w.l.outstanding(), burst_new
+                );
             }
         }
+        let t_eff = t_change.map_or(u64::MAX, |t| t + w.ttl_ns);
+        check_windows(&w.admitted, |a, b, _| {
+            let before = b.min(t_eff).saturating_sub(a);
+            let after = b.saturating_sub(a.max(t_eff));
+            u128::from(burst_old) * 1_000_000_000
+                + u128::from(n_old) * u128::from(before)
+                + u128::from(n_new) * u128::from(after)
+        })?;
+    }
+}
+
+/// I1 over every window `[t_i, t_j]` between admissions: the sum admitted
+/// times 1e9 is at most `bound(t_i, t_j, t_j - t_i)` (nano-tokens).
+fn check_windows(
+    admitted: &[(u64, u64)],
+    bound: impl Fn(u64, u64, u64) -> u128,
+) -> Result<(), TestCaseError> {
+    for i in 0..admitted.len() {
+        let mut sum = 0u128;
+        for j in i..admitted.len() {
+            sum += u128::from(admitted[j].1);
+            let (a, b) = (admitted[i].0, admitted[j].0);
+            let limit = bound(a, b, b - a);
+            prop_assert!(
+                sum * 1_000_000_000 <= limit,
+                "I1: {} admitted from {} ms to {} ms, bound {}",
+                sum,
+                a / MS,
+                b / MS,
+                limit as f64 / 1e9
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A ledger and its rate holders driven by [`ROp`]s, with I2 and the
+/// ledger's own alarms checked after every step.
+struct RateWorld {
+    l: KeyLedger,
+    /// The rule in force (restarts build the ledger with it).
+    r: Rate,
+    burst: u64,
+    ttl_ns: u64,
+    now: u64,
+    hs: Vec<RateHolder>,
+    next_id: u64,
+    /// The most the rates lent out may sum to (the largest `R` in force
+    /// within a lease's life).
+    rates_cap_utps: u64,
+    /// The last restart (clean or not), after its pause.
+    restarted_ns: u64,
+    /// (instant, tokens) of every admission.
+    admitted: Vec<(u64, u64)>,
+}
+
+impl RateWorld {
+    fn new(r: Rate, burst: u64, holders: u32) -> Self {
+        RateWorld {
+            l: KeyLedger::new(r, burst, 0, None),
+            r,
+            burst,
+            ttl_ns: 500 * MS,
+            now: 0,
+            hs: vec![RateHolder::default(); holders as usize],
+            next_id: 1,
+            rates_cap_utps: rate_utps(r),
+            restarted_ns: 0,
+            admitted: Vec::new(),
+        }
+    }
+
+    fn step(&mut self, o: ROp) -> Result<(), TestCaseError> {
+        let now = self.now;
+        match o {
+            ROp::Advance(d) => {
+                self.now += d * MS;
+                self.l.advance(self.now);
+            }
+            ROp::Renew(h, want, rate_tps, lost) => {
+                let me = &mut self.hs[h as usize];
+                let named = me.current.map_or(0, |c| c.0);
+                let g = self.l.renew(
+                    now,
+                    Renewal {
+                        holder: h,
+                        lease_id: named,
+                        spent: 0,
+                        want,
+                        ttl_ns: self.ttl_ns,
+                        new_id: self.next_id,
+                        want_rate_utps: rate_tps * 1_000_000 + 1,
+                    },
+                    SEC,
+                );
+                self.next_id += 1;
+                prop_assert!(!g.shadow_violation, "shadow bucket fired");
+                prop_assert!(g.capacity <= self.burst);
+                if lost {
+                    me.late = Some((g, now));
+                } else {
+                    me.apply(&g, now);
+                }
+            }
+            ROp::Deliver(h) => {
+                let me = &mut self.hs[h as usize];
+                if let Some((g, _)) = me.late.take() {
+                    me.apply(&g, now);
+                }
+            }
+            ROp::Spend(h, k) => {
+                let me = &mut self.hs[h as usize];
+                me.refill(now);
+                if me.usable(now) && me.level_nt >= u128::from(k) * NT {
+                    me.level_nt -= u128::from(k) * NT;
+                    self.admitted.push((now, k));
+                }
+            }
+            ROp::Drain(h) => {
+                let me = &mut self.hs[h as usize];
+                me.refill(now);
+                let k = u64::try_from(me.level_nt / NT).unwrap();
+                if me.usable(now) && k > 0 {
+                    me.level_nt -= u128::from(k) * NT;
+                    self.admitted.push((now, k));
+                }
+            }
+            ROp::Release(h) => {
+                let me = &mut self.hs[h as usize];
+                me.refill(now);
+                if let Some((id, ..)) = me.current {
+                    if me.usable(now) {
+                        let left = u64::try_from(me.level_nt / NT).unwrap();
+                        self.l.release_with(now, h, id, 0, left);
+                    }
+                }
+                // Stops using it either way; a late reply is ignored now.
+                *me = RateHolder {
+                    refilled_to_ns: now,
+                    ..RateHolder::default()
+                };
+            }
+            ROp::Restart => {
+                self.l = KeyLedger::new(self.r, self.burst, now, Some(now + self.ttl_ns));
+                self.restarted_ns = now;
+            }
+            ROp::CleanRestart(pause_ms) => {
+                let cp = self.l.checkpoint(now);
+                self.now += pause_ms * MS;
+                self.l = KeyLedger::resume(self.r, self.burst, self.now, &cp, MS);
+                self.restarted_ns = self.now;
+            }
+        }
+        let l = &self.l;
+        prop_assert!(
+            l.i2_holds(),
+            "I2 broken at {} ms: available {} outstanding {} burst {}",
+            self.now / MS,
+            l.available(),
+            l.outstanding(),
+            self.burst
+        );
+        prop_assert!(
+            l.rates_out_utps() <= self.rates_cap_utps,
+            "rates out {} over R",
+            l.rates_out_utps()
+        );
+        Ok(())
     }
 }
 

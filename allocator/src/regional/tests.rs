@@ -24,6 +24,17 @@ fn rules(version: u64) -> RuleSet {
     .expect("valid rules")
 }
 
+/// The rule lowered to `rate/s burst b` (below the two regions and the
+/// five children's count at `b` = 1), as version 6.
+fn lowered_rules(rate: u64, burst: u64) -> RuleSet {
+    RuleSet::parse(
+        &format!("rules:\n  - id: hot\n    match: {{ tenant: \"*\" }}\n    rate: {rate}/s\n    burst: {burst}\n    fail_policy: closed\n"),
+        "test.yaml",
+        6,
+    )
+    .expect("valid rules")
+}
+
 fn parent_at(now: u64) -> AllocatorCore {
     let cfg = CoreConfig {
         no_predecessor: true,
@@ -519,12 +530,23 @@ fn region(now: u64, name: &str, rate_leases: bool) -> Region {
 /// `admitted` sorted by time: every window [t_i, t_j] admits at most
 /// B + R*(t_j - t_i).
 fn i1_holds(admitted: &[(u64, u64)]) -> Result<(), String> {
+    i1_holds_across(admitted, None)
+}
+
+/// [`i1_holds`] across a change to `R_new`, `B_new <= B` taking effect for
+/// the bound at `t_eff` (SPEC §2 "Rule changes"): at most
+/// `B + R * T_before + R_new * T_after`.
+fn i1_holds_across(admitted: &[(u64, u64)], change: Option<(u64, u64)>) -> Result<(), String> {
+    let (t_eff, r_new) = change.unwrap_or((u64::MAX, RATE));
     for i in 0..admitted.len() {
         let mut sum = 0;
         for a in &admitted[i..] {
             sum += a.1;
-            let bound =
-                BURST as u128 + RATE as u128 * u128::from(a.0 - admitted[i].0) / 1_000_000_000;
+            let before = a.0.min(t_eff).saturating_sub(admitted[i].0);
+            let after = a.0.saturating_sub(admitted[i].0.max(t_eff));
+            let bound = BURST as u128
+                + (RATE as u128 * u128::from(before) + r_new as u128 * u128::from(after))
+                    / 1_000_000_000;
             if sum as u128 > bound {
                 return Err(format!(
                     "{sum} admitted in [{}, {}], bound {bound}",
@@ -546,24 +568,70 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..400),
         rates in proptest::collection::vec(any::<bool>(), 2),
     ) {
+        both_tiers_keep_i1_and_i2(ops, rates, None)?;
+    }
+
+    /// The same with the rule lowered at a random step, its burst below
+    /// the number of holders at each tier (down to 1): from
+    /// `TTL_max (1 + 2 rho) + epsilon` after the change on, I2 holds at
+    /// the parent under the new burst, and I1 holds across the change.
+    #[test]
+    fn both_tiers_keep_i1_and_i2_when_the_burst_is_lowered_below_the_holders(
+        ops in proptest::collection::vec(op(), 1..400),
+        rates in proptest::collection::vec(any::<bool>(), 2),
+        change_at in 0usize..300,
+        rate_new in 1u64..=RATE,
+        burst_new in prop_oneof![Just(1u64), 1u64..5],
+    ) {
+        both_tiers_keep_i1_and_i2(ops, rates, Some((change_at, rate_new, burst_new)))?;
+    }
+}
+
+/// Two regions under one parent, five agents, driven by `ops`; `change`:
+/// at that step the parent's rule becomes `rate/s burst b`.
+fn both_tiers_keep_i1_and_i2(
+    ops: Vec<Op>,
+    rates: Vec<bool>,
+    change: Option<(usize, u64, u64)>,
+) -> Result<(), TestCaseError> {
+    {
         let mut now = T0;
         let mut parent = parent_at(now);
         // Each region with leases that carry a rate, or of tokens only.
         let mut regions = [region(now, "eu", rates[0]), region(now, "us", rates[1])];
         let mut children: Vec<Child> = vec![Child::default(); CHILDREN];
         let mut admitted: Vec<(u64, u64)> = Vec::new();
-        for op in ops {
+        let mut t_eff = None;
+        for (i, op) in ops.into_iter().enumerate() {
+            if let Some((at, rate, burst)) = change {
+                if i == at {
+                    parent.set_rules(lowered_rules(rate, burst), now);
+                    t_eff = Some(now + CoreConfig::default().restart_wait_ns());
+                }
+            }
             match op {
-                Op::ChildRenew { c, want, lose_reply } => {
+                Op::ChildRenew {
+                    c,
+                    want,
+                    lose_reply,
+                } => {
                     let ch = &mut children[c];
                     ch.seq += 1;
                     let live = ch.lease_id != 0 && now < ch.deadline;
-                    let (lease, spent) = if live { (ch.lease_id, ch.granted - ch.left) } else { (0, 0) };
+                    let (lease, spent) = if live {
+                        (ch.lease_id, ch.granted - ch.left)
+                    } else {
+                        (0, 0)
+                    };
                     if !live {
                         ch.lease_id = 0;
                         ch.left = 0;
                     }
-                    let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Renew, lease, spent, want)]);
+                    let b = child_batch(
+                        &format!("c{c}"),
+                        ch.seq,
+                        vec![item(ItemKind::Renew, lease, spent, want)],
+                    );
                     let r = regions[region_of(c)].reg.handle(now, &b);
                     if !lose_reply {
                         ch.install(now, &r.grants[0]);
@@ -585,7 +653,11 @@ proptest! {
                     if ch.lease_id != 0 {
                         ch.seq += 1;
                         let spent = ch.granted - ch.left;
-                        let b = child_batch(&format!("c{c}"), ch.seq, vec![item(ItemKind::Release, ch.lease_id, spent, 0)]);
+                        let b = child_batch(
+                            &format!("c{c}"),
+                            ch.seq,
+                            vec![item(ItemKind::Release, ch.lease_id, spent, 0)],
+                        );
                         ch.lease_id = 0;
                         ch.left = 0;
                         let r = regions[region_of(c)].reg.handle(now, &b);
@@ -656,8 +728,19 @@ proptest! {
             }
             let view = parent.key_view(now, &key());
             if let Some(v) = &view {
-                // I2 at the parent.
-                prop_assert!(v.available + v.outstanding <= v.burst, "parent I2: {:?}", v);
+                // I2 at the parent; until a lowered burst has taken
+                // effect, under the old one, with nothing available while
+                // over the new one.
+                let burst = match t_eff {
+                    Some(t) if now < t => BURST,
+                    _ => v.burst,
+                };
+                prop_assert!(v.available + v.outstanding <= burst, "parent I2: {:?}", v);
+                prop_assert!(
+                    v.available == 0 || v.available + v.outstanding <= v.burst,
+                    "parent I2: {:?}",
+                    v
+                );
             }
             for g in regions.iter_mut() {
                 // I2 at the regional (and H <= G, sub-leases within E).
@@ -667,22 +750,35 @@ proptest! {
                 // The chain's deadline is before the parent's expiry of
                 // the lease it names.
                 if let (Some(v), Some(c)) = (&view, g.reg.chain_view(&key())) {
-                    if let Some((_, l)) = v.holders.iter().find(|(_, l)| l.id == c.parent_lease_id) {
-                        prop_assert!(c.deadline_ns < l.expires_ns, "E {} not before the parent's expiry {}", c.deadline_ns, l.expires_ns);
+                    if let Some((_, l)) = v.holders.iter().find(|(_, l)| l.id == c.parent_lease_id)
+                    {
+                        prop_assert!(
+                            c.deadline_ns < l.expires_ns,
+                            "E {} not before the parent's expiry {}",
+                            c.deadline_ns,
+                            l.expires_ns
+                        );
                     }
                 }
             }
             prop_assert!(parent.stats().shadow_violations.is_empty());
         }
         if std::env::var_os("REGIONAL_PROPTEST_STATS").is_some() {
-            eprintln!("admitted {} tokens in {} admissions; regional {:?}", admitted.iter().map(|a| a.1).sum::<u64>(), admitted.len(), regions[1].reg.stats());
+            eprintln!(
+                "admitted {} tokens in {} admissions; regional {:?}",
+                admitted.iter().map(|a| a.1).sum::<u64>(),
+                admitted.len(),
+                regions[1].reg.stats()
+            );
         }
         // I1 over everything the children of both regions admitted.
         admitted.sort_unstable();
-        if let Err(e) = i1_holds(&admitted) {
+        let across = t_eff.zip(change.map(|c| c.1));
+        if let Err(e) = i1_holds_across(&admitted, across) {
             return Err(TestCaseError::fail(e));
         }
     }
+    Ok(())
 }
 
 /// Two regions behind a 30 ms upstream round trip, one child each spending

@@ -451,8 +451,9 @@ fn after_a_lowered_burst_the_region_holds_no_more_than_the_parent_counts() {
     // Found by the review: the parent answered "no room" (no new version)
     // and the regional took that for the end of its chain while x1 still
     // spent from it; a new chain for the same holder then counted only the
-    // larger of the two. Now the parent grants a version within what the
-    // chain is counted for, and the chain goes on.
+    // larger of the two. Now a "no room" answer (no new version: the
+    // lowered burst leaves none, SPEC §2) keeps the chain and its
+    // versions, which the parent counts until they expire.
     pump(&mut reg, &mut parent, now).expect("renewal ahead of E");
     assert!(reg.chain_view(&key()).is_some(), "the chain goes on");
     // The direct agent gives its 25 back.

@@ -183,6 +183,9 @@ struct Demand {
     /// The holder's first ask (since it was last active): made while it was
     /// cold, it says little of its demand (see [`Self::fair_rate_level`]).
     first: bool,
+    /// Its last ask for a rate found no room for a capacity (a burst
+    /// smaller than the holders asking; see [`KeyLedger::rate_asks`]).
+    starved: bool,
 }
 
 /// A key's state as a clean shutdown records it ([`KeyLedger::checkpoint`]).
@@ -1017,6 +1020,9 @@ impl KeyLedger {
             self.squeezed_until_ns = now_ns.saturating_add(active_window_ns.max(req.ttl_ns));
         }
         let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
+        if let Some(d) = self.demand.iter_mut().find(|d| d.holder == req.holder) {
+            d.starved = capacity == 0;
+        }
         if capacity == 0 {
             // No room at all (the other holders' counts fill the burst):
             // nothing new; the holder's versions still count until they
@@ -1259,6 +1265,7 @@ impl KeyLedger {
                 want_rate,
                 last_ns: now_ns,
                 first: true,
+                starved: false,
             }),
         }
     }
@@ -1299,12 +1306,10 @@ impl KeyLedger {
     /// region to renew sat at 375/s for 160 ms (until the third's shrink
     /// was acknowledged) while its children asked for 18 000/s.
     fn fair_rate_level(&self, budget: u64) -> u64 {
-        let asking = self.demand.iter().filter(|d| d.want_rate > 0).count() as u64;
+        let asking = self.rate_asks().count() as u64;
         let equal = budget / asking.max(1);
         let mut wants: Vec<u64> = self
-            .demand
-            .iter()
-            .filter(|d| d.want_rate > 0)
+            .rate_asks()
             .map(|d| {
                 if d.first {
                     d.want_rate.max(equal)
@@ -1324,6 +1329,24 @@ impl KeyLedger {
             left -= w;
         }
         u64::MAX
+    }
+
+    /// The asks for a rate that share `R` ([`Self::fair_rate_level`]):
+    /// every active holder's, except, while more holders ask than the
+    /// burst has tokens (at most `B` of them can hold a capacity of one),
+    /// those that found no room at their last ask. Their shares would go
+    /// to no one: the root's bucket is full of the others' capacities, so
+    /// it cannot keep what their holders do not refill (four agents on a
+    /// burst lowered to `1/s burst 1` admitted 1 token in 5.6 s, one
+    /// holder refilling at a quarter of `R`). While there are tokens
+    /// for everyone they count, so that the others' shares shrink and
+    /// room comes back for them.
+    fn rate_asks(&self) -> impl Iterator<Item = &Demand> {
+        let asking = self.demand.iter().filter(|d| d.want_rate > 0).count() as u64;
+        let crowded = asking > self.cap();
+        self.demand
+            .iter()
+            .filter(move |d| d.want_rate > 0 && !(crowded && d.starved))
     }
 
     /// Water-filling level: the largest share `L` such that giving every

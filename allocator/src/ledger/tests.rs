@@ -370,6 +370,51 @@ fn rate_ask(holder: HolderId, lease_id: u64, rate_tps: u64, new_id: u64) -> Rene
 }
 
 #[test]
+fn a_burst_lowered_below_the_holders_leaves_one_capacity_with_the_whole_rate() {
+    // 50/s burst 50 under four holders asking for 60/s each, renewing
+    // every 100 ms; the rule becomes 1/s burst 1 (the adversarial run of
+    // issue 29: every holder kept a capacity of one token, four tokens at
+    // once, for as long as they renewed).
+    let mut l = KeyLedger::new(rate(50, 1), 50, T0, None);
+    let mut named = [0u64; 4];
+    let mut ids = 1u64;
+    let mut renew_all = |l: &mut KeyLedger, now: u64| {
+        for h in 0..4u32 {
+            let g = l.renew(now, rate_ask(h, named[h as usize], 60, ids), SEC);
+            ids += 1;
+            if g.lease_id != 0 {
+                named[h as usize] = g.lease_id;
+            }
+        }
+    };
+    for step in 0..10u64 {
+        renew_all(&mut l, T0 + step * 100 * MS);
+    }
+    let change = T0 + SEC;
+    l.set_limits(rate(1, 1), 1, change);
+    for step in 0..40u64 {
+        let now = change + step * 100 * MS;
+        renew_all(&mut l, now);
+        if now > change + 2 * SEC {
+            // Every version from before the change has expired (TTL 2 s).
+            assert!(
+                l.available() + l.outstanding() <= 1,
+                "{} ms after the change: available {} outstanding {}",
+                (now - change) / MS,
+                l.available(),
+                l.outstanding()
+            );
+        }
+    }
+    // One holder holds the burst, with the whole rate: the others' asks,
+    // which can have no capacity, do not split R (it would refill no one).
+    let counted: Vec<(u64, u64)> = (0..4u32).map(|h| l.counted_for(h)).collect();
+    let holding: Vec<_> = counted.iter().filter(|c| c.0 > 0).collect();
+    assert_eq!(holding.len(), 1, "{counted:?}");
+    assert_eq!(*holding[0], (1, 999_000), "{counted:?}");
+}
+
+#[test]
 fn rate_shares_are_max_min_fair_and_never_exceed_the_rate() {
     let ask = rate_ask;
     let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);

@@ -230,6 +230,8 @@ fn run_allocator(n: usize) -> Run {
         rules_version,
         instance: 1,
         ledger_id: 0,
+        run_id: 0,
+        record_seq: 0,
     };
     // Learn the rule version first (so replies do not carry the rule set).
     let hello = shared.handle(&LeaseBatch {

@@ -321,7 +321,7 @@ impl EtcdStore {
 }
 
 impl Store for EtcdStore {
-    async fn append(&mut self, records: Vec<Record>) -> Result<(), String> {
+    async fn append(&mut self, _seq: u64, records: Vec<Record>) -> Result<(), String> {
         // One operation per key (etcd refuses a key twice in one
         // transaction): the last record of each wins, as on replay.
         let mut last: BTreeMap<String, Option<Reservation>> = BTreeMap::new();
@@ -1076,6 +1076,8 @@ async fn lead(
         ttl_max_ms: if first { 0 } else { TTL_MAX_CAP_NS / 1_000_000 },
         rules_version: 0,
         lease_id_base: 0,
+        run: 0,
+        runs: Vec::new(),
     });
     let version = alloc_server::unix_ms().max(prev.rules_version + 1);
     let rules = match (&r.args.rules, &r.rules_text) {
@@ -1147,7 +1149,7 @@ async fn lead(
             ..CoreConfig::default()
         },
         &durable,
-        run::FIRST_START_GRACE.as_nanos() as u64,
+        run::START_GRACE.as_nanos() as u64,
         r.args.new_ledger,
     );
     let shared = &r.shared;
@@ -1164,6 +1166,7 @@ async fn lead(
     };
     store
         .append(
+            0,
             promises
                 .into_iter()
                 .map(|(k, v)| Record::Set(k, v))
@@ -1270,7 +1273,7 @@ async fn lead(
         if v > written.rules_version {
             let next = LedgerRecord {
                 rules_version: v,
-                ..written
+                ..written.clone()
             };
             let put = Txn::new().when([guard()]).and_then([TxnOp::put(
                 r.keys.ledger(),

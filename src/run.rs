@@ -112,8 +112,9 @@ fn default_state_dir(listen: std::net::SocketAddr) -> std::path::PathBuf {
 
 /// What a global allocator keeps in its state directory (`ledger`): its
 /// ledger id, the largest `TTL_max` it may have granted leases under, the
-/// largest rule version it served. Durations and counters only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// largest rule version it served, and its runs. Durations and counters
+/// only.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct LedgerRecord {
     pub(crate) id: u64,
     pub(crate) ttl_max_ms: u64,
@@ -121,12 +122,22 @@ pub(crate) struct LedgerRecord {
     /// With `--etcd`: the lease id base of the latest term (each term
     /// starts above it, whatever the replicas' clocks say). 0 otherwise.
     pub(crate) lease_id_base: u64,
+    /// The run in progress (0: none; a clean stop moves it to `runs`).
+    pub(crate) run: u64,
+    /// Earlier runs, oldest first: (run id, its durable records; `u64::MAX`
+    /// when that is unknown), at most [`RUNS_KEPT`].
+    pub(crate) runs: Vec<(u64, u64)>,
 }
 
+/// Runs a ledger record keeps: a requester that last talked to this ledger
+/// this many starts ago is taken for one that saw a lost state.
+pub(crate) const RUNS_KEPT: usize = 4096;
+
 const LEDGER_FILE: &str = "ledger";
-/// How long a new ledger grants nothing (see `CoreConfig::first_start_grace_ns`):
-/// three of the agents' default 1 s heartbeats.
-pub(crate) const FIRST_START_GRACE: Duration = Duration::from_secs(3);
+/// How long a global allocator with a state directory grants nothing after
+/// it starts (see `CoreConfig::first_start_grace_ns`): three of the agents'
+/// default 1 s heartbeats.
+pub(crate) const START_GRACE: Duration = Duration::from_secs(3);
 const LEDGER_FORMAT: u64 = 1;
 
 impl LedgerRecord {
@@ -138,7 +149,41 @@ impl LedgerRecord {
         if self.lease_id_base != 0 {
             s.push_str(&format!("lease_id_base {}\n", self.lease_id_base));
         }
+        if self.run != 0 {
+            s.push_str(&format!("run {:016x}\n", self.run));
+        }
+        if !self.runs.is_empty() {
+            s.push_str("runs");
+            for (run, seq) in &self.runs {
+                s.push_str(&format!(" {run:016x}:{seq}"));
+            }
+            s.push('\n');
+        }
         s
+    }
+
+    /// The record of a new start: the run in progress, if any, becomes
+    /// an earlier one that got to record `last_seq`, and `run` starts.
+    pub(crate) fn start_run(&mut self, run: u64, last_seq: u64) {
+        if self.run != 0 {
+            self.runs.push((self.run, last_seq));
+        }
+        self.run = run;
+        let over = self.runs.len().saturating_sub(RUNS_KEPT);
+        self.runs.drain(..over);
+    }
+
+    /// A clean stop: the run in progress ended at record `last_seq`.
+    pub(crate) fn end_run(&mut self, last_seq: u64) {
+        self.start_run(0, last_seq);
+    }
+
+    /// The runs as the core checks them (`None` without a run).
+    pub(crate) fn runs(&self) -> Option<quotalease_allocator::core::Runs> {
+        (self.run != 0).then(|| quotalease_allocator::core::Runs {
+            current: self.run,
+            past: self.runs.clone(),
+        })
     }
 
     /// Parse a ledger file; an error names what is wrong.
@@ -155,6 +200,7 @@ impl LedgerRecord {
             ));
         }
         let (mut id, mut ttl, mut version, mut base) = (None, None, None, 0);
+        let (mut run, mut runs) = (0, Vec::new());
         for line in lines {
             let (k, v) = line
                 .split_once(' ')
@@ -165,6 +211,18 @@ impl LedgerRecord {
                 "ttl_max_ms" => ttl = Some(v.parse().map_err(|_| bad("a number"))?),
                 "rules_version" => version = Some(v.parse().map_err(|_| bad("a number"))?),
                 "lease_id_base" => base = v.parse().map_err(|_| bad("a number"))?,
+                "run" => run = u64::from_str_radix(v, 16).map_err(|_| bad("hex"))?,
+                "runs" => {
+                    for r in v.split(' ') {
+                        let (id, seq) = r
+                            .split_once(':')
+                            .and_then(|(i, s)| {
+                                Some((u64::from_str_radix(i, 16).ok()?, s.parse().ok()?))
+                            })
+                            .ok_or_else(|| bad("`RUN:SEQ` pairs (hex run ids)"))?;
+                        runs.push((id, seq));
+                    }
+                }
                 _ => {} // a later format's field
             }
         }
@@ -178,6 +236,8 @@ impl LedgerRecord {
             ttl_max_ms: ttl.ok_or_else(|| missing("ttl_max_ms"))?,
             rules_version: version.ok_or_else(|| missing("rules_version"))?,
             lease_id_base: base,
+            run,
+            runs,
         })
     }
 }
@@ -382,7 +442,7 @@ async fn keep_ledger_record(
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tick.tick().await;
-        let mut next = record;
+        let mut next = record.clone();
         let (version, lost) = shared.with_core(|c| (c.rules().version, c.stats().ledgers_lost));
         next.rules_version = next.rules_version.max(version);
         if lost > lost_seen {
@@ -480,6 +540,8 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
                 },
                 rules_version: 0,
                 lease_id_base: 0,
+                run: 0,
+                runs: Vec::new(),
             };
             (r, !state.has_old_start_record())
         }
@@ -488,11 +550,24 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let version = alloc_server::unix_ms().max(record.rules_version + 1);
     let rules = load_rules(&rules_path, version)?;
     let predecessor_ttl_ms = record.ttl_max_ms;
-    let record = LedgerRecord {
+    // A run that did not stop cleanly got as far as its reservation log's
+    // last durable record (unknown without a log: a lost ledger's was
+    // removed, and a restart then waits the whole recorded TTL_max).
+    let last_seq = if record.run != 0 {
+        match reservation_log::read(&dir, record.id) {
+            Ok(Some((_, seq))) => seq,
+            _ => u64::MAX,
+        }
+    } else {
+        0
+    };
+    let mut record = LedgerRecord {
         ttl_max_ms: record.ttl_max_ms.max(ttl_max_ms),
         rules_version: version,
         ..record
     };
+    let run = quotalease_proto::random_instance().max(1);
+    record.start_run(run, last_seq);
     state.write(&record)?;
     let resumed = if first {
         None
@@ -504,7 +579,9 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let reserved = if first || resumed.is_some() {
         None
     } else {
-        reservation_log::read(&dir, record.id).map_err(|e| anyhow!(e))?
+        reservation_log::read(&dir, record.id)
+            .map_err(|e| anyhow!(e))?
+            .map(|(keys, _)| keys)
     };
     if first {
         tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), "no ledger in the state directory: a new ledger, buckets start full");
@@ -521,13 +598,17 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         no_predecessor: first || resumed.is_some() || reserved.is_some(),
         reservations: true,
         ledger_id: record.id,
+        runs: record.runs(),
         // Agents holding a lost ledger's leases name it within their 1 s
         // heartbeat (or their next renewal): a new ledger waits that long
-        // before it serves its full buckets.
-        first_start_grace_ns: if first && !args.new_ledger {
-            FIRST_START_GRACE.as_nanos() as u64
-        } else {
+        // before it serves its full buckets. So does every later start:
+        // agents that saw a newer state than this directory holds (a
+        // restored backup) name its run before a brand-new agent, which
+        // presents nothing, can take from the older state.
+        first_start_grace_ns: if args.new_ledger {
             0
+        } else {
+            START_GRACE.as_nanos() as u64
         },
         new_ledger: args.new_ledger,
         ..CoreConfig::default()
@@ -540,8 +621,8 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         shared.with_core(|c| c.resume_reserved(now, keys));
     }
     // Every resumed key's state is its promise before anything is granted.
-    let promises = shared.with_core(|c| c.reserve_current_keys(now));
-    let log = reservation_log::Log::create(&dir, record.id, &promises).with_context(|| {
+    let (promises, seq) = shared.with_core(|c| (c.reserve_current_keys(now), c.reservation_seq()));
+    let log = reservation_log::Log::create(&dir, record.id, seq, &promises).with_context(|| {
         format!(
             "--state-dir {}: cannot write the reservation log",
             dir.display()
@@ -550,9 +631,9 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     let (durability, writer) =
         reservation_log::start(shared.clone(), reservation_log::FileStore::new(log));
     let state = Arc::new(state);
-    tokio::spawn(keep_ledger_record(
+    let keeper = tokio::spawn(keep_ledger_record(
         state.clone(),
-        record,
+        record.clone(),
         ttl_max_ms,
         shared.clone(),
     ));
@@ -581,6 +662,13 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     // instead of waiting out a phantom (SPEC §2 "Restarts").
     let keys = shared.checkpoint_and_close();
     state.write_checkpoint(&encode_checkpoint(record.id, &keys))?;
+    // The run ended here: its last record is the history's (after the
+    // keeper's last write, which may have raised what the record holds).
+    keeper.abort();
+    let _ = keeper.await;
+    let mut ended = state.read()?.unwrap_or(record);
+    ended.end_run(shared.with_core(|c| c.reservation_seq()));
+    state.write(&ended)?;
     // The checkpoint is the whole truth now: the reservations are stale.
     writer.abort();
     let _ = writer.await;
@@ -823,13 +911,41 @@ mod tests {
             ttl_max_ms: 2_000,
             rules_version: 1_796_000_000_000,
             lease_id_base: 0,
+            run: 0,
+            runs: Vec::new(),
         };
-        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r));
+        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r.clone()));
         let r = LedgerRecord {
             lease_id_base: 1 << 61,
             ..r
         };
-        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r));
+        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r.clone()));
+        // Runs: a start moves the run in progress to the history with its
+        // last record; a clean stop does the same and leaves none running.
+        let mut r = r;
+        r.start_run(0xa1, 0);
+        assert_eq!((r.run, r.runs.clone()), (0xa1, vec![]));
+        r.start_run(0xb2, 17);
+        r.end_run(5);
+        assert_eq!((r.run, r.runs.clone()), (0, vec![(0xa1, 17), (0xb2, 5)]));
+        r.start_run(0xc3, 0);
+        r.start_run(0xd4, u64::MAX);
+        assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r.clone()));
+        let runs = r.runs().expect("a run in progress");
+        assert_eq!(runs.current, 0xd4);
+        assert!(runs.knows(0xa1, 17, 0) && !runs.knows(0xa1, 18, 0));
+        assert!(
+            runs.knows(0xc3, 1 << 40, 0),
+            "an unknown end accepts any record"
+        );
+        assert!(!runs.knows(0xe5, 0, 0), "a run it never had");
+        assert!(runs.knows(0xd4, 3, 3) && !runs.knows(0xd4, 4, 3));
+        for i in 0..RUNS_KEPT as u64 + 10 {
+            r.start_run(i + 1, i);
+        }
+        assert_eq!(r.runs.len(), RUNS_KEPT, "the oldest runs are dropped");
+        let bad = LedgerRecord::decode(&format!("{}runs 12:x\n", r.encode())).unwrap_err();
+        assert!(bad.contains("runs"), "{bad}");
         let err = |t: &str| LedgerRecord::decode(t).unwrap_err();
         assert!(err("quotalease-ledger 1\nttl_max_ms 1\nrules_version 1\n").contains("id: missing"));
         assert!(

@@ -218,6 +218,8 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
             rules_version: 0,
             instance: 0,
             ledger_id: 0,
+            run_id: 0,
+            record_seq: 0,
         }),
         items: vec![],
         ttl_ms: 0,

@@ -169,6 +169,8 @@ fn batch(agent_id: &str, instance: u64, seq: u64, item: LeaseItem) -> LeaseBatch
             rules_version: 0,
             instance,
             ledger_id: 0,
+            run_id: 0,
+            record_seq: 0,
         }),
         items: vec![item],
         ttl_ms: 2_000,

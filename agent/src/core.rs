@@ -431,6 +431,9 @@ struct Upstream {
     no_leader_since_ns: Option<u64>,
     /// The ledger id of the allocator that last answered (0: none yet).
     ledger_id: u64,
+    /// The newest run of that ledger a reply carried and the largest
+    /// record sequence of it (0, 0: none), presented with the ledger id.
+    run: (u64, u64),
 }
 
 /// Where a request stands with the core, for the slow path.
@@ -767,7 +770,10 @@ impl AgentCore {
         {
             tracing::info!("the allocator replicas have a leader again");
         }
-        let digest_ok = reply.request_digest == 0 || reply.request_digest == p.digest;
+        let digest_ok = reply.request_digest == 0
+            || reply.request_digest == p.digest
+            || (reply.protocol_version < 4
+                && reply.request_digest == quotalease_proto::request_digest_v3(&p.batch));
         if reply.seq != seq || reply.grants.len() != p.batch.items.len() || !digest_ok {
             self.metrics.mismatched_replies.add(1);
             tracing::error!(
@@ -1043,7 +1049,9 @@ impl AgentCore {
         let mut batch = self.batch(seq, items, self.cfg.lease_ttl.as_millis() as u64);
         batch.shard = shard;
         if let Some(h) = &mut batch.header {
-            h.ledger_id = self.ups.get(shard as usize).map_or(0, |u| u.ledger_id);
+            let up = self.ups.get(shard as usize);
+            h.ledger_id = up.map_or(0, |u| u.ledger_id);
+            (h.run_id, h.record_seq) = up.map_or((0, 0), |u| u.run);
         }
         let digest = quotalease_proto::request_digest(&batch);
         self.transmits.push_back(Transmit {
@@ -1076,6 +1084,8 @@ impl AgentCore {
                 rules_version: self.rules.version(),
                 instance: self.cfg.instance,
                 ledger_id: self.ups[0].ledger_id,
+                run_id: self.ups[0].run.0,
+                record_seq: self.ups[0].run.1,
             }),
             ttl_ms,
             items,
@@ -1291,8 +1301,10 @@ impl AgentCore {
         let shard = answering_shard(&reply, p.batch.shard);
         if reply.ledger_id != 0 {
             // The ledger that served us: presented from now on (SPEC §2
-            // "First start").
-            self.up(shard).ledger_id = reply.ledger_id;
+            // "First start"), with the newest run of it we have seen.
+            let up = self.up(shard);
+            up.run = quotalease_proto::newest_run(up.ledger_id, up.run, &reply);
+            up.ledger_id = reply.ledger_id;
         }
         if reply.holder_incarnation > self.incarnation {
             // The allocator knows this identity under a higher incarnation

@@ -79,6 +79,8 @@ impl Holder {
                     rules_version: RULES_VERSION,
                     instance: 0,
                     ledger_id: 0,
+                    run_id: 0,
+                    record_seq: 0,
                 }),
                 items: (0..BATCH)
                     .map(|i| LeaseItem {

@@ -75,6 +75,40 @@ pub struct CoreConfig {
     /// item of a key of another shard is answered `WRONG_SHARD` and
     /// nothing is applied. (0, 1): not sharded.
     pub shard: (u32, u32),
+    /// This ledger's runs (SPEC §2 "First start"): stamped on every reply
+    /// with the reservation records made so far, and checked against what
+    /// requesters present. `None`: no check (a regional allocator, one
+    /// with `--etcd`, a test core).
+    pub runs: Option<Runs>,
+}
+
+/// A ledger's runs, as its state directory records them: each start of a
+/// global allocator draws a new run id, and the run before it is kept with
+/// how many of its reservation records were durable when it ended (SPEC §2
+/// "First start"). A requester presents the newest (run, record sequence)
+/// a reply carried; a run missing here, or a sequence beyond what is
+/// recorded for it, means this allocator started from an older copy of its
+/// state than the one that served the requester.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Runs {
+    /// This start's run id (never 0).
+    pub current: u64,
+    /// Earlier runs of this ledger: (run id, its durable records).
+    pub past: Vec<(u64, u64)>,
+}
+
+impl Runs {
+    /// Whether a requester that saw `record_seq` records of run `run` may
+    /// have seen this ledger's state as it is here; `current_seq`: this
+    /// run's records so far.
+    pub fn knows(&self, run: u64, record_seq: u64, current_seq: u64) -> bool {
+        if run == self.current {
+            return record_seq <= current_seq;
+        }
+        self.past
+            .iter()
+            .any(|&(r, last)| r == run && record_seq <= last)
+    }
 }
 
 /// The largest `TTL_max` an allocator accepts (`--ttl-max`): how long a
@@ -96,6 +130,7 @@ impl Default for CoreConfig {
             new_ledger: false,
             reservations: false,
             shard: (0, 1),
+            runs: None,
         }
     }
 }
@@ -218,6 +253,9 @@ pub struct AllocatorCore {
     sweep_due: std::collections::BinaryHeap<std::cmp::Reverse<(u64, KeyId)>>,
     /// Other ledgers' ids requesters named (each makes the core wait once).
     foreign_ledgers: Vec<u64>,
+    /// Runs of this ledger requesters named that its state lacks (each
+    /// makes the core wait once).
+    foreign_runs: Vec<u64>,
     /// Checkpointed for a clean shutdown: nothing more is granted.
     closed: bool,
     /// A new ledger's first-start grace ends here (see
@@ -273,6 +311,7 @@ impl AllocatorCore {
             new_keys: Vec::new(),
             sweep_due: Default::default(),
             foreign_ledgers: Vec::new(),
+            foreign_runs: Vec::new(),
             closed: false,
             grace_until_ns,
             reservations: cfg_reservations.then(Reservations::default),
@@ -359,7 +398,14 @@ impl AllocatorCore {
         self.epoch
     }
 
-    /// Instant from which this allocator hands out tokens.
+    /// When the start's grace ends (0: none; see
+    /// `CoreConfig::first_start_grace_ns`).
+    pub fn grace_until_ns(&self) -> u64 {
+        self.grace_until_ns
+    }
+
+    /// Instant from which this allocator hands out tokens: after its
+    /// start's grace and any restart wait.
     pub fn ready_at_ns(&self) -> u64 {
         self.ready_at_ns.unwrap_or(0).max(self.grace_until_ns)
     }
@@ -436,6 +482,12 @@ impl AllocatorCore {
     pub fn handle_from(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         let mut reply = self.handle_batch(now_ns, batch, principal);
         reply.ledger_id = self.cfg.ledger_id;
+        if let Some(runs) = &self.cfg.runs {
+            // The driver sends the reply once this many records are
+            // durable: a requester never sees a sequence a crash can lose.
+            reply.run_id = runs.current;
+            reply.record_seq = self.reservation_seq();
+        }
         reply
     }
 
@@ -448,6 +500,19 @@ impl AllocatorCore {
     /// too) and nothing is granted before it.
     fn ledger_lost(&mut self, now_ns: u64, theirs: u64) {
         self.foreign_ledgers.push(theirs);
+        self.state_lost(
+            now_ns,
+            format_args!(
+                "a requester names another ledger ({theirs:016x}): this allocator's state was lost"
+            ),
+        );
+    }
+
+    /// Our state was lost or is older than what a requester saw: every key
+    /// counts as fully leased out until the longest lease any ledger can
+    /// have granted (the compiled `TTL_max` cap) has surely expired, then
+    /// as empty (see [`Self::ledger_lost`]).
+    fn state_lost(&mut self, now_ns: u64, why: std::fmt::Arguments<'_>) {
         let wait = CoreConfig {
             ttl_max_ns: TTL_MAX_CAP_NS.max(self.cfg.ttl_max_ns),
             ..self.cfg.clone()
@@ -467,9 +532,8 @@ impl AllocatorCore {
         self.stats.ledgers_lost += 1;
         tracing::warn!(
             ours = format_args!("{:016x}", self.cfg.ledger_id),
-            theirs = format_args!("{theirs:016x}"),
             wait_s = wait / 1_000_000_000,
-            "a requester names another ledger: this allocator's state was lost; every key counts as fully leased out until the longest possible lease has expired (start with --new-ledger if that ledger is known to be gone)"
+            "{why}; every key counts as fully leased out until the longest possible lease has expired (start with --new-ledger if those leases are known to be gone)"
         );
     }
 
@@ -617,6 +681,29 @@ impl AllocatorCore {
             && !self.foreign_ledgers.contains(&header.ledger_id)
         {
             self.ledger_lost(now_ns, header.ledger_id);
+        }
+        // Our own ledger, but a run we have no record of, or more of a
+        // run's records than we hold: we started from an older copy of our
+        // state (a restored backup, a rolled-back volume, a reservation log
+        // that lost its tail), and that requester may hold leases the copy
+        // does not count (SPEC §2 "First start").
+        if let Some(runs) = &self.cfg.runs {
+            if ours
+                && !self.cfg.new_ledger
+                && header.ledger_id == self.cfg.ledger_id
+                && header.run_id != 0
+                && !self.foreign_runs.contains(&header.run_id)
+                && !runs.knows(header.run_id, header.record_seq, self.reservation_seq())
+            {
+                self.foreign_runs.push(header.run_id);
+                self.state_lost(
+                    now_ns,
+                    format_args!(
+                        "a requester saw run {:016x} of this ledger up to record {}, which this state directory does not hold: it was restored from an older copy",
+                        header.run_id, header.record_seq
+                    ),
+                );
+            }
         }
         // Holder, incarnation and duplicate suppression.
         let digest = quotalease_proto::request_digest(batch);

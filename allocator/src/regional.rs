@@ -278,8 +278,10 @@ struct InFlight {
     seq: u64,
     /// `request_digest` of the batch, to match the reply.
     digest: u64,
-    /// The digest of the batch as a protocol-2 parent decodes it (without
-    /// the protocol-3 fields, which it drops): its reply names that one.
+    /// The digest of the batch as a protocol-3 parent decodes it (without
+    /// the protocol-4 fields, which it drops): its reply names that one.
+    digest_v3: u64,
+    /// The same for a protocol-2 parent (without the protocol-3 fields too).
     digest_v2: u64,
     sent_ns: u64,
     items: Vec<SentItem>,
@@ -296,6 +298,13 @@ pub struct RegionalCore {
     parent_ledger_id: u64,
     /// Another ledger a child named: presented upstream once.
     child_ledger_id: u64,
+    /// The newest run of the parent's ledger its replies carried and the
+    /// largest record sequence of it (SPEC §2 "First start"): presented
+    /// upstream, and passed on to the children.
+    parent_run: (u64, u64),
+    /// The run a child presented with `child_ledger_id` (the parent's
+    /// ledger, when the child saw a run or sequence we have not).
+    child_run: (u64, u64),
     seq: u64,
     rules_known: bool,
     /// Per key (hashed: a look-up per child item must not cost a string
@@ -397,6 +406,8 @@ impl RegionalCore {
             incarnation,
             parent_ledger_id: 0,
             child_ledger_id: 0,
+            parent_run: (0, 0),
+            child_run: (0, 0),
             seq: 0,
             rules_known,
             keys: HashMap::default(),
@@ -494,13 +505,21 @@ impl RegionalCore {
         // parent yet): the next upstream batch names it, so the root learns
         // of it before it grants (SPEC §2 "First start").
         if let Some(h) = batch.header.as_ref() {
-            if h.ledger_id != 0 && h.ledger_id != self.parent_ledger_id {
+            // Likewise a run of the parent's ledger (or more of one) than
+            // its replies have shown us: the root may have restarted from
+            // an older copy of its state.
+            let newer_run = h.ledger_id == self.parent_ledger_id
+                && h.run_id != 0
+                && (h.run_id != self.parent_run.0 || h.record_seq > self.parent_run.1);
+            if h.ledger_id != 0 && (h.ledger_id != self.parent_ledger_id || newer_run) {
                 self.child_ledger_id = h.ledger_id;
+                self.child_run = (h.run_id, h.record_seq);
             }
         }
         let mut reply = self.core.handle_from(now_ns, batch, principal);
-        // Children learn the root's ledger through us.
+        // Children learn the root's ledger and run through us.
         reply.ledger_id = self.parent_ledger_id;
+        (reply.run_id, reply.record_seq) = self.parent_run;
         for (item, grant) in batch.items.iter().zip(&reply.grants) {
             if grant.opening {
                 self.wanting.push(KeyId {
@@ -871,6 +890,11 @@ impl RegionalCore {
     fn send(&mut self, now_ns: u64, items: Vec<LeaseItem>, sent: Vec<SentItem>) -> LeaseBatch {
         self.seq += 1;
         self.stats.upstream_messages += 1;
+        // What a child named, once; else the parent's ledger and run.
+        let (ledger_id, (run_id, record_seq)) = match std::mem::take(&mut self.child_ledger_id) {
+            0 => (self.parent_ledger_id, self.parent_run),
+            theirs => (theirs, std::mem::take(&mut self.child_run)),
+        };
         self.stats.upstream_items += items.len() as u64;
         if items.is_empty() {
             self.stats.upstream_heartbeats += 1;
@@ -888,10 +912,9 @@ impl RegionalCore {
                     0
                 },
                 instance: self.cfg.instance,
-                ledger_id: match std::mem::take(&mut self.child_ledger_id) {
-                    0 => self.parent_ledger_id,
-                    theirs => theirs,
-                },
+                ledger_id,
+                run_id,
+                record_seq,
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,
@@ -900,13 +923,14 @@ impl RegionalCore {
         self.in_flight = Some(InFlight {
             seq: self.seq,
             digest: quotalease_proto::request_digest(&batch),
+            digest_v3: quotalease_proto::request_digest_v3(&batch),
             digest_v2: {
                 let mut v2 = batch.clone();
                 for i in &mut v2.items {
                     i.want_rate_utps = 0;
                     i.left = 0;
                 }
-                quotalease_proto::request_digest(&v2)
+                quotalease_proto::request_digest_v3(&v2)
             },
             sent_ns: now_ns,
             items: sent,
@@ -1001,6 +1025,7 @@ impl RegionalCore {
             f.seq == reply.seq
                 && (reply.request_digest == 0
                     || reply.request_digest == f.digest
+                    || (reply.protocol_version < 4 && reply.request_digest == f.digest_v3)
                     || (reply.protocol_version < 3 && reply.request_digest == f.digest_v2))
         }) else {
             if self.in_flight.as_ref().is_some_and(|f| f.seq == reply.seq) {
@@ -1016,6 +1041,8 @@ impl RegionalCore {
         // (their pools' hints for children with them).
         self.wanting.extend(f.items.iter().map(|i| i.key.clone()));
         if reply.ledger_id != 0 {
+            self.parent_run =
+                quotalease_proto::newest_run(self.parent_ledger_id, self.parent_run, reply);
             self.parent_ledger_id = reply.ledger_id;
         }
         if reply.holder_incarnation > self.incarnation {

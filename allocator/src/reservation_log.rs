@@ -8,14 +8,20 @@
 //! (written aside, synced, renamed over) when it grows past
 //! [`COMPACT_BYTES`].
 //!
-//! Format (version 1):
+//! Format (version 2; version 1 had no `s` lines):
 //!
 //! ```text
-//! quotalease-reservations 1
+//! quotalease-reservations 2
 //! ledger <16 hex digits>
 //! r <floor> <rate cap, micro-tokens/s> <rule> <tenant> <route>    (ids in hex)
 //! d <rule> <tenant> <route>                                      (at rest)
+//! s <records of this run durable with this line>
 //! ```
+//!
+//! Every group (and a compacted log's snapshot) ends with its `s` line:
+//! the run's record sequence, which replies carry (SPEC §2 "First start").
+//! The last complete one says how far the run got when it ended, so a
+//! requester that saw more of it exposes a log that lost its tail.
 //!
 //! A last line without its newline was being written when the process
 //! died: no reply waited on it, so it is ignored. Any other bad line is an
@@ -32,7 +38,7 @@ use crate::server::Shared;
 
 /// The log's file name in the state directory.
 pub const FILE: &str = "reservations";
-const FORMAT: u64 = 1;
+const FORMAT: u64 = 2;
 /// Compact the log when it grows past this.
 pub const COMPACT_BYTES: u64 = 8 << 20;
 
@@ -121,23 +127,42 @@ pub fn decode(text: &str, ledger: u64) -> Result<Vec<(KeyId, Reservation)>, Stri
             (Some("d"), 4) => {
                 by_key.remove(&key(1)?);
             }
+            (Some("s"), 2) => {
+                w[1].parse::<u64>().map_err(|_| bad())?;
+            }
             _ => return Err(bad()),
         }
     }
     Ok(by_key.into_iter().collect())
 }
 
-/// Read the log in `dir` for `ledger`: `Ok(None)` when there is none (a
-/// ledger from before reservations, or one whose log was invalidated).
-pub fn read(dir: &Path, ledger: u64) -> Result<Option<Vec<(KeyId, Reservation)>>, String> {
+/// The record sequence of a log's last complete `s` line (0 for none: a
+/// version-1 log, or nothing made durable).
+pub fn last_seq(text: &str) -> u64 {
+    text.split_inclusive('\n')
+        .rev()
+        .find_map(|l| l.strip_suffix('\n')?.strip_prefix("s ")?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A log as [`read`] finds it: the promises it leaves, and the record
+/// sequence of its last complete `s` line.
+pub type Read = (Vec<(KeyId, Reservation)>, u64);
+
+/// Read the log in `dir` for `ledger`: its promises and its last durable
+/// record sequence ([`last_seq`]); `Ok(None)` when there is none (a ledger
+/// from before reservations, or one whose log was invalidated).
+pub fn read(dir: &Path, ledger: u64) -> Result<Option<Read>, String> {
     let path = dir.join(FILE);
     match std::fs::read_to_string(&path) {
-        Ok(text) => decode(&text, ledger).map(Some).map_err(|e| {
-            format!(
-                "{}: {e}; nothing is granted from it (fix or move it away)",
-                path.display()
-            )
-        }),
+        Ok(text) => decode(&text, ledger)
+            .map(|r| Some((r, last_seq(&text))))
+            .map_err(|e| {
+                format!(
+                    "{}: {e}; nothing is granted from it (fix or move it away)",
+                    path.display()
+                )
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
@@ -167,17 +192,20 @@ pub struct Log {
 }
 
 impl Log {
-    /// Start a fresh log in `dir` holding `records` (written aside, synced
-    /// and renamed over any old one, so a crash leaves one or the other).
+    /// Start a fresh log in `dir` holding `records`, the state at record
+    /// sequence `seq` (written aside, synced and renamed over any old one,
+    /// so a crash leaves one or the other).
     pub fn create(
         dir: &Path,
         ledger: u64,
+        seq: u64,
         records: &[(KeyId, Reservation)],
     ) -> std::io::Result<Self> {
         let mut text = header(ledger);
         for (k, r) in records {
             text.push_str(&line(&Record::Set(k.clone(), *r)));
         }
+        text.push_str(&format!("s {seq}\n"));
         let tmp = dir.join(format!("{FILE}.tmp"));
         {
             let mut f = std::fs::File::create(&tmp)?;
@@ -197,8 +225,9 @@ impl Log {
         })
     }
 
-    /// Append `records` and make them durable.
-    pub fn append(&mut self, records: &[Record]) -> std::io::Result<()> {
+    /// Append `records`, which bring the run to record sequence `seq`,
+    /// and make them durable.
+    pub fn append(&mut self, seq: u64, records: &[Record]) -> std::io::Result<()> {
         if records.is_empty() {
             return Ok(());
         }
@@ -206,6 +235,7 @@ impl Log {
         for r in records {
             text.push_str(&line(r));
         }
+        text.push_str(&format!("s {seq}\n"));
         self.file.write_all(text.as_bytes())?;
         self.file.sync_data()?;
         self.bytes += text.len() as u64;
@@ -217,9 +247,9 @@ impl Log {
         self.bytes > COMPACT_BYTES
     }
 
-    /// Replace the log by one holding exactly `records`.
-    pub fn compact(&mut self, records: &[(KeyId, Reservation)]) -> std::io::Result<()> {
-        *self = Self::create(&self.dir, self.ledger, records)?;
+    /// Replace the log by one holding exactly `records` (at `seq`).
+    pub fn compact(&mut self, seq: u64, records: &[(KeyId, Reservation)]) -> std::io::Result<()> {
+        *self = Self::create(&self.dir, self.ledger, seq, records)?;
         Ok(())
     }
 }
@@ -227,10 +257,12 @@ impl Log {
 /// Where reservation records are made durable: the state directory's
 /// [`Log`] ([`FileStore`]), or etcd with `--etcd` (the binary's driver).
 pub trait Store: Send + 'static {
-    /// Make `records` durable, in order; on an error none of them may be
-    /// taken for durable (the writer retries them).
+    /// Make `records` durable, in order, with the record sequence `seq`
+    /// they bring the run to; on an error none of them may be taken for
+    /// durable (the writer retries them).
     fn append(
         &mut self,
+        seq: u64,
         records: Vec<Record>,
     ) -> impl std::future::Future<Output = Result<(), String>> + Send;
     /// Whether [`Store::compact`] should run now: never for a store that
@@ -238,13 +270,15 @@ pub trait Store: Send + 'static {
     fn wants_compaction(&self) -> bool {
         false
     }
-    /// Replace everything stored by exactly `records` (only called when
-    /// [`Store::wants_compaction`] says so).
+    /// Replace everything stored by exactly `records`, the state at
+    /// record sequence `seq` (only called when [`Store::wants_compaction`]
+    /// says so).
     fn compact(
         &mut self,
+        seq: u64,
         records: Vec<(KeyId, Reservation)>,
     ) -> impl std::future::Future<Output = Result<(), String>> + Send {
-        let _ = records;
+        let _ = (seq, records);
         async { Err("this store is never compacted".to_string()) }
     }
     /// The records no longer describe the ledger (its state was lost):
@@ -287,16 +321,20 @@ impl FileStore {
 }
 
 impl Store for FileStore {
-    async fn append(&mut self, records: Vec<Record>) -> Result<(), String> {
-        self.with_log(move |l| l.append(&records)).await
+    async fn append(&mut self, seq: u64, records: Vec<Record>) -> Result<(), String> {
+        self.with_log(move |l| l.append(seq, &records)).await
     }
 
     fn wants_compaction(&self) -> bool {
         self.log.as_ref().is_some_and(Log::wants_compaction)
     }
 
-    async fn compact(&mut self, records: Vec<(KeyId, Reservation)>) -> Result<(), String> {
-        self.with_log(move |l| l.compact(&records)).await
+    async fn compact(
+        &mut self,
+        seq: u64,
+        records: Vec<(KeyId, Reservation)>,
+    ) -> Result<(), String> {
+        self.with_log(move |l| l.compact(seq, &records)).await
     }
 
     async fn invalidate(&mut self) -> Result<(), String> {
@@ -397,8 +435,8 @@ pub fn start<S: Store>(
                 continue;
             }
             let res = match snapshot {
-                Some(all) => store.compact(all).await,
-                None => store.append(unwritten.clone()).await,
+                Some(all) => store.compact(seq, all).await,
+                None => store.append(seq, unwritten.clone()).await,
             };
             match res {
                 Ok(()) => {

@@ -593,8 +593,17 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
             return (StatusCode::OK, format!("ready: leader epoch {epoch}\n"));
         }
     }
+    let grace_until = shared.with_core(|c| c.grace_until_ns());
     if now >= ready_at {
         (StatusCode::OK, "ready\n".into())
+    } else if ready_at <= grace_until {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: starting, granting in {} ms (requesters holding leases of this ledger, or of a newer copy of its state, present them first)\n",
+                (ready_at - now).div_ceil(1_000_000)
+            ),
+        )
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -66,8 +66,12 @@ pub mod envoy {
 /// and `GrantStatus::SeqConflict`; version 1 peers leave them 0. Version 3
 /// added leases that carry a rate (`LeaseItem.want_rate_utps` and `left`,
 /// `Grant.rate_utps`, `capacity` and `version_of`): a version-2 peer never
-/// asks for one and is never sent one.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// asks for one and is never sent one. Version 4 added runs
+/// (`RequestHeader.run_id` and `record_seq`, `LeaseReply.run_id` and
+/// `record_seq`): a requester sends them only after a reply carried them,
+/// so a version-3 allocator never meets them; a version-3 requester leaves
+/// them 0 and is never checked.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The shard of a key among `count` shards (SPEC §7 "Sharding"): 64-bit
 /// FNV-1a over `rule_id`, `tenant` and `route` (the key parts as the lease
@@ -135,6 +139,39 @@ pub fn request_digest(batch: &lease::LeaseBatch) -> u64 {
     })
 }
 
+/// [`request_digest`] of `batch` as an allocator of protocol version 3
+/// decodes it: without the version-4 header fields (`run_id`,
+/// `record_seq`), which it drops. A requester that presented a run to an
+/// allocator since downgraded matches its reply by this one.
+pub fn request_digest_v3(batch: &lease::LeaseBatch) -> u64 {
+    let mut b = batch.clone();
+    if let Some(h) = &mut b.header {
+        (h.run_id, h.record_seq) = (0, 0);
+    }
+    request_digest(&b)
+}
+
+/// The (run id, record sequence) a requester presents after `reply`,
+/// having presented `held` of ledger `ledger` (SPEC §2 "First start"): the
+/// newest run a reply carried, with the largest sequence of it. A reply of
+/// another ledger starts over; one from an allocator that keeps no runs
+/// (version 3) makes it present none, so that one never meets the fields;
+/// a version-4 one without a run (a regional that has not heard from its
+/// parent yet, a replica with `--etcd`) changes nothing.
+pub fn newest_run(ledger: u64, held: (u64, u64), reply: &lease::LeaseReply) -> (u64, u64) {
+    let held = if reply.ledger_id != 0 && reply.ledger_id != ledger {
+        (0, 0)
+    } else {
+        held
+    };
+    match reply.run_id {
+        0 if reply.protocol_version < 4 => (0, 0),
+        0 => held,
+        run if run == held.0 => (run, held.1.max(reply.record_seq)),
+        run => (run, reply.record_seq),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +204,8 @@ mod tests {
                 rules_version: 3,
                 instance: 4,
                 ledger_id: 0,
+                run_id: 0,
+                record_seq: 0,
             }),
             items: vec![lease::LeaseItem {
                 rule_id: "r".into(),

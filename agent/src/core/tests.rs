@@ -624,3 +624,71 @@ fn a_key_whose_shard_cannot_be_reached_waits_instead_of_asking_in_a_loop() {
     assert!(renewals <= 1, "{renewals} renewals of the key in 400 ms");
     assert!(!c.reach_of(&slot_b).down, "down before the grace");
 }
+
+#[test]
+fn the_newest_run_a_reply_carried_is_presented_with_its_ledger() {
+    let (mut c, rules) = core(8);
+    let header = |tx: &Transmit| {
+        let h = tx.batch.header.as_ref().unwrap();
+        (h.ledger_id, h.run_id, h.record_seq)
+    };
+    let mut now = T0;
+    let mut tx = want(&mut c, &rules, "k0", now);
+    assert_eq!(header(&tx[0]), (0, 0, 0), "nothing seen yet");
+    // (ledger, run, records) as replies carry them, and what is presented
+    // next: the largest count of a run, a new run as it comes, a reply of
+    // another ledger starting over, a version-4 reply without a run (a
+    // regional that has not heard from its root) changing nothing.
+    for (i, (ledger, run, seq, expect)) in [
+        (0x1ed, 0xa1, 5, (0x1ed, 0xa1, 5)),
+        (0x1ed, 0xa1, 3, (0x1ed, 0xa1, 5)),
+        (0x1ed, 0xb2, 1, (0x1ed, 0xb2, 1)),
+        (0x1ed, 0, 0, (0x1ed, 0xb2, 1)),
+        (0x2ee, 0, 0, (0x2ee, 0, 0)),
+        (0x2ee, 0xc3, 9, (0x2ee, 0xc3, 9)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut reply = grant_all(&tx[0]);
+        (reply.ledger_id, reply.run_id, reply.record_seq) = (ledger, run, seq);
+        reply.protocol_version = quotalease_proto::PROTOCOL_VERSION;
+        now += MS;
+        c.handle_reply(now, tx[0].seq, reply);
+        now += MS;
+        tx = want(&mut c, &rules, &format!("k{}", i + 1), now);
+        assert_eq!(header(&tx[0]), expect, "after reply {i}");
+    }
+}
+
+#[test]
+fn an_allocator_downgraded_to_protocol_3_is_understood_and_sees_no_run() {
+    // Presented a run, then answered by a version-3 allocator: it dropped
+    // the fields it does not know and digested the rest. The reply applies,
+    // and no run is presented to it again.
+    let (mut c, rules) = core(8);
+    let first = want(&mut c, &rules, "k0", T0);
+    let mut reply = grant_all(&first[0]);
+    (reply.ledger_id, reply.run_id, reply.record_seq) = (0x1ed, 0xa1, 5);
+    reply.protocol_version = quotalease_proto::PROTOCOL_VERSION;
+    c.handle_reply(T0 + MS, first[0].seq, reply);
+    let second = want(&mut c, &rules, "k1", T0 + 2 * MS);
+    assert_eq!(second[0].batch.header.as_ref().unwrap().run_id, 0xa1);
+    let mut old = grant_all(&second[0]);
+    old.request_digest = quotalease_proto::request_digest_v3(&second[0].batch);
+    assert_ne!(
+        old.request_digest,
+        quotalease_proto::request_digest(&second[0].batch)
+    );
+    (old.ledger_id, old.protocol_version) = (0x1ed, 3);
+    c.handle_reply(T0 + 3 * MS, second[0].seq, old);
+    assert_eq!(c.metrics.mismatched_replies.get(), 0);
+    let slot = c.slot_for(&rules.rules[0], "k1", "").unwrap();
+    assert!(
+        slot.word.peek(T0 + 4 * MS).is_some_and(|t| t >= 1),
+        "applied"
+    );
+    let third = want(&mut c, &rules, "k2", T0 + 5 * MS);
+    let h = third[0].batch.header.as_ref().unwrap();
+    assert_eq!((h.ledger_id, h.run_id, h.record_seq), (0x1ed, 0, 0));
+}

@@ -42,6 +42,8 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             rules_version: 7,
             instance: 0,
             ledger_id: 0,
+            run_id: 0,
+            record_seq: 0,
         }),
         items,
         ttl_ms: 1000,
@@ -793,4 +795,81 @@ fn a_batch_meant_for_another_shard_does_not_make_this_one_think_its_ledger_lost(
         ),
     );
     assert_eq!(r.grants[0].tokens, 5, "{r:?}");
+}
+
+/// A ready core of ledger 0x1ed with runs: 0xb2 in progress, 0xa1 before
+/// it (ended at record 5).
+fn core_with_runs() -> AllocatorCore {
+    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
+    let cfg = CoreConfig {
+        ledger_id: 0x1ed,
+        runs: Some(Runs {
+            current: 0xb2,
+            past: vec![(0xa1, 5)],
+        }),
+        reservations: true,
+        ..CoreConfig::default()
+    };
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
+    c.ready_at_ns = None;
+    c
+}
+
+/// A batch of `agent` presenting ledger 0x1ed, `run` and `seq`.
+fn presenting(agent: &str, seq: u64, run: u64, record_seq: u64) -> LeaseBatch {
+    let mut b = batch(
+        agent,
+        1,
+        seq,
+        vec![renew("orders", "acme", "/api/orders", 0, 0, 5)],
+    );
+    let h = b.header.as_mut().unwrap();
+    (h.ledger_id, h.run_id, h.record_seq) = (0x1ed, run, record_seq);
+    b
+}
+
+#[test]
+fn replies_carry_the_run_and_its_records_so_far() {
+    let mut c = core_with_runs();
+    let r = c.handle(T, &presenting("a1", 1, 0, 0));
+    assert_eq!(r.grants[0].tokens, 5);
+    assert_eq!((r.ledger_id, r.run_id), (0x1ed, 0xb2));
+    // The grant broke the key's durable promise: one record, which the
+    // driver makes durable before this reply goes out.
+    assert_eq!(r.record_seq, c.reservation_seq());
+    assert!(r.record_seq >= 1, "{r:?}");
+}
+
+#[test]
+fn a_requester_that_saw_what_this_state_lacks_makes_the_ledger_wait() {
+    // Runs and records this state holds: served as usual.
+    let mut c = core_with_runs();
+    for (i, (run, seq)) in [(0xa1, 5), (0xa1, 0), (0xb2, 0)].into_iter().enumerate() {
+        let r = c.handle(T, &presenting(&format!("ok{i}"), 1, run, seq));
+        assert_eq!(r.grants[0].tokens, 5, "({run:x}, {seq}): {r:?}");
+    }
+    assert_eq!(c.stats().ledgers_lost, 0);
+    // A run it never had (a backup restored after more starts), more of
+    // an earlier run than it recorded (a log cut short, a copy of a live
+    // directory), more of this run than it made: each an older copy.
+    let now = c.reservation_seq();
+    for (run, seq) in [(0xc3, 1), (0xa1, 6), (0xb2, now + 1)] {
+        let mut c = core_with_runs();
+        let r = c.handle(T, &presenting("b", 1, run, seq));
+        assert_eq!(r.grants[0].tokens, 0, "({run:x}, {seq}): {r:?}");
+        assert!(r.grants[0].retry_after_ms > 0);
+        assert_eq!(c.stats().ledgers_lost, 1, "({run:x}, {seq})");
+        // Whoever asks next waits too: a brand-new agent presents nothing.
+        let r = c.handle(T + SEC, &presenting("new", 1, 0, 0));
+        assert_eq!(r.grants[0].tokens, 0, "({run:x}, {seq}): {r:?}");
+        // The same run named again by another requester waits no longer.
+        c.handle(T + SEC, &presenting("b2", 1, run, seq));
+        assert_eq!(c.stats().ledgers_lost, 1);
+        assert!(c.ready_at_ns() >= T + TTL_MAX_CAP_NS, "waits out the cap");
+    }
+    // With --new-ledger the operator says those leases are gone.
+    let mut c = core_with_runs();
+    c.cfg.new_ledger = true;
+    let r = c.handle(T, &presenting("b", 1, 0xc3, 1));
+    assert_eq!(r.grants[0].tokens, 5);
 }

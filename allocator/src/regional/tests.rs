@@ -94,6 +94,8 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             rules_version: 0,
             instance: 0,
             ledger_id: 0,
+            run_id: 0,
+            record_seq: 0,
         }),
         items,
         ttl_ms: 2_000,
@@ -929,7 +931,7 @@ fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
                 }
                 let mut r = parent.handle(now, &b);
                 if !parent_knows {
-                    r.protocol_version = PROTOCOL_VERSION - 1;
+                    r.protocol_version = 2;
                 }
                 assert!(
                     r.grants.iter().all(|g| g.capacity == 0 && g.rate_utps == 0),

@@ -98,7 +98,7 @@ fn op3() -> impl Strategy<Value = Op2> {
 enum Link {
     Idle,
     Sent(LeaseBatch),
-    AtParent(LeaseBatch, LeaseReply),
+    AtParent(LeaseBatch, Box<LeaseReply>),
 }
 
 struct Reg2 {
@@ -220,7 +220,7 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
                 if let Link::Sent(b) = std::mem::replace(&mut g.link, Link::Idle) {
                     let rep = parent.handle(now, &b);
                     g.delivered = Some(b.clone());
-                    g.link = Link::AtParent(b, rep);
+                    g.link = Link::AtParent(b, Box::new(rep));
                 }
             }
             Op2::RegionGet { r } => {

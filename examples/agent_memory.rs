@@ -232,6 +232,7 @@ fn run_allocator(n: usize) -> Run {
         ledger_id: 0,
         run_id: 0,
         record_seq: 0,
+        cluster: String::new(),
     };
     // Learn the rule version first (so replies do not carry the rule set).
     let hello = shared.handle(&LeaseBatch {

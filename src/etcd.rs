@@ -1078,6 +1078,7 @@ async fn lead(
         lease_id_base: 0,
         run: 0,
         runs: Vec::new(),
+        cluster: String::new(),
     });
     let version = alloc_server::unix_ms().max(prev.rules_version + 1);
     let rules = match (&r.args.rules, &r.rules_text) {
@@ -1146,6 +1147,7 @@ async fn lead(
         CoreConfig {
             ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
             shard: r.args.shard.unwrap_or((0, 1)),
+            cluster: r.args.cluster.clone().unwrap_or_default(),
             ..CoreConfig::default()
         },
         &durable,

@@ -115,6 +115,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Parse a fraction in (0, 1].
+/// A cluster name: 1..=128 of letters, digits, `.`, `_` and `-` (it is
+/// written as one word in the ledger record).
+pub(crate) fn parse_cluster(s: &str) -> Result<String, String> {
+    let ok = (1..=128).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?}: a cluster name is 1 to 128 letters, digits, '.', '_' or '-'"
+        ))
+    }
+}
+
 fn parse_fraction(s: &str) -> Result<f64, String> {
     let f: f64 = s
         .parse()
@@ -166,6 +181,14 @@ pub struct AllocatorArgs {
     /// are known to be gone.
     #[arg(long = "new-ledger")]
     new_ledger: bool,
+    /// The cluster this allocator serves (letters, digits, `.`, `_`, `-`;
+    /// at most 128). Requesters of another cluster, or of none, are refused
+    /// with an error naming both, and never make this allocator take its
+    /// ledger for lost. Recorded in the state directory at the first
+    /// start: later starts take it from there, and a different value is an
+    /// error. Default: none (every requester is taken for one of its own).
+    #[arg(long, value_parser = parse_cluster)]
+    cluster: Option<String>,
     /// Parent allocator URL (http://HOST:PORT): makes this a regional
     /// allocator. Needs --region.
     #[arg(long)]
@@ -268,6 +291,11 @@ pub struct AgentArgs {
     /// Agent id sent to the allocator (default: agent-HOSTPID).
     #[arg(long = "agent-id")]
     agent_id: Option<String>,
+    /// The cluster this agent belongs to (as the allocator's --cluster):
+    /// presented to the allocator, and replies of another cluster are not
+    /// used. Default: none.
+    #[arg(long, value_parser = parse_cluster)]
+    cluster: Option<String>,
     /// Lease lifetime requested.
     #[arg(long = "lease-ttl", default_value = "2s", value_parser = parse_duration)]
     lease_ttl: Duration,

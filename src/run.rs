@@ -127,6 +127,8 @@ pub(crate) struct LedgerRecord {
     /// Earlier runs, oldest first: (run id, its durable records; `u64::MAX`
     /// when that is unknown), at most [`RUNS_KEPT`].
     pub(crate) runs: Vec<(u64, u64)>,
+    /// The cluster this ledger belongs to ("": none set).
+    pub(crate) cluster: String,
 }
 
 /// Runs a ledger record keeps: a requester that last talked to this ledger
@@ -151,6 +153,9 @@ impl LedgerRecord {
         }
         if self.run != 0 {
             s.push_str(&format!("run {:016x}\n", self.run));
+        }
+        if !self.cluster.is_empty() {
+            s.push_str(&format!("cluster {}\n", self.cluster));
         }
         if !self.runs.is_empty() {
             s.push_str("runs");
@@ -200,7 +205,7 @@ impl LedgerRecord {
             ));
         }
         let (mut id, mut ttl, mut version, mut base) = (None, None, None, 0);
-        let (mut run, mut runs) = (0, Vec::new());
+        let (mut run, mut runs, mut cluster) = (0, Vec::new(), String::new());
         for line in lines {
             let (k, v) = line
                 .split_once(' ')
@@ -212,6 +217,9 @@ impl LedgerRecord {
                 "rules_version" => version = Some(v.parse().map_err(|_| bad("a number"))?),
                 "lease_id_base" => base = v.parse().map_err(|_| bad("a number"))?,
                 "run" => run = u64::from_str_radix(v, 16).map_err(|_| bad("hex"))?,
+                "cluster" => {
+                    cluster = crate::parse_cluster(v).map_err(|e| format!("cluster: {e}"))?
+                }
                 "runs" => {
                     for r in v.split(' ') {
                         let (id, seq) = r
@@ -238,6 +246,7 @@ impl LedgerRecord {
             lease_id_base: base,
             run,
             runs,
+            cluster,
         })
     }
 }
@@ -542,6 +551,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
                 lease_id_base: 0,
                 run: 0,
                 runs: Vec::new(),
+                cluster: String::new(),
             };
             (r, !state.has_old_start_record())
         }
@@ -561,9 +571,22 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     } else {
         0
     };
+    // The cluster: recorded at the first start that names one; a later
+    // start naming another is refused before anything is written.
+    let cluster = match (&args.cluster, record.cluster.as_str()) {
+        (Some(c), "") => c.clone(),
+        (Some(c), theirs) if c != theirs => {
+            return Err(anyhow!(
+                "--cluster {c}: the state directory {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own directory)",
+                dir.display()
+            ))
+        }
+        (_, theirs) => theirs.to_string(),
+    };
     let mut record = LedgerRecord {
         ttl_max_ms: record.ttl_max_ms.max(ttl_max_ms),
         rules_version: version,
+        cluster,
         ..record
     };
     let run = quotalease_proto::random_instance().max(1);
@@ -599,6 +622,7 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         reservations: true,
         ledger_id: record.id,
         runs: record.runs(),
+        cluster: record.cluster.clone(),
         // Agents holding a lost ledger's leases name it within their 1 s
         // heartbeat (or their next renewal): a new ledger waits that long
         // before it serves its full buckets. So does every later start:
@@ -778,6 +802,7 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
     let cfg = RegionalConfig {
         core: CoreConfig {
             ttl_max_ns: ns(args.ttl_max),
+            cluster: args.cluster.clone().unwrap_or_default(),
             ..CoreConfig::default()
         },
         region: region.clone(),
@@ -846,6 +871,7 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
             .agent_id
             .clone()
             .unwrap_or_else(|| format!("agent-{}", std::process::id())),
+        cluster: args.cluster.clone().unwrap_or_default(),
         lease_ttl: args.lease_ttl,
         plan: PlanConfig {
             renew_interval: args.renew_interval,
@@ -913,8 +939,16 @@ mod tests {
             lease_id_base: 0,
             run: 0,
             runs: Vec::new(),
+            cluster: String::new(),
         };
         assert_eq!(LedgerRecord::decode(&r.encode()), Ok(r.clone()));
+        let named = LedgerRecord {
+            cluster: "prod-eu.1".into(),
+            ..r.clone()
+        };
+        assert_eq!(LedgerRecord::decode(&named.encode()), Ok(named.clone()));
+        let bad = LedgerRecord::decode(&format!("{}cluster a b\n", r.encode())).unwrap_err();
+        assert!(bad.starts_with("cluster:"), "{bad}");
         let r = LedgerRecord {
             lease_id_base: 1 << 61,
             ..r

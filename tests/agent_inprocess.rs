@@ -220,6 +220,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
             ledger_id: 0,
             run_id: 0,
             record_seq: 0,
+            cluster: String::new(),
         }),
         items: vec![],
         ttl_ms: 0,

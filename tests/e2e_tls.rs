@@ -171,6 +171,7 @@ fn batch(agent_id: &str, instance: u64, seq: u64, item: LeaseItem) -> LeaseBatch
             ledger_id: 0,
             run_id: 0,
             record_seq: 0,
+            cluster: String::new(),
         }),
         items: vec![item],
         ttl_ms: 2_000,

@@ -83,6 +83,9 @@ pub struct AgentConfig {
     /// Most lease batches in flight at once (backpressure: more keys wait
     /// for the next batch instead of failing).
     pub max_in_flight: usize,
+    /// The cluster this agent belongs to (`--cluster`; "" when not set),
+    /// presented to the allocator (SPEC §2 "First start").
+    pub cluster: String,
 }
 
 /// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
@@ -114,6 +117,7 @@ impl Default for AgentConfig {
             instance: None,
             record_emergency: false,
             max_in_flight: 8,
+            cluster: String::new(),
         }
     }
 }
@@ -646,6 +650,7 @@ impl Agent {
                 record_emergency: cfg.record_emergency,
                 max_in_flight: cfg.max_in_flight,
                 max_keys: cfg.max_keys,
+                cluster: cfg.cluster.clone(),
             },
             table.clone(),
             rules.clone(),

@@ -87,6 +87,9 @@ pub struct CoreConfig {
     pub max_in_flight: usize,
     /// Largest number of keys held.
     pub max_keys: usize,
+    /// The cluster presented to the allocator ("": none); a reply from an
+    /// allocator of another named cluster is not used.
+    pub cluster: String,
 }
 
 /// What the driver must act on.
@@ -356,6 +359,8 @@ struct Pending {
 #[derive(Debug)]
 pub struct AgentCore {
     cfg: CoreConfig,
+    /// When a reply of another cluster was last logged.
+    wrong_cluster_logged_ns: u64,
     incarnation: u64,
     seq: u64,
     table: Arc<Table>,
@@ -459,6 +464,7 @@ impl AgentCore {
         Self {
             incarnation: cfg.incarnation,
             cfg,
+            wrong_cluster_logged_ns: 0,
             seq: 0,
             table,
             rules,
@@ -769,6 +775,24 @@ impl AgentCore {
             .is_some()
         {
             tracing::info!("the allocator replicas have a leader again");
+        }
+        if !self.cfg.cluster.is_empty()
+            && !reply.cluster.is_empty()
+            && reply.cluster != self.cfg.cluster
+        {
+            // An allocator of another cluster (a staging agent pointed at
+            // production, or the reverse): none of its grants is used.
+            self.metrics.mismatched_replies.add(1);
+            if now >= self.wrong_cluster_logged_ns.saturating_add(10_000_000_000) {
+                self.wrong_cluster_logged_ns = now;
+                tracing::error!(
+                    theirs = %reply.cluster,
+                    ours = %self.cfg.cluster,
+                    "the allocator serves another cluster: its replies are not used (logged once every 10 s)"
+                );
+            }
+            self.abandon(seq);
+            return;
         }
         let digest_ok = reply.request_digest == 0
             || reply.request_digest == p.digest
@@ -1086,6 +1110,7 @@ impl AgentCore {
                 ledger_id: self.ups[0].ledger_id,
                 run_id: self.ups[0].run.0,
                 record_seq: self.ups[0].run.1,
+                cluster: self.cfg.cluster.clone(),
             }),
             ttl_ms,
             items,

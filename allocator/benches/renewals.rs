@@ -81,6 +81,7 @@ impl Holder {
                     ledger_id: 0,
                     run_id: 0,
                     record_seq: 0,
+                    cluster: String::new(),
                 }),
                 items: (0..BATCH)
                     .map(|i| LeaseItem {

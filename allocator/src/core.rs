@@ -80,6 +80,11 @@ pub struct CoreConfig {
     /// requesters present. `None`: no check (a regional allocator, one
     /// with `--etcd`, a test core).
     pub runs: Option<Runs>,
+    /// The cluster this allocator serves (`--cluster`; "" when not set:
+    /// every requester is taken for one of its own). A requester that
+    /// presents another cluster is refused before anything else is looked
+    /// at, so it never makes this allocator take its ledger for lost.
+    pub cluster: String,
 }
 
 /// A ledger's runs, as its state directory records them: each start of a
@@ -111,6 +116,10 @@ impl Runs {
     }
 }
 
+/// Repeated warnings (refused clusters, another live ledger) are logged
+/// at most this often.
+const LOG_EVERY_NS: u64 = 10_000_000_000;
+
 /// The largest `TTL_max` an allocator accepts (`--ttl-max`): how long a
 /// lost ledger's leases may still be out, whatever it was run with.
 pub const TTL_MAX_CAP_NS: u64 = 60_000_000_000;
@@ -131,6 +140,7 @@ impl Default for CoreConfig {
             reservations: false,
             shard: (0, 1),
             runs: None,
+            cluster: String::new(),
         }
     }
 }
@@ -191,6 +201,14 @@ pub struct Stats {
     pub keys_dropped: u64,
     /// Times a requester named another ledger (this one's state was lost).
     pub ledgers_lost: u64,
+    /// Batches refused because they came from another cluster.
+    pub wrong_cluster: u64,
+    /// Batches naming another ledger (or a run of this one its state
+    /// lacks) already taken for lost: another live allocator serves the
+    /// same requesters (SPEC §2 "First start": never tolerated silently).
+    pub foreign_sightings: u64,
+    /// When the last of those was seen (0: never).
+    pub foreign_seen_ns: u64,
     /// Tokens of leases that expired unspent (as far as reported).
     pub tokens_expired_unused: u64,
 }
@@ -256,6 +274,10 @@ pub struct AllocatorCore {
     /// Runs of this ledger requesters named that its state lacks (each
     /// makes the core wait once).
     foreign_runs: Vec<u64>,
+    /// When a refusal of another cluster's requester was last logged.
+    wrong_cluster_logged_ns: u64,
+    /// When a sighting of another live ledger was last logged.
+    foreign_logged_ns: u64,
     /// Checkpointed for a clean shutdown: nothing more is granted.
     closed: bool,
     /// A new ledger's first-start grace ends here (see
@@ -312,6 +334,8 @@ impl AllocatorCore {
             sweep_due: Default::default(),
             foreign_ledgers: Vec::new(),
             foreign_runs: Vec::new(),
+            wrong_cluster_logged_ns: 0,
+            foreign_logged_ns: 0,
             closed: false,
             grace_until_ns,
             reservations: cfg_reservations.then(Reservations::default),
@@ -482,6 +506,7 @@ impl AllocatorCore {
     pub fn handle_from(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         let mut reply = self.handle_batch(now_ns, batch, principal);
         reply.ledger_id = self.cfg.ledger_id;
+        reply.cluster.clone_from(&self.cfg.cluster);
         if let Some(runs) = &self.cfg.runs {
             // The driver sends the reply once this many records are
             // durable: a requester never sees a sequence a crash can lose.
@@ -506,6 +531,36 @@ impl AllocatorCore {
                 "a requester names another ledger ({theirs:016x}): this allocator's state was lost"
             ),
         );
+    }
+
+    /// Whether another live ledger was seen within [`LOG_EVERY_NS`] of
+    /// `now_ns` (see [`Self::foreign_sighting`]).
+    pub fn foreign_alarm(&self, now_ns: u64) -> bool {
+        self.stats.foreign_seen_ns != 0
+            && now_ns < self.stats.foreign_seen_ns.saturating_add(LOG_EVERY_NS)
+    }
+
+    /// A requester named a ledger (or a run) already taken for lost: its
+    /// leases were counted out by the wait, but it still talks to another
+    /// live allocator of the same cluster after that allocator answered
+    /// it, or it would name ours. Two live ledgers serving the same
+    /// requesters can each grant a whole burst: an alarm for as long as it
+    /// is seen (a metric, and a log line every 10 s), never tolerated
+    /// silently. (Right after a real loss, each holder's first batch names
+    /// the old ledger once: a short alarm then.)
+    fn foreign_sighting(&mut self, now_ns: u64, agent: &str, what: &str, id: u64) {
+        self.stats.foreign_sightings += 1;
+        self.stats.foreign_seen_ns = now_ns;
+        if now_ns >= self.foreign_logged_ns.saturating_add(LOG_EVERY_NS) {
+            self.foreign_logged_ns = now_ns;
+            tracing::error!(
+                agent,
+                theirs = format_args!("{id:016x}"),
+                ours = format_args!("{:016x}", self.cfg.ledger_id),
+                sightings = self.stats.foreign_sightings,
+                "a requester still names {what}: another allocator serves the same requesters (two live ledgers can each grant a whole burst); give each its own --cluster, or stop one (logged once every 10 s)"
+            );
+        }
     }
 
     /// Our state was lost or is older than what a requester saw: every key
@@ -669,6 +724,30 @@ impl AllocatorCore {
                 "header.protocol_version: unsupported",
             );
         }
+        if !self.cfg.cluster.is_empty() && header.cluster != self.cfg.cluster {
+            // Another cluster's agent (staging pointed at production, a
+            // blue/green switch): refused whole, before its ledger id is
+            // looked at.
+            self.stats.wrong_cluster += 1;
+            let theirs = match header.cluster.as_str() {
+                "" => "no cluster (start it with --cluster)".to_string(),
+                c => format!("cluster {c:?}"),
+            };
+            let why = format!(
+                "header.cluster: this allocator serves cluster {:?}; the requester is of {theirs}",
+                self.cfg.cluster
+            );
+            if now_ns >= self.wrong_cluster_logged_ns.saturating_add(LOG_EVERY_NS) {
+                self.wrong_cluster_logged_ns = now_ns;
+                tracing::warn!(
+                    agent = %header.agent_id,
+                    principal,
+                    refused = self.stats.wrong_cluster,
+                    "{why}: refused (logged once every 10 s)"
+                );
+            }
+            return self.refuse(batch, seq, GrantStatus::BadItem, &why);
+        }
         // A batch meant for another shard presents that shard's ledger id
         // (agents keep one per shard): it says nothing of this ledger.
         let (shard, shards) = self.cfg.shard;
@@ -678,9 +757,12 @@ impl AllocatorCore {
             && !self.cfg.new_ledger
             && header.ledger_id != 0
             && header.ledger_id != self.cfg.ledger_id
-            && !self.foreign_ledgers.contains(&header.ledger_id)
         {
-            self.ledger_lost(now_ns, header.ledger_id);
+            if self.foreign_ledgers.contains(&header.ledger_id) {
+                self.foreign_sighting(now_ns, &header.agent_id, "another ledger", header.ledger_id);
+            } else {
+                self.ledger_lost(now_ns, header.ledger_id);
+            }
         }
         // Our own ledger, but a run we have no record of, or more of a
         // run's records than we hold: we started from an older copy of our
@@ -692,17 +774,25 @@ impl AllocatorCore {
                 && !self.cfg.new_ledger
                 && header.ledger_id == self.cfg.ledger_id
                 && header.run_id != 0
-                && !self.foreign_runs.contains(&header.run_id)
                 && !runs.knows(header.run_id, header.record_seq, self.reservation_seq())
             {
-                self.foreign_runs.push(header.run_id);
-                self.state_lost(
+                if self.foreign_runs.contains(&header.run_id) {
+                    self.foreign_sighting(
+                        now_ns,
+                        &header.agent_id,
+                        "a run of this ledger its state lacks",
+                        header.run_id,
+                    );
+                } else {
+                    self.foreign_runs.push(header.run_id);
+                    self.state_lost(
                     now_ns,
                     format_args!(
                         "a requester saw run {:016x} of this ledger up to record {}, which this state directory does not hold: it was restored from an older copy",
                         header.run_id, header.record_seq
                     ),
                 );
+                }
             }
         }
         // Holder, incarnation and duplicate suppression.

@@ -25,6 +25,8 @@ pub struct Snapshot {
     regional: Option<Regional>,
     /// A global allocator: whether it leads now (always without `--etcd`).
     leader: Option<bool>,
+    /// Another live ledger was seen within the last 10 s.
+    foreign_alarm: bool,
 }
 
 #[derive(Debug)]
@@ -55,7 +57,14 @@ impl Snapshot {
             rule_lag: core.rule_lag(),
             regional: None,
             leader: None,
+            foreign_alarm: false,
         }
+    }
+
+    /// Whether `core` saw another live ledger lately, as of `now_ns`.
+    pub fn with_alarm(mut self, core: &AllocatorCore, now_ns: u64) -> Self {
+        self.foreign_alarm = core.foreign_alarm(now_ns);
+        self
     }
 
     /// Add the upstream counters of a regional allocator.
@@ -149,6 +158,16 @@ impl Collector for Snapshot {
                 st.ledgers_lost,
             ),
             (
+                "quotalease_allocator_wrong_cluster_refusals_total",
+                "Batches refused because their requester is of another cluster (or of none, when this allocator has one).",
+                st.wrong_cluster,
+            ),
+            (
+                "quotalease_allocator_foreign_ledger_sightings_total",
+                "Batches naming a ledger (or a run of this one) already taken for lost: another live allocator serves the same requesters.",
+                st.foreign_sightings,
+            ),
+            (
                 "quotalease_allocator_tokens_expired_unused_total",
                 "Tokens of leases that expired unspent (as far as reported).",
                 st.tokens_expired_unused,
@@ -161,6 +180,12 @@ impl Collector for Snapshot {
         ] {
             exposition::counter(&mut enc, name, help, v)?;
         }
+        exposition::gauge(
+            &mut enc,
+            "quotalease_allocator_foreign_ledger_alarm",
+            "1 while requesters named another live ledger (or a run of this one its state lacks) within the last 10 s: two allocators serve the same requesters and each may grant a whole burst.",
+            u64::from(self.foreign_alarm),
+        )?;
         exposition::gauge(
             &mut enc,
             "quotalease_allocator_keys",

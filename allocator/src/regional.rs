@@ -915,6 +915,8 @@ impl RegionalCore {
                 ledger_id,
                 run_id,
                 record_seq,
+                // Its children's cluster is its own: one check at each tier.
+                cluster: self.cfg.core.cluster.clone(),
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,

@@ -535,7 +535,9 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     let snapshot = {
         let mut node = shared.core.lock();
         match &mut *node {
-            Node::Global(core) => Snapshot::of_core(core, reload_failures),
+            Node::Global(core) => {
+                Snapshot::of_core(core, reload_failures).with_alarm(core, shared.now())
+            }
             Node::Regional(r) => Snapshot::of_core(r.core_mut(), reload_failures).with_regional(r),
         }
     };

@@ -206,6 +206,7 @@ mod tests {
                 ledger_id: 0,
                 run_id: 0,
                 record_seq: 0,
+                cluster: String::new(),
             }),
             items: vec![lease::LeaseItem {
                 rule_id: "r".into(),

@@ -47,6 +47,7 @@ fn core_with(max_in_flight: usize, max_keys: usize) -> (AgentCore, RuleSet) {
         record_emergency: false,
         max_in_flight,
         max_keys,
+        cluster: String::new(),
     };
     (AgentCore::new(cfg, table, cell, metrics, T0), rules)
 }
@@ -691,4 +692,23 @@ fn an_allocator_downgraded_to_protocol_3_is_understood_and_sees_no_run() {
     let third = want(&mut c, &rules, "k2", T0 + 5 * MS);
     let h = third[0].batch.header.as_ref().unwrap();
     assert_eq!((h.ledger_id, h.run_id, h.record_seq), (0x1ed, 0, 0));
+}
+
+#[test]
+fn a_reply_of_another_cluster_is_not_used() {
+    let (mut c, rules) = core(8);
+    c.cfg.cluster = "prod".into();
+    let first = want(&mut c, &rules, "k0", T0);
+    assert_eq!(first[0].batch.header.as_ref().unwrap().cluster, "prod");
+    let mut reply = grant_all(&first[0]);
+    reply.cluster = "staging".into();
+    c.handle_reply(T0 + MS, first[0].seq, reply);
+    let slot = c.slot_for(&rules.rules[0], "k0", "").unwrap();
+    assert!(slot.word.peek(T0 + 2 * MS).is_none_or(|t| t == 0), "not applied");
+    assert_eq!(c.metrics.mismatched_replies.get(), 1);
+    // An allocator without a cluster cannot say: its replies apply.
+    let second = want(&mut c, &rules, "k1", T0 + 3 * MS);
+    c.handle_reply(T0 + 4 * MS, second[0].seq, grant_all(&second[0]));
+    let slot = c.slot_for(&rules.rules[0], "k1", "").unwrap();
+    assert!(slot.word.peek(T0 + 5 * MS).is_some_and(|t| t >= 1));
 }

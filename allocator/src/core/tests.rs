@@ -44,6 +44,7 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             ledger_id: 0,
             run_id: 0,
             record_seq: 0,
+            cluster: String::new(),
         }),
         items,
         ttl_ms: 1000,
@@ -872,4 +873,81 @@ fn a_requester_that_saw_what_this_state_lacks_makes_the_ledger_wait() {
     c.cfg.new_ledger = true;
     let r = c.handle(T, &presenting("b", 1, 0xc3, 1));
     assert_eq!(r.grants[0].tokens, 5);
+}
+
+#[test]
+fn a_requester_of_another_cluster_is_refused_and_never_makes_the_ledger_wait() {
+    let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
+    let cfg = CoreConfig {
+        ledger_id: 0x1ed,
+        cluster: "prod".into(),
+        ..CoreConfig::default()
+    };
+    let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
+    c.ready_at_ns = None;
+    let from = |cluster: &str, ledger: u64, seq: u64| {
+        let mut b = presenting("a", seq, 0, 0);
+        let h = b.header.as_mut().unwrap();
+        (h.cluster, h.ledger_id, h.agent_id) = (cluster.into(), ledger, format!("{cluster}-a"));
+        b
+    };
+    // A staging agent naming staging's ledger, and an agent without a
+    // cluster: refused whole, the field named; nothing applied or lost.
+    for (i, cluster) in ["staging", ""].into_iter().enumerate() {
+        let r = c.handle(T, &from(cluster, 0x5a, i as u64 + 1));
+        assert_eq!(
+            r.grants[0].status,
+            GrantStatus::BadItem as i32,
+            "{cluster:?}"
+        );
+        assert!(r.grants[0].detail.starts_with("header.cluster"), "{r:?}");
+        assert!(r.grants[0].detail.contains("\"prod\""), "{r:?}");
+        assert_eq!(r.cluster, "prod");
+    }
+    assert_eq!(c.stats().wrong_cluster, 2);
+    assert_eq!(
+        c.stats().ledgers_lost,
+        0,
+        "its own ledger is not taken for lost"
+    );
+    assert_eq!(c.key_count(), 0);
+    // Its own cluster is served.
+    let r = c.handle(T, &from("prod", 0x1ed, 1));
+    assert_eq!(r.grants[0].tokens, 5, "{r:?}");
+    // An allocator without a cluster cannot tell: it serves anyone.
+    let mut open = core_with_runs();
+    let r = open.handle(T, &from("staging", 0x1ed, 1));
+    assert_eq!(r.grants[0].tokens, 5, "{r:?}");
+}
+
+#[test]
+fn another_live_ledger_keeps_the_alarm_on_for_as_long_as_it_is_seen() {
+    // The first request naming another ledger: taken for a lost state
+    // (the wait). Requesters still naming it afterwards talk to another
+    // live allocator: an alarm while they do, never tolerated silently.
+    let mut c = shard_core(0x1ed);
+    let naming = |agent: &str, seq: u64| {
+        let mut b = batch(
+            agent,
+            1,
+            seq,
+            vec![renew("orders", &tenant_in(0), "/api/orders", 0, 0, 1)],
+        );
+        b.header.as_mut().unwrap().ledger_id = 0xbbbb;
+        b
+    };
+    c.handle(T, &naming("a", 1));
+    assert_eq!(c.stats().ledgers_lost, 1);
+    assert_eq!(c.stats().foreign_sightings, 0);
+    assert!(!c.foreign_alarm(T));
+    for s in 0..5u64 {
+        c.handle(T + s * SEC, &naming("b", s + 1));
+    }
+    assert_eq!(c.stats().ledgers_lost, 1, "one wait");
+    assert_eq!(c.stats().foreign_sightings, 5);
+    assert!(c.foreign_alarm(T + 5 * SEC));
+    assert!(
+        !c.foreign_alarm(T + 15 * SEC),
+        "off 10 s after the last sighting"
+    );
 }

@@ -96,6 +96,7 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             ledger_id: 0,
             run_id: 0,
             record_seq: 0,
+            cluster: String::new(),
         }),
         items,
         ttl_ms: 2_000,

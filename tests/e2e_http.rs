@@ -317,6 +317,67 @@ fn bad_input_is_400_naming_the_field_and_charges_nothing() {
     assert_eq!(admitted, 5);
 }
 
+/// A `Content-Length` over the 64 KiB cap is answered 413 as soon as the
+/// headers are read: the body (1 byte of a declared 99 999 999 999) is never
+/// sent, and the answer does not wait for it.
+#[test]
+fn a_declared_length_over_the_cap_is_413_without_waiting_for_the_body() {
+    let c = cluster("http-declared", RULES, 1);
+    let addr = c.agents[0].http;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    let sent = Instant::now();
+    s.write_all(
+        b"POST /v1/check HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+          Content-Length: 99999999999\r\n\r\n{",
+    )
+    .expect("send the headers");
+    // Read until the answer's headers and its declared body are in (the
+    // connection may stay open: read_to_end would wait on it).
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let (status, body) = loop {
+        let n = s.read(&mut chunk).unwrap_or_else(|e| {
+            panic!(
+                "no answer {:?} after the headers ({e}); read so far: {:?}",
+                sent.elapsed(),
+                String::from_utf8_lossy(&buf)
+            )
+        });
+        assert!(
+            n > 0,
+            "closed without an answer: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let Some((head, rest)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        let len: usize = head
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no Content-Length in {head:?}"));
+        if rest.len() >= len {
+            let status = head.split_whitespace().nth(1).unwrap_or("").to_string();
+            break (status, rest[..len].to_string());
+        }
+    };
+    assert_eq!(status, "413", "{body}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        sent.elapsed()
+    );
+    let j: Value = serde_json::from_str(&body).expect("a JSON error");
+    assert_eq!(j["error"], "invalid", "{body}");
+    assert_eq!(j["field"], "body", "{body}");
+    // The agent still answers.
+    assert_eq!(http_get(addr, "/healthz").0, 200);
+}
+
 #[test]
 fn closed_rule_without_allocator_is_503_and_lease_only_is_429() {
     let dir = tempdir("http-noalloc");

@@ -13,8 +13,10 @@
 //!   lease protocol's `RuleSet` message; the decoded side is validated again.
 //!
 //! Validation beyond the per-field checks: ids are unique, `overrides` name
-//! existing rules other than the rule itself, and overrides never form a cycle
-//! (with a cycle, a request matching all its rules would be limited by none).
+//! existing rules other than the rule itself, overrides never form a cycle
+//! (with a cycle, a request matching all its rules would be limited by none),
+//! and no request can match more than [`MAX_MATCHED`] rules (the matcher
+//! refuses such a request, so every one would be answered as invalid).
 //!
 //! Nothing here panics on any input.
 
@@ -23,6 +25,7 @@ use std::fmt;
 
 use quotalease_proto::lease::{FailPolicy as PbFailPolicy, Rule as PbRule, RuleSet as PbRuleSet};
 
+use crate::matching::{overfull_requests, MAX_MATCHED};
 use crate::protocol::MAX_ID_BYTES;
 
 #[cfg(feature = "yaml")]
@@ -693,6 +696,37 @@ fn rule_from_proto(
     }
 }
 
+/// Reports each request that would match more than [`MAX_MATCHED`] rules
+/// (the matcher refuses such a request, so every one would be answered as
+/// invalid), on the first rule past the limit, naming all the rules.
+fn check_match_limit(locs: &[RuleLoc], rules: &[Rule], errs: &mut Errors<'_>) {
+    for o in overfull_requests(rules) {
+        let named: Vec<String> = [
+            ("tenant", o.tenant),
+            ("route", o.route),
+            ("domain", o.domain),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| v.map(|v| format!("{name} {}", shown(v))))
+        .collect();
+        let which = if named.is_empty() {
+            "every request".to_string()
+        } else {
+            format!("every request with {}", named.join(" and "))
+        };
+        let ids: Vec<&str> = o.rules.iter().map(|&i| rules[i].id.as_str()).collect();
+        errs.rule(
+            &locs[o.rules[MAX_MATCHED]],
+            "match",
+            format!(
+                "{which} matches {} rules, more than the {MAX_MATCHED} one request may match (each such request would be refused): {}",
+                o.rules.len(),
+                ids.join(", ")
+            ),
+        );
+    }
+}
+
 /// Cross-rule checks, then the rule set if no error was found anywhere.
 fn finish(
     version: u64,
@@ -707,7 +741,14 @@ fn finish(
     }
     let rules: Option<Vec<Rule>> = drafts.into_iter().map(|d| d.rule).collect();
     match rules {
-        Some(rules) => Ok(RuleSet { version, rules }),
+        Some(rules) => {
+            check_match_limit(locs, &rules, &mut errs);
+            if errs.list.is_empty() {
+                Ok(RuleSet { version, rules })
+            } else {
+                Err(errs.list)
+            }
+        }
         // Unreachable: a draft without a rule always recorded an error.
         None => {
             errs.root(
@@ -1390,6 +1431,127 @@ rules:
 ";
         let e = single_error(two, Some("b"), "overrides");
         assert!(e.reason.contains("a -> b -> a"), "{e}");
+    }
+
+    /// `n` rule entries `{prefix}{i}` with the given match and extra lines.
+    #[cfg(feature = "yaml")]
+    fn entries(prefix: &str, n: usize, matching: &str, extra: &str) -> String {
+        (0..n)
+            .map(|i| format!("  - id: {prefix}{i}\n    match: {{ {matching} }}\n    rate: 1/s\n    burst: 1\n{extra}"))
+            .collect()
+    }
+
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn a_request_matching_more_than_sixteen_rules_is_an_error() {
+        // 16 rules of every tenant, then one for acme: acme's requests match
+        // 17, which the matcher refuses; the error is on the 17th.
+        let text = format!(
+            "rules:\n{}  - id: acme\n    match: {{ tenant: acme }}\n    rate: 1/s\n    burst: 1\n",
+            entries("all", 16, "tenant: \"*\"", "")
+        );
+        let e = single_error(&text, Some("acme"), "match");
+        let all: Vec<String> = (0..16).map(|i| format!("all{i}")).collect();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "f.yaml: rule acme: field match: every request with tenant acme matches 17 rules, \
+                 more than the 16 one request may match (each such request would be refused): {}, acme",
+                all.join(", ")
+            )
+        );
+        // 16 is the limit, not an error.
+        let sixteen = format!("rules:\n{}", entries("all", 16, "tenant: \"*\"", ""));
+        assert_eq!(
+            RuleSet::parse(&sixteen, "f.yaml", 1).unwrap().rules.len(),
+            16
+        );
+        // Overrides act after the limit: they do not make 17 matches valid.
+        let overriding = format!(
+            "rules:\n{}  - id: acme\n    match: {{ tenant: acme }}\n    rate: 1/s\n    burst: 1\n    overrides: [all0]\n",
+            entries("all", 16, "tenant: \"*\"", "")
+        );
+        single_error(&overriding, Some("acme"), "match");
+    }
+
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn the_match_limit_counts_requests_no_rule_names_whole() {
+        // 9 rules of route /pay, 8 of tenant acme, 30 of one route each:
+        // (acme, /pay) matches 17 though no rule names both.
+        let own: String = (0..30)
+            .map(|i| {
+                entries(
+                    &format!("own{i}-"),
+                    1,
+                    &format!("tenant: \"*\", route: /own{i}"),
+                    "",
+                )
+            })
+            .collect();
+        let text = format!(
+            "rules:\n{}{}{own}",
+            entries("pay", 9, "tenant: \"*\", route: /pay", ""),
+            entries("acme", 8, "tenant: acme", ""),
+        );
+        let e = single_error(&text, Some("acme7"), "match");
+        assert_eq!(
+            e.reason,
+            "every request with tenant acme and route /pay matches 17 rules, more than the 16 \
+             one request may match (each such request would be refused): pay0, pay1, pay2, pay3, \
+             pay4, pay5, pay6, pay7, pay8, acme0, acme1, acme2, acme3, acme4, acme5, acme6, acme7"
+        );
+        // Without one of them, valid.
+        let text = text.replacen("tenant: acme", "tenant: globex", 1);
+        RuleSet::parse(&text, "f.yaml", 1).expect("16 rules at most per request");
+    }
+
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn the_match_limit_is_per_domain() {
+        let text = format!(
+            "rules:\n{}{}{}",
+            entries("all", 10, "route: /x", ""),
+            entries("edge", 6, "tenant: \"*\"", "    domain: edge\n"),
+            entries("core", 6, "tenant: \"*\"", "    domain: core\n"),
+        );
+        RuleSet::parse(&text, "f.yaml", 1).expect("16 rules at most in each domain");
+        let text = text + &entries("core-more", 1, "tenant: \"*\"", "    domain: core\n");
+        let e = single_error(&text, Some("core-more0"), "match");
+        assert!(
+            e.reason
+                .starts_with("every request with route /x and domain core matches 17 rules"),
+            "{e}"
+        );
+        assert!(!e.reason.contains("edge"), "{e}");
+    }
+
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn from_proto_checks_the_match_limit() {
+        let text = format!("rules:\n{}", entries("all", 16, "tenant: \"*\"", ""));
+        let mut pb = RuleSet::parse(&text, "f.yaml", 1).unwrap().to_proto();
+        let mut more = pb.rules[0].clone();
+        more.id = "more".into();
+        more.route = "/x".into();
+        pb.rules.push(more);
+        let errs = RuleSet::from_proto(&pb).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        assert_eq!(
+            (
+                errs[0].file.as_str(),
+                errs[0].rule_id.as_deref(),
+                errs[0].field.as_str()
+            ),
+            ("<allocator>", Some("more"), "match")
+        );
+        assert!(
+            errs[0]
+                .reason
+                .contains("every request with route /x matches 17 rules"),
+            "{}",
+            errs[0]
+        );
     }
 
     #[cfg(feature = "yaml")]

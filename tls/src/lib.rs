@@ -326,25 +326,136 @@ impl AsyncWrite for TlsConn {
     }
 }
 
-/// Logs refused handshakes: each distinct reason at warn, repeats within
-/// ten seconds at debug (a misconfigured fleet must not flood the log).
+/// How long repeats of one kind of refusal are logged at debug after the
+/// warning that opened the window.
+const REFUSAL_WINDOW: Duration = Duration::from_secs(10);
+/// Most kinds of refusal remembered at once; refusals of further kinds share
+/// one window (so a peer cycling through reasons cannot flood the log).
+const MAX_REFUSAL_KINDS: usize = 256;
+
+/// What makes refusals "the same" for the log: the reason, and who was
+/// refused as far as the handshake showed it, never the peer's address
+/// (a client reconnecting gets a new port each time).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct RefusalKind {
+    reason: String,
+    /// The certificate's issuer and subject (DER, length-prefixed) when the
+    /// handshake got as far as a verified certificate; `None` otherwise.
+    cert: Option<Vec<u8>>,
+}
+
+impl RefusalKind {
+    fn new(reason: &str, cert: Option<&CertificateDer<'_>>) -> Self {
+        let cert = cert
+            .and_then(|c| webpki::EndEntityCert::try_from(c).ok())
+            .map(|ee| {
+                let mut id = Vec::with_capacity(16 + ee.issuer().len() + ee.subject().len());
+                for part in [ee.issuer(), ee.subject()] {
+                    id.extend_from_slice(&(part.len() as u64).to_be_bytes());
+                    id.extend_from_slice(part);
+                }
+                id
+            });
+        Self {
+            reason: reason.to_owned(),
+            cert,
+        }
+    }
+}
+
+/// One kind's window: when its warning was logged, and how many refusals
+/// of the kind went to debug since.
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    since: Instant,
+    suppressed: u64,
+}
+
+impl Window {
+    /// `Some(suppressed)` to log a warning now (and a new window opens),
+    /// `None` for a repeat within the window.
+    fn admit(&mut self, now: Instant) -> Option<u64> {
+        if now.saturating_duration_since(self.since) < REFUSAL_WINDOW {
+            self.suppressed += 1;
+            None
+        } else {
+            let suppressed = self.suppressed;
+            *self = Window {
+                since: now,
+                suppressed: 0,
+            };
+            Some(suppressed)
+        }
+    }
+}
+
+/// The de-duplication of refusal logs, sans-IO (time comes in): the first
+/// refusal of a kind is logged at warn, repeats within [`REFUSAL_WINDOW`]
+/// at debug, and the next warning of the kind says how many went to debug.
+#[derive(Debug, Default)]
+struct RefusalDedup {
+    kinds: std::collections::HashMap<RefusalKind, Window>,
+    /// Shared by kinds beyond [`MAX_REFUSAL_KINDS`].
+    overflow: Option<Window>,
+}
+
+impl RefusalDedup {
+    /// Whether a refusal of `kind` at `now` is logged at warn: `Some(n)`,
+    /// `n` refusals of the kind having been logged at debug since its last
+    /// warning, or `None` for debug.
+    fn admit(&mut self, kind: &RefusalKind, now: Instant) -> Option<u64> {
+        if let Some(w) = self.kinds.get_mut(kind) {
+            return w.admit(now);
+        }
+        if self.kinds.len() >= MAX_REFUSAL_KINDS {
+            // Forget the kinds whose window has passed (their uncounted
+            // repeats, if any, are lost: they were at debug).
+            self.kinds
+                .retain(|_, w| now.saturating_duration_since(w.since) < REFUSAL_WINDOW);
+        }
+        if self.kinds.len() >= MAX_REFUSAL_KINDS {
+            return match &mut self.overflow {
+                Some(w) => w.admit(now),
+                None => {
+                    self.overflow = Some(Window {
+                        since: now,
+                        suppressed: 0,
+                    });
+                    Some(0)
+                }
+            };
+        }
+        self.kinds.insert(
+            kind.clone(),
+            Window {
+                since: now,
+                suppressed: 0,
+            },
+        );
+        Some(0)
+    }
+}
+
+/// Logs refused handshakes: each kind of refusal ([`RefusalKind`]) at
+/// warn, repeats within ten seconds at debug, the next warning with the
+/// number of them (a misconfigured fleet must not flood the log).
 #[derive(Default)]
 struct RefusalLog {
-    last: parking_lot::Mutex<Option<(String, Instant)>>,
+    dedup: parking_lot::Mutex<RefusalDedup>,
 }
 
 impl RefusalLog {
-    fn refused(&self, what: &str, peer: &str, reason: &str) {
-        let mut last = self.last.lock();
-        let fresh = match &*last {
-            Some((r, at)) => r != reason || at.elapsed() > Duration::from_secs(10),
-            None => true,
-        };
-        if fresh {
-            tracing::warn!(peer, reason, "{what}");
-            *last = Some((reason.to_owned(), Instant::now()));
-        } else {
-            tracing::debug!(peer, reason, "{what}");
+    /// A refusal of `peer` for `reason`; `cert` is the certificate it
+    /// presented when the handshake verified one.
+    fn refused(&self, what: &str, peer: &str, reason: &str, cert: Option<&CertificateDer<'_>>) {
+        let kind = RefusalKind::new(reason, cert);
+        let verdict = self.dedup.lock().admit(&kind, Instant::now());
+        match verdict {
+            Some(0) => tracing::warn!(peer, reason, "{what}"),
+            // `suppressed`: refusals of this kind logged at debug since its
+            // last warning.
+            Some(suppressed) => tracing::warn!(peer, reason, suppressed, "{what}"),
+            None => tracing::debug!(peer, reason, "{what}"),
         }
     }
 }
@@ -382,26 +493,28 @@ pub fn incoming(
                 let stream =
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(s)) => s,
+                        // The handshake failed: no certificate to tell
+                        // clients apart, the reason alone is the kind.
                         Ok(Err(e)) => {
-                            log.refused("TLS client refused", &peer, &e.to_string());
+                            log.refused("TLS client refused", &peer, &e.to_string(), None);
                             return;
                         }
                         Err(_) => {
-                            log.refused("TLS client refused", &peer, "handshake timed out");
+                            log.refused("TLS client refused", &peer, "handshake timed out", None);
                             return;
                         }
                     };
-                let principal = stream
+                let cert = stream
                     .get_ref()
                     .1
                     .peer_certificates()
-                    .and_then(|c| c.first())
-                    .and_then(principal);
-                let Some(principal) = principal else {
+                    .and_then(|c| c.first());
+                let Some(principal) = cert.and_then(principal) else {
                     log.refused(
                         "TLS client refused",
                         &peer,
                         "its certificate names no principal (a URI or DNS subject alternative name of at most 256 bytes)",
+                        cert,
                     );
                     return;
                 };
@@ -490,6 +603,7 @@ impl tower::Service<tonic::transport::Uri> for Connector {
                         "TLS handshake with the allocator failed",
                         &uri.to_string(),
                         &e.to_string(),
+                        None,
                     );
                     Err(e)
                 }

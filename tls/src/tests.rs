@@ -307,3 +307,83 @@ fn bad_files_and_flags_name_what_is_wrong() {
         ServerName::try_from("alloc.example").unwrap()
     );
 }
+
+// --- the refusal log's de-duplication (sans-IO: time is an argument)
+
+fn cert_of(leaf: &test_certs::Leaf) -> CertificateDer<'static> {
+    CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).unwrap()
+}
+
+#[test]
+fn repeated_refusals_of_one_kind_warn_once_per_window_with_a_count() {
+    let mut d = RefusalDedup::default();
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let wrong_ca = RefusalKind::new("invalid peer certificate: UnknownIssuer", None);
+    // ~20 a second from one client (a new peer address each time: not part
+    // of the kind): one warning, the rest at debug.
+    assert_eq!(d.admit(&wrong_ca, t0), Some(0));
+    let mut debug = 0;
+    for i in 1..200u64 {
+        let now = t0 + Duration::from_millis(50 * i); // up to 9.95 s
+        assert_eq!(d.admit(&wrong_ca, now), None, "refusal {i}");
+        debug += 1;
+    }
+    // Another kind in between has its own window and does not reopen the
+    // first one's.
+    let timeout = RefusalKind::new("handshake timed out", None);
+    assert_eq!(d.admit(&timeout, t0 + s(5)), Some(0));
+    assert_eq!(d.admit(&wrong_ca, t0 + s(6)), None);
+    debug += 1;
+    assert_eq!(d.admit(&timeout, t0 + s(6)), None);
+    // Ten seconds after its warning: the next one warns with the count.
+    assert_eq!(d.admit(&wrong_ca, t0 + s(10)), Some(debug));
+    assert_eq!(d.admit(&wrong_ca, t0 + s(11)), None);
+    assert_eq!(d.admit(&wrong_ca, t0 + s(25)), Some(1));
+    assert_eq!(d.admit(&timeout, t0 + s(25)), Some(1));
+}
+
+#[test]
+fn refusal_kinds_tell_certificates_apart_by_issuer_and_subject() {
+    let (a, b) = (TestCa::new("a"), TestCa::new("b"));
+    let nameless = "its certificate names no principal";
+    let t0 = Instant::now();
+    let mut d = RefusalDedup::default();
+    let from_a = RefusalKind::new(nameless, Some(&cert_of(&a.leaf(&[], false))));
+    // Another certificate with the same issuer and subject: the same kind.
+    let again_a = RefusalKind::new(nameless, Some(&cert_of(&a.leaf(&[], false))));
+    assert_eq!(from_a, again_a);
+    // The same subject from another CA, or no certificate: other kinds.
+    let from_b = RefusalKind::new(nameless, Some(&cert_of(&b.leaf(&[], false))));
+    assert_ne!(from_a, from_b);
+    assert_ne!(from_a, RefusalKind::new(nameless, None));
+    // Bytes that are no certificate count as none.
+    let junk = CertificateDer::from(vec![1u8, 2, 3]);
+    assert_eq!(
+        RefusalKind::new(nameless, Some(&junk)),
+        RefusalKind::new(nameless, None)
+    );
+    assert_eq!(d.admit(&from_a, t0), Some(0));
+    assert_eq!(d.admit(&again_a, t0), None);
+    assert_eq!(d.admit(&from_b, t0), Some(0));
+}
+
+#[test]
+fn refusal_kinds_beyond_the_cap_share_one_window() {
+    let mut d = RefusalDedup::default();
+    let t0 = Instant::now();
+    let kind = |i: usize| RefusalKind::new(&format!("reason {i}"), None);
+    for i in 0..MAX_REFUSAL_KINDS {
+        assert_eq!(d.admit(&kind(i), t0), Some(0));
+    }
+    // Every slot is live: new kinds share the overflow window.
+    assert_eq!(d.admit(&kind(1000), t0), Some(0));
+    assert_eq!(d.admit(&kind(1001), t0), None);
+    assert_eq!(d.admit(&kind(1002), t0), None);
+    assert_eq!(d.kinds.len(), MAX_REFUSAL_KINDS);
+    // Once their windows have passed the old kinds make room.
+    let later = t0 + REFUSAL_WINDOW;
+    assert_eq!(d.admit(&kind(2000), later), Some(0));
+    assert_eq!(d.kinds.len(), 1);
+    assert_eq!(d.admit(&kind(2000), later), None);
+}

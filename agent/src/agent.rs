@@ -278,6 +278,12 @@ const MAX_ATTEMPTS: u32 = 2;
 /// tenants: most of their denials).
 const MAX_ROUNDS_OPENING: u32 = 16;
 
+/// The longest a request waits for an allocator that says it is starting
+/// (its 3 s start grace, a restart's wait), when its caller gave no
+/// deadline; with one, the deadline bounds it. Then it is answered
+/// `STARTING` (see `Agent::starting`).
+const STARTING_WAIT_NS: u64 = 5_000_000_000;
+
 /// What is left of a request's wait for a key being opened: `fetch_timeout`
 /// from its arrival at `since`, at `now` (the drivers bound a waiting round
 /// by it; `Agent::check_at`'s callers too).
@@ -448,7 +454,9 @@ fn replayable(answer: &Result<CheckResponse, CheckError>) -> bool {
     match answer {
         Err(CheckError::Unavailable(_)) => false,
         Err(CheckError::Invalid { .. }) => true,
-        Ok(r) => r.reason != Reason::FailureModeDenied as i32,
+        Ok(r) => {
+            r.reason != Reason::FailureModeDenied as i32 && r.reason != Reason::Starting as i32
+        }
     }
 }
 
@@ -1274,6 +1282,20 @@ impl Agent {
                     let seen = slot.settles();
                     return Step::Park { slot, seen };
                 }
+                // The allocator is starting (its grace, a restart's wait):
+                // wait through it up to the caller's deadline (at most
+                // STARTING_WAIT without one), then say so, never "over
+                // limit".
+                if dry_until > t && !parent_cut && slot.starting() {
+                    if attempt != u32::MAX && t.saturating_sub(since) < STARTING_WAIT_NS {
+                        self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
+                        let seen = slot.settles();
+                        return Step::Park { slot, seen };
+                    }
+                    drop(core);
+                    let left_ms = (dry_until - t).div_ceil(1_000_000);
+                    return Step::Done(self.starting(rule, rules, left_ms));
+                }
                 if dry_until > t && !parent_cut {
                     drop(core);
                     slot.add_denied(cost);
@@ -1624,6 +1646,44 @@ impl Agent {
             rule_id: rule.id.clone(),
             applied_rule_version: rules.version,
             reason: Reason::OverLimit as i32,
+        }
+    }
+
+    /// The answer while the allocator is starting (SPEC §2 "First start"):
+    /// not a limit. The fail policy's answer with a reason of its own:
+    /// `closed` answers unavailable, `open` and `lease_only` deny with
+    /// `STARTING` and the time until the wait ends. Counted as a fail
+    /// policy's denial. (`open` does not admit through the emergency
+    /// bucket here: the allocator is reachable, and I3 allows excess only
+    /// while it is not.)
+    fn starting(
+        &self,
+        rule: &Rule,
+        rules: &RuleSet,
+        left_ms: u64,
+    ) -> Result<CheckResponse, CheckError> {
+        let m = &self.inner.metrics;
+        self.count_rule(&rule.id, |c| &c.failure_mode_denied);
+        match rule.fail_policy {
+            FailPolicy::Closed => {
+                m.unavailable.add(1);
+                m.closed_unavailable.add(1);
+                Err(CheckError::Unavailable(format!(
+                    "rule {}: the allocator is starting (granting in {left_ms} ms); fail_policy closed",
+                    rule.id
+                )))
+            }
+            FailPolicy::Open | FailPolicy::LeaseOnly => {
+                m.failure_mode_denied.add(1);
+                Ok(CheckResponse {
+                    allowed: false,
+                    remaining: 0,
+                    retry_after_ms: left_ms.max(1),
+                    rule_id: rule.id.clone(),
+                    applied_rule_version: rules.version,
+                    reason: Reason::Starting as i32,
+                })
+            }
         }
     }
 

@@ -1578,6 +1578,8 @@ impl AgentCore {
             && g.tokens == 0
             && g.retry_after_ms < self.cfg.fetch_timeout.as_millis() as u64;
         slot.set_opening(opening);
+        // Nothing because the allocator is starting: not a limit.
+        slot.set_starting(g.starting && g.tokens == 0);
         let dry = if g.retry_after_ms > 0 {
             t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
         } else {

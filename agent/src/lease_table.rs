@@ -656,6 +656,10 @@ impl SlotHead {
 }
 
 const OPENING_BIT: u64 = 1 << 63;
+/// The allocator said it is starting (see [`SlotHead::starting`]).
+const STARTING_BIT: u64 = 1 << 62;
+/// The flags kept in the high bits of `dry_until_ns`.
+const FLAG_BITS: u64 = OPENING_BIT | STARTING_BIT;
 /// Bytes of the fixed part of a slot; the key's bytes start there.
 pub const SLOT_HEAD_BYTES: usize = std::mem::size_of::<SlotHead>();
 /// Alignment of a slot's block: 16, so a table can keep a 4-bit tag in the
@@ -973,15 +977,27 @@ impl std::ops::Deref for SlotRef<'_> {
 impl SlotHead {
     /// Until when the allocator said the bucket is dry.
     pub fn dry_until(&self) -> u64 {
-        self.dry_until_ns.load(Ordering::Acquire) & !OPENING_BIT
+        self.dry_until_ns.load(Ordering::Acquire) & !FLAG_BITS
     }
     pub(crate) fn set_dry_until(&self, t: u64) {
-        let t = t.min(!OPENING_BIT);
+        let t = t.min(!FLAG_BITS);
         let _ = self
             .dry_until_ns
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                Some((v & OPENING_BIT) | t)
+                Some((v & FLAG_BITS) | t)
             });
+    }
+    /// Whether the allocator said it is starting (nothing to lease until
+    /// `dry_until`, and not because of a limit).
+    pub fn starting(&self) -> bool {
+        self.dry_until_ns.load(Ordering::Acquire) & STARTING_BIT != 0
+    }
+    pub(crate) fn set_starting(&self, v: bool) {
+        if v {
+            self.dry_until_ns.fetch_or(STARTING_BIT, Ordering::AcqRel);
+        } else {
+            self.dry_until_ns.fetch_and(!STARTING_BIT, Ordering::AcqRel);
+        }
     }
     /// Whether the allocator is still opening the key upstream.
     pub fn opening(&self) -> bool {
@@ -1135,6 +1151,12 @@ mod tests {
         assert_eq!((s.dry_until(), s.opening()), (7, true));
         s.set_opening(false);
         assert_eq!((s.dry_until(), s.opening()), (7, false));
+        s.set_starting(true);
+        s.set_dry_until(9);
+        assert_eq!((s.dry_until(), s.opening(), s.starting()), (9, false, true));
+        s.set_opening(true);
+        s.set_starting(false);
+        assert_eq!((s.dry_until(), s.opening(), s.starting()), (9, true, false));
     }
 
     #[test]

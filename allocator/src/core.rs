@@ -1016,6 +1016,7 @@ impl AllocatorCore {
                 status: GrantStatus::Granted as i32,
                 rule_version: self.rules.version,
                 retry_after_ms: (self.grace_until_ns - now_ns).div_ceil(1_000_000),
+                starting: true,
                 ..Grant::default()
             };
         }
@@ -1151,6 +1152,11 @@ impl AllocatorCore {
             capacity: g.capacity,
             version_of: g.version_of,
             bucket_available,
+            // Nothing because a restart's (or a lost state's) wait has not
+            // ended: the key's phantom still counts the whole burst.
+            starting: self.pooled.is_none()
+                && g.lease_id == 0
+                && self.ready_at_ns.is_some_and(|r| now_ns < r),
         }
     }
 

@@ -305,6 +305,8 @@ pub struct RegionalCore {
     /// The run a child presented with `child_ledger_id` (the parent's
     /// ledger, when the child saw a run or sequence we have not).
     child_run: (u64, u64),
+    /// The parent said it is starting until then (0: not lately).
+    parent_starting_until_ns: u64,
     seq: u64,
     rules_known: bool,
     /// Per key (hashed: a look-up per child item must not cost a string
@@ -408,6 +410,7 @@ impl RegionalCore {
             child_ledger_id: 0,
             parent_run: (0, 0),
             child_run: (0, 0),
+            parent_starting_until_ns: 0,
             seq: 0,
             rules_known,
             keys: HashMap::default(),
@@ -520,6 +523,15 @@ impl RegionalCore {
         // Children learn the root's ledger and run through us.
         reply.ledger_id = self.parent_ledger_id;
         (reply.run_id, reply.record_seq) = self.parent_run;
+        if now_ns < self.parent_starting_until_ns {
+            let left_ms = (self.parent_starting_until_ns - now_ns).div_ceil(MS);
+            for g in &mut reply.grants {
+                if g.status == GrantStatus::Granted as i32 && g.lease_id == 0 {
+                    g.starting = true;
+                    g.retry_after_ms = g.retry_after_ms.max(left_ms);
+                }
+            }
+        }
         for (item, grant) in batch.items.iter().zip(&reply.grants) {
             if grant.opening {
                 self.wanting.push(KeyId {
@@ -1104,6 +1116,12 @@ impl RegionalCore {
     }
 
     fn apply_grant(&mut self, now_ns: u64, sent_ns: u64, sent: &SentItem, g: &Grant) {
+        if g.starting {
+            // The parent is starting: children that get nothing are told
+            // so (not a limit), until it said it ends.
+            let until = now_ns.saturating_add(g.retry_after_ms.saturating_mul(MS));
+            self.parent_starting_until_ns = self.parent_starting_until_ns.max(until);
+        }
         let deadline = self.deadline(sent_ns, g.ttl_ms);
         let key = &sent.key;
         let ks = self.keys.entry(key.clone()).or_insert_with(|| KeyState {

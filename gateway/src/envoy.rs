@@ -182,6 +182,14 @@ impl RateLimitService for EnvoyService {
                 }
                 Err(CheckError::Unavailable(why)) => return Err(Status::unavailable(why)),
             };
+            if !resp.allowed && resp.reason == Reason::Starting as i32 {
+                // Not a limit: the allocator is starting. Envoy's own
+                // failure mode decides, as for an unreachable service.
+                return Err(Status::unavailable(format!(
+                    "rule {}: the allocator is starting (granting in {} ms)",
+                    resp.rule_id, resp.retry_after_ms
+                )));
+            }
             let status = status_of(&resp, rules.as_deref());
             let denied = !resp.allowed;
             if denied {

@@ -11,7 +11,8 @@
 //! | admitted (`OK`, `NO_RULE`, `SHADOW_OVER_LIMIT`, `FAILURE_MODE_ALLOWED`) | 200 | `{"allowed":true,"remaining":n,"rule_id":…,"rule_version":v,"reason":…}` |
 //! | denied (`OVER_LIMIT`, `FAILURE_MODE_DENIED`) | 429 | `{"error":"rate_limited","retry_after_ms":…,"rule_id":…,"reason":…}` |
 //! | fail-closed, no lease, or no rules yet | 503 | `{"error":"limiter_unavailable","reason":…}` |
-//! | bad input | 400 (413 for a body over [`MAX_BODY_BYTES`]) | `{"error":"invalid","field":…,"reason":…}` |
+//! | the allocator is starting (`STARTING`: its start's grace or a restart's wait; not a limit) | 503 (`Retry-After` until it ends) | `{"error":"limiter_unavailable","reason":"STARTING","retry_after_ms":…,"rule_id":…}` |
+//! | bad input | 400 (413 for a body over [`MAX_BODY_BYTES`], at once when its `Content-Length` says so, before any of it is read) | `{"error":"invalid","field":…,"reason":…}` |
 //!
 //! Headers (all answers carry `Cache-Control: no-store`; the rate-limit
 //! headers come from [`crate::headers`], shared with Envoy RLS):
@@ -47,9 +48,9 @@
 
 use std::borrow::Cow;
 
-use axum::body::Bytes;
+use axum::body::{Bytes, HttpBody};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, RawQuery, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, RawQuery, Request, State};
 use axum::http::header::{CACHE_CONTROL, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -76,8 +77,14 @@ pub fn router(agent: Agent) -> Router {
         .with_state(agent)
 }
 
-async fn check_post(State(agent): State<Agent>, body: Result<Bytes, BytesRejection>) -> Response {
-    let params = match body {
+async fn check_post(State(agent): State<Agent>, request: Request) -> Response {
+    // A declared length over the limit is refused before any of the body is
+    // read: waiting for it would hold the connection as long as the client
+    // cares to (the limit on the body itself only acts on bytes received).
+    if request.body().size_hint().lower() > MAX_BODY_BYTES as u64 {
+        return too_large().into_response();
+    }
+    let params = match Bytes::from_request(request, &()).await {
         Ok(body) => parse_json(&body),
         Err(rejection) => Err(body_rejection(&rejection)),
     };
@@ -152,13 +159,18 @@ impl IntoResponse for BadInput {
 
 const COST_RANGE: &str = "must be a whole number from 0 to 4294967295 (0 means 1)";
 
+/// The 413 for a body (declared or read) over [`MAX_BODY_BYTES`].
+fn too_large() -> BadInput {
+    BadInput {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        field: "body".into(),
+        reason: format!("larger than {MAX_BODY_BYTES} bytes"),
+    }
+}
+
 fn body_rejection(rejection: &BytesRejection) -> BadInput {
     if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        BadInput {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            field: "body".into(),
-            reason: format!("larger than {MAX_BODY_BYTES} bytes"),
-        }
+        too_large()
     } else {
         BadInput::new("body", format!("cannot be read: {rejection}"))
     }
@@ -418,6 +430,21 @@ fn decision_response(rule: Option<&Rule>, resp: &CheckResponse) -> Response {
     if !resp.allowed && reason == Reason::Invalid {
         // The agent reports bad input as an error; this is a safety net.
         return invalid_response(StatusCode::BAD_REQUEST, "request", "refused as invalid");
+    }
+    if !resp.allowed && reason == Reason::Starting {
+        // Not a limit: the allocator is starting. 503 with the wait.
+        let mut h = base_headers();
+        h.insert(
+            RETRY_AFTER,
+            HeaderValue::from(retry_after_secs(resp.retry_after_ms)),
+        );
+        let body = json!({
+            "error": "limiter_unavailable",
+            "reason": reason.as_str_name(),
+            "retry_after_ms": resp.retry_after_ms,
+            "rule_id": resp.rule_id,
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, h, Json(body)).into_response();
     }
     let headers = decision_headers(rule, resp);
     if resp.allowed {

@@ -704,7 +704,10 @@ fn a_reply_of_another_cluster_is_not_used() {
     reply.cluster = "staging".into();
     c.handle_reply(T0 + MS, first[0].seq, reply);
     let slot = c.slot_for(&rules.rules[0], "k0", "").unwrap();
-    assert!(slot.word.peek(T0 + 2 * MS).is_none_or(|t| t == 0), "not applied");
+    assert!(
+        slot.word.peek(T0 + 2 * MS).is_none_or(|t| t == 0),
+        "not applied"
+    );
     assert_eq!(c.metrics.mismatched_replies.get(), 1);
     // An allocator without a cluster cannot say: its replies apply.
     let second = want(&mut c, &rules, "k1", T0 + 3 * MS);

@@ -7,7 +7,7 @@
 //! through the wait up to its deadline, then is answered `STARTING` under
 //! its rule's fail policy (a `lease_only` rule: denied with `STARTING`, and
 //! on HTTP a 503; a `closed` rule: unavailable), never over limit; one
-//! without a deadline waits the wait out and is served.
+//! without a deadline (HTTP) waits at most a second.
 
 mod common;
 
@@ -51,20 +51,29 @@ async fn a_first_request_during_the_start_wait_is_told_starting_never_over_limit
     wait_ok(a.http, "/readyz", Duration::from_secs(10));
     let mut c = client(&a).await;
 
-    // Within the allocator's first 3 s: a request with a 300 ms deadline.
-    let r = c
-        .check(check_req("/api", Duration::from_millis(300)))
-        .await
-        .expect("answered before its deadline")
-        .into_inner();
-    let at = started.elapsed();
+    // Within the allocator's first 3 s: requests with a 300 ms deadline,
+    // for a tenant that has spent nothing. Each is STARTING (or, once the
+    // wait is over, admitted): never OVER_LIMIT.
+    let mut starting = 0;
+    let mut at = Duration::ZERO;
+    while started.elapsed() < Duration::from_millis(2_500) {
+        let r = c
+            .check(check_req("/api", Duration::from_millis(300)))
+            .await
+            .expect("answered before its deadline")
+            .into_inner();
+        assert_ne!(r.reason, Reason::OverLimit as i32, "{r:?}");
+        if r.reason == Reason::Starting as i32 {
+            assert!(!r.allowed);
+            assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 3_000, "{r:?}");
+            starting += 1;
+            at = started.elapsed();
+        }
+    }
     assert!(
-        at < Duration::from_millis(2_900),
-        "still in the wait: {at:?}"
+        starting > 0,
+        "no answer said STARTING in the allocator's first 2.5 s"
     );
-    assert!(!r.allowed);
-    assert_eq!(r.reason, Reason::Starting as i32, "{r:?}");
-    assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 3_000, "{r:?}");
     // A closed rule: the fail policy's answer, unavailable, saying why.
     let e = c
         .check(check_req("/strict", Duration::from_millis(300)))
@@ -86,7 +95,7 @@ async fn a_first_request_during_the_start_wait_is_told_starting_never_over_limit
         .count();
     assert_eq!(served, 100, "the burst after the wait");
     eprintln!(
-        "STARTING answered {at:?} after the allocator started; HTTP during the wait: {status}"
+        "{starting} STARTING answers, the last {at:?} after the allocator started; HTTP during the wait: {status}"
     );
     assert!(a.terminate().success());
     drop(alloc);

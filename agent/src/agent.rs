@@ -279,16 +279,31 @@ const MAX_ATTEMPTS: u32 = 2;
 const MAX_ROUNDS_OPENING: u32 = 16;
 
 /// The longest a request waits for an allocator that says it is starting
-/// (its 3 s start grace, a restart's wait), when its caller gave no
-/// deadline; with one, the deadline bounds it. Then it is answered
-/// `STARTING` (see `Agent::starting`).
-const STARTING_WAIT_NS: u64 = 5_000_000_000;
+/// (its 3 s start grace, a restart's wait): its caller's deadline bounds
+/// it sooner; an HTTP caller, who cannot give one, is answered within a
+/// second (a 503 with `Retry-After`, which HTTP clients understand). Then
+/// it is answered `STARTING` (see `Agent::starting`).
+const STARTING_WAIT_NS: u64 = 1_000_000_000;
 
 /// What is left of a request's wait for a key being opened: `fetch_timeout`
 /// from its arrival at `since`, at `now` (the drivers bound a waiting round
 /// by it; `Agent::check_at`'s callers too).
 pub fn opening_wait_left_ns(fetch_timeout_ns: u64, since: u64, now: u64) -> u64 {
     since.saturating_add(fetch_timeout_ns).saturating_sub(now)
+}
+
+/// How long one waiting round on `slot` of a request that arrived at
+/// `since` lasts at `now` (the tokio driver and the simulator alike):
+/// `fetch_timeout`, or for a key being opened what is left of its opening
+/// wait (at least 1 ns) — unless the allocator is starting, whose wait
+/// outlasts any opening and has its own bound (see `STARTING_WAIT_NS`; a
+/// round cut to nothing there spun the simulator, and would the driver).
+pub fn wait_round_ns(slot: &Slot, fetch_timeout_ns: u64, since: u64, now: u64) -> u64 {
+    if slot.opening() && !slot.starting() {
+        opening_wait_left_ns(fetch_timeout_ns, since, now).clamp(1, fetch_timeout_ns)
+    } else {
+        fetch_timeout_ns
+    }
 }
 
 /// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
@@ -1115,12 +1130,9 @@ impl Agent {
                     // for a key being opened no later than `fetch_timeout`
                     // after the request's arrival.
                     attempt += 1;
-                    let mut until = tokio::time::Instant::now() + inner.cfg.fetch_timeout;
-                    if slot.opening() {
-                        let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
-                        let left = opening_wait_left_ns(fetch_ns, since, self.now());
-                        until = until.min(tokio::time::Instant::now() + Duration::from_nanos(left));
-                    }
+                    let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
+                    let round = wait_round_ns(&slot, fetch_ns, since, self.now());
+                    let until = tokio::time::Instant::now() + Duration::from_nanos(round);
                     let until = deadline.map_or(until, |d| d.min(until));
                     loop {
                         let parked = inner.parked_on(&slot).notified();
@@ -1286,14 +1298,16 @@ impl Agent {
                 // wait through it up to the caller's deadline (at most
                 // STARTING_WAIT without one), then say so, never "over
                 // limit".
-                if dry_until > t && !parent_cut && slot.starting() {
+                // (The allocator's last word on the key: its hint may have
+                // passed while the next ask is on its way.)
+                if slot.starting() && !cut_off {
                     if attempt != u32::MAX && t.saturating_sub(since) < STARTING_WAIT_NS {
                         self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
                         let seen = slot.settles();
                         return Step::Park { slot, seen };
                     }
                     drop(core);
-                    let left_ms = (dry_until - t).div_ceil(1_000_000);
+                    let left_ms = dry_until.saturating_sub(t).div_ceil(1_000_000);
                     return Step::Done(self.starting(rule, rules, left_ms));
                 }
                 if dry_until > t && !parent_cut {

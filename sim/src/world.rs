@@ -35,7 +35,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::time::Duration;
 
-use quotalease_agent::agent::{opening_wait_left_ns, Agent, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::agent::{wait_round_ns, Agent, AgentConfig, CheckInput, CheckStep};
 use quotalease_agent::core::Event as CoreEvent;
 use quotalease_agent::lease_table::Slot;
 use quotalease_agent::renewal::PlanConfig;
@@ -1699,11 +1699,7 @@ impl World {
                 // A round lasts `fetch_timeout`; one on a key being opened
                 // ends `fetch_timeout` after the request's arrival.
                 let fetch = self.sc.fetch_timeout_ms * 1_000_000;
-                let wait = if waits_on.opening() {
-                    opening_wait_left_ns(fetch, a.t_ns, t).clamp(1, fetch)
-                } else {
-                    fetch
-                };
+                let wait = wait_round_ns(&waits_on, fetch, a.t_ns, t);
                 node.parked.insert(park, (a, attempt, waits_on));
                 let at = t + wait;
                 self.schedule(

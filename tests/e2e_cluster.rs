@@ -25,30 +25,11 @@ rules:
 "#;
 
 fn allocator_of(cluster: &str, rules: &Path, state: &Path, listen: SocketAddr) -> Proc {
-    let args: Vec<String> = [
-        "allocator",
-        "--listen",
-        &listen.to_string(),
-        "--http",
-        "127.0.0.1:0",
-        "--rules",
-        &rules.display().to_string(),
-        "--state-dir",
-        &state.display().to_string(),
-        "--ttl-max",
-        "2s",
-        "--cluster",
-        cluster,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    Proc::try_spawn_in(&format!("allocator-{cluster}"), &args, None)
-        .unwrap_or_else(|line| panic!("allocator {cluster}: {line:?}"))
+    allocator_with(rules, state, Some(listen), "2s", &["--cluster", cluster])
 }
 
 fn check(a: &Proc) -> u16 {
-    http_get(a.http, "/v1/check?tenant=acme&route=/api").0
+    check_acme(a, "/api")
 }
 
 #[test]

@@ -20,10 +20,6 @@ rules:
     fail_policy: closed
 "#;
 
-fn check(a: &Proc) -> u16 {
-    http_get(a.http, "/v1/check?tenant=acme&route=/r").0
-}
-
 /// A regional allocator on `listen` (a fixed address, to restart on it).
 fn regional_on(listen: SocketAddr, parent_url: &str) -> Proc {
     let args: Vec<String> = [
@@ -63,13 +59,7 @@ fn assert_i1(logs: &[std::path::PathBuf], allowed: u64) {
 }
 
 fn hammer(a: &Proc, for_: Duration) -> u64 {
-    let t = Instant::now();
-    let mut ok = 0;
-    while t.elapsed() < for_ {
-        ok += u64::from(check(a) == 200);
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    ok
+    hammer_acme(a, "/r", for_)
 }
 
 /// The root loses its state directory and the regional allocator restarts

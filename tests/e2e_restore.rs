@@ -17,7 +17,7 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -31,17 +31,11 @@ rules:
 "#;
 
 fn check(a: &Proc) -> u16 {
-    http_get(a.http, "/v1/check?tenant=acme&route=/r").0
+    check_acme(a, "/r")
 }
 
 fn hammer(a: &Proc, for_: Duration) -> u64 {
-    let t = Instant::now();
-    let mut ok = 0;
-    while t.elapsed() < for_ {
-        ok += u64::from(check(a) == 200);
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    ok
+    hammer_acme(a, "/r", for_)
 }
 
 /// Copy the files of state directory `from` into a fresh `to`.

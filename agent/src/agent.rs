@@ -1676,29 +1676,8 @@ impl Agent {
         rules: &RuleSet,
         left_ms: u64,
     ) -> Result<CheckResponse, CheckError> {
-        let m = &self.inner.metrics;
-        self.count_rule(&rule.id, |c| &c.failure_mode_denied);
-        match rule.fail_policy {
-            FailPolicy::Closed => {
-                m.unavailable.add(1);
-                m.closed_unavailable.add(1);
-                Err(CheckError::Unavailable(format!(
-                    "rule {}: the allocator is starting (granting in {left_ms} ms); fail_policy closed",
-                    rule.id
-                )))
-            }
-            FailPolicy::Open | FailPolicy::LeaseOnly => {
-                m.failure_mode_denied.add(1);
-                Ok(CheckResponse {
-                    allowed: false,
-                    remaining: 0,
-                    retry_after_ms: left_ms.max(1),
-                    rule_id: rule.id.clone(),
-                    applied_rule_version: rules.version,
-                    reason: Reason::Starting as i32,
-                })
-            }
-        }
+        let why = format!("the allocator is starting (granting in {left_ms} ms)");
+        self.policy_denial(rule, rules, &why, left_ms.max(1), Reason::Starting)
     }
 
     fn fail_policy(
@@ -1706,6 +1685,21 @@ impl Agent {
         rule: &Rule,
         rules: &RuleSet,
         why: &str,
+    ) -> Result<CheckResponse, CheckError> {
+        let retry_ms = self.inner.cfg.fetch_timeout.as_millis() as u64;
+        self.policy_denial(rule, rules, why, retry_ms, Reason::FailureModeDenied)
+    }
+
+    /// A fail policy's denial, counted as one: `closed` answers
+    /// unavailable saying `why`; `open` and `lease_only` deny with
+    /// `reason`, to retry after `retry_after_ms`.
+    fn policy_denial(
+        &self,
+        rule: &Rule,
+        rules: &RuleSet,
+        why: &str,
+        retry_after_ms: u64,
+        reason: Reason,
     ) -> Result<CheckResponse, CheckError> {
         let m = &self.inner.metrics;
         self.count_rule(&rule.id, |c| &c.failure_mode_denied);
@@ -1723,10 +1717,10 @@ impl Agent {
                 Ok(CheckResponse {
                     allowed: false,
                     remaining: 0,
-                    retry_after_ms: self.inner.cfg.fetch_timeout.as_millis() as u64,
+                    retry_after_ms,
                     rule_id: rule.id.clone(),
                     applied_rule_version: rules.version,
-                    reason: Reason::FailureModeDenied as i32,
+                    reason: reason as i32,
                 })
             }
         }

@@ -168,6 +168,17 @@ pub fn allocator(
     listen: Option<SocketAddr>,
     ttl_max: &str,
 ) -> Proc {
+    allocator_with(rules, state_dir, listen, ttl_max, &[])
+}
+
+/// [`allocator`] with `extra` flags appended.
+pub fn allocator_with(
+    rules: &Path,
+    state_dir: &Path,
+    listen: Option<SocketAddr>,
+    ttl_max: &str,
+    extra: &[&str],
+) -> Proc {
     let fixed = listen.is_some();
     let listen = listen
         .map(|a| a.to_string())
@@ -185,6 +196,10 @@ pub fn allocator(
         "--ttl-max".into(),
         ttl_max.into(),
     ];
+    let args: Vec<String> = args
+        .into_iter()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect();
     // A restart on the same address: the port was free when the old
     // process died, but another test's (or an agent's reconnecting)
     // socket may hold it as its ephemeral port for a moment. Try again for
@@ -221,6 +236,22 @@ pub fn agent(id: &str, allocator_url: &str, log: Option<&Path>, extra: &[&str]) 
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     Proc::spawn(id, &args)
+}
+
+/// `GET /v1/check` for tenant `acme` on `route` at agent `a`: the status.
+pub fn check_acme(a: &Proc, route: &str) -> u16 {
+    http_get(a.http, &format!("/v1/check?tenant=acme&route={route}")).0
+}
+
+/// [`check_acme`] every 5 ms for `for_`: how many were admitted.
+pub fn hammer_acme(a: &Proc, route: &str, for_: Duration) -> u64 {
+    let t = Instant::now();
+    let mut ok = 0;
+    while t.elapsed() < for_ {
+        ok += u64::from(check_acme(a, route) == 200);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    ok
 }
 
 /// Minimal HTTP/1.1 GET (test helper): (status, body).

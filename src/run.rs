@@ -40,9 +40,22 @@ pub fn load_rules(path: &Path, version: u64) -> anyhow::Result<RuleSet> {
 /// `quotalease rules validate FILE`.
 pub fn validate(path: &Path) -> anyhow::Result<()> {
     let rules = load_rules(path, 0)?;
-    println!("{}: {} rule(s), valid", path.display(), rules.rules.len());
-    println!("{}", rules.summary());
-    Ok(())
+    // Written, not printed: a reader that stops early (`| head`) is no
+    // error, and must not make the process panic on the closed pipe.
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = writeln!(
+        out,
+        "{}: {} rule(s), valid",
+        path.display(),
+        rules.rules.len()
+    )
+    .and_then(|()| writeln!(out, "{}", rules.summary()))
+    .and_then(|()| out.flush());
+    match written {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(anyhow!("stdout: {e}")),
+        _ => Ok(()),
+    }
 }
 
 /// SIGTERM and Ctrl-C, caught from the moment this is made: a process

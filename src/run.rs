@@ -153,6 +153,12 @@ const LEDGER_FILE: &str = "ledger";
 /// it starts (see `CoreConfig::first_start_grace_ns`): three of the agents'
 /// default 1 s heartbeats.
 pub(crate) const START_GRACE: Duration = Duration::from_secs(3);
+
+/// The start's wait of a restart: [`START_GRACE`], or `TTL_max` if that is
+/// shorter (but at least one agent heartbeat, 1 s).
+pub(crate) fn restart_grace(ttl_max: Duration) -> Duration {
+    START_GRACE.min(ttl_max.max(Duration::from_secs(1)))
+}
 const LEDGER_FORMAT: u64 = 1;
 
 impl LedgerRecord {
@@ -641,11 +647,14 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         // before it serves its full buckets. So does every later start:
         // agents that saw a newer state than this directory holds (a
         // restored backup) name its run before a brand-new agent, which
-        // presents nothing, can take from the older state.
-        first_start_grace_ns: if args.new_ledger {
-            0
-        } else {
-            START_GRACE.as_nanos() as u64
+        // presents nothing, can take from the older state; a restart waits
+        // no longer than `TTL_max` (at least a heartbeat), so that a key
+        // is usable again within `TTL_max` of a crash (SPEC §2
+        // "Restarts").
+        first_start_grace_ns: match (args.new_ledger, first) {
+            (true, _) => 0,
+            (false, true) => START_GRACE.as_nanos() as u64,
+            (false, false) => restart_grace(args.ttl_max).as_nanos() as u64,
         },
         new_ledger: args.new_ledger,
         ..CoreConfig::default()

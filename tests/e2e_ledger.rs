@@ -314,8 +314,9 @@ fn a_corrupt_or_newer_ledger_is_an_error_that_keeps_the_file() {
 }
 
 /// SIGTERM writes every key's state and a clean restart resumes it
-/// instead of waiting out a phantom: right after the start's grace (3 s,
-/// every start since runs are checked), a key at rest has its
+/// instead of waiting out a phantom: right after the start's grace (at a
+/// restart `TTL_max`, 2 s here, every start since runs are checked), a key
+/// at rest has its
 /// whole burst (`5/m burst 5`: five logins; it used to wait `TTL_max` and
 /// then start from empty, 0 logins for a minute), and a used `1/d burst
 /// 10` key with 3 spent admits exactly the 7 left across the old agent

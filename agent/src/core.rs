@@ -791,7 +791,11 @@ impl AgentCore {
                     "the allocator serves another cluster: its replies are not used (logged once every 10 s)"
                 );
             }
-            self.abandon(seq);
+            // As if it had not answered: retried, then the allocator is
+            // taken for unreachable (fail policies apply, and the core
+            // probes it at its own pace instead of asking per request).
+            let attempt = self.pending.get(&seq).map_or(0, |p| p.attempt);
+            self.attempt_failed(now, seq, attempt, "the allocator serves another cluster");
             return;
         }
         let digest_ok = reply.request_digest == 0

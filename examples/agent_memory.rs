@@ -233,6 +233,7 @@ fn run_allocator(n: usize) -> Run {
         run_id: 0,
         record_seq: 0,
         cluster: String::new(),
+        ledger_cluster: String::new(),
     };
     // Learn the rule version first (so replies do not carry the rule set).
     let hello = shared.handle(&LeaseBatch {

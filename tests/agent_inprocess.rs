@@ -221,6 +221,7 @@ async fn an_agent_behind_the_allocators_incarnation_record_catches_up() {
             run_id: 0,
             record_seq: 0,
             cluster: String::new(),
+            ledger_cluster: String::new(),
         }),
         items: vec![],
         ttl_ms: 0,

@@ -172,6 +172,7 @@ fn batch(agent_id: &str, instance: u64, seq: u64, item: LeaseItem) -> LeaseBatch
             run_id: 0,
             record_seq: 0,
             cluster: String::new(),
+            ledger_cluster: String::new(),
         }),
         items: vec![item],
         ttl_ms: 2_000,

@@ -82,6 +82,7 @@ impl Holder {
                     run_id: 0,
                     record_seq: 0,
                     cluster: String::new(),
+                    ledger_cluster: String::new(),
                 }),
                 items: (0..BATCH)
                     .map(|i| LeaseItem {

@@ -757,6 +757,9 @@ impl AllocatorCore {
             && !self.cfg.new_ledger
             && header.ledger_id != 0
             && header.ledger_id != self.cfg.ledger_id
+            // Another cluster's ledger (or that of an allocator without
+            // one, when this one has a cluster) says nothing of ours.
+            && header.ledger_cluster == self.cfg.cluster
         {
             if self.foreign_ledgers.contains(&header.ledger_id) {
                 self.foreign_sighting(now_ns, &header.agent_id, "another ledger", header.ledger_id);

@@ -305,6 +305,10 @@ pub struct RegionalCore {
     /// The run a child presented with `child_ledger_id` (the parent's
     /// ledger, when the child saw a run or sequence we have not).
     child_run: (u64, u64),
+    /// The parent's cluster as its replies say, and the one a child
+    /// presented with `child_ledger_id`.
+    parent_cluster: String,
+    child_ledger_cluster: String,
     /// The parent said it is starting until then (0: not lately).
     parent_starting_until_ns: u64,
     seq: u64,
@@ -410,6 +414,8 @@ impl RegionalCore {
             child_ledger_id: 0,
             parent_run: (0, 0),
             child_run: (0, 0),
+            parent_cluster: String::new(),
+            child_ledger_cluster: String::new(),
             parent_starting_until_ns: 0,
             seq: 0,
             rules_known,
@@ -517,6 +523,7 @@ impl RegionalCore {
             if h.ledger_id != 0 && (h.ledger_id != self.parent_ledger_id || newer_run) {
                 self.child_ledger_id = h.ledger_id;
                 self.child_run = (h.run_id, h.record_seq);
+                self.child_ledger_cluster.clone_from(&h.ledger_cluster);
             }
         }
         let mut reply = self.core.handle_from(now_ns, batch, principal);
@@ -903,10 +910,19 @@ impl RegionalCore {
         self.seq += 1;
         self.stats.upstream_messages += 1;
         // What a child named, once; else the parent's ledger and run.
-        let (ledger_id, (run_id, record_seq)) = match std::mem::take(&mut self.child_ledger_id) {
-            0 => (self.parent_ledger_id, self.parent_run),
-            theirs => (theirs, std::mem::take(&mut self.child_run)),
-        };
+        let (ledger_id, (run_id, record_seq), ledger_cluster) =
+            match std::mem::take(&mut self.child_ledger_id) {
+                0 => (
+                    self.parent_ledger_id,
+                    self.parent_run,
+                    self.parent_cluster.clone(),
+                ),
+                theirs => (
+                    theirs,
+                    std::mem::take(&mut self.child_run),
+                    std::mem::take(&mut self.child_ledger_cluster),
+                ),
+            };
         self.stats.upstream_items += items.len() as u64;
         if items.is_empty() {
             self.stats.upstream_heartbeats += 1;
@@ -929,6 +945,7 @@ impl RegionalCore {
                 record_seq,
                 // Its children's cluster is its own: one check at each tier.
                 cluster: self.cfg.core.cluster.clone(),
+                ledger_cluster,
             }),
             items,
             ttl_ms: self.cfg.lease_ttl_ns / MS,
@@ -1058,6 +1075,7 @@ impl RegionalCore {
             self.parent_run =
                 quotalease_proto::newest_run(self.parent_ledger_id, self.parent_run, reply);
             self.parent_ledger_id = reply.ledger_id;
+            self.parent_cluster.clone_from(&reply.cluster);
         }
         if reply.holder_incarnation > self.incarnation {
             // Our clock stepped back across a restart: move above.

@@ -207,6 +207,7 @@ mod tests {
                 run_id: 0,
                 record_seq: 0,
                 cluster: String::new(),
+                ledger_cluster: String::new(),
             }),
             items: vec![lease::LeaseItem {
                 rule_id: "r".into(),

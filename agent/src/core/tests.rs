@@ -717,3 +717,30 @@ fn a_reply_of_another_cluster_is_not_used() {
     c.handle_reply(T0 + 3 * MS, again[0].seq, grant_all(&again[0]));
     assert!(slot.word.peek(T0 + 4 * MS).is_some_and(|t| t >= 1));
 }
+
+#[test]
+fn an_idle_agent_with_a_long_renew_interval_still_heartbeats_every_heartbeat() {
+    // --renew-interval 30s: the tick (which sends heartbeats) still runs
+    // every heartbeat (1 s), so what the agent saw of the ledger reaches a
+    // restarted allocator within its start wait.
+    let (mut c, _rules) = core(8);
+    c.cfg.plan.renew_interval = Duration::from_secs(30);
+    let mut now = T0;
+    let mut heartbeats = Vec::new();
+    for _ in 0..50 {
+        now += 100 * MS;
+        for tx in pump(&mut c, now) {
+            assert!(tx.batch.items.is_empty(), "nothing to renew");
+            heartbeats.push(now);
+            c.handle_reply(now, tx.seq, grant_all(&tx));
+        }
+    }
+    assert!(heartbeats.len() >= 4, "heartbeats at {heartbeats:?}");
+    for w in heartbeats.windows(2) {
+        assert!(
+            w[1] - w[0] <= 1_100 * MS,
+            "a gap of {} ms",
+            (w[1] - w[0]) / MS
+        );
+    }
+}

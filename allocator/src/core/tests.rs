@@ -45,6 +45,7 @@ fn batch(agent: &str, inc: u64, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             run_id: 0,
             record_seq: 0,
             cluster: String::new(),
+            ledger_cluster: String::new(),
         }),
         items,
         ttl_ms: 1000,
@@ -914,6 +915,19 @@ fn a_requester_of_another_cluster_is_refused_and_never_makes_the_ledger_wait() {
     // Its own cluster is served.
     let r = c.handle(T, &from("prod", 0x1ed, 1));
     assert_eq!(r.grants[0].tokens, 5, "{r:?}");
+    // A prod agent once served by an allocator without a cluster names
+    // that allocator's ledger: it says nothing of prod's (an adversarial
+    // review made prod wait 60 s this way).
+    let mut b = from("prod", 0x77, 2);
+    b.header.as_mut().unwrap().ledger_cluster = String::new();
+    let r = c.handle(T, &b);
+    assert_eq!(r.grants[0].status, GrantStatus::Granted as i32, "{r:?}");
+    assert_eq!(c.stats().ledgers_lost, 0, "another cluster's ledger");
+    // Another ledger of its own cluster: its state was lost.
+    let mut b = from("prod", 0x78, 3);
+    b.header.as_mut().unwrap().ledger_cluster = "prod".into();
+    c.handle(T, &b);
+    assert_eq!(c.stats().ledgers_lost, 1, "a ledger of its own cluster");
     // An allocator without a cluster cannot tell: it serves anyone.
     let mut open = core_with_runs();
     let r = open.handle(T, &from("staging", 0x1ed, 1));

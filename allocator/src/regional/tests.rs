@@ -97,6 +97,7 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
             run_id: 0,
             record_seq: 0,
             cluster: String::new(),
+            ledger_cluster: String::new(),
         }),
         items,
         ttl_ms: 2_000,

@@ -744,3 +744,24 @@ fn an_idle_agent_with_a_long_renew_interval_still_heartbeats_every_heartbeat() {
         );
     }
 }
+
+#[test]
+fn the_ledger_is_presented_with_the_cluster_of_the_allocator_that_gave_it() {
+    // An allocator takes its ledger for lost only for another ledger of
+    // its own cluster: the agent says whose ledger it names.
+    let (mut c, rules) = core(8);
+    c.cfg.cluster = "prod".into();
+    let first = want(&mut c, &rules, "k0", T0);
+    let mut reply = grant_all(&first[0]);
+    reply.ledger_id = 0x77; // an allocator without a cluster
+    c.handle_reply(T0 + MS, first[0].seq, reply);
+    let second = want(&mut c, &rules, "k1", T0 + 2 * MS);
+    let h = second[0].batch.header.as_ref().unwrap();
+    assert_eq!((h.ledger_id, h.ledger_cluster.as_str()), (0x77, ""));
+    let mut reply = grant_all(&second[0]);
+    (reply.ledger_id, reply.cluster) = (0x1ed, "prod".into());
+    c.handle_reply(T0 + 3 * MS, second[0].seq, reply);
+    let third = want(&mut c, &rules, "k2", T0 + 4 * MS);
+    let h = third[0].batch.header.as_ref().unwrap();
+    assert_eq!((h.ledger_id, h.ledger_cluster.as_str()), (0x1ed, "prod"));
+}

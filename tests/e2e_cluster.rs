@@ -10,7 +10,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -113,8 +112,9 @@ fn a_staging_agent_failing_over_to_production_is_refused_and_blanks_nothing() {
     // naming the flag, and the directory is left as it was.
     let ledger = std::fs::read_to_string(dir.join("prod/ledger")).expect("ledger record");
     assert!(ledger.contains("cluster prod\n"), "{ledger}");
-    let out = Command::new(BIN)
-        .args([
+    let (ok, err) = run_to_end(
+        &dir,
+        &[
             "allocator",
             "--listen",
             "127.0.0.1:0",
@@ -126,14 +126,9 @@ fn a_staging_agent_failing_over_to_production_is_refused_and_blanks_nothing() {
             &dir.join("prod").display().to_string(),
             "--cluster",
             "staging",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run quotalease");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+        ],
+    );
+    assert!(!ok);
     assert!(
         err.contains("--cluster staging") && err.contains("cluster prod"),
         "{err}"

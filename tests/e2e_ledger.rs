@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -45,36 +44,6 @@ fn bare_allocator(cwd: &Path, args: &[&str]) -> Result<Proc, String> {
     .collect();
     all.extend(args.iter().map(|s| s.to_string()));
     Proc::try_spawn_in("allocator", &all, Some(cwd))
-}
-
-/// Run `quotalease ARGS` in `cwd` to its end: (success, stderr).
-fn run_to_end(cwd: &Path, args: &[&str]) -> (bool, String) {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .current_dir(cwd)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn quotalease");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("quotalease {args:?} did not exit within 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// A newcomer's bare `quotalease allocator --rules FILE` (no --state-dir):

@@ -11,14 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const SLOW: &str = r#"
-rules:
-  - id: slow
-    match: { tenant: "*", route: /r }
-    rate: 1/m
-    burst: 20
-    fail_policy: closed
-"#;
+const SLOW: &str = SLOW_1M_B20;
 
 /// A regional allocator on `listen` (a fixed address, to restart on it).
 fn regional_on(listen: SocketAddr, parent_url: &str) -> Proc {

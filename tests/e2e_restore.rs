@@ -21,14 +21,7 @@ use std::time::Duration;
 
 use common::*;
 
-const SLOW: &str = r#"
-rules:
-  - id: slow
-    match: { tenant: "*", route: /r }
-    rate: 1/m
-    burst: 20
-    fail_policy: closed
-"#;
+const SLOW: &str = SLOW_1M_B20;
 
 fn check(a: &Proc) -> u16 {
     check_acme(a, "/r")

@@ -537,3 +537,44 @@ pub async fn count_allowed(
     }
     allowed
 }
+
+/// Run `quotalease ARGS` in `cwd` to its end: (success, stderr).
+pub fn run_to_end(cwd: &Path, args: &[&str]) -> (bool, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .current_dir(cwd)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn quotalease");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("quotalease {args:?} did not exit within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `1/m burst 20`, fail policy `closed`, on route `/r`: a slow rule whose
+/// second burst is an obvious excess (the lost and restored state tests).
+pub const SLOW_1M_B20: &str = r#"
+rules:
+  - id: slow
+    match: { tenant: "*", route: /r }
+    rate: 1/m
+    burst: 20
+    fail_policy: closed
+"#;

@@ -13,7 +13,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_yaml::Value;
+// YAML read as the product reads it (YAML 1.2), into a JSON value: the
+// manifests use string keys only.
+use serde_json::Value;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -106,7 +108,11 @@ fn docs(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).expect("read manifest");
     text.split("\n---\n")
         .map(|d| {
-            serde_yaml::from_str::<Value>(d).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            serde_saphyr::from_str_with_options::<Value>(
+                d,
+                quotalease_model::rules::yaml::options(),
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         })
         .collect()
 }
@@ -143,7 +149,7 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
             );
             let kind = s(&d["kind"]);
             if kind == "Service" {
-                let ports = d["spec"]["ports"].as_sequence().expect("ports");
+                let ports = d["spec"]["ports"].as_array().expect("ports");
                 services.insert(
                     s(&d["metadata"]["name"]),
                     ports.iter().map(|p| p["port"].as_u64().unwrap()).collect(),
@@ -160,17 +166,12 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                 "{whence}: a SIGTERM grace long enough to release leases"
             );
             let annotations = &pod["metadata"]["annotations"];
-            for c in pod["spec"]["containers"].as_sequence().expect("containers") {
+            for c in pod["spec"]["containers"].as_array().expect("containers") {
                 if !s(&c["image"]).starts_with("quotalease") {
                     continue;
                 }
                 quotalease_containers += 1;
-                let args: Vec<String> = c["args"]
-                    .as_sequence()
-                    .expect("args")
-                    .iter()
-                    .map(s)
-                    .collect();
+                let args: Vec<String> = c["args"].as_array().expect("args").iter().map(s).collect();
                 let flags = check_command(&args, &whence);
                 let http = port_of(&flags["--http"]);
                 assert!(
@@ -178,7 +179,7 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                     "{whence}: probes and Prometheus reach --http on the pod address"
                 );
                 let ports: BTreeMap<String, u64> = c["ports"]
-                    .as_sequence()
+                    .as_array()
                     .expect("ports")
                     .iter()
                     .map(|p| (s(&p["name"]), p["containerPort"].as_u64().unwrap()))
@@ -237,15 +238,15 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                 // open on the pod network requires client certificates, and
                 // an https:// URL comes with a client certificate.
                 let secret_mounts: Vec<String> = c["volumeMounts"]
-                    .as_sequence()
+                    .as_array()
                     .map(|ms| {
                         ms.iter()
                             .filter(|m| {
                                 pod["spec"]["volumes"]
-                                    .as_sequence()
+                                    .as_array()
                                     .into_iter()
                                     .flatten()
-                                    .any(|v| v["name"] == m["name"] && v["secret"].is_mapping())
+                                    .any(|v| v["name"] == m["name"] && v["secret"].is_object())
                             })
                             .map(|m| s(&m["mountPath"]))
                             .collect()
@@ -286,7 +287,7 @@ fn kubernetes_manifests_name_real_flags_ports_and_probes() {
                 }
                 if let Some(path) = flags.get("--rules") {
                     // The rules file comes from a mounted ConfigMap directory.
-                    let mounts = c["volumeMounts"].as_sequence().expect("volumeMounts");
+                    let mounts = c["volumeMounts"].as_array().expect("volumeMounts");
                     assert!(
                         mounts
                             .iter()

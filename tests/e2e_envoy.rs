@@ -12,6 +12,7 @@ use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::rate_l
 use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotalease_proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use quotalease_proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use serde_json::Value;
 use tonic::transport::Channel;
 
 const RULES: &str = r#"
@@ -258,15 +259,18 @@ async fn fail_closed_without_a_lease_is_unavailable() {
 /// product needs of it: the agent's cluster over HTTP/2 on its default
 /// port, V3, `failure_mode_deny` with `status_on_error` 503 (Envoy's
 /// default for an error is 500); returns the parsed file.
-fn shipped_example(name: &str) -> serde_yaml::Value {
+fn shipped_example(name: &str) -> Value {
     let path = format!("{}/examples/envoy/{name}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let v: serde_yaml::Value = serde_yaml::from_str(&text).expect("valid YAML");
+    // Read as the product reads YAML (1.2), into a JSON value (string keys only).
+    let v: Value =
+        serde_saphyr::from_str_with_options(&text, quotalease_model::rules::yaml::options())
+            .expect("valid YAML");
     let listeners = v["static_resources"]["listeners"]
-        .as_sequence()
+        .as_array()
         .expect("listeners");
     let hcm = &listeners[0]["filter_chains"][0]["filters"][0]["typed_config"];
-    let filters = hcm["http_filters"].as_sequence().expect("http_filters");
+    let filters = hcm["http_filters"].as_array().expect("http_filters");
     let rl = filters
         .iter()
         .find(|f| f["name"] == "envoy.filters.http.ratelimit")
@@ -283,7 +287,7 @@ fn shipped_example(name: &str) -> serde_yaml::Value {
         .expect("cluster name");
     // The named cluster exists, speaks HTTP/2 (gRPC) and points at the agent's default port.
     let clusters = v["static_resources"]["clusters"]
-        .as_sequence()
+        .as_array()
         .expect("clusters");
     let cluster = clusters
         .iter()
@@ -305,9 +309,9 @@ fn shipped_example(name: &str) -> serde_yaml::Value {
 }
 
 /// Descriptor keys of one `rate_limits` entry of a route.
-fn descriptor_keys(actions: &serde_yaml::Value) -> Vec<String> {
+fn descriptor_keys(actions: &Value) -> Vec<String> {
     actions
-        .as_sequence()
+        .as_array()
         .expect("actions")
         .iter()
         .filter_map(|a| {
@@ -336,11 +340,11 @@ fn shipped_envoy_routes_example_has_two_descriptors_per_limited_route() {
     let hcm =
         &v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
     let routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        .as_sequence()
+        .as_array()
         .expect("routes");
     let limited: Vec<_> = routes
         .iter()
-        .filter_map(|r| r["route"]["rate_limits"].as_sequence())
+        .filter_map(|r| r["route"]["rate_limits"].as_array())
         .collect();
     assert_eq!(
         limited.len(),

@@ -3,7 +3,8 @@
 //!
 //! - [`RuleSet::parse`] / [`RuleSet::load`] (feature `yaml`, module `yaml`)
 //!   read the YAML rule file. Each rule
-//!   entry is checked on its own (from a `serde_yaml::Value`, field by field),
+//!   entry is checked on its own (read with serde-saphyr, as YAML 1.2, into
+//!   a small YAML tree of the module's own, then field by field),
 //!   so one bad rule never hides the errors of another: the caller gets every
 //!   error of the file, each naming the rule (by id, or by index when the id is
 //!   unusable) and the field.
@@ -1303,7 +1304,8 @@ rules:
         ] {
             single_error(&format!("{base}    burst: {bad}\n"), Some("r"), "burst");
         }
-        // serde_yaml itself rejects integers beyond 64 bits: one located error.
+        // Integers beyond 64 bits are a YAML error (serde_yaml rejected them;
+        // serde-saphyr reads them as floats, the parser checks): one located error.
         let e = single_error(
             &format!("{base}    burst: 99999999999999999999999\n"),
             None,
@@ -1353,6 +1355,62 @@ rules:
         assert!(e.reason.contains("\"missing\""), "{e}");
         let e = single_error(&one_rule("    burts: 3\n"), Some("r"), "burts");
         assert!(e.reason.contains("unknown field"), "{e}");
+    }
+
+    /// YAML 1.2 (core schema), as serde_yaml read rule files: no YAML 1.1
+    /// booleans or octals, tags other than the core ones are not values.
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn yaml_1_2_dialect() {
+        for (extra, field, why) in [
+            ("    shadow: on\n", "shadow", "a string"),
+            ("    shadow: No\n", "shadow", "a string"),
+            ("    shadow: !flag true\n", "shadow", "a tagged value"),
+            ("    max_keys: 010\n", "max_keys", "remove the quotes"),
+            ("    max_keys: 1_000\n", "max_keys", "a string"),
+            ("    max_keys: .inf\n", "max_keys", "got .inf"),
+            ("    max_keys: 1e3\n", "max_keys", "got 1000.0"),
+            ("    domain: 0x10\n", "domain", "a number"),
+        ] {
+            let e = single_error(&one_rule(extra), Some("r"), field);
+            assert!(e.reason.contains(why), "{extra:?}: {e}");
+        }
+        let rs = RuleSet::parse(
+            &one_rule(
+                "    shadow: TRUE\n    max_keys: 0o17\n    domain: !!str 010\n    fail_policy: ! closed\n",
+            ),
+            "f.yaml",
+            1,
+        )
+        .unwrap();
+        let r = &rs.rules[0];
+        assert!(r.shadow);
+        assert_eq!(r.max_keys, Some(15));
+        assert_eq!(r.domain.as_deref(), Some("010"));
+        assert_eq!(r.fail_policy, FailPolicy::Closed);
+        // A merged key the entry also gives is no duplicate; a repeated key is.
+        let e = single_error(
+            &one_rule("    rate: 2/s\n").replace("rate: 1/s", "rate: 3/s"),
+            None,
+            "yaml",
+        );
+        assert!(
+            e.reason.contains("duplicate") && e.reason.contains("line 6"),
+            "{e}"
+        );
+        // Beyond 64 bits, negative or through an alias: still located.
+        let e = single_error(
+            &one_rule("    max_keys: -99999999999999999999\n"),
+            None,
+            "yaml",
+        );
+        assert!(e.reason.contains("line 6"), "{e}");
+        let text = "rules:\n  - id: r\n    match: { tenant: \"*\" }\n    rate: 1/s\n    burst: &b 99999999999999999999\n    max_keys: *b\n";
+        let e = single_error(text, None, "yaml");
+        assert!(e.reason.contains("line 5"), "{e}");
+        // Deep nesting is refused (the parser's depth budget), not a stack overflow.
+        let deep = format!("rules:\n  - id: r\n    match: {}", "[".repeat(100_000));
+        single_error(&deep, None, "yaml");
     }
 
     #[cfg(feature = "yaml")]

@@ -9,7 +9,7 @@ use quotalease_sim::rng::SimRng;
 use quotalease_sim::workload::{Arrival, Workload, WorkloadSpec};
 
 fn specs() -> Vec<WorkloadSpec> {
-    serde_yaml::from_str(
+    quotalease_sim::scenario::from_yaml(
         "- { kind: hot, tenant: 0, rps: 30000 }\n\
          - { kind: zipf, tenants: 100000, s: 1.0, rps: 970000 }\n",
     )

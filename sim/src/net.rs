@@ -566,9 +566,9 @@ mod tests {
             .unwrap_err()
             .starts_with("median_ms"));
         let y: NetConfig =
-            serde_yaml::from_str("agent_parent: { median_ms: 3, p99_ms: 9 }").unwrap();
+            crate::scenario::from_yaml("agent_parent: { median_ms: 3, p99_ms: 9 }").unwrap();
         assert_eq!(y.agent_parent.median_ms, 3.0);
         assert_eq!(y.regional_global, LinkSpec::default());
-        assert!(serde_yaml::from_str::<NetConfig>("agent_parent: { median: 3 }").is_err());
+        assert!(crate::scenario::from_yaml::<NetConfig>("agent_parent: { median: 3 }").is_err());
     }
 }

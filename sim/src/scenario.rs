@@ -13,7 +13,8 @@
 use crate::net::{Cut, CutKind, LinkSpec, NetConfig, Node, Storm};
 use crate::rng::SimRng;
 use crate::workload::WorkloadSpec;
-use quotalease_model::rules::{FailPolicy, Rate, RuleSet};
+use quotalease_model::rules::{yaml, FailPolicy, Rate, RuleSet};
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -370,8 +371,7 @@ impl Scenario {
 
     /// Parses and validates scenario text; `file` names it in errors.
     pub fn parse(text: &str, file: &str) -> Result<Scenario, String> {
-        let mut sc: Scenario =
-            serde_yaml::from_str(text).map_err(|e| format!("{file}: {}", yaml_error(text, &e)))?;
+        let mut sc: Scenario = from_yaml(text).map_err(|e| format!("{file}: {e}"))?;
         let mut errors = Vec::new();
         match RuleSet::parse(&sc.rules, &format!("{file}: rules"), 1) {
             Ok(rs) => sc.rule_set = rs,
@@ -1116,31 +1116,29 @@ impl Scenario {
     }
 }
 
-/// A serde_yaml error with its location. serde_yaml names the field path
-/// (`faults.cuts[0]: unknown field ...`) except inside the internally
-/// tagged workload entries, where it says only `workloads`: find the entry
-/// at fault and name its index.
-fn yaml_error(text: &str, e: &serde_yaml::Error) -> String {
-    let msg = e.to_string();
-    if !msg.starts_with("workloads:") {
-        return msg;
-    }
-    let Ok(root) = serde_yaml::from_str::<serde_yaml::Value>(text) else {
-        return msg;
-    };
-    let Some(list) = root.get("workloads").and_then(|w| w.as_sequence()) else {
-        return msg;
-    };
-    for (i, w) in list.iter().enumerate() {
-        if let Err(inner) = serde_yaml::from_value::<WorkloadSpec>(w.clone()) {
-            let at = e
-                .location()
-                .map(|l| format!(" at line {} column {}", l.line(), l.column()))
-                .unwrap_or_default();
-            return format!("workloads[{i}]: {inner}{at}");
+/// Reads YAML into `T` the way rule files are read (YAML 1.2, see
+/// [`quotalease_model::rules::yaml`]: only `true`/`false` are booleans,
+/// duplicate keys and several documents are errors); an error names the
+/// field at fault (`faults.cuts[0].regio: unknown field ...`, also inside
+/// the internally tagged workload entries: `workloads[1]: ...`) and its
+/// line and column.
+pub fn from_yaml<T: DeserializeOwned>(text: &str) -> Result<T, String> {
+    let mut path = None;
+    serde_saphyr::with_deserializer_from_str_with_options(text, yaml::options(), |de| {
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            path = Some(e.path().to_string());
+            e.into_inner()
+        })
+    })
+    .map_err(|e| {
+        let msg = e.render_with_formatter(&serde_saphyr::UserMessageFormatter);
+        let msg = msg.split_whitespace().collect::<Vec<_>>().join(" ");
+        match path {
+            // `.`: the document itself; `?`: a place the path cannot name.
+            Some(p) if p != "." && p != "?" => format!("{p}: {msg}"),
+            _ => msg,
         }
-    }
-    msg
+    })
 }
 
 #[cfg(test)]
@@ -1316,6 +1314,39 @@ scale: 0.1
         );
         let e = Scenario::load(Path::new("/nonexistent/s.yaml")).unwrap_err();
         assert!(e.starts_with("/nonexistent/s.yaml: "), "{e}");
+    }
+
+    #[test]
+    fn scenarios_are_yaml_1_2_and_errors_are_located() {
+        let e = Scenario::parse(
+            &GOOD.replace("scale: 0.1", "scale: 0.1\nliveness: yes"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with("x.yaml: liveness: ") && e.contains("line 35"),
+            "{e}"
+        );
+        let e = Scenario::parse(
+            &GOOD.replace("regions: 2", "regions: 2\nregions: 3"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with("x.yaml: ") && e.contains("duplicate") && e.contains("line 5"),
+            "{e}"
+        );
+        let e = Scenario::parse(&format!("{GOOD}---\n{GOOD}"), "x.yaml").unwrap_err();
+        assert!(e.starts_with("x.yaml: ") && e.contains("line"), "{e}");
+        let e = Scenario::parse(
+            &GOOD.replace(
+                "{ at_s: 10, for_s: 5, region: 1 }",
+                "{ at_s: x, for_s: 5, region: 1 }",
+            ),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.starts_with("x.yaml: faults.cuts[0].at_s: "), "{e}");
     }
 
     #[test]

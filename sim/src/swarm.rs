@@ -289,7 +289,7 @@ pub fn plan(base: Option<&Scenario>, seed: u64) -> Plan {
         "variants: [{{ name: {0}, fail_policy: {0} }}]\nliveness: true\nfaults:\n",
         policy.as_str()
     ));
-    let body = serde_yaml::to_string(&f).expect("a fault plan serializes");
+    let body = serde_saphyr::to_string(&f).expect("a fault plan serializes");
     for line in body.lines() {
         yaml.push_str("  ");
         yaml.push_str(line);
@@ -488,6 +488,16 @@ mod tests {
                 a.yaml.contains("failover:"),
                 "seed {seed}: the printed plan says whether it runs replicas"
             );
+            // The printed plan is YAML whose faults read back as printed.
+            #[derive(serde::Deserialize)]
+            struct Printed {
+                faults: Faults,
+            }
+            let printed: Printed = crate::scenario::from_yaml(&a.yaml)
+                .unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", a.yaml));
+            let again = serde_saphyr::to_string(&printed.faults).unwrap();
+            let again: String = again.lines().map(|l| format!("  {l}\n")).collect();
+            assert!(a.yaml.ends_with(&again), "seed {seed}:\n{}", a.yaml);
             let errors = Scenario::parse(&scenario_text(sc), "plan.yaml");
             assert!(
                 errors.is_ok(),
@@ -520,7 +530,7 @@ mod tests {
             #[serde(skip_serializing_if = "Option::is_none")]
             failover: Option<crate::scenario::FailoverSpec>,
         }
-        let mut text = serde_yaml::to_string(&Out {
+        let mut text = serde_saphyr::to_string(&Out {
             name: &sc.name,
             duration_s: sc.duration_s,
             warmup_s: sc.warmup_s,

@@ -881,7 +881,7 @@ mod tests {
 
     #[test]
     fn yaml_and_validation() {
-        let specs: Vec<WorkloadSpec> = serde_yaml::from_str(
+        let specs: Vec<WorkloadSpec> = crate::scenario::from_yaml(
             "- { kind: hot, tenant: 0, rps: 100 }\n\
              - { kind: zipf, tenants: 10, s: 1.0, rps: 5, agents: [0, 3], cost: 2, route: /x }\n\
              - { kind: flash_crowd, tenant: 1, base_rps: 1, peak_rps: 9, at_s: 1, ramp_s: 0, for_s: 2 }\n\
@@ -896,10 +896,11 @@ mod tests {
             s.validate(4).unwrap();
         }
         assert!(specs[1].validate(3).unwrap_err().starts_with("agents"));
-        assert!(
-            serde_yaml::from_str::<WorkloadSpec>("{ kind: hot, tenant: 0, rps: 1, x: 1 }").is_err()
-        );
-        assert!(serde_yaml::from_str::<WorkloadSpec>("{ kind: cold, tenant: 0 }").is_err());
+        assert!(crate::scenario::from_yaml::<WorkloadSpec>(
+            "{ kind: hot, tenant: 0, rps: 1, x: 1 }"
+        )
+        .is_err());
+        assert!(crate::scenario::from_yaml::<WorkloadSpec>("{ kind: cold, tenant: 0 }").is_err());
         let bad = WorkloadSpec::Diurnal {
             tenant: 0,
             mean_rps: 1.0,

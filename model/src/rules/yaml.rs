@@ -1,11 +1,22 @@
 //! The YAML rule file (SPEC §4), behind the `yaml` feature: reading it
-//! with serde_yaml and checking each entry field by field.
+//! with serde-saphyr into a small tree of our own ([`Value`]) and checking
+//! each entry field by field.
+//!
+//! The dialect is YAML 1.2 (core schema), as serde_yaml read it before:
+//! only `true`/`false` (`True`, `TRUE`, ...) are booleans (`yes`, `no`,
+//! `on`, `off` are text), `0x`/`0o`/`0b` integers, decimal numbers with a
+//! leading zero or with underscores stay text, duplicate keys and several
+//! documents are errors, merge keys (`<<`) are applied, and an integer
+//! beyond 64 bits is a located error (serde-saphyr would read it as a
+//! float).
 
 use std::collections::HashMap;
+use std::fmt;
 use std::io::Read;
 use std::path::Path;
 
-use serde_yaml::{Mapping, Value};
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_saphyr::{Location, Spanned, Tagged};
 
 use super::*;
 
@@ -23,6 +34,267 @@ const RULE_FIELDS: [&str; 9] = [
     "domain",
     "max_keys",
 ];
+
+// ---------------------------------------------------------------------------
+// The YAML tree
+
+/// A YAML node as read (serde-saphyr has no dynamic value type of its own).
+#[derive(Clone, Debug, PartialEq)]
+enum Value {
+    Null,
+    Bool(bool),
+    Number(Number),
+    String(String),
+    Sequence(Vec<Value>),
+    Mapping(Mapping),
+    /// A node with an application tag (`!name`); the YAML core tags
+    /// (`!!str`, `!!int`, ...) and `!` give the plain value.
+    Tagged(Box<Value>),
+}
+
+/// A YAML number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Number {
+    /// Non-negative integers.
+    Unsigned(u64),
+    /// Negative integers.
+    Negative(i64),
+    /// Floats, with where the literal is (unknown for mapping keys and the
+    /// document root): [`too_large_integer`] looks at its text.
+    Float(f64, Location),
+}
+
+impl Number {
+    fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Number::Unsigned(u) => Some(u),
+            _ => None,
+        }
+    }
+
+    fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Number::Unsigned(u) => i64::try_from(u).ok(),
+            Number::Negative(i) => Some(i),
+            Number::Float(..) => None,
+        }
+    }
+}
+
+impl fmt::Display for Number {
+    /// As serde_yaml printed numbers: `.inf`, `-.inf`, `.nan` for the
+    /// non-finite floats.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Number::Unsigned(u) => write!(f, "{u}"),
+            Number::Negative(i) => write!(f, "{i}"),
+            Number::Float(x, _) if x.is_nan() => f.write_str(".nan"),
+            Number::Float(x, _) if x.is_infinite() => {
+                f.write_str(if x > 0.0 { ".inf" } else { "-.inf" })
+            }
+            Number::Float(x, _) => write!(f, "{x:?}"),
+        }
+    }
+}
+
+/// A YAML mapping, in document order (keys are unique: the parser
+/// rejects duplicates).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Mapping(Vec<(Value, Value)>);
+
+impl Mapping {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v)
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &Value> {
+        self.0.iter().map(|(k, _)| k)
+    }
+}
+
+impl Value {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// `self[key]` of a mapping.
+    fn get(&self, key: &str) -> Option<&Value> {
+        match self {
+            Value::Mapping(m) => m.get(key),
+            _ => None,
+        }
+    }
+
+    /// A child node read with where it is and its tag.
+    fn from_child(node: Spanned<Tagged<Value>>) -> Value {
+        let Tagged(mut value, tag) = node.value;
+        if let Value::Number(Number::Float(_, at)) = &mut value {
+            *at = node.defined;
+        }
+        match tag {
+            Some(t) if t != "!" && !t.starts_with("tag:yaml.org,2002:") => {
+                Value::Tagged(Box::new(value))
+            }
+            _ => value,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Value {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(ValueVisitor)
+    }
+}
+
+struct ValueVisitor;
+
+impl<'de> Visitor<'de> for ValueVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any YAML value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(Value::Bool(b))
+    }
+
+    fn visit_u64<E>(self, u: u64) -> Result<Value, E> {
+        Ok(Value::Number(Number::Unsigned(u)))
+    }
+
+    fn visit_i64<E>(self, i: i64) -> Result<Value, E> {
+        Ok(Value::Number(match u64::try_from(i) {
+            Ok(u) => Number::Unsigned(u),
+            Err(_) => Number::Negative(i),
+        }))
+    }
+
+    fn visit_u128<E: de::Error>(self, u: u128) -> Result<Value, E> {
+        match u64::try_from(u) {
+            Ok(u) => self.visit_u64(u),
+            Err(_) => Err(E::custom(format!("integer {u} is beyond 64 bits"))),
+        }
+    }
+
+    fn visit_i128<E: de::Error>(self, i: i128) -> Result<Value, E> {
+        match i64::try_from(i) {
+            Ok(i) => self.visit_i64(i),
+            Err(_) => Err(E::custom(format!("integer {i} is beyond 64 bits"))),
+        }
+    }
+
+    fn visit_f64<E>(self, x: f64) -> Result<Value, E> {
+        Ok(Value::Number(Number::Float(x, Location::UNKNOWN)))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(Value::String(s.to_string()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Value, E> {
+        Ok(Value::String(s))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        Value::deserialize(d)
+    }
+
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        Value::deserialize(d)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(node) = seq.next_element::<Spanned<Tagged<Value>>>()? {
+            items.push(Value::from_child(node));
+        }
+        Ok(Value::Sequence(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut entries = Vec::new();
+        while let Some(key) = map.next_key::<Value>()? {
+            let node = map.next_value::<Spanned<Tagged<Value>>>()?;
+            entries.push((key, Value::from_child(node)));
+        }
+        Ok(Value::Mapping(Mapping(entries)))
+    }
+}
+
+/// How quotalease reads YAML (rule files here; scenario files, the
+/// swarm's plans and the tests' look at shipped files use it too): the
+/// YAML 1.2 reading of the module doc, errors without source snippets.
+pub fn options() -> serde_saphyr::Options {
+    // The default budget stops at 250 000 nodes and 1 000 000 parser
+    // events: fewer than a rule file within MAX_FILE_BYTES may hold (about
+    // 300 000 rules in flow style). Every node and event takes at least a
+    // byte, so the file size limit is the bound; the default nesting
+    // (64), alias and anchor limits stay.
+    let budget = serde_saphyr::budget! {
+        max_events: MAX_FILE_BYTES as usize,
+        max_nodes: MAX_FILE_BYTES as usize,
+    };
+    serde_saphyr::options! {
+        budget: budget,
+        strict_booleans: true,
+        leading_zero_numbers_as_strings: true,
+        underscored_numbers_as_strings: true,
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::PassThrough,
+        with_snippet: false,
+    }
+}
+
+/// A serde-saphyr error with its location, on one line.
+fn yaml_reason(e: &serde_saphyr::Error) -> String {
+    let msg = e.render_with_formatter(&serde_saphyr::UserMessageFormatter);
+    let msg = msg.split_whitespace().collect::<Vec<_>>().join(" ");
+    match e.location() {
+        Some(loc) if !msg.contains(" at line ") && loc != Location::UNKNOWN => {
+            format!("{msg} at line {}, column {}", loc.line(), loc.column())
+        }
+        _ => msg,
+    }
+}
+
+/// The first integer literal in `v` too large for 64 bits (serde-saphyr
+/// reads it as a float), as an error with its location.
+fn too_large_integer(text: &str, v: &Value) -> Option<String> {
+    match v {
+        Value::Number(Number::Float(_, at)) => {
+            let span = at.span();
+            let start = usize::try_from(span.byte_offset()?).ok()?;
+            let len = usize::try_from(span.byte_len()?).ok()?;
+            let literal = text.get(start..start.checked_add(len)?)?.trim();
+            let digits = literal.strip_prefix(['+', '-']).unwrap_or(literal);
+            (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then(|| {
+                format!(
+                    "integer {literal} is beyond 64 bits at line {}, column {}",
+                    at.line(),
+                    at.column()
+                )
+            })
+        }
+        Value::Sequence(items) => items.iter().find_map(|i| too_large_integer(text, i)),
+        Value::Mapping(m) => m.0.iter().find_map(|(_, v)| too_large_integer(text, v)),
+        Value::Tagged(v) => too_large_integer(text, v),
+        Value::Null | Value::Bool(_) | Value::Number(_) | Value::String(_) => None,
+    }
+}
 
 // ---------------------------------------------------------------------------
 // YAML helpers
@@ -77,17 +349,6 @@ fn yaml_uint(v: &Value) -> Result<u64, String> {
             "must be a number, got the string {s:?} (remove the quotes)"
         )),
         other => Err(format!("must be a whole number, got {}", kind(other))),
-    }
-}
-
-/// A serde_yaml error with its location.
-fn yaml_reason(e: &serde_yaml::Error) -> String {
-    let msg = e.to_string();
-    match e.location() {
-        Some(loc) if !msg.contains(" at line ") => {
-            format!("{msg} at line {} column {}", loc.line(), loc.column())
-        }
-        _ => msg,
     }
 }
 
@@ -309,18 +570,18 @@ impl RuleSet {
     /// `file` names the source in errors; `version` is stored as is. The text
     /// must be a mapping with a `rules` list (`rules:` with no entries is a
     /// valid empty set; an empty file is an error). YAML merge keys (`<<`)
-    /// are applied.
+    /// are applied; the dialect is YAML 1.2 (see the module doc).
     pub fn parse(text: &str, file: &str, version: u64) -> Result<RuleSet, Vec<RuleError>> {
         let mut errs = Errors::new(file);
-        let mut root: Value = match serde_yaml::from_str(text) {
+        let root: Value = match serde_saphyr::from_str_with_options(text, options()) {
             Ok(v) => v,
             Err(e) => {
                 errs.root("yaml", yaml_reason(&e));
                 return Err(errs.list);
             }
         };
-        if let Err(e) = root.apply_merge() {
-            errs.root("yaml", yaml_reason(&e));
+        if let Some(reason) = too_large_integer(text, &root) {
+            errs.root("yaml", reason);
             return Err(errs.list);
         }
 

@@ -195,6 +195,14 @@ impl Keys {
     fn reservations(&self) -> String {
         format!("{}/res/", self.prefix)
     }
+    /// The run in progress and how many of its reservation records are
+    /// durable (`RUN SEQ`, the run in hex): written with the last chunk of
+    /// each group of records, so a restored older copy of etcd holds fewer
+    /// of a run's records than a requester that was served after it saw
+    /// (SPEC §2 "First start").
+    fn run_seq(&self) -> String {
+        format!("{}/run-seq", self.prefix)
+    }
     fn reservation(&self, k: &KeyId) -> String {
         format!(
             "{}{}/{}/{}",
@@ -221,6 +229,12 @@ fn reservation_value(r: &Reservation) -> String {
     format!("{} {}", r.floor, r.rate_cap_utps)
 }
 
+/// A `run-seq` value: (run, durable records).
+fn parse_run_seq(v: &str) -> Option<(u64, u64)> {
+    let (r, n) = v.split_once(' ')?;
+    Some((u64::from_str_radix(r, 16).ok()?, n.parse().ok()?))
+}
+
 fn parse_reservation(v: &str) -> Option<Reservation> {
     let (f, c) = v.split_once(' ')?;
     Some(Reservation {
@@ -236,6 +250,8 @@ struct EtcdStore {
     keys: Keys,
     guard: (Vec<u8>, i64),
     deposed: Arc<AtomicBool>,
+    /// This term's run: its record count goes to `run-seq`.
+    run: u64,
     /// The mod revision of every reservation key as this term last wrote
     /// or read it (absent: not in etcd). Each write compares it, so that a
     /// write whose answer was lost and that commits late (after a newer one
@@ -255,9 +271,13 @@ impl EtcdStore {
     /// Write `chunk` (at most [`TXN_OPS`] keys: a put of the value, or a
     /// delete) in one transaction guarded by the leader key and by each
     /// key's revision as this term knows it.
-    async fn write_chunk(&mut self, chunk: &[(String, Option<Reservation>)]) -> Result<(), String> {
+    async fn write_chunk(
+        &mut self,
+        chunk: &[(String, Option<Reservation>)],
+        seq: Option<u64>,
+    ) -> Result<(), String> {
         for _ in 0..CHUNK_ATTEMPTS {
-            let resp = self::txn(&self.client, self.chunk_txn(chunk))
+            let resp = self::txn(&self.client, self.chunk_txn(chunk, seq))
                 .await
                 .map_err(|e| format!("etcd: {e}"))?;
             if resp.succeeded() {
@@ -275,21 +295,26 @@ impl EtcdStore {
         Err("etcd: reservations kept changing under this term's writes".into())
     }
 
-    /// The transaction that writes `chunk` if the leader key and every
-    /// key are as this term knows them.
-    fn chunk_txn(&self, chunk: &[(String, Option<Reservation>)]) -> Txn {
+    /// The transaction that writes `chunk` (and, with `seq`, the run's
+    /// record count) if the leader key and every key are as this term
+    /// knows them.
+    fn chunk_txn(&self, chunk: &[(String, Option<Reservation>)], seq: Option<u64>) -> Txn {
         let mut cmp = vec![self.guard()];
         cmp.extend(chunk.iter().map(|(name, _)| match self.revs.get(name) {
             Some(&rev) => Compare::mod_revision(name.clone(), CompareOp::Equal, rev),
             None => Compare::version(name.clone(), CompareOp::Equal, 0),
         }));
-        let ops: Vec<TxnOp> = chunk
+        let mut ops: Vec<TxnOp> = chunk
             .iter()
             .map(|(name, v)| match v {
                 Some(v) => TxnOp::put(name.clone(), reservation_value(v), None),
                 None => TxnOp::delete(name.clone(), None),
             })
             .collect();
+        if let Some(seq) = seq {
+            let value = format!("{:016x} {seq}", self.run);
+            ops.push(TxnOp::put(self.keys.run_seq(), value, None));
+        }
         Txn::new().when(cmp).and_then(ops)
     }
 
@@ -321,7 +346,7 @@ impl EtcdStore {
 }
 
 impl Store for EtcdStore {
-    async fn append(&mut self, _seq: u64, records: Vec<Record>) -> Result<(), String> {
+    async fn append(&mut self, seq: u64, records: Vec<Record>) -> Result<(), String> {
         // One operation per key (etcd refuses a key twice in one
         // transaction): the last record of each wins, as on replay.
         let mut last: BTreeMap<String, Option<Reservation>> = BTreeMap::new();
@@ -332,8 +357,15 @@ impl Store for EtcdStore {
             };
         }
         let entries: Vec<(String, Option<Reservation>)> = last.into_iter().collect();
-        for chunk in entries.chunks(TXN_OPS) {
-            self.write_chunk(chunk).await?;
+        // The run's record count goes with the last chunk only: once it
+        // says `seq`, every record up to `seq` is in etcd.
+        let mut chunks: Vec<&[(String, Option<Reservation>)]> = entries.chunks(TXN_OPS).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            self.write_chunk(chunk, (i == last).then_some(seq)).await?;
         }
         Ok(())
     }
@@ -460,6 +492,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         None => Keys::unsharded(&root),
     };
     check_shard_map(&client, &keys, args.shard).await?;
+    check_cluster(&client, &keys, args.cluster.as_deref()).await?;
     // Until it leads, the replica's core grants nothing (the lease
     // service refuses first); each term replaces it.
     let shared = Shared::new(
@@ -633,6 +666,27 @@ async fn observe(r: Arc<Replica>) {
 /// The shard map's version in replies (the map is only a shard count,
 /// written once).
 const SHARD_MAP_VERSION: u64 = 1;
+
+/// The cluster recorded with the ledger in etcd (by the first leader
+/// started with `--cluster`) must be `--cluster`'s: a replica of another
+/// cluster exits before it campaigns.
+async fn check_cluster(client: &Client, keys: &Keys, arg: Option<&str>) -> anyhow::Result<()> {
+    let got = get(client, &keys.ledger(), None)
+        .await
+        .context("reading the ledger record")?;
+    let Some(kv) = got.kvs().first() else {
+        return Ok(());
+    };
+    let record = LedgerRecord::decode(kv.value_str().unwrap_or(""))
+        .map_err(|e| anyhow!("etcd {}: {e}", keys.ledger()))?;
+    record.cluster_with(arg).map(drop).map_err(|theirs| {
+        anyhow!(
+            "--cluster {}: the ledger under {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own --etcd-prefix)",
+            arg.unwrap_or_default(),
+            keys.ledger()
+        )
+    })
+}
 
 /// The cluster's shard count as recorded in etcd must be `--shard`'s (the
 /// first replica of a sharded cluster records it): a replica that splits
@@ -1108,14 +1162,44 @@ async fn lead(
     };
     let lease_id_base =
         alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
-    let record = LedgerRecord {
+    // Each term is a run of the ledger (SPEC §2 "First start"): the
+    // predecessor's ends at the records `run-seq` says are durable (none
+    // if it names another run: that one wrote nothing).
+    let got = get(&r.client, &r.keys.run_seq(), None)
+        .await
+        .context("reading the run's record count")?;
+    let last_seq = match got.kvs().first().map(|kv| kv.value_str().unwrap_or("")) {
+        None => 0,
+        Some(v) => match parse_run_seq(v) {
+            Some((run, seq)) if run == prev.run => seq,
+            Some(_) => 0,
+            None => {
+                return Err(anyhow!(
+                    "etcd {}: {v:?} is not `RUN SEQ`; nothing is granted from it",
+                    r.keys.run_seq()
+                ))
+            }
+        },
+    };
+    let cluster = prev
+        .cluster_with(r.args.cluster.as_deref())
+        .map_err(|theirs| {
+            anyhow!(
+                "--cluster: the ledger under {} belongs to cluster {theirs}",
+                r.keys.ledger()
+            )
+        })?;
+    let run_id = quotalease_proto::random_instance().max(1);
+    let mut record = LedgerRecord {
         // A lowered --ttl-max never lowers the recorded one with --etcd:
         // the next leader waits the largest any replica used.
         ttl_max_ms: prev.ttl_max_ms.max(ttl_max_ms),
         rules_version: version,
         lease_id_base,
-        ..prev
+        cluster,
+        ..prev.clone()
     };
+    record.start_run(run_id, last_seq);
     let put =
         Txn::new()
             .when([guard()])
@@ -1147,11 +1231,18 @@ async fn lead(
         CoreConfig {
             ttl_max_ns: r.args.ttl_max.as_nanos() as u64,
             shard: r.args.shard.unwrap_or((0, 1)),
-            cluster: r.args.cluster.clone().unwrap_or_default(),
+            cluster: record.cluster.clone(),
+            runs: record.runs(),
             ..CoreConfig::default()
         },
         &durable,
-        run::START_GRACE.as_nanos() as u64,
+        term::Grace {
+            first_ns: run::START_GRACE.as_nanos() as u64,
+            // Every later term waits too, as a restart does: requesters
+            // that saw a newer state than etcd holds (a restored snapshot)
+            // name its run before a brand-new one can take from it.
+            later_ns: run::restart_grace(r.args.ttl_max).as_nanos() as u64,
+        },
         r.args.new_ledger,
     );
     let shared = &r.shared;
@@ -1164,11 +1255,13 @@ async fn lead(
         keys: r.keys.clone(),
         guard: (leader.key().to_vec(), leader.rev()),
         deposed: deposed.clone(),
+        run: run_id,
         revs,
     };
+    let seq = shared.with_core(|core| core.reservation_seq());
     store
         .append(
-            0,
+            seq,
             promises
                 .into_iter()
                 .map(|(k, v)| Record::Set(k, v))
@@ -1597,6 +1690,7 @@ mod tests {
             keys: keys.clone(),
             guard: (b"/t/election/x".to_vec(), rev),
             deposed: deposed.clone(),
+            run: 0xab,
             revs: HashMap::new(),
         };
         let k = KeyId {
@@ -1614,19 +1708,23 @@ mod tests {
                 }),
             )]
         };
-        store.write_chunk(&at(20)).await.unwrap();
+        store.write_chunk(&at(20), None).await.unwrap();
         // An attempt built now, whose answer is lost and which commits late.
-        let late = store.chunk_txn(&at(20));
-        store.write_chunk(&at(12)).await.unwrap();
+        let late = store.chunk_txn(&at(20), Some(3));
+        store.write_chunk(&at(12), Some(4)).await.unwrap();
         assert!(
             !c.txn(late).await.unwrap().succeeded(),
             "the late write was applied"
         );
         let got = c.get(name.as_str(), None).await.unwrap();
         assert_eq!(got.kvs()[0].value_str().unwrap(), "12 0");
+        // The run's record count went with the records, and not back.
+        let got = c.get(keys.run_seq(), None).await.unwrap();
+        let v = got.kvs()[0].value_str().unwrap();
+        assert_eq!(parse_run_seq(v), Some((0xab, 4)), "{v:?}");
         // The leader key goes: writes fail, the store is deposed.
         c.lease_revoke(lease).await.unwrap();
-        assert!(store.write_chunk(&at(5)).await.is_err());
+        assert!(store.write_chunk(&at(5), Some(5)).await.is_err());
         assert!(deposed.load(Ordering::Acquire));
         drop(_etcd);
         let _ = std::fs::remove_dir_all(&dir);

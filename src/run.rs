@@ -197,6 +197,18 @@ impl LedgerRecord {
         self.runs.drain(..over);
     }
 
+    /// The cluster this ledger belongs to when started with `--cluster`
+    /// `arg`: the recorded one, or `arg` when none is recorded yet (the
+    /// first start that names one records it). `Err`: the recorded
+    /// cluster, which `arg` is not.
+    pub(crate) fn cluster_with(&self, arg: Option<&str>) -> Result<String, String> {
+        match (arg, self.cluster.as_str()) {
+            (Some(c), "") => Ok(c.to_string()),
+            (Some(c), theirs) if c != theirs => Err(theirs.to_string()),
+            (_, theirs) => Ok(theirs.to_string()),
+        }
+    }
+
     /// A clean stop: the run in progress ended at record `last_seq`.
     pub(crate) fn end_run(&mut self, last_seq: u64) {
         self.start_run(0, last_seq);
@@ -592,16 +604,15 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
     };
     // The cluster: recorded at the first start that names one; a later
     // start naming another is refused before anything is written.
-    let cluster = match (&args.cluster, record.cluster.as_str()) {
-        (Some(c), "") => c.clone(),
-        (Some(c), theirs) if c != theirs => {
-            return Err(anyhow!(
-                "--cluster {c}: the state directory {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own directory)",
+    let cluster = record
+        .cluster_with(args.cluster.as_deref())
+        .map_err(|theirs| {
+            anyhow!(
+                "--cluster {}: the state directory {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own directory)",
+                args.cluster.as_deref().unwrap_or_default(),
                 dir.display()
-            ))
-        }
-        (_, theirs) => theirs.to_string(),
-    };
+            )
+        })?;
     let mut record = LedgerRecord {
         ttl_max_ms: record.ttl_max_ms.max(ttl_max_ms),
         rules_version: version,

@@ -13,12 +13,18 @@
 //! restore included. The older copy is caught by its run history: the old
 //! agent presents a run (or more of a run's records) the copy does not
 //! hold, and every start waits three agent heartbeats before granting.
+//!
+//! The same with `--etcd`: etcd's data directory copied with etcd stopped,
+//! and put back after the drain (a rolled-back volume, an etcd restored
+//! from an older backup). Each leader term is a run; its record count is
+//! kept in etcd with the records.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
+use common::etcd::*;
 use common::*;
 
 const SLOW: &str = SLOW_1M_B20;
@@ -138,4 +144,94 @@ fn a_copy_of_the_live_directory_restored_after_a_kill_is_caught() {
 #[test]
 fn a_reservation_log_cut_after_a_kill_is_caught() {
     restored_state_is_caught(Restore::CutLog);
+}
+
+/// Copy directory `from` with everything under it to a fresh `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    let ok = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("cp")
+        .success();
+    assert!(ok, "cp -a {} {}", from.display(), to.display());
+}
+
+#[test]
+fn an_etcd_rolled_back_to_an_older_copy_is_caught() {
+    let Some(bin) = etcd_bin() else { return };
+    let dir = tempdir("restore-etcd");
+    let rules = write_rules(&dir, SLOW);
+    let mut etcd = Etcd::start(&bin, &dir, 1);
+    let urls = etcd.urls();
+    let listen = free_addr();
+    let start = |log: &str| {
+        let log = dir.join(log);
+        // The default `--ttl-max 2s`: a term waits 2 s (as a restart
+        // does) for requesters that saw a newer state to name its run.
+        let extra = ["--ttl-max", "2s"];
+        vec![Some(replica_on(
+            listen,
+            &dir,
+            Some(&rules),
+            &urls,
+            0,
+            &log,
+            &extra,
+        ))]
+    };
+    let mut replicas = start("replica-0.log");
+    leader_of(&replicas, None, Duration::from_secs(20));
+    // The backup: etcd's data directory, copied with etcd stopped.
+    let backup = dir.join("etcd-backup");
+    etcd.stop(0);
+    copy_tree(&etcd.data_dir(0), &backup);
+    etcd.restart(0);
+    leader_of(&replicas, None, Duration::from_secs(30));
+    // The newer state: an agent drains the burst.
+    let (lx, ly) = (dir.join("old.tsv"), dir.join("new.tsv"));
+    let url = replicas[0].as_ref().expect("the replica").url();
+    let x = agent("restore-etcd-old", &url, Some(&lx), &[]);
+    wait_ok(x.http, "/readyz", Duration::from_secs(20));
+    let before = hammer(&x, Duration::from_secs(5));
+    assert_eq!(before, 20, "the burst passes first");
+    std::thread::sleep(Duration::from_millis(300));
+    // etcd rolled back to the copy, and the replica started again (it
+    // held the newer state in memory): it leads from what the copy holds.
+    replicas[0].take().expect("the replica").kill9();
+    etcd.stop(0);
+    std::fs::remove_dir_all(etcd.data_dir(0)).expect("remove etcd data");
+    copy_tree(&backup, &etcd.data_dir(0));
+    etcd.restart(0);
+    replicas = start("replica-1.log");
+    let root = replicas[0].as_ref().expect("the replica");
+    // Until it leads (then it is waiting: its predecessor's validity, its
+    // start's wait).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !http_get(root.http, "/readyz").1.contains("leader") {
+        assert!(std::time::Instant::now() < deadline, "no replica leads");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A brand-new agent asks first; the old one second, then both keep
+    // asking past the term's start wait.
+    let y = agent("restore-etcd-new", &root.url(), Some(&ly), &[]);
+    let mut after = hammer(&y, Duration::from_millis(300));
+    after += u64::from(check(&x) == 200);
+    after += hammer(&y, Duration::from_secs(5));
+    after += u64::from(check(&x) == 200);
+    assert!(x.terminate().success());
+    assert!(y.terminate().success());
+    let (_, metrics) = http_get(root.http, "/metrics");
+    let lost = metric(&metrics, "quotalease_allocator_ledgers_lost_total");
+    eprintln!(
+        "etcd: {before} admitted before, {after} after the rollback; ledgers_lost_total {lost:?}"
+    );
+    let rate = quotalease_model::rules::Rate {
+        tokens: 1,
+        period_s: 60,
+    };
+    check_key_i1_at(&[lx, ly], ("slow", "acme", "/r"), rate, 20, before + after);
+    assert_eq!(lost, Some(1.0), "the older etcd state was caught");
 }

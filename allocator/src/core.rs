@@ -693,6 +693,84 @@ impl AllocatorCore {
         self.reservations.as_ref().map_or(0, Reservations::seq)
     }
 
+    /// What a requester presents of the state that served it (SPEC §2
+    /// "First start"): another ledger of our cluster, or a run (or more of
+    /// a run's records) our state lacks, means our state was lost or is
+    /// an older copy; [`Self::state_lost`] then.
+    fn check_presented(
+        &mut self,
+        now_ns: u64,
+        batch: &LeaseBatch,
+        header: &quotalease_proto::lease::RequestHeader,
+    ) {
+        // A batch meant for another shard presents that shard's ledger id
+        // (agents keep one per shard): it says nothing of this ledger.
+        let (shard, shards) = self.cfg.shard;
+        let ours = shards <= 1 || batch.shard == shard;
+        if self.cfg.ledger_id != 0
+        && ours
+        && !self.cfg.new_ledger
+        && header.ledger_id != 0
+        && header.ledger_id != self.cfg.ledger_id
+        // Another cluster's ledger (or that of an allocator without
+        // one, when this one has a cluster) says nothing of ours.
+        && header.ledger_cluster == self.cfg.cluster
+        {
+            if self.foreign_ledgers.contains(&header.ledger_id) {
+                self.foreign_sighting(now_ns, &header.agent_id, "another ledger", header.ledger_id);
+            } else {
+                self.ledger_lost(now_ns, header.ledger_id);
+            }
+        }
+        // Our own ledger, but a run we have no record of, or more of a
+        // run's records than we hold: we started from an older copy of our
+        // state (a restored backup, a rolled-back volume, a reservation log
+        // that lost its tail), and that requester may hold leases the copy
+        // does not count (SPEC §2 "First start").
+        if let Some(runs) = &self.cfg.runs {
+            if ours
+                && !self.cfg.new_ledger
+                && header.ledger_id == self.cfg.ledger_id
+                && header.run_id != 0
+                && !runs.knows(header.run_id, header.record_seq, self.reservation_seq())
+            {
+                if self.foreign_runs.contains(&header.run_id) {
+                    self.foreign_sighting(
+                        now_ns,
+                        &header.agent_id,
+                        "a run of this ledger its state lacks",
+                        header.run_id,
+                    );
+                } else {
+                    self.foreign_runs.push(header.run_id);
+                    self.state_lost(
+                now_ns,
+                format_args!(
+                    "a requester saw run {:016x} of this ledger up to record {}, which this allocator's durable state (its state directory, or etcd) does not hold: it was restored from an older copy",
+                    header.run_id, header.record_seq
+                ),
+            );
+                }
+            }
+        }
+    }
+
+    /// A batch that reached this allocator while it leads but may not
+    /// answer yet (an etcd term waiting out its predecessor's validity):
+    /// nothing is applied or granted, but what it presents of the state
+    /// that served it counts, so that a requester that saw a newer state
+    /// than ours is heard within the term's start wait. A batch of another
+    /// cluster, or without a header, says nothing.
+    pub fn observe(&mut self, now_ns: u64, batch: &LeaseBatch) {
+        let Some(header) = batch.header.as_ref() else {
+            return;
+        };
+        if self.closed || (!self.cfg.cluster.is_empty() && header.cluster != self.cfg.cluster) {
+            return;
+        }
+        self.check_presented(now_ns, batch, header);
+    }
+
     fn handle_batch(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {
         self.stats.messages += 1;
         self.stats.items += batch.items.len() as u64;
@@ -748,56 +826,7 @@ impl AllocatorCore {
             }
             return self.refuse(batch, seq, GrantStatus::BadItem, &why);
         }
-        // A batch meant for another shard presents that shard's ledger id
-        // (agents keep one per shard): it says nothing of this ledger.
-        let (shard, shards) = self.cfg.shard;
-        let ours = shards <= 1 || batch.shard == shard;
-        if self.cfg.ledger_id != 0
-            && ours
-            && !self.cfg.new_ledger
-            && header.ledger_id != 0
-            && header.ledger_id != self.cfg.ledger_id
-            // Another cluster's ledger (or that of an allocator without
-            // one, when this one has a cluster) says nothing of ours.
-            && header.ledger_cluster == self.cfg.cluster
-        {
-            if self.foreign_ledgers.contains(&header.ledger_id) {
-                self.foreign_sighting(now_ns, &header.agent_id, "another ledger", header.ledger_id);
-            } else {
-                self.ledger_lost(now_ns, header.ledger_id);
-            }
-        }
-        // Our own ledger, but a run we have no record of, or more of a
-        // run's records than we hold: we started from an older copy of our
-        // state (a restored backup, a rolled-back volume, a reservation log
-        // that lost its tail), and that requester may hold leases the copy
-        // does not count (SPEC §2 "First start").
-        if let Some(runs) = &self.cfg.runs {
-            if ours
-                && !self.cfg.new_ledger
-                && header.ledger_id == self.cfg.ledger_id
-                && header.run_id != 0
-                && !runs.knows(header.run_id, header.record_seq, self.reservation_seq())
-            {
-                if self.foreign_runs.contains(&header.run_id) {
-                    self.foreign_sighting(
-                        now_ns,
-                        &header.agent_id,
-                        "a run of this ledger its state lacks",
-                        header.run_id,
-                    );
-                } else {
-                    self.foreign_runs.push(header.run_id);
-                    self.state_lost(
-                    now_ns,
-                    format_args!(
-                        "a requester saw run {:016x} of this ledger up to record {}, which this state directory does not hold: it was restored from an older copy",
-                        header.run_id, header.record_seq
-                    ),
-                );
-                }
-            }
-        }
+        self.check_presented(now_ns, batch, header);
         // Holder, incarnation and duplicate suppression.
         let digest = quotalease_proto::request_digest(batch);
         let holder_key = HolderName {

@@ -189,6 +189,15 @@ impl Shared {
         self.handle_durably(batch, principal).0
     }
 
+    /// See [`AllocatorCore::observe`] (a regional allocator keeps no
+    /// runs: nothing to do).
+    pub fn observe(&self, batch: &LeaseBatch) {
+        let now = self.now();
+        if let Node::Global(core) = &mut *self.core.lock() {
+            core.observe(now, batch);
+        }
+    }
+
     /// [`Shared::handle_from`], and how many reservation records must be
     /// durable before the reply may be sent (0 without reservations).
     pub fn handle_durably(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
@@ -374,7 +383,15 @@ impl Allocator for LeaseService {
         let term = match &self.leadership {
             Some(l) => match l.term().filter(|_| l.serving()) {
                 Some(t) => Some(t),
-                None => return Ok(Response::new(l.refusal(&batch))),
+                None => {
+                    if l.leading() {
+                        // A term that waits out its predecessor still
+                        // hears what requesters present (its start wait
+                        // runs meanwhile).
+                        self.shared.observe(&batch);
+                    }
+                    return Ok(Response::new(l.refusal(&batch)));
+                }
             },
             None => None,
         };

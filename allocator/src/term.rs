@@ -41,15 +41,21 @@ pub enum Resumed {
     Reserved(usize),
 }
 
+/// How long a term grants nothing after it starts (see
+/// `CoreConfig::first_start_grace_ns`), unless the operator said the
+/// ledger is new.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Grace {
+    /// A new ledger's first term.
+    pub first_ns: u64,
+    /// Every later term.
+    pub later_ns: u64,
+}
+
 /// The core settings of a term that resumes from `d`, on top of `base`
-/// (its `ttl_max_ns` and the rest); a new ledger grants nothing for
-/// `first_start_grace_ns` unless `new_ledger`.
-pub fn config(
-    base: CoreConfig,
-    d: &Durable,
-    first_start_grace_ns: u64,
-    new_ledger: bool,
-) -> CoreConfig {
+/// (its `ttl_max_ns` and the rest); it grants nothing for `grace`
+/// unless `new_ledger`.
+pub fn config(base: CoreConfig, d: &Durable, grace: Grace, new_ledger: bool) -> CoreConfig {
     CoreConfig {
         predecessor_ttl_max_ns: if d.lost {
             TTL_MAX_CAP_NS
@@ -61,10 +67,10 @@ pub fn config(
         no_predecessor: !d.lost,
         reservations: true,
         ledger_id: d.ledger_id,
-        first_start_grace_ns: if d.first && !new_ledger {
-            first_start_grace_ns
-        } else {
-            0
+        first_start_grace_ns: match (new_ledger, d.first) {
+            (true, _) => 0,
+            (false, true) => grace.first_ns,
+            (false, false) => grace.later_ns,
         },
         new_ledger,
         ..base

@@ -173,7 +173,7 @@ impl Failover {
                 ..CoreConfig::default()
             },
             &durable,
-            0,
+            term::Grace::default(),
             false,
         );
         let mut core = AllocatorCore::new(cfg, rules, self.epoch, self.epoch << 40, now);

@@ -62,63 +62,100 @@ impl Drop for Member {
 /// An etcd cluster on 127.0.0.1.
 pub struct Etcd {
     pub members: Vec<Option<Member>>,
+    bin: PathBuf,
+    dir: PathBuf,
+    peers: Vec<std::net::SocketAddr>,
+    clients: Vec<std::net::SocketAddr>,
 }
 
 impl Etcd {
     pub fn start(bin: &Path, dir: &Path, n: usize) -> Etcd {
-        let peers: Vec<_> = (0..n).map(|_| free_addr()).collect();
-        let clients: Vec<_> = (0..n).map(|_| free_addr()).collect();
-        let initial: Vec<String> = peers
+        let mut etcd = Etcd {
+            members: (0..n).map(|_| None).collect(),
+            bin: bin.to_path_buf(),
+            dir: dir.to_path_buf(),
+            peers: (0..n).map(|_| free_addr()).collect(),
+            clients: (0..n).map(|_| free_addr()).collect(),
+        };
+        for i in 0..n {
+            etcd.members[i] = Some(etcd.spawn(i));
+        }
+        // Up when every member answers its health check.
+        for i in 0..n {
+            etcd.wait_up(i);
+        }
+        etcd
+    }
+
+    /// Member `i`'s data directory.
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("etcd-{i}"))
+    }
+
+    /// Stop member `i` with SIGTERM and wait for it to exit.
+    pub fn stop(&mut self, i: usize) {
+        if let Some(mut m) = self.members[i].take() {
+            unsafe {
+                libc::kill(m.child.id() as i32, libc::SIGTERM);
+            }
+            let _ = m.child.wait();
+        }
+    }
+
+    /// Start member `i` again on its data directory and addresses.
+    pub fn restart(&mut self, i: usize) {
+        self.stop(i);
+        self.members[i] = Some(self.spawn(i));
+        self.wait_up(i);
+    }
+
+    fn wait_up(&self, i: usize) {
+        wait_ok(self.clients[i], "/health", Duration::from_secs(30));
+    }
+
+    fn spawn(&self, i: usize) -> Member {
+        let initial: Vec<String> = self
+            .peers
             .iter()
             .enumerate()
             .map(|(i, p)| format!("m{i}=http://{p}"))
             .collect();
-        let members = (0..n)
-            .map(|i| {
-                let log = std::fs::File::create(dir.join(format!("etcd-{i}.log"))).expect("log");
-                let child = Command::new(bin)
-                    .args([
-                        "--name",
-                        &format!("m{i}"),
-                        "--data-dir",
-                        &dir.join(format!("etcd-{i}")).display().to_string(),
-                        "--listen-client-urls",
-                        &format!("http://{}", clients[i]),
-                        "--advertise-client-urls",
-                        &format!("http://{}", clients[i]),
-                        "--listen-peer-urls",
-                        &format!("http://{}", peers[i]),
-                        "--initial-advertise-peer-urls",
-                        &format!("http://{}", peers[i]),
-                        "--initial-cluster",
-                        &initial.join(","),
-                        "--initial-cluster-state",
-                        "new",
-                        "--initial-cluster-token",
-                        "quotalease-test",
-                    ])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(log)
-                    .spawn()
-                    .expect("spawn etcd");
-                Some(Member {
-                    child,
-                    client: format!("http://{}", clients[i]),
-                })
-            })
-            .collect();
-        let etcd = Etcd { members };
-        // Up when every member answers its health check.
-        for m in etcd.members.iter().flatten() {
-            let addr = m
-                .client
-                .trim_start_matches("http://")
-                .parse()
-                .expect("addr");
-            wait_ok(addr, "/health", Duration::from_secs(30));
+        let (peer, client) = (self.peers[i], self.clients[i]);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("etcd-{i}.log")))
+            .expect("log");
+        let child = Command::new(&self.bin)
+            .args([
+                "--name",
+                &format!("m{i}"),
+                "--data-dir",
+                &self.data_dir(i).display().to_string(),
+                "--listen-client-urls",
+                &format!("http://{client}"),
+                "--advertise-client-urls",
+                &format!("http://{client}"),
+                "--listen-peer-urls",
+                &format!("http://{peer}"),
+                "--initial-advertise-peer-urls",
+                &format!("http://{peer}"),
+                "--initial-cluster",
+                &initial.join(","),
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                "quotalease-test",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        Member {
+            child,
+            client: format!("http://{client}"),
         }
-        etcd
     }
 
     pub fn urls(&self) -> String {
@@ -146,15 +183,26 @@ pub fn replica_with(
     log: &Path,
     extra: &[&str],
 ) -> Proc {
-    let listen = free_addr();
+    replica_on(free_addr(), dir, rules, etcd, i, log, extra)
+}
+
+/// [`replica_with`] listening on `listen` (a replica started again where
+/// its agents know it).
+pub fn replica_on(
+    listen: std::net::SocketAddr,
+    dir: &Path,
+    rules: Option<&Path>,
+    etcd: &str,
+    i: usize,
+    log: &Path,
+    extra: &[&str],
+) -> Proc {
     let mut args: Vec<String> = [
         "allocator",
         "--listen",
         &listen.to_string(),
         "--http",
         "127.0.0.1:0",
-        "--ttl-max",
-        "1s",
         "--etcd",
         etcd,
         "--etcd-prefix",
@@ -167,6 +215,10 @@ pub fn replica_with(
     .collect();
     if let Some(r) = rules {
         args.extend(["--rules".to_string(), r.display().to_string()]);
+    }
+    // 1 s leases unless `extra` says otherwise.
+    if !extra.contains(&"--ttl-max") {
+        args.extend(["--ttl-max".to_string(), "1s".to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     Proc::try_spawn_at_level(&format!("replica-{i}"), &args, None, Some(log), "info")

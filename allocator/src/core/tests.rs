@@ -877,6 +877,27 @@ fn a_requester_that_saw_what_this_state_lacks_makes_the_ledger_wait() {
 }
 
 #[test]
+fn a_batch_observed_while_a_term_waits_counts_what_it_presents() {
+    // An etcd term waiting out its predecessor answers nothing, but a
+    // requester that saw a run this state lacks is heard meanwhile.
+    let mut c = core_with_runs();
+    c.observe(T, &presenting("ok", 1, 0xa1, 5));
+    assert_eq!(c.stats().ledgers_lost, 0, "a run it holds");
+    // Another cluster's, or a closed core's, says nothing.
+    let mut other = presenting("staging", 1, 0xc3, 1);
+    other.header.as_mut().unwrap().cluster = "staging".into();
+    c.cfg.cluster = "prod".into();
+    c.observe(T, &other);
+    assert_eq!(c.stats().ledgers_lost, 0, "another cluster's batch");
+    c.cfg.cluster.clear();
+    c.observe(T, &presenting("b", 1, 0xc3, 1));
+    assert_eq!(c.stats().ledgers_lost, 1);
+    assert!(c.ready_at_ns() >= T + TTL_MAX_CAP_NS, "waits out the cap");
+    // Nothing was applied: no holder, no reply cached.
+    assert!(c.holders.is_empty(), "observing applies nothing");
+}
+
+#[test]
 fn a_requester_of_another_cluster_is_refused_and_never_makes_the_ledger_wait() {
     let rules = RuleSet::parse(RULES, "test.yaml", 7).expect("valid rules");
     let cfg = CoreConfig {

@@ -118,6 +118,25 @@ cargo fmt --all --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
+# The previous release for tests/e2e_compat.rs (adjacent releases: its
+# agents and allocators against this one's): the commit named in
+# compat/previous-release, built from this clone's history into
+# target/previous (its own target directory: its binary is also called
+# quotalease). A clone without that commit (a shallow one) says so, and
+# the test skips saying why.
+prev=$(awk 'NF && $1 !~ /^#/ {print $1; exit}' compat/previous-release)
+if git cat-file -e "$prev^{commit}" 2>/dev/null; then
+  log "previous release: building ${prev:0:12} into target/previous"
+  rm -rf target/previous/src
+  mkdir -p target/previous/src
+  git archive "$prev" | tar -x -C target/previous/src
+  (cd target/previous/src && CARGO_TARGET_DIR=../target cargo build --locked -q --bin quotalease)
+  export QUOTALEASE_PREVIOUS="$PWD/target/previous/target/debug/quotalease"
+else
+  export QUOTALEASE_PREVIOUS_SKIP="commit $prev is not in this clone's history (a shallow clone?)"
+  log "previous release: $QUOTALEASE_PREVIOUS_SKIP; tests/e2e_compat.rs skips"
+fi
+
 log "unit, property and end-to-end tests"
 cargo test --workspace
 

@@ -57,7 +57,20 @@ impl Proc {
         log: Option<&Path>,
         level: &str,
     ) -> Result<Proc, String> {
-        let mut cmd = Command::new(BIN);
+        Self::try_spawn_bin(Path::new(BIN), name, args, cwd, log, level)
+    }
+
+    /// [`Proc::try_spawn_at_level`] of the binary `bin` (another
+    /// release's, say).
+    pub fn try_spawn_bin(
+        bin: &Path,
+        name: &str,
+        args: &[String],
+        cwd: Option<&Path>,
+        log: Option<&Path>,
+        level: &str,
+    ) -> Result<Proc, String> {
+        let mut cmd = Command::new(bin);
         if let Some(dir) = cwd {
             cmd.current_dir(dir);
         }
@@ -179,6 +192,18 @@ pub fn allocator_with(
     ttl_max: &str,
     extra: &[&str],
 ) -> Proc {
+    allocator_of(Path::new(BIN), rules, state_dir, listen, ttl_max, extra)
+}
+
+/// [`allocator_with`] of the binary `bin`.
+pub fn allocator_of(
+    bin: &Path,
+    rules: &Path,
+    state_dir: &Path,
+    listen: Option<SocketAddr>,
+    ttl_max: &str,
+    extra: &[&str],
+) -> Proc {
     let fixed = listen.is_some();
     let listen = listen
         .map(|a| a.to_string())
@@ -206,7 +231,7 @@ pub fn allocator_with(
     // a few seconds rather than fail on that.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        match Proc::try_spawn("allocator", &args) {
+        match Proc::try_spawn_bin(bin, "allocator", &args, None, None, "warn") {
             Ok(p) => return p,
             Err(line) if fixed && Instant::now() < deadline => {
                 eprintln!("allocator did not start ({line:?}); trying again");
@@ -219,6 +244,17 @@ pub fn allocator_with(
 
 /// Start an agent with a test-only admission log.
 pub fn agent(id: &str, allocator_url: &str, log: Option<&Path>, extra: &[&str]) -> Proc {
+    agent_of(Path::new(BIN), id, allocator_url, log, extra)
+}
+
+/// [`agent`] of the binary `bin`.
+pub fn agent_of(
+    bin: &Path,
+    id: &str,
+    allocator_url: &str,
+    log: Option<&Path>,
+    extra: &[&str],
+) -> Proc {
     let mut args: Vec<String> = vec![
         "agent".into(),
         "--allocator".into(),
@@ -235,7 +271,8 @@ pub fn agent(id: &str, allocator_url: &str, log: Option<&Path>, extra: &[&str]) 
         args.push(l.display().to_string());
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::spawn(id, &args)
+    Proc::try_spawn_bin(bin, id, &args, None, None, "warn")
+        .unwrap_or_else(|line| panic!("{id}: no start line: {line:?}"))
 }
 
 /// `GET /v1/check` for tenant `acme` on `route` at agent `a`: the status.

@@ -441,6 +441,13 @@ struct Upstream {
     run: (u64, u64),
     /// The cluster of the allocator whose reply gave `ledger_id`.
     ledger_cluster: String,
+    /// While not connected: no batch goes to it before this instant (a
+    /// probe), so that an allocator that is down, or that refuses us (of
+    /// another cluster), is not asked every tick.
+    probe_at_ns: u64,
+    /// The wait after the next probe: doubles from the renew interval up
+    /// to the heartbeat while no probe is answered; 0 once one is.
+    probe_gap_ns: u64,
 }
 
 /// Where a request stands with the core, for the slow path.
@@ -827,6 +834,7 @@ impl AgentCore {
         let up = self.up(shard);
         up.last_reply_ns = Some(now);
         up.down = false;
+        (up.probe_at_ns, up.probe_gap_ns) = (0, 0);
         if !up.connected {
             up.connected = true;
             tracing::info!(shard, "allocator reachable");
@@ -1011,10 +1019,13 @@ impl AgentCore {
         // A heartbeat is due when nothing was sent for its interval, while
         // no rules are known, and to a shard not reached yet.
         let quiet = self.in_flight() == 0;
-        let due = quiet
-            && (t.saturating_sub(self.last_sent_ns) >= self.cfg.heartbeat.as_nanos() as u64
-                || !self.rules.has_rules());
-        let heartbeat_due = |u: &Upstream| due || (quiet && !u.connected);
+        let due =
+            quiet && t.saturating_sub(self.last_sent_ns) >= self.cfg.heartbeat.as_nanos() as u64;
+        // Sooner while no rules are known or the shard is not reached yet,
+        // at the pace of its probes.
+        let no_rules = !self.rules.has_rules();
+        let heartbeat_due =
+            |u: &Upstream| due || (quiet && (no_rules || !u.connected) && t >= u.probe_at_ns);
         if items.is_empty() && !self.ups.iter().any(heartbeat_due) {
             return;
         }
@@ -1091,6 +1102,15 @@ impl AgentCore {
             h.ledger_cluster = up.map_or(String::new(), |u| u.ledger_cluster.clone());
         }
         let digest = quotalease_proto::request_digest(&batch);
+        let floor = self.interval_ns();
+        let most = (self.cfg.heartbeat.as_nanos() as u64).max(floor);
+        let up = self.up(shard as usize);
+        if !up.connected {
+            // A probe: the next one waits longer while none is answered.
+            let gap = up.probe_gap_ns.max(floor);
+            up.probe_at_ns = t.saturating_add(gap);
+            up.probe_gap_ns = gap.saturating_mul(2).min(most);
+        }
         self.transmits.push_back(Transmit {
             seq,
             attempt: 1,
@@ -1146,7 +1166,11 @@ impl AgentCore {
             idle_ns: self.cfg.plan.idle_release.as_nanos() as u64,
             lead_ns: (4 * self.cfg.plan.renew_interval.as_nanos() as u64)
                 .max(self.cfg.plan.low_water.as_nanos() as u64),
-            ups: self.ups.iter().map(|u| (u.down, u.outage)).collect(),
+            ups: self
+                .ups
+                .iter()
+                .map(|u| (u.down, u.outage, u.probe_at_ns))
+                .collect(),
             late: std::mem::take(&mut self.late_releases),
             releases: Vec::new(),
             renews: Vec::new(),
@@ -1769,8 +1793,8 @@ struct PlanCtx {
     rules_changed: bool,
     idle_ns: u64,
     lead_ns: u64,
-    /// Per shard: (down, its outage).
-    ups: Vec<(bool, u64)>,
+    /// Per shard: (down, its outage, when the next probe may go).
+    ups: Vec<(bool, u64, u64)>,
     /// Releases to send again (not applied by the allocator before).
     late: Vec<LeaseItem>,
     releases: Vec<LeaseItem>,
@@ -1872,15 +1896,21 @@ fn plan_key(
             t,
         ),
     };
+    // An allocator taken for unreachable is asked only by its probes: a
+    // key that would ask waits for the next one.
+    let (down, _, probe_at) = ctx.ups[key_shard(slot, ctx.ups.len())];
+    let held_back = down && t < probe_at && matches!(decision, Plan::Renew { .. });
+    let decision = if held_back { Plan::Wait } else { decision };
     // Until when this key's plan cannot change without activity: its idle
-    // release, the end of a dry spell, its refresh lead, its deadline (each
-    // only if still ahead).
+    // release, the end of a dry spell, its refresh lead, its deadline, the
+    // next probe (each only if still ahead).
     k.quiet_until_ns = if matches!(decision, Plan::Wait) && k.in_flight.is_none() {
         [
             k.usage.last_active_ns.saturating_add(ctx.idle_ns + 1),
             slot.dry_until(),
             deadline.saturating_sub(ctx.lead_ns),
             deadline,
+            if held_back { probe_at } else { 0 },
         ]
         .into_iter()
         .filter(|&x| x > t)
@@ -1941,7 +1971,7 @@ fn plan_key(
             }
             // Keep a key whose emergency bucket serves the current outage:
             // dropping it would start a full bucket again.
-            let (down, outage) = ctx.ups[key_shard(slot, ctx.ups.len())];
+            let (down, outage, _) = ctx.ups[key_shard(slot, ctx.ups.len())];
             if down
                 && rare
                     .get(slot)

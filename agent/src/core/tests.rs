@@ -765,3 +765,51 @@ fn the_ledger_is_presented_with_the_cluster_of_the_allocator_that_gave_it() {
     let h = third[0].batch.header.as_ref().unwrap();
     assert_eq!((h.ledger_id, h.ledger_cluster.as_str()), (0x1ed, "prod"));
 }
+
+#[test]
+fn an_allocator_of_another_cluster_is_probed_at_a_backed_off_pace() {
+    // A staging agent pointed at production: every reply is of another
+    // cluster. Once taken for unreachable it is only probed (heartbeats
+    // and asks alike), the gap doubling up to the heartbeat; a key that
+    // wants tokens waits for the next probe instead of asking every tick.
+    let (mut c, rules) = core(8);
+    c.cfg.cluster = "staging".into();
+    let mut now = T0;
+    let mut sent = Vec::new();
+    for i in 0..200 {
+        now += 50 * MS;
+        let out = if i % 2 == 0 {
+            want(&mut c, &rules, "k", now)
+        } else {
+            pump(&mut c, now)
+        };
+        for tx in out {
+            sent.push(now);
+            let mut reply = grant_all(&tx);
+            reply.cluster = "prod".into();
+            c.handle_reply(now + MS, tx.seq, reply);
+        }
+    }
+    // 10 s: before, about 40 batches a second went out (a heartbeat each
+    // tick while no rules or no reply had been taken, and its retries).
+    assert!(c.reach().down, "taken for unreachable");
+    let last_5s = sent.iter().filter(|&&t| t > now - 5_000 * MS).count();
+    assert!(
+        last_5s <= 5 * 3,
+        "{last_5s} transmits in the last 5 s: {sent:?}"
+    );
+    assert!(last_5s >= 4, "still probed: {last_5s} in 5 s");
+    // A reply of our own cluster: reachable again at once, and asked at
+    // the tick's pace from then on.
+    let mut back = Vec::new();
+    for _ in 0..40 {
+        now += 50 * MS;
+        for tx in want(&mut c, &rules, "k", now) {
+            back.push(tx.seq);
+            c.handle_reply(now + MS, tx.seq, grant_all(&tx));
+        }
+    }
+    let reach = c.reach();
+    assert!(reach.connected && !reach.down, "{reach:?}; sent {back:?}");
+    assert!(back.len() >= 2, "{back:?}");
+}

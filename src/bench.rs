@@ -767,7 +767,7 @@ struct Plan {
 /// `quotalease bench`.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.serve_echo {
-        let stop = crate::run::Termination::catch();
+        let stop = crate::serve::Termination::catch();
         let grpc = args
             .grpc
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -896,7 +896,7 @@ async fn watch<F: std::future::Future>(
     let mut tick =
         tokio::time::interval_at((t0 + Duration::from_secs(1)).into(), Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let signal = crate::run::Termination::catch().wait();
+    let signal = crate::serve::Termination::catch().wait();
     tokio::pin!(signal, done);
     let mut signalled = false;
     loop {
@@ -1198,7 +1198,7 @@ async fn serve_echo(
     grpc: SocketAddr,
     http: SocketAddr,
     nodelay: bool,
-    stop: crate::run::Termination,
+    stop: crate::serve::Termination,
 ) -> anyhow::Result<()> {
     let grpc = bind("--grpc", grpc).await?;
     let http = bind("--http", http).await?;

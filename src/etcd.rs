@@ -45,8 +45,9 @@ use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 use quotalease_proto::lease::ShardRoute;
 
-use crate::run::{self, LedgerRecord, Termination};
+use crate::serve::{self, Termination};
 use crate::AllocatorArgs;
+use quotalease_allocator::durable::{self, LedgerRecord};
 
 /// HTTP/2 pings on etcd connections: no more often than etcd's default
 /// `--grpc-keepalive-min-time` (5 s) allows. Pinging every second made
@@ -443,16 +444,16 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
             args.etcd_lease_ttl
         ));
     }
-    run::ttl_max_ms(&args)?;
+    serve::ttl_max_ms(&args)?;
     // Rules from --rules FILE (re-read on change), else as published in
     // etcd (`quotalease rules publish`, watched). A file must be good
     // before anything else happens.
     let rules = match &args.rules {
-        Some(path) => run::load_rules(path, 1)?,
+        Some(path) => serve::load_rules(path, 1)?,
         None => RuleSet::default(),
     };
     let rules_path = args.rules.clone();
-    let tls = run::server_tls(&args)?;
+    let tls = serve::server_tls(&args)?;
     // Calls time out after 500 ms and are tried again (see `retried`): a
     // frozen etcd member (its sockets open, nothing answered) costs a call
     // that long, not the whole grant path its 2 s write-ahead wait.
@@ -511,8 +512,8 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     }
     shared.set_leadership(leadership.clone());
     let durability = Durability::none();
-    let grpc = run::bind("--listen", args.listen).await?;
-    let http = run::bind("--http", args.http).await?;
+    let grpc = serve::bind("--listen", args.listen).await?;
+    let http = serve::bind("--http", args.http).await?;
     println!(
         "quotalease allocator grpc={} http={}",
         grpc.local_addr()?,
@@ -520,7 +521,7 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
     );
     tracing::info!(grpc = %grpc.local_addr()?, %advertise, etcd = %args.etcd.join(","), prefix = %keys.prefix, lease_ttl_s, "allocator replica started; campaigning for leadership through etcd");
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let (server, admin) = run::serve_allocator(
+    let (server, admin) = serve::serve_allocator(
         shared.clone(),
         grpc,
         http,
@@ -1136,7 +1137,7 @@ async fn lead(
     });
     let version = alloc_server::unix_ms().max(prev.rules_version + 1);
     let rules = match (&r.args.rules, &r.rules_text) {
-        (Some(p), _) => run::load_rules(p, version)?,
+        (Some(p), _) => serve::load_rules(p, version)?,
         (None, Some(latest)) => {
             let text = latest.lock().clone();
             match text {
@@ -1237,11 +1238,11 @@ async fn lead(
         },
         &durable,
         term::Grace {
-            first_ns: run::START_GRACE.as_nanos() as u64,
+            first_ns: term::START_GRACE.as_nanos() as u64,
             // Every later term waits too, as a restart does: requesters
             // that saw a newer state than etcd holds (a restored snapshot)
             // name its run before a brand-new one can take from it.
-            later_ns: run::restart_grace(r.args.ttl_max).as_nanos() as u64,
+            later_ns: term::restart_grace(r.args.ttl_max).as_nanos() as u64,
         },
         r.args.new_ledger,
     );
@@ -1434,7 +1435,7 @@ async fn read_checkpoint(
     }
     let mut out = Vec::new();
     for kv in all.kvs() {
-        match run::decode_checkpoint(kv.value_str().unwrap_or("")) {
+        match durable::decode_checkpoint(kv.value_str().unwrap_or("")) {
             Ok((id, part)) if Some(id) == ledger => out.extend(part),
             Ok((id, _)) => {
                 tracing::warn!(
@@ -1465,7 +1466,7 @@ async fn write_checkpoint(
     for (i, chunk) in chunks.iter().enumerate() {
         let t = Txn::new().when([guard.clone()]).and_then([TxnOp::put(
             keys.checkpoint(i),
-            run::encode_checkpoint(ledger, chunk),
+            durable::encode_checkpoint(ledger, chunk),
             None,
         )]);
         if !txn(client, t).await?.succeeded() {
@@ -1518,7 +1519,7 @@ pub async fn publish(file: &Path, etcd: &[String], prefix: &str) -> anyhow::Resu
     if etcd.is_empty() {
         return Err(anyhow!("--etcd URL[,URL] is required"));
     }
-    let new = run::load_rules(file, 0)?;
+    let new = serve::load_rules(file, 0)?;
     let text = std::fs::read_to_string(file)
         .with_context(|| format!("{}: cannot read", file.display()))?;
     let keys = Keys {

@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod etcd;
 mod run;
+mod serve;
 mod sim;
 
 use std::net::SocketAddr;
@@ -115,21 +116,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Parse a fraction in (0, 1].
-/// A cluster name: 1..=128 of letters, digits, `.`, `_` and `-` (it is
-/// written as one word in the ledger record).
-pub(crate) fn parse_cluster(s: &str) -> Result<String, String> {
-    let ok = (1..=128).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
-        Ok(s.to_string())
-    } else {
-        Err(format!(
-            "{s:?}: a cluster name is 1 to 128 letters, digits, '.', '_' or '-'"
-        ))
-    }
-}
-
 fn parse_fraction(s: &str) -> Result<f64, String> {
     let f: f64 = s
         .parse()
@@ -187,7 +173,7 @@ pub struct AllocatorArgs {
     /// ledger for lost. Recorded in the state directory at the first
     /// start: later starts take it from there, and a different value is an
     /// error. Default: none (every requester is taken for one of its own).
-    #[arg(long, value_parser = parse_cluster)]
+    #[arg(long, value_parser = quotalease_allocator::durable::parse_cluster)]
     cluster: Option<String>,
     /// Parent allocator URL (http://HOST:PORT): makes this a regional
     /// allocator. Needs --region.
@@ -294,7 +280,7 @@ pub struct AgentArgs {
     /// The cluster this agent belongs to (as the allocator's --cluster):
     /// presented to the allocator, and replies of another cluster are not
     /// used. Default: none.
-    #[arg(long, value_parser = parse_cluster)]
+    #[arg(long, value_parser = quotalease_allocator::durable::parse_cluster)]
     cluster: Option<String>,
     /// Lease lifetime requested.
     #[arg(long = "lease-ttl", default_value = "2s", value_parser = parse_duration)]
@@ -379,7 +365,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Rules {
             command: RulesCommand::Validate { file },
-        } => run::validate(&file),
+        } => serve::validate(&file),
         Command::Rules {
             command:
                 RulesCommand::Publish {

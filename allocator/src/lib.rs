@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod core;
+pub mod durable;
 pub mod leadership;
 pub mod ledger;
 pub mod metrics;

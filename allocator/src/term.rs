@@ -3,11 +3,23 @@
 //! election, that does not depend on where that state is kept. The etcd
 //! driver (`src/etcd.rs`) and the simulator's failover model both use it.
 
+use std::time::Duration;
+
 use quotalease_model::key::KeyId;
 
 use crate::core::{AllocatorCore, CoreConfig, TTL_MAX_CAP_NS};
 use crate::ledger::KeyCheckpoint;
 use crate::reservations::Reservation;
+
+/// How long a global allocator grants nothing after a first start (see `CoreConfig::first_start_grace_ns`): three of the agents'
+/// default 1 s heartbeats.
+pub const START_GRACE: Duration = Duration::from_secs(3);
+
+/// The start's wait of a restart: [`START_GRACE`], or `TTL_max` if that is
+/// shorter (but at least one agent heartbeat, 1 s).
+pub fn restart_grace(ttl_max: Duration) -> Duration {
+    START_GRACE.min(ttl_max.max(Duration::from_secs(1)))
+}
 
 /// What the durable state says at the start of a term.
 #[derive(Clone, Debug, Default)]

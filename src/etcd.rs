@@ -1348,7 +1348,7 @@ async fn lead(
         if *done.borrow() {
             break "the etcd lease was lost";
         }
-        if !r.leadership.leading() {
+        if !r.leadership.leading(boot_now()) {
             break "leadership validity ran out (etcd unreachable, or the lease or the key not confirmed in time)";
         }
         if deposed.load(Ordering::Acquire) {

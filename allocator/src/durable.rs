@@ -3,6 +3,7 @@
 //! the largest `TTL_max`, the last rule version, runs, cluster) and a clean
 //! stop's checkpoint of every key, as text. Formats only: where they are
 //! kept is the drivers' business (`src/run.rs`, `src/etcd.rs`).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use quotalease_model::key::KeyId;
 

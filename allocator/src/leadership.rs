@@ -12,6 +12,7 @@
 //! etcd's clock. The driver sets `valid_until` a safety margin before that
 //! (clock rate differences, scheduling), so a deposed leader — partitioned,
 //! or frozen and woken up — stops granting before a successor can exist.
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use parking_lot::Mutex;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply, ShardRoute};
@@ -40,7 +41,7 @@ pub struct View {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Replicas and shard map; the leader fields are filled by `view()`.
+    /// Replicas and shard map; the leader fields are filled by `view`.
     view: View,
     /// The election's leader as last observed, whatever this replica's
     /// own state (an observation made while leading, or frozen, is kept).
@@ -79,20 +80,16 @@ impl Leadership {
         &self.advertise
     }
 
-    /// True while this replica leads and its leadership is surely valid.
-    pub fn serving(&self) -> bool {
-        self.serving_at(quotalease_model::clock::BootClock::now())
-    }
-
-    /// [`Leadership::serving`] at clock reading `now` (ns).
-    pub fn serving_at(&self, now: u64) -> bool {
+    /// True at clock reading `now` (ns) while this replica leads, its
+    /// leadership surely valid, and its wait for its predecessor is over.
+    pub fn serving(&self, now: u64) -> bool {
         let s = self.state.lock();
         s.valid_until.is_some_and(|v| now < v) && now >= s.serve_from
     }
 
-    /// True while this replica's term is valid (it may be waiting to grant).
-    pub fn leading(&self) -> bool {
-        let now = quotalease_model::clock::BootClock::now();
+    /// True at `now` while this replica's term is valid (it may be waiting
+    /// to grant).
+    pub fn leading(&self, now: u64) -> bool {
         self.state.lock().valid_until.is_some_and(|v| now < v)
     }
 
@@ -165,13 +162,10 @@ impl Leadership {
         self.state.lock().view.shard_routes = routes;
     }
 
-    /// What replies say of the replicas now: this replica as the leader
-    /// while it may grant, else the leader last observed (never itself).
-    pub fn view(&self) -> View {
-        self.view_at(quotalease_model::clock::BootClock::now())
-    }
-
-    fn view_at(&self, now: u64) -> View {
+    /// What replies say of the replicas at `now`: this replica as the
+    /// leader while it may grant, else the leader last observed (never
+    /// itself).
+    pub fn view(&self, now: u64) -> View {
         let s = self.state.lock();
         let mut v = s.view.clone();
         if s.valid_until.is_some_and(|until| now < until) {
@@ -188,8 +182,8 @@ impl Leadership {
     /// where the requester may need them (they grow with the shard
     /// count): to a heartbeat, to a batch meant for another shard, and to
     /// one that had an item of another shard's key.
-    pub fn stamp(&self, batch: &LeaseBatch, reply: &mut LeaseReply) {
-        let v = self.view();
+    pub fn stamp(&self, batch: &LeaseBatch, reply: &mut LeaseReply, now: u64) {
+        let v = self.view(now);
         reply.leader_url = v.leader_url;
         reply.replicas = v.replicas;
         reply.shard_map_version = v.shard_map_version;
@@ -206,15 +200,10 @@ impl Leadership {
         }
     }
 
-    /// The reply of a replica that may not grant: nothing applied, go to
-    /// the leader, or (none yet) ask again after a while.
-    pub fn refusal(&self, batch: &LeaseBatch) -> LeaseReply {
-        self.refusal_at(batch, quotalease_model::clock::BootClock::now())
-    }
-
-    /// [`Leadership::refusal`] at clock reading `now` (the simulator's).
-    pub fn refusal_at(&self, batch: &LeaseBatch, now: u64) -> LeaseReply {
-        let v = self.view_at(now);
+    /// The reply at `now` of a replica that may not grant: nothing
+    /// applied, go to the leader, or (none yet) ask again after a while.
+    pub fn refusal(&self, batch: &LeaseBatch, now: u64) -> LeaseReply {
+        let v = self.view(now);
         // Our own URL as "leader" only while we may grant (a refusal then
         // comes from a term that ended between a batch's arrival and its
         // reply): no leader for the requester.
@@ -255,20 +244,20 @@ mod tests {
     fn grants_only_within_validity_of_the_current_term() {
         let l = Leadership::new("http://a:1".into(), 500);
         let t0 = 100 * S;
-        assert!(!l.serving_at(t0));
+        assert!(!l.serving(t0));
         l.lead(7, t0 + 2 * S, 0);
-        assert!(l.serving_at(t0 + 2 * S - 1));
-        assert!(!l.serving_at(t0 + 2 * S));
+        assert!(l.serving(t0 + 2 * S - 1));
+        assert!(!l.serving(t0 + 2 * S));
         // Another term's keep-alive does not extend this one.
         l.extend(6, t0 + 9 * S);
-        assert!(!l.serving_at(t0 + 3 * S));
+        assert!(!l.serving(t0 + 3 * S));
         l.extend(7, t0 + 4 * S);
-        assert!(l.serving_at(t0 + 3 * S));
+        assert!(l.serving(t0 + 3 * S));
         // Never shortened by a late keep-alive answer.
         l.extend(7, t0 + S);
-        assert!(l.serving_at(t0 + 3 * S));
+        assert!(l.serving(t0 + 3 * S));
         l.step_down();
-        assert!(!l.serving_at(t0));
+        assert!(!l.serving(t0));
         assert_eq!(l.term(), None);
     }
 
@@ -277,12 +266,12 @@ mod tests {
         let l = Leadership::new("http://a:1".into(), 500);
         l.set_replicas(vec!["http://b:1".into(), "http://a:1".into()]);
         let batch = LeaseBatch::default();
-        let r = l.refusal(&batch);
+        let r = l.refusal(&batch, S);
         assert!(r.not_leader && r.grants.is_empty());
         assert_eq!((r.leader_url.as_str(), r.retry_after_ms), ("", 500));
         assert_eq!(r.replicas, vec!["http://a:1", "http://b:1"]);
         l.observed_leader("http://b:1", 42);
-        let r = l.refusal(&batch);
+        let r = l.refusal(&batch, S);
         assert_eq!(
             (r.leader_url.as_str(), r.epoch, r.retry_after_ms),
             ("http://b:1", 42, 0)
@@ -291,10 +280,10 @@ mod tests {
         // (here the older observation), never itself.
         let now = 100 * S;
         l.lead(43, now, 0);
-        let r = l.refusal_at(&batch, now);
+        let r = l.refusal(&batch, now);
         assert_eq!(r.leader_url, "http://b:1");
         l.observed_leader("http://a:1", 43);
-        let r = l.refusal_at(&batch, now);
+        let r = l.refusal(&batch, now);
         assert_eq!(r.leader_url, "");
         assert!(r.retry_after_ms > 0);
     }
@@ -304,12 +293,12 @@ mod tests {
         let l = Leadership::new("http://a:1".into(), 500);
         let t0 = 100 * S;
         l.lead(3, t0 + 5 * S, t0 + 2 * S);
-        assert!(!l.serving_at(t0 + S));
+        assert!(!l.serving(t0 + S));
         assert_eq!(l.waiting_until(t0 + S), Some(t0 + 2 * S));
-        assert!(l.serving_at(t0 + 2 * S));
+        assert!(l.serving(t0 + 2 * S));
         assert_eq!(l.waiting_until(t0 + 2 * S), None);
         // Waiting, it refuses as a replica without a leader does.
-        let r = l.refusal_at(&LeaseBatch::default(), t0 + S);
+        let r = l.refusal(&LeaseBatch::default(), t0 + S);
         assert!(r.not_leader && r.leader_url.is_empty() && r.retry_after_ms > 0);
     }
 
@@ -318,16 +307,16 @@ mod tests {
         let l = Leadership::new("http://a:1".into(), 500);
         let t0 = 100 * S;
         l.lead(7, t0 + 2 * S, 0);
-        assert_eq!(l.view_at(t0).leader_url, "http://a:1");
+        assert_eq!(l.view(t0).leader_url, "http://a:1");
         // The successor is observed while this replica still thinks it
         // leads (frozen, its validity gone): after step-down, or once the
         // validity has run out, the view names the successor.
         l.observed_leader("http://b:1", 9);
-        assert_eq!(l.view_at(t0).leader_url, "http://a:1");
-        assert_eq!(l.view_at(t0 + 3 * S).leader_url, "http://b:1");
+        assert_eq!(l.view(t0).leader_url, "http://a:1");
+        assert_eq!(l.view(t0 + 3 * S).leader_url, "http://b:1");
         l.step_down();
         assert_eq!(
-            (l.view_at(t0).leader_url.as_str(), l.view_at(t0).epoch),
+            (l.view(t0).leader_url.as_str(), l.view(t0).epoch),
             ("http://b:1", 9)
         );
     }

@@ -380,17 +380,20 @@ impl Allocator for LeaseService {
         let batch = request.into_inner();
         // The term the grants are decided in: they go out only if it is
         // still the current one, and still valid, when the reply is ready.
+        // Leadership runs on the boot clock (the etcd driver's).
+        let boot = quotalease_model::clock::BootClock::now;
         let term = match &self.leadership {
-            Some(l) => match l.term().filter(|_| l.serving()) {
+            Some(l) => match l.term().filter(|_| l.serving(boot())) {
                 Some(t) => Some(t),
                 None => {
-                    if l.leading() {
+                    let now = boot();
+                    if l.leading(now) {
                         // A term that waits out its predecessor still
                         // hears what requesters present (its start wait
                         // runs meanwhile).
                         self.shared.observe(&batch);
                     }
-                    return Ok(Response::new(l.refusal(&batch)));
+                    return Ok(Response::new(l.refusal(&batch, now)));
                 }
             },
             None => None,
@@ -419,10 +422,11 @@ impl Allocator for LeaseService {
             // The grants were decided while this replica led; if its
             // leadership ran out while they waited for durability, a
             // successor may already resume without knowing they were sent.
-            if l.term() != term || !l.serving() {
-                return Ok(Response::new(l.refusal(&batch)));
+            let now = boot();
+            if l.term() != term || !l.serving(now) {
+                return Ok(Response::new(l.refusal(&batch, now)));
             }
-            l.stamp(&batch, &mut reply);
+            l.stamp(&batch, &mut reply, now);
         }
         Ok(Response::new(reply))
     }
@@ -561,7 +565,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     // A global allocator without --etcd always leads; a regional has no
     // leadership.
     let snapshot = match shared.leadership.get() {
-        Some(l) => snapshot.with_leader(l.serving()),
+        Some(l) => snapshot.with_leader(l.serving(quotalease_model::clock::BootClock::now())),
         None if !shared.is_regional() => snapshot.with_leader(true),
         None => snapshot,
     };
@@ -594,8 +598,8 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
             );
         }
         // A follower answers (it redirects): ready, and says to whom.
-        if !l.serving() {
-            let v = l.view();
+        if !l.serving(boot) {
+            let v = l.view(boot);
             let leader = if v.leader_url.is_empty() || v.leader_url == l.advertise() {
                 "no leader yet".to_string()
             } else {
@@ -606,7 +610,8 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
     }
     let now = shared.now();
     let ready_at = shared.with_core(|c| c.ready_at_ns());
-    if shared.leadership.get().is_some_and(|l| l.serving()) {
+    let boot = quotalease_model::clock::BootClock::now();
+    if shared.leadership.get().is_some_and(|l| l.serving(boot)) {
         let epoch = shared.with_core(|c| c.epoch());
         if now >= ready_at {
             return (StatusCode::OK, format!("ready: leader epoch {epoch}\n"));

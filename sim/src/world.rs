@@ -1395,13 +1395,13 @@ impl World {
             .as_mut()
             .filter(|d| term != 0 && d.term.epoch == term)
         {
-            let reply = if d.term.gate.serving_at(now) {
+            let reply = if d.term.gate.serving(now) {
                 // Fencing failed: the run reports it (and I1 may break).
                 fo.deposed_grants += 1;
                 d.core.handle(now, &batch)
             } else {
                 fo.deposed_refusals += 1;
-                d.term.gate.refusal_at(&batch, now)
+                d.term.gate.refusal(&batch, now)
             };
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
@@ -1413,13 +1413,13 @@ impl World {
         if !leading {
             // No leader yet, or the one named is dead: a follower answers.
             fo.no_leader_replies += 1;
-            let reply = fo.follower.refusal_at(&batch, now);
+            let reply = fo.follower.refusal(&batch, now);
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
         }
         let term = fo.term.as_mut().expect("leading");
-        if !term.gate.serving_at(now) {
-            let reply = term.gate.refusal_at(&batch, now);
+        if !term.gate.serving(now) {
+            let reply = term.gate.refusal(&batch, now);
             self.transmit(Node::Global, from, Msg::Reply(reply));
             return;
         }
@@ -1485,7 +1485,7 @@ impl World {
         }
         let term = fo.term.as_mut().expect("committed");
         let durable = term.durable_seq;
-        let serving = term.gate.serving_at(now);
+        let serving = term.gate.serving(now);
         let (ready, waiting): (Vec<_>, Vec<_>) = term.held.drain(..).partition(|h| h.0 <= durable);
         term.held = waiting;
         for (_, to, reply) in ready {

@@ -21,7 +21,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::etcd::*;
@@ -79,7 +79,7 @@ fn restored_state_is_caught(how: Restore) {
     }
     // The newer state: an agent drains the burst (after the start's grace).
     let (lx, ly) = (dir.join("old.tsv"), dir.join("new.tsv"));
-    let x = agent("restore-old", &root.url(), Some(&lx), &[]);
+    let x = agent("restore", &root.url(), Some(&lx), &[]);
     wait_ok(x.http, "/readyz", Duration::from_secs(10));
     let before = hammer(&x, Duration::from_secs(5));
     assert_eq!(before, 20, "the burst passes first");
@@ -109,9 +109,16 @@ fn restored_state_is_caught(how: Restore) {
         }
     }
     let root = allocator(&rules, &state, Some(listen), "2s");
-    // A brand-new agent asks first; the old one second, then both keep
-    // asking past the start's grace.
-    let y = agent("restore-new", &root.url(), Some(&ly), &[]);
+    after_the_restore(&format!("{how:?}"), &root, x, before, (lx, ly));
+}
+
+/// After a restore to `root`: a brand-new agent asks first, `x` (which
+/// admitted `before` from the newer state, logging to `logs.0`) second,
+/// then both keep asking past the start's wait; I1 over both agents'
+/// admissions, and the older state caught once.
+fn after_the_restore(what: &str, root: &Proc, x: Proc, before: u64, logs: (PathBuf, PathBuf)) {
+    let (lx, ly) = logs;
+    let y = agent(&format!("{}-new", x.name), &root.url(), Some(&ly), &[]);
     let mut after = hammer(&y, Duration::from_millis(300));
     after += u64::from(check(&x) == 200);
     after += hammer(&y, Duration::from_secs(5));
@@ -121,14 +128,14 @@ fn restored_state_is_caught(how: Restore) {
     let (_, metrics) = http_get(root.http, "/metrics");
     let lost = metric(&metrics, "quotalease_allocator_ledgers_lost_total");
     eprintln!(
-        "{how:?}: {before} admitted before, {after} after the restore; ledgers_lost_total {lost:?}"
+        "{what}: {before} admitted before, {after} after the restore; ledgers_lost_total {lost:?}"
     );
     let rate = quotalease_model::rules::Rate {
         tokens: 1,
         period_s: 60,
     };
     check_key_i1_at(&[lx, ly], ("slow", "acme", "/r"), rate, 20, before + after);
-    assert_eq!(lost, Some(1.0), "the older state was caught");
+    assert_eq!(lost, Some(1.0), "{what}: the older state was caught");
 }
 
 #[test]
@@ -193,7 +200,7 @@ fn an_etcd_rolled_back_to_an_older_copy_is_caught() {
     // The newer state: an agent drains the burst.
     let (lx, ly) = (dir.join("old.tsv"), dir.join("new.tsv"));
     let url = replicas[0].as_ref().expect("the replica").url();
-    let x = agent("restore-etcd-old", &url, Some(&lx), &[]);
+    let x = agent("restore-etcd", &url, Some(&lx), &[]);
     wait_ok(x.http, "/readyz", Duration::from_secs(20));
     let before = hammer(&x, Duration::from_secs(5));
     assert_eq!(before, 20, "the burst passes first");
@@ -214,24 +221,5 @@ fn an_etcd_rolled_back_to_an_older_copy_is_caught() {
         assert!(std::time::Instant::now() < deadline, "no replica leads");
         std::thread::sleep(Duration::from_millis(50));
     }
-    // A brand-new agent asks first; the old one second, then both keep
-    // asking past the term's start wait.
-    let y = agent("restore-etcd-new", &root.url(), Some(&ly), &[]);
-    let mut after = hammer(&y, Duration::from_millis(300));
-    after += u64::from(check(&x) == 200);
-    after += hammer(&y, Duration::from_secs(5));
-    after += u64::from(check(&x) == 200);
-    assert!(x.terminate().success());
-    assert!(y.terminate().success());
-    let (_, metrics) = http_get(root.http, "/metrics");
-    let lost = metric(&metrics, "quotalease_allocator_ledgers_lost_total");
-    eprintln!(
-        "etcd: {before} admitted before, {after} after the rollback; ledgers_lost_total {lost:?}"
-    );
-    let rate = quotalease_model::rules::Rate {
-        tokens: 1,
-        period_s: 60,
-    };
-    check_key_i1_at(&[lx, ly], ("slow", "acme", "/r"), rate, 20, before + after);
-    assert_eq!(lost, Some(1.0), "the older etcd state was caught");
+    after_the_restore("etcd", root, x, before, (lx, ly));
 }

@@ -36,7 +36,7 @@ use etcd_client::{
 };
 use parking_lot::Mutex;
 use quotalease_allocator::core::{CoreConfig, TTL_MAX_CAP_NS};
-use quotalease_allocator::leadership::Leadership;
+use quotalease_allocator::leadership::{self, Leadership};
 use quotalease_allocator::reservation_log::{self, hex, unhex, Durability, Store};
 use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::server::{self as alloc_server, Shared};
@@ -534,7 +534,9 @@ pub async fn allocator(args: AllocatorArgs, stop: Termination) -> anyhow::Result
         shared.clone(),
         Duration::from_millis(500),
     ));
-    let margin = Duration::from_secs((lease_ttl_s as u64 / 3).max(1));
+    let margin = Duration::from_nanos(leadership::key_window_ns(
+        Duration::from_secs(lease_ttl_s as u64).as_nanos() as u64,
+    ));
     let args_rules_from_etcd = args.rules.is_none();
     let replica = Arc::new(Replica {
         client,
@@ -1306,7 +1308,7 @@ async fn lead(
     // left.
     let window = r.key_window_ns();
     let serve_from = match resumed {
-        term::Resumed::Reserved(_) => boot_now() + window + window / 500 + 10_000_000,
+        term::Resumed::Reserved(_) => leadership::successor_serves_from(boot_now(), window),
         _ => 0,
     };
     r.leadership.lead(

@@ -18,6 +18,25 @@ use parking_lot::Mutex;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply, ShardRoute};
 use quotalease_proto::PROTOCOL_VERSION;
 
+/// The key window of a leader whose etcd session lease lasts
+/// `lease_ttl_ns`: `max(TTL/3, 1 s)` in whole seconds. A confirmation of
+/// its leader key keeps a leader valid this long (its validity margin
+/// under the lease), so a successor that did not get a clean handover
+/// waits it out ([`successor_serves_from`]). The etcd driver and the
+/// simulator's failover model both use it.
+pub fn key_window_ns(lease_ttl_ns: u64) -> u64 {
+    const SEC: u64 = 1_000_000_000;
+    (lease_ttl_ns / 3 / SEC).max(1) * SEC
+}
+
+/// When a successor elected at `now`, resuming from the reservations
+/// (its predecessor did not hand over), may grant: after its
+/// predecessor's longest validity, a key window, with the clocks' rate
+/// error (1/500) and 10 ms.
+pub fn successor_serves_from(now: u64, key_window_ns: u64) -> u64 {
+    now + key_window_ns + key_window_ns / 500 + 10_000_000
+}
+
 /// What replicas know of each other; stamped on every reply.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct View {
@@ -259,6 +278,29 @@ mod tests {
         l.step_down();
         assert!(!l.serving(t0));
         assert_eq!(l.term(), None);
+    }
+
+    #[test]
+    fn the_key_window_is_a_third_of_the_lease_in_whole_seconds_at_least_one() {
+        for (ttl_ms, window_s) in [
+            (2_000, 1),
+            (2_500, 1),
+            (3_000, 1),
+            (9_000, 3),
+            (10_000, 3),
+            (60_000, 20),
+        ] {
+            assert_eq!(
+                key_window_ns(ttl_ms * 1_000_000),
+                window_s * S,
+                "TTL {ttl_ms} ms"
+            );
+        }
+        // The successor waits the window, its rate error and 10 ms.
+        assert_eq!(
+            successor_serves_from(5 * S, S),
+            6 * S + 2_000_000 + 10_000_000
+        );
     }
 
     #[test]

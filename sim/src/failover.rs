@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 
 use quotalease_allocator::core::{AllocatorCore, CoreConfig};
-use quotalease_allocator::leadership::Leadership;
+use quotalease_allocator::leadership::{self, Leadership};
 use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::term;
 use quotalease_model::key::KeyId;
@@ -41,7 +41,6 @@ use crate::net::Node;
 use crate::scenario::FailoverSpec;
 
 const MS: u64 = 1_000_000;
-const SEC: u64 = 1_000_000_000;
 
 /// The model's settings, in ns.
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +71,7 @@ impl Settings {
         let ttl = spec.lease_ttl_ms * MS;
         Self {
             lease_ttl_ns: ttl,
-            margin_ns: (ttl / 3 / SEC).max(1) * SEC,
+            margin_ns: leadership::key_window_ns(ttl),
             election_ns: spec.election_ms * MS,
             write_lag_ns: spec.write_lag_ms * MS,
             keep_alive_ns: (ttl / 6).max(200 * MS),
@@ -188,7 +187,7 @@ impl Failover {
         let serve_from = if first {
             0
         } else {
-            now + window + window / 500 + 10 * MS
+            leadership::successor_serves_from(now, window)
         };
         gate.lead(self.epoch, now + self.cfg.validity_ns(), serve_from);
         // Everything the resume wrote is durable: the core's count so far.

@@ -18,6 +18,22 @@ use parking_lot::Mutex;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply, ShardRoute};
 use quotalease_proto::PROTOCOL_VERSION;
 
+/// What the serving gate says of an arriving batch ([`Leadership::arrive`]).
+#[derive(Debug)]
+pub enum Arrival {
+    /// Serve it; its reply goes out through [`Leadership::depart`] with this
+    /// term.
+    Serve(u64),
+    /// Answer this, nothing applied; with `observe`, let the core look at
+    /// what the batch presents first.
+    Refuse {
+        /// The refusal to send.
+        reply: Box<LeaseReply>,
+        /// This replica leads but waits out its predecessor.
+        observe: bool,
+    },
+}
+
 /// The key window of a leader whose etcd session lease lasts
 /// `lease_ttl_ns`: `max(TTL/3, 1 s)` in whole seconds. A confirmation of
 /// its leader key keeps a leader valid this long (its validity margin
@@ -219,6 +235,40 @@ impl Leadership {
         }
     }
 
+    /// The serving gate (SPEC §7), for a batch that arrives at `now`:
+    /// serve it in the current term, or answer it with a refusal (nothing
+    /// applied). `observe` says the refusal comes from a leader still
+    /// waiting out its predecessor: what the batch presents of the state
+    /// that served it counts all the same (`AllocatorCore::observe`). The
+    /// tokio driver and the simulator both ask here.
+    pub fn arrive(&self, batch: &LeaseBatch, now: u64) -> Arrival {
+        match self.term().filter(|_| self.serving(now)) {
+            Some(term) => Arrival::Serve(term),
+            None => Arrival::Refuse {
+                observe: self.leading(now),
+                reply: Box::new(self.refusal(batch, now)),
+            },
+        }
+    }
+
+    /// The gate's second half: `reply` to `batch`, decided in `term` and
+    /// durable now (`now`), goes out stamped with the view, or, if that
+    /// term is no longer the current one or no longer valid (a successor
+    /// may already resume without knowing it was sent), a refusal.
+    pub fn depart(
+        &self,
+        term: u64,
+        batch: &LeaseBatch,
+        mut reply: LeaseReply,
+        now: u64,
+    ) -> LeaseReply {
+        if self.term() != Some(term) || !self.serving(now) {
+            return self.refusal(batch, now);
+        }
+        self.stamp(batch, &mut reply, now);
+        reply
+    }
+
     /// The reply at `now` of a replica that may not grant: nothing
     /// applied, go to the leader, or (none yet) ask again after a while.
     pub fn refusal(&self, batch: &LeaseBatch, now: u64) -> LeaseReply {
@@ -278,6 +328,40 @@ mod tests {
         l.step_down();
         assert!(!l.serving(t0));
         assert_eq!(l.term(), None);
+    }
+
+    #[test]
+    fn the_gate_serves_in_a_valid_term_and_refuses_a_reply_whose_term_lapsed() {
+        let l = Leadership::new("http://a:1".into(), 500);
+        let batch = LeaseBatch::default();
+        let t0 = 100 * S;
+        // A follower refuses; nothing to observe.
+        assert!(matches!(
+            l.arrive(&batch, t0),
+            Arrival::Refuse { observe: false, .. }
+        ));
+        // A leader waiting out its predecessor refuses but observes.
+        l.lead(7, t0 + 5 * S, t0 + S);
+        match l.arrive(&batch, t0) {
+            Arrival::Refuse { reply, observe } => assert!(observe && reply.not_leader),
+            a => panic!("{a:?}"),
+        }
+        // Serving: the reply goes out stamped with this replica as leader.
+        assert!(matches!(l.arrive(&batch, t0 + S), Arrival::Serve(7)));
+        let out = l.depart(7, &batch, LeaseReply::default(), t0 + 2 * S);
+        assert!(!out.not_leader);
+        assert_eq!(out.leader_url, "http://a:1");
+        // Its validity ran out while the reply waited for durability, or
+        // another term began: refused, never sent as decided.
+        assert!(
+            l.depart(7, &batch, LeaseReply::default(), t0 + 5 * S)
+                .not_leader
+        );
+        l.lead(8, t0 + 9 * S, 0);
+        assert!(
+            l.depart(7, &batch, LeaseReply::default(), t0 + 2 * S)
+                .not_leader
+        );
     }
 
     #[test]

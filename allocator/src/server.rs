@@ -25,6 +25,7 @@ use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig};
+use crate::leadership::Arrival;
 use crate::ledger::KeyCheckpoint;
 use crate::metrics::Snapshot;
 use crate::regional::{RegionalConfig, RegionalCore};
@@ -383,17 +384,13 @@ impl Allocator for LeaseService {
         // Leadership runs on the boot clock (the etcd driver's).
         let boot = quotalease_model::clock::BootClock::now;
         let term = match &self.leadership {
-            Some(l) => match l.term().filter(|_| l.serving(boot())) {
-                Some(t) => Some(t),
-                None => {
-                    let now = boot();
-                    if l.leading(now) {
-                        // A term that waits out its predecessor still
-                        // hears what requesters present (its start wait
-                        // runs meanwhile).
+            Some(l) => match l.arrive(&batch, boot()) {
+                Arrival::Serve(term) => Some(term),
+                Arrival::Refuse { reply, observe } => {
+                    if observe {
                         self.shared.observe(&batch);
                     }
-                    return Ok(Response::new(l.refusal(&batch, now)));
+                    return Ok(Response::new(*reply));
                 }
             },
             None => None,
@@ -417,18 +414,10 @@ impl Allocator for LeaseService {
                 ));
             }
         }
-        let mut reply = reply;
-        if let Some(l) = &self.leadership {
-            // The grants were decided while this replica led; if its
-            // leadership ran out while they waited for durability, a
-            // successor may already resume without knowing they were sent.
-            let now = boot();
-            if l.term() != term || !l.serving(now) {
-                return Ok(Response::new(l.refusal(&batch, now)));
-            }
-            l.stamp(&batch, &mut reply, now);
-        }
-        Ok(Response::new(reply))
+        Ok(Response::new(match (&self.leadership, term) {
+            (Some(l), Some(term)) => l.depart(term, &batch, reply, boot()),
+            _ => reply,
+        }))
     }
 }
 

@@ -35,7 +35,7 @@ use quotalease_allocator::reservations::{Record, Reservation};
 use quotalease_allocator::term;
 use quotalease_model::key::KeyId;
 use quotalease_model::rules::RuleSet;
-use quotalease_proto::lease::LeaseReply;
+use quotalease_proto::lease::{LeaseBatch, LeaseReply};
 
 use crate::net::Node;
 use crate::scenario::FailoverSpec;
@@ -88,8 +88,9 @@ pub struct Term {
     pub gate: Leadership,
     /// Records of this term durable so far (the core's count).
     pub durable_seq: u64,
-    /// Replies waiting for records: (records needed, to, reply).
-    pub held: Vec<(u64, Node, LeaseReply)>,
+    /// Replies waiting for records: (records needed, to, the batch, its
+    /// reply).
+    pub held: Vec<(u64, Node, LeaseBatch, LeaseReply)>,
 }
 
 /// A deposed leader still running: frozen through its lease, a successor

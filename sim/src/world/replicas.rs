@@ -2,6 +2,8 @@
 //! ([`crate::failover`]): delivery to the leader (or a refusal), the
 //! write-ahead records and their durability, keep-alives and elections.
 
+use quotalease_allocator::leadership::Arrival;
+
 use super::*;
 
 impl World {
@@ -41,19 +43,26 @@ impl World {
             return;
         }
         let term = fo.term.as_mut().expect("leading");
-        if !term.gate.serving(now) {
-            let reply = term.gate.refusal(&batch, now);
-            self.transmit(Node::Global, from, Msg::Reply(reply));
-            return;
-        }
         let core = self.global.core.as_mut().expect("leading");
+        // The serving gate, as the tokio driver's (`LeaseService::lease`).
+        let epoch = match term.gate.arrive(&batch, now) {
+            Arrival::Serve(epoch) => epoch,
+            Arrival::Refuse { reply, observe } => {
+                if observe {
+                    core.observe(now, &batch);
+                }
+                self.transmit(Node::Global, from, Msg::Reply(*reply));
+                return;
+            }
+        };
         let reply = core.handle(now, &batch);
         check_i2_core(core, now, &batch, &mut self.i2_violations, t);
         let needs = core.reservation_seq();
         if needs <= term.durable_seq {
+            let reply = term.gate.depart(epoch, &batch, reply, now);
             self.transmit(Node::Global, from, Msg::Reply(reply));
         } else {
-            term.held.push((needs, from, reply));
+            term.held.push((needs, from, batch, reply));
         }
         self.write_records();
     }
@@ -108,13 +117,16 @@ impl World {
         }
         let term = fo.term.as_mut().expect("committed");
         let durable = term.durable_seq;
-        let serving = term.gate.serving(now);
         let (ready, waiting): (Vec<_>, Vec<_>) = term.held.drain(..).partition(|h| h.0 <= durable);
         term.held = waiting;
-        for (_, to, reply) in ready {
-            if serving {
-                self.transmit(Node::Global, to, Msg::Reply(reply));
-            }
+        // Sent stamped, or refused if the term lapsed meanwhile (as the
+        // tokio driver: before, the simulator dropped such a reply).
+        let replies: Vec<_> = ready
+            .into_iter()
+            .map(|(_, to, batch, reply)| (to, term.gate.depart(epoch, &batch, reply, now)))
+            .collect();
+        for (to, reply) in replies {
+            self.transmit(Node::Global, to, Msg::Reply(reply));
         }
     }
 

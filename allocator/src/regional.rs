@@ -474,6 +474,15 @@ impl RegionalCore {
         self.handle_from(now_ns, batch, "")
     }
 
+    /// Whether `reply` (to a child) asks the upstream side to look at once:
+    /// a pool ran dry while the parent has tokens, or a key has no parent
+    /// lease yet (a grant marked `opening`). A pool dry because the parent
+    /// is dry waits for the parent's hint (the loop's own wake-up). The
+    /// tokio driver and the simulator both wake their upstream loop on it.
+    pub fn wants_upstream_now(reply: &LeaseReply) -> bool {
+        reply.grants.iter().any(|g| g.opening)
+    }
+
     /// [`RegionalCore::handle`] for a child whose client certificate names
     /// `principal` (see [`AllocatorCore::handle_from`]).
     pub fn handle_from(&mut self, now_ns: u64, batch: &LeaseBatch, principal: &str) -> LeaseReply {

@@ -217,11 +217,7 @@ impl Shared {
             Node::Regional(r) => {
                 let reply = r.handle_from(self.now(), batch, principal);
                 drop(node);
-                if reply.grants.iter().any(|g| g.opening) {
-                    // A pool ran dry while the parent has tokens (or a key
-                    // has no parent lease yet): let the upstream loop look
-                    // now. A pool dry because the parent is dry waits for
-                    // the parent's hint (the loop's own wake-up).
+                if RegionalCore::wants_upstream_now(&reply) {
                     self.upstream_wake.notify_one();
                 }
                 (reply, 0)

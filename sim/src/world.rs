@@ -1111,11 +1111,9 @@ impl World {
                             .push(format!("region {r} at t={t} ns: {why}"));
                     }
                 }
-                let dry = reply.grants.iter().any(|g| g.opening);
+                let wake = RegionalCore::wants_upstream_now(&reply);
                 self.transmit(to, from, Msg::Reply(reply));
-                if dry {
-                    // A pool ran dry while the parent has tokens: the
-                    // upstream loop looks now (as `Shared::handle` wakes it).
+                if wake {
                     self.regional_wake(r, t);
                 }
             }

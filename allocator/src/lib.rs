@@ -1,22 +1,20 @@
 //! quotalease allocator: owns each key's global token bucket and hands out
 //! short-lived leases of tokens (SPEC §1, §2).
 //!
-//! Sans-IO cores ([`ledger`], [`core`], [`regional`], over
-//! `quotalease_model`'s token bucket and rules) take time and messages as
-//! arguments; [`server`] is the thin tokio/tonic/axum driver.
+//! The sans-IO cores live in `quotalease-allocator-core` and are
+//! re-exported here under their old paths ([`core`], [`ledger`],
+//! [`regional`], [`reservations`], [`term`], [`durable`], [`leadership`]);
+//! this crate is their tokio, tonic and axum drivers: [`server`] the lease
+//! service and admin HTTP, [`upstream`] a regional's parent loop,
+//! [`reservation_log`] the write-ahead log's writer, [`metrics`] the
+//! `/metrics` snapshot.
 #![warn(missing_docs)]
-// Clocks, spawns, sleeps and files are denied in the sans-IO modules only
-// (each says so; the list is in clippy.toml); drivers need them.
-#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
-pub mod core;
-pub mod durable;
-pub mod leadership;
-pub mod ledger;
+pub use quotalease_allocator_core::{
+    core, durable, leadership, ledger, regional, reservations, term,
+};
+
 pub mod metrics;
-pub mod regional;
 pub mod reservation_log;
-pub mod reservations;
 pub mod server;
-pub mod term;
 pub mod upstream;

@@ -42,22 +42,7 @@ const FORMAT: u64 = 2;
 /// Compact the log when it grows past this.
 pub const COMPACT_BYTES: u64 = 8 << 20;
 
-/// Bytes as lowercase hex (ids in state files: any UTF-8, no escaping).
-pub fn hex(s: &str) -> String {
-    s.bytes().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The inverse of [`hex`]; `None` if `h` is not hex of UTF-8.
-pub fn unhex(h: &str) -> Option<String> {
-    if !h.len().is_multiple_of(2) {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> = (0..h.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
-        .collect();
-    String::from_utf8(bytes?).ok()
-}
+pub use quotalease_allocator_core::durable::{hex, unhex};
 
 /// A key as three hex fields separated by spaces.
 pub fn key_fields(k: &KeyId) -> String {

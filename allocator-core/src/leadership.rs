@@ -12,7 +12,6 @@
 //! etcd's clock. The driver sets `valid_until` a safety margin before that
 //! (clock rate differences, scheduling), so a deposed leader — partitioned,
 //! or frozen and woken up — stops granting before a successor can exist.
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use parking_lot::Mutex;
 use quotalease_proto::lease::{LeaseBatch, LeaseReply, ShardRoute};

@@ -3,12 +3,27 @@
 //! the largest `TTL_max`, the last rule version, runs, cluster) and a clean
 //! stop's checkpoint of every key, as text. Formats only: where they are
 //! kept is the drivers' business (`src/run.rs`, `src/etcd.rs`).
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use quotalease_model::key::KeyId;
 
 use crate::ledger::KeyCheckpoint;
-use crate::reservation_log::{hex, unhex};
+
+/// Bytes as lowercase hex (ids in state files: any UTF-8, no escaping).
+pub fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The inverse of [`hex`]; `None` if `h` is not hex of UTF-8.
+pub fn unhex(h: &str) -> Option<String> {
+    if !h.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
 
 /// A cluster name: 1..=128 of letters, digits, `.`, `_` and `-` (it is
 /// written as one word in the ledger record).

@@ -31,7 +31,6 @@
 //! ([`KeyLedger::deposit`]), drained when that backing ends
 //! ([`KeyLedger::drain_pool`]), and every lease it grants expires no later
 //! than the pool's deadline (the parent lease's deadline on this clock).
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use quotalease_model::bucket::{lease_rate_fine, rate_fine, rate_utps, Level, TokenBucket};
 use quotalease_model::protocol::{slowed_by_rho, RHO_PPM};

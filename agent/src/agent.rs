@@ -28,11 +28,15 @@ use parking_lot::{Mutex, MutexGuard};
 use quotalease_model::clock::ClockSource;
 use quotalease_model::matching::{Matched, TooManyMatches, MAX_MATCHED};
 use quotalease_model::protocol::MAX_ID_BYTES;
-use quotalease_model::rules::{FailPolicy, Rate, Rule, RuleSet};
+use quotalease_model::rules::{FailPolicy, Rule, RuleSet};
 use quotalease_proto::v1::{CheckResponse, Reason};
 use tokio::sync::Notify;
 
 use crate::core::{AgentCore, CoreConfig, Event};
+pub use crate::core::{EmergencyConfig, EmergencyOpened};
+use crate::driver::Pumped as _;
+use crate::handle::take_all;
+pub use crate::handle::KeyHandle;
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
 pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, SlotRef, Table};
@@ -86,17 +90,6 @@ pub struct AgentConfig {
     /// The cluster this agent belongs to (`--cluster`; "" when not set),
     /// presented to the allocator (SPEC §2 "First start").
     pub cluster: String,
-}
-
-/// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
-/// Defaults: rate `max(this agent's recent admitted rate, R / holders)`,
-/// burst `B / holders`.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct EmergencyConfig {
-    /// Fixed rate as a fraction of the rule's rate (instead of the default).
-    pub rate_fraction: Option<f64>,
-    /// Fixed burst as a fraction of the rule's burst (instead of the default).
-    pub burst_fraction: Option<f64>,
 }
 
 impl Default for AgentConfig {
@@ -323,90 +316,9 @@ fn match_rules(
         })
 }
 
-/// A resolved request shape: see [`Agent::resolve`] and
-/// [`Agent::check_handle`].
-#[derive(Debug, Clone)]
-pub struct KeyHandle {
-    /// The rules' generation at resolve time.
-    generation: u64,
-    /// Their version (what answers report).
-    version: u64,
-    /// (rule index, slot) of each non-shadow matched rule.
-    slots: Vec<(u32, Slot)>,
-    /// Their rules' counters, in the same order.
-    counters: Vec<Arc<RuleCounters>>,
-    /// The largest cost the fast path may charge: the smallest burst of
-    /// the rules in `slots` (a larger one is decided by the slow path).
-    max_cost: u64,
-    any_shadow: bool,
-    no_rule: bool,
-}
-
-impl KeyHandle {
-    /// A handle for the rules `m` matched in `snap`, whose non-shadow keys
-    /// have these slots.
-    fn new(generation: u64, snap: &Snapshot, m: &Matched, slots: Vec<(u32, Slot)>) -> Self {
-        let max_cost = slots
-            .iter()
-            .map(|(ri, _)| snap.rules.rules[*ri as usize].burst)
-            .min()
-            .unwrap_or(u64::MAX);
-        let counters = slots
-            .iter()
-            .filter_map(|(ri, _)| snap.counters.rules.get(*ri as usize))
-            .map(|(_, c)| c.clone())
-            .collect();
-        Self {
-            generation,
-            version: snap.rules.version,
-            any_shadow: m.any_shadow(),
-            no_rule: m.is_empty(),
-            max_cost,
-            slots,
-            counters,
-        }
-    }
-
-    /// The rules' generation this handle was resolved for.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation
-    }
-}
-
 /// The rule (by index) whose lease could not pay, and its slot if the
 /// table holds one.
 type Unpaid = (usize, Option<Slot>);
-
-/// Take `cost` from every slot's lease, all or none: (the smallest
-/// global remaining estimate, capped at `max_burst`, the smallest burst of
-/// the slots' rules, and its rule index), or None (nothing charged).
-fn take_all(slots: &[(u32, Slot)], cost: u64, now: u64, max_burst: u64) -> Option<(u64, usize)> {
-    let mut taken: [u64; MAX_MATCHED] = [0; MAX_MATCHED];
-    let mut min = (u64::MAX, slots.first().map_or(0, |s| s.0 as usize));
-    for (j, (ri, slot)) in slots.iter().enumerate() {
-        match slot.word.try_take(cost, now) {
-            Take::Taken {
-                generation,
-                remaining,
-            } => {
-                taken[j] = generation;
-                // min over slots of min(max_burst, x) = min(max_burst, min x)
-                // = min over slots of min(own burst, x).
-                let remaining = slot.global_remaining(remaining, max_burst);
-                if remaining < min.0 {
-                    min = (remaining, *ri as usize);
-                }
-            }
-            Take::Short { .. } | Take::NoLease => {
-                for ((_, s), &generation) in slots[..j].iter().zip(&taken[..j]) {
-                    s.word.refund(generation, cost);
-                }
-                return None;
-            }
-        }
-    }
-    Some(min)
-}
 
 /// How long a request of `cost` denied on `slot` (a key of `rule`) at `t`
 /// should wait: until the allocator said the bucket has more
@@ -544,23 +456,6 @@ impl Inner {
     }
 }
 
-/// An emergency bucket opened for a fail-open key (SPEC §2 I3).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EmergencyOpened {
-    /// Agent clock instant.
-    pub at_ns: u64,
-    /// Rule id.
-    pub rule_id: String,
-    /// Tenant part of the key.
-    pub tenant: String,
-    /// Route part of the key.
-    pub route: String,
-    /// `r_e`.
-    pub rate: Rate,
-    /// `b_e`.
-    pub burst: u64,
-}
-
 /// One step of the slow path.
 enum Step {
     Done(Result<CheckResponse, CheckError>),
@@ -590,6 +485,47 @@ pub enum CheckStep {
 #[derive(Clone)]
 pub struct Agent {
     inner: Arc<Inner>,
+}
+
+impl crate::driver::Pumped for Agent {
+    fn core(&self) -> MutexGuard<'_, AgentCore> {
+        self.inner.core.lock()
+    }
+
+    fn now(&self) -> u64 {
+        self.inner.cfg.clock.now()
+    }
+
+    fn fetch_timeout(&self) -> Duration {
+        self.inner.cfg.fetch_timeout
+    }
+
+    fn note_event(&self, ev: Event) {
+        match ev {
+            Event::Settled(slot) => self.inner.parked_on(&slot).notify_waiters(),
+            Event::EmergencyOpened(e) => self.inner.emergency_log.lock().push(e),
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.inner.stop.load(Ordering::Acquire)
+    }
+
+    fn wake_and_stop(&self) -> (&Notify, &Notify) {
+        (&self.inner.wake, &self.inner.stopped)
+    }
+
+    fn metrics(&self) -> &AgentMetrics {
+        &self.inner.metrics
+    }
+
+    /// The renewal side is gone: not ready from now on, counted and logged.
+    fn renewal_died(&self, why: &str) {
+        let inner = &*self.inner;
+        inner.metrics.renewal_task_failures.add(1);
+        inner.renewal_dead.store(true, Ordering::Release);
+        tracing::error!(%why, "renewal task died; the agent is not ready and serves only what it holds");
+    }
 }
 
 impl std::fmt::Debug for Agent {
@@ -624,14 +560,6 @@ impl Agent {
             }
         });
         Ok(agent)
-    }
-
-    /// The renewal side is gone: not ready from now on, counted and logged.
-    pub(crate) fn renewal_died(&self, why: &str) {
-        let inner = &*self.inner;
-        inner.metrics.renewal_task_failures.add(1);
-        inner.renewal_dead.store(true, Ordering::Release);
-        tracing::error!(%why, "renewal task died; the agent is not ready and serves only what it holds");
     }
 
     /// An agent without a driver: the caller pumps [`Agent::core`] (the
@@ -709,25 +637,6 @@ impl Agent {
     /// driver collected them (only with `record_emergency`).
     pub fn take_emergency_opened(&self) -> Vec<EmergencyOpened> {
         std::mem::take(&mut *self.inner.emergency_log.lock())
-    }
-
-    pub(crate) fn note_event(&self, ev: Event) {
-        match ev {
-            Event::Settled(slot) => self.inner.parked_on(&slot).notify_waiters(),
-            Event::EmergencyOpened(e) => self.inner.emergency_log.lock().push(e),
-        }
-    }
-
-    pub(crate) fn stopping(&self) -> bool {
-        self.inner.stop.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn wake_and_stop(&self) -> (&Notify, &Notify) {
-        (&self.inner.wake, &self.inner.stopped)
-    }
-
-    pub(crate) fn config(&self) -> &AgentConfig {
-        &self.inner.cfg
     }
 
     /// The indices (in `rules`) of the non-shadow rules a request on

@@ -46,13 +46,13 @@ use quotalease_proto::lease::{
 };
 use quotalease_proto::PROTOCOL_VERSION;
 
-use crate::agent::{EmergencyConfig, EmergencyOpened};
 use crate::lease_table::{pack, Lookup, Refill, Slot, SlotHead, Table};
 use crate::metrics::AgentMetrics;
 use crate::renewal::{plan, KeyNow, Plan, PlanConfig, Usage};
 use crate::snapshot::RulesCell;
 
 mod install;
+pub use install::{EmergencyConfig, EmergencyOpened};
 mod plan;
 
 use install::emergency_size;

@@ -10,20 +10,45 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::MutexGuard;
 use quotalease_proto::lease::LeaseReply;
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use crate::agent::Agent;
+use crate::core::{AgentCore, Event};
+use crate::metrics::AgentMetrics;
 use crate::transport::Transport;
 
 type Outcome = (u64, u32, Result<LeaseReply, String>);
 
+/// What the driver pumps: the agent's core and what surrounds it (its
+/// clock, wake-ups, metrics). The agent facade implements it; the driver
+/// knows nothing else of the facade.
+pub(crate) trait Pumped {
+    /// The core, locked.
+    fn core(&self) -> MutexGuard<'_, AgentCore>;
+    /// The agent's clock.
+    fn now(&self) -> u64;
+    /// The bound of one allocator call (`fetch_timeout`).
+    fn fetch_timeout(&self) -> Duration;
+    /// A core event to act on (wake parked requests, record).
+    fn note_event(&self, ev: Event);
+    /// Whether the agent is stopping.
+    fn stopping(&self) -> bool;
+    /// (woken by a waiting request, woken to stop).
+    fn wake_and_stop(&self) -> (&Notify, &Notify);
+    /// Counters.
+    fn metrics(&self) -> &AgentMetrics;
+    /// The renewal side is gone.
+    fn renewal_died(&self, why: &str);
+}
+
 /// Run until the agent stops.
-pub(crate) async fn run(agent: Agent, transport: Arc<dyn Transport>) {
+pub(crate) async fn run(agent: impl Pumped, transport: Arc<dyn Transport>) {
     let mut calls: JoinSet<Outcome> = JoinSet::new();
     let mut sent_by = HashMap::new();
     // A call the core gave up on still ends on its own (HTTP/2 timeouts).
-    let bound = agent.config().fetch_timeout * 2;
+    let bound = agent.fetch_timeout() * 2;
     let (wake, stopped) = agent.wake_and_stop();
     while !agent.stopping() {
         let (transmits, events, timeout) = {

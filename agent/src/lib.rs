@@ -12,6 +12,7 @@
 pub mod agent;
 pub mod core;
 pub(crate) mod driver;
+pub(crate) mod handle;
 pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use quotalease_model::key::str_eq;
 
-use crate::agent::KeyHandle;
+use crate::handle::KeyHandle;
 
 /// Entries per thread (a power of two).
 const ENTRIES: usize = 512;

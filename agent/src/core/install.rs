@@ -351,6 +351,34 @@ enum Installed {
     AskAgain,
 }
 
+/// Size of the per-key emergency bucket of `open` rules (SPEC §2 I3, §6).
+/// Defaults: rate `max(this agent's recent admitted rate, R / holders)`,
+/// burst `B / holders`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EmergencyConfig {
+    /// Fixed rate as a fraction of the rule's rate (instead of the default).
+    pub rate_fraction: Option<f64>,
+    /// Fixed burst as a fraction of the rule's burst (instead of the default).
+    pub burst_fraction: Option<f64>,
+}
+
+/// An emergency bucket opened for a fail-open key (SPEC §2 I3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmergencyOpened {
+    /// Agent clock instant.
+    pub at_ns: u64,
+    /// Rule id.
+    pub rule_id: String,
+    /// Tenant part of the key.
+    pub tenant: String,
+    /// Route part of the key.
+    pub route: String,
+    /// `r_e`.
+    pub rate: Rate,
+    /// `b_e`.
+    pub burst: u64,
+}
+
 /// `(r_e, b_e)` of an emergency bucket: rate `max(recent admitted rate,
 /// R / holders)`, burst `B / holders`, each at least 1 and at most the
 /// rule's, unless the configuration fixes fractions.

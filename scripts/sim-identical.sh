@@ -34,7 +34,7 @@ for r in "${runs[@]}"; do
     echo "same: $name"
   else
     echo "DIFFERENT: $name"
-    diff -r "$out/before/$name" "$out/after/$name" | head -20
+    diff -r "$out/before/$name" "$out/after/$name" | head -20 || true
     differ=1
   fi
 done

@@ -19,13 +19,11 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
-use quotalease_model::clock::ClockSource;
 use quotalease_model::matching::{Matched, TooManyMatches, MAX_MATCHED};
 use quotalease_model::protocol::MAX_ID_BYTES;
 use quotalease_model::rules::{FailPolicy, Rule, RuleSet};
@@ -41,149 +39,9 @@ use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
 pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, SlotRef, Table};
 use crate::metrics::{self, AgentMetrics, Counter, RuleCounterSet, RuleCounters};
-use crate::renewal::PlanConfig;
 use crate::shapes;
 use crate::snapshot::{RulesCell, Snapshot};
 use crate::transport::Transport;
-
-/// Agent settings. Defaults are documented in docs/operations.md.
-#[derive(Clone, Debug)]
-pub struct AgentConfig {
-    /// Identity sent to the allocator (unique per agent).
-    pub agent_id: String,
-    /// Lease lifetime requested (the allocator grants at most its TTL_max).
-    pub lease_ttl: Duration,
-    /// Renewal planning.
-    pub plan: PlanConfig,
-    /// How long a request waits for a missing lease, and the bound of one
-    /// allocator call.
-    pub fetch_timeout: Duration,
-    /// Stall allowance subtracted from every lease deadline (`epsilon`).
-    pub epsilon: Duration,
-    /// Largest number of keys held; beyond it new keys are refused (the
-    /// request answers with the rule's fail policy) until idle keys go.
-    pub max_keys: usize,
-    /// Request ids remembered for idempotent replays.
-    pub replay_capacity: usize,
-    /// Heartbeat to the allocator when nothing else is sent (rules refresh).
-    pub heartbeat: Duration,
-    /// Size of the fail-open emergency buckets.
-    pub emergency: EmergencyConfig,
-    /// Test-only: append every admission (time, key, cost) to this file.
-    pub admission_log: Option<PathBuf>,
-    /// Where the agent reads time: `CLOCK_BOOTTIME` by default; a driver
-    /// that owns time (the simulator) sets a [`quotalease_model::clock::ManualClock`]
-    /// before each call; `tests/turmoil_net.rs` reads turmoil's time.
-    pub clock: ClockSource,
-    /// Incarnation sent to the allocator; default: wall-clock ns at start.
-    pub incarnation: Option<u64>,
-    /// Per-process nonce sent beside `agent_id` (SPEC §8): the allocator
-    /// keys holders by both, so processes sharing an id stay distinct.
-    /// `None` draws a random one (drivers that replay exactly, like the
-    /// simulator, pass their own).
-    pub instance: Option<u64>,
-    /// Remember every emergency bucket opened (for the simulator's I3 check).
-    pub record_emergency: bool,
-    /// Most lease batches in flight at once (backpressure: more keys wait
-    /// for the next batch instead of failing).
-    pub max_in_flight: usize,
-    /// The cluster this agent belongs to (`--cluster`; "" when not set),
-    /// presented to the allocator (SPEC §2 "First start").
-    pub cluster: String,
-}
-
-impl Default for AgentConfig {
-    fn default() -> Self {
-        Self {
-            agent_id: format!("agent-{}", std::process::id()),
-            lease_ttl: Duration::from_secs(2),
-            plan: PlanConfig::default(),
-            fetch_timeout: Duration::from_millis(250),
-            epsilon: Duration::from_millis(50),
-            max_keys: 1_000_000,
-            replay_capacity: 100_000,
-            heartbeat: Duration::from_secs(1),
-            emergency: EmergencyConfig::default(),
-            admission_log: None,
-            clock: ClockSource::Boot,
-            incarnation: None,
-            instance: None,
-            record_emergency: false,
-            max_in_flight: 8,
-            cluster: String::new(),
-        }
-    }
-}
-
-/// The longest duration an agent setting accepts (longer ones would
-/// overflow deadlines computed from them).
-pub const MAX_SETTING: Duration = Duration::from_secs(24 * 3600);
-
-/// An agent setting out of range, naming it.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{setting}: {reason}")]
-pub struct ConfigError {
-    /// The setting (as its command-line flag).
-    pub setting: &'static str,
-    /// Why.
-    pub reason: String,
-}
-
-impl AgentConfig {
-    /// Check every setting: durations in `(0, MAX_SETTING]`, `epsilon` below
-    /// the lease TTL, capacities above zero.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let within = |setting: &'static str, d: Duration| {
-            if d.is_zero() {
-                Err(ConfigError {
-                    setting,
-                    reason: "must be greater than zero".into(),
-                })
-            } else if d > MAX_SETTING {
-                Err(ConfigError {
-                    setting,
-                    reason: format!("{d:?} is above the maximum {MAX_SETTING:?}"),
-                })
-            } else {
-                Ok(())
-            }
-        };
-        within("--lease-ttl", self.lease_ttl)?;
-        within("--renew-interval", self.plan.renew_interval)?;
-        within("--low-water", self.plan.low_water)?;
-        within("--idle-release", self.plan.idle_release)?;
-        within("--fetch-timeout", self.fetch_timeout)?;
-        within("heartbeat", self.heartbeat)?;
-        if self.epsilon >= self.lease_ttl {
-            return Err(ConfigError {
-                setting: "epsilon",
-                reason: format!(
-                    "{:?} must be below the lease TTL {:?}",
-                    self.epsilon, self.lease_ttl
-                ),
-            });
-        }
-        if self.agent_id.is_empty() || self.agent_id.len() > MAX_ID_BYTES {
-            return Err(ConfigError {
-                setting: "--agent-id",
-                reason: format!("must be 1..={MAX_ID_BYTES} bytes"),
-            });
-        }
-        if self.max_in_flight == 0 {
-            return Err(ConfigError {
-                setting: "max_in_flight",
-                reason: "must be greater than zero".into(),
-            });
-        }
-        if self.max_keys == 0 {
-            return Err(ConfigError {
-                setting: "max_keys",
-                reason: "must be greater than zero".into(),
-            });
-        }
-        Ok(())
-    }
-}
 
 /// Why a check got no decision.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -260,44 +118,6 @@ pub struct CheckInput<'a> {
 
 // ---------------------------------------------------------------------------
 // Keys and slots
-
-/// Rounds a request waits for a grant before it is denied.
-const MAX_ATTEMPTS: u32 = 2;
-/// While the allocator is opening the key upstream a request waits up to
-/// `fetch_timeout` from its arrival (or its caller's deadline), asking again
-/// as the allocator's hints say, in at most this many rounds. Counting
-/// rounds alone let a regional's quick "still opening" answers use them up
-/// in 4 ms while its parent's grant was a millisecond away (the demo's cold
-/// tenants: most of their denials).
-const MAX_ROUNDS_OPENING: u32 = 16;
-
-/// The longest a request waits for an allocator that says it is starting
-/// (its 3 s start grace, a restart's wait): its caller's deadline bounds
-/// it sooner; an HTTP caller, who cannot give one, is answered within a
-/// second (a 503 with `Retry-After`, which HTTP clients understand). Then
-/// it is answered `STARTING` (see `Agent::starting`).
-const STARTING_WAIT_NS: u64 = 1_000_000_000;
-
-/// What is left of a request's wait for a key being opened: `fetch_timeout`
-/// from its arrival at `since`, at `now` (the drivers bound a waiting round
-/// by it; `Agent::check_at`'s callers too).
-pub fn opening_wait_left_ns(fetch_timeout_ns: u64, since: u64, now: u64) -> u64 {
-    since.saturating_add(fetch_timeout_ns).saturating_sub(now)
-}
-
-/// How long one waiting round on `slot` of a request that arrived at
-/// `since` lasts at `now` (the tokio driver and the simulator alike):
-/// `fetch_timeout`, or for a key being opened what is left of its opening
-/// wait (at least 1 ns) — unless the allocator is starting, whose wait
-/// outlasts any opening and has its own bound (see `STARTING_WAIT_NS`; a
-/// round cut to nothing there spun the simulator, and would the driver).
-pub fn wait_round_ns(slot: &Slot, fetch_timeout_ns: u64, since: u64, now: u64) -> u64 {
-    if slot.opening() && !slot.starting() {
-        opening_wait_left_ns(fetch_timeout_ns, since, now).clamp(1, fetch_timeout_ns)
-    } else {
-        fetch_timeout_ns
-    }
-}
 
 /// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
 /// too many is an invalid `tenant_id`.
@@ -454,31 +274,6 @@ impl Inner {
     fn parked_on(&self, slot: &Slot) -> &Notify {
         &self.parked[(slot.addr() >> 4) % self.parked.len()]
     }
-}
-
-/// One step of the slow path.
-enum Step {
-    Done(Result<CheckResponse, CheckError>),
-    /// Registered with the core: wait for the next grant of `slot` (rule
-    /// `rule_idx` could not pay).
-    Park {
-        slot: Slot,
-        /// `slot.settles()` when the request registered (under the core's
-        /// lock): it waits until the count moves on.
-        seen: u32,
-    },
-}
-
-/// What [`Agent::check_at`] decided.
-#[derive(Clone, Debug, PartialEq)]
-pub enum CheckStep {
-    /// The answer.
-    Answer(Result<CheckResponse, CheckError>),
-    /// The request waits for a grant of this key: the driver pumps the
-    /// core (see [`Agent::core`]) and calls `check_at` again with
-    /// `attempt + 1` once the core reported this key settled
-    /// ([`Event::Settled`]) or `fetch_timeout` passed.
-    Wait(Slot),
 }
 
 /// A running agent. Cheap to clone.
@@ -703,52 +498,114 @@ impl Agent {
     /// say Envoy's rate limit filter's `timeout`, which turns a late answer
     /// into a 503): a request that would still wait for a grant then is
     /// decided at once, as after its last wait (429 with a retry hint, or
-    /// its fail policy while the allocator is unreachable).
+    /// its fail policy while the allocator is unreachable). The one way
+    /// into the agent for every face: [`Agent::step`]s the request, waits
+    /// where a step says, and answers a retry of a request id with the
+    /// first answer. A request decided by its first step (the fast path,
+    /// a denial) allocates nothing.
     pub async fn check_by(
         &self,
         input: CheckInput<'_>,
         deadline: Option<tokio::time::Instant>,
     ) -> Result<CheckResponse, CheckError> {
-        let cost = match validate(&input) {
-            Ok(c) => c,
-            Err(e) => {
-                self.inner.metrics.invalid.add(1);
-                return Err(e);
-            }
-        };
-        if !input.request_id.is_empty() {
-            let replays = &self.inner.replays;
-            loop {
-                let claim = replays.claim(
-                    input.request_id,
-                    input.tenant,
-                    input.route,
-                    input.cost.max(1),
-                    self.now(),
-                );
-                match claim {
-                    Claim::Replay(first) => {
+        let req = self.request(input)?;
+        if input.request_id.is_empty() {
+            return self.decide(req, deadline).await;
+        }
+        Box::pin(self.decide_once(req, deadline)).await
+    }
+
+    /// [`Agent::check_by`] for a request with an id: decided once, its
+    /// answer replayed to retries.
+    async fn decide_once(
+        &self,
+        req: Request<'_>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<CheckResponse, CheckError> {
+        let input = *req.input();
+        let replays = &self.inner.replays;
+        loop {
+            let claim = replays.claim(
+                input.request_id,
+                input.tenant,
+                input.route,
+                input.cost.max(1),
+                self.now(),
+            );
+            match claim {
+                Claim::Replay(first) => {
+                    self.inner.metrics.replays.add(1);
+                    return first;
+                }
+                // A retry of a request still being decided: its answer,
+                // never a second charge.
+                Claim::Wait(waiter) => {
+                    if let Some(first) = waiter.wait().await {
+                        replays.count_replay();
                         self.inner.metrics.replays.add(1);
                         return first;
                     }
-                    // A retry of a request still being decided: its answer,
-                    // never a second charge.
-                    Claim::Wait(waiter) => {
-                        if let Some(first) = waiter.wait().await {
-                            replays.count_replay();
-                            self.inner.metrics.replays.add(1);
-                            return first;
-                        }
-                    }
-                    Claim::First(ticket) => {
-                        let answer = self.decide(&input, cost, deadline).await;
-                        let replayable = replayable(&answer);
-                        return ticket.finish(answer, replayable);
-                    }
+                }
+                Claim::First(ticket) => {
+                    let answer = self.decide(req, deadline).await;
+                    let replayable = replayable(&answer);
+                    return ticket.finish(answer, replayable);
                 }
             }
         }
-        self.decide(&input, cost, deadline).await
+    }
+
+    /// Step a request until it has an answer; the first step at once, the
+    /// waiting rounds in a boxed future (small when the first step
+    /// answers).
+    async fn decide(
+        &self,
+        mut req: Request<'_>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<CheckResponse, CheckError> {
+        match self.step(&mut req, self.now()) {
+            Step::Answer(answer) => answer,
+            Step::Wait(wait) => Box::pin(self.wait_rounds(req, wait, deadline)).await,
+        }
+    }
+
+    /// The waiting rounds of a request: wait until the key's batch settles
+    /// or the step's `until` (or the caller's deadline), then step again.
+    #[tracing::instrument(level = "debug", name = "check", skip_all)]
+    async fn wait_rounds(
+        &self,
+        mut req: Request<'_>,
+        mut wait: Wait,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<CheckResponse, CheckError> {
+        let inner = &*self.inner;
+        loop {
+            // Registered with the core already (in the step): wait until
+            // the key's batch settles (checked after `enable`, so a settle
+            // in between is not missed), at most until the step said.
+            let left = wait.until.saturating_sub(self.now());
+            let until = tokio::time::Instant::now() + Duration::from_nanos(left);
+            let until = deadline.map_or(until, |d| d.min(until));
+            loop {
+                let parked = inner.parked_on(&wait.slot).notified();
+                tokio::pin!(parked);
+                parked.as_mut().enable();
+                if wait.settled() {
+                    break;
+                }
+                if tokio::time::timeout_at(until, parked).await.is_err() {
+                    break;
+                }
+            }
+            if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+                // The caller's time is up: no more waiting.
+                req.time_up();
+            }
+            match self.step(&mut req, self.now()) {
+                Step::Answer(answer) => return answer,
+                Step::Wait(next) => wait = next,
+            }
+        }
     }
 
     /// The in-process fast path, for gateways that link the agent: `Some`
@@ -848,7 +705,7 @@ impl Agent {
                 .flatten()
             {
                 Some(h) => (self.charge_handle(&h, cost, now), Some(h)),
-                None => (self.fast_with(snap, input, cost, now), None),
+                None => (self.fast_charge(snap, input, cost, now), None),
             }
         })
     }
@@ -982,659 +839,6 @@ impl Agent {
         }
     }
 
-    fn fast_with(
-        &self,
-        snap: &Snapshot,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) -> Option<FastAdmit> {
-        let inner = &*self.inner;
-        let rules = &*snap.rules;
-        let m = match_rules(rules, input.domain, input.tenant, input.route).ok()?;
-        if m.is_empty() {
-            inner.metrics.no_rule.add(1);
-            return Some(FastAdmit::no_rule(rules.version));
-        }
-        for &i in m.indices() {
-            let r = &rules.rules[i as usize];
-            if !r.shadow && cost > r.burst {
-                return None;
-            }
-        }
-        let (remaining, rule_idx) = self.try_charge(rules, &m, input, cost, t).ok()?;
-        let reason = self.charge_shadow(rules, &m, input, cost, t);
-        inner.metrics.allowed.add(1);
-        count_admitted(&snap.counters, m.indices());
-        Some(FastAdmit {
-            remaining,
-            rule_index: Some(rule_idx),
-            rule_version: rules.version,
-            reason,
-        })
-    }
-
-    #[tracing::instrument(level = "debug", name = "check", skip_all, fields(cost))]
-    async fn decide(
-        &self,
-        input: &CheckInput<'_>,
-        cost: u64,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Result<CheckResponse, CheckError> {
-        let inner = &*self.inner;
-        let (rules, m) = match self.slow_prelude(input, cost, self.now())? {
-            Ok(answer) => return Ok(answer),
-            Err(go_on) => go_on,
-        };
-        let mut attempt = 0;
-        let since = self.now();
-        loop {
-            match self.decide_step(&rules, &m, input, cost, attempt, since, self.now()) {
-                Step::Done(answer) => return answer,
-                Step::Park { slot, seen } => {
-                    // Registered with the core already (in decide_step):
-                    // wait until the key's batch settles (its count moves
-                    // past `seen`; checked after `enable`, so a settle in
-                    // between is not missed), at most `fetch_timeout`, and
-                    // for a key being opened no later than `fetch_timeout`
-                    // after the request's arrival.
-                    attempt += 1;
-                    let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
-                    let round = wait_round_ns(&slot, fetch_ns, since, self.now());
-                    let until = tokio::time::Instant::now() + Duration::from_nanos(round);
-                    let until = deadline.map_or(until, |d| d.min(until));
-                    loop {
-                        let parked = inner.parked_on(&slot).notified();
-                        tokio::pin!(parked);
-                        parked.as_mut().enable();
-                        if slot.settles() != seen {
-                            break;
-                        }
-                        if tokio::time::timeout_at(until, parked).await.is_err() {
-                            break;
-                        }
-                    }
-                    if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
-                        // The caller's time is up: no more waiting.
-                        attempt = u32::MAX;
-                    }
-                }
-            }
-        }
-    }
-
-    /// The sans-IO form of [`Agent::check`] for drivers that own time and
-    /// waiting (the simulator): decide at agent-clock instant `t` the
-    /// `attempt`-th round of a request that arrived at `since`. Replays by
-    /// request id are not handled here.
-    pub fn check_at(&self, input: &CheckInput<'_>, attempt: u32, since: u64, t: u64) -> CheckStep {
-        let cost = match validate(input) {
-            Ok(c) => c,
-            Err(e) => {
-                self.inner.metrics.invalid.add(1);
-                return CheckStep::Answer(Err(e));
-            }
-        };
-        let (rules, m) = match self.slow_prelude(input, cost, t) {
-            Err(e) => return CheckStep::Answer(Err(e)),
-            Ok(Ok(answer)) => return CheckStep::Answer(Ok(answer)),
-            Ok(Err(go_on)) => go_on,
-        };
-        match self.decide_step(&rules, &m, input, cost, attempt, since, t) {
-            Step::Done(answer) => CheckStep::Answer(answer),
-            Step::Park { slot, .. } => CheckStep::Wait(slot),
-        }
-    }
-
-    /// The start of the slow path: no rules (unavailable), the fast path
-    /// through this thread's cached handle (`Ok(Ok(answer))`), no rule
-    /// matched, a cost above a burst (invalid), or the rules and what
-    /// matched to go on with (`Ok(Err(..))`). The request's rules are
-    /// matched once here; a shape this thread has no handle for is decided
-    /// by the slow path itself (its first pass charges leases that hold
-    /// enough), not by an uncached fast attempt first.
-    #[allow(clippy::type_complexity)]
-    fn slow_prelude(
-        &self,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) -> Result<Result<CheckResponse, (Arc<RuleSet>, Matched)>, CheckError> {
-        let inner = &*self.inner;
-        let Some(snap) = inner.rules.load_full() else {
-            inner.metrics.unavailable.add(1);
-            return Err(CheckError::Unavailable(
-                "no rules yet: the allocator has not been reached".into(),
-            ));
-        };
-        if let Some(a) = self.fast_cached(input, cost, t) {
-            // The answer names its rule by index in the rules it was decided
-            // under: a publish in between means newer rules than `snap`.
-            let rules = match a.rule_version == snap.rules.version {
-                true => snap.rules.clone(),
-                false => inner.rules.rules().unwrap_or_else(|| snap.rules.clone()),
-            };
-            return Ok(Ok(a.to_response(&rules)));
-        }
-        let rules = snap.rules.clone();
-        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
-        if m.is_empty() {
-            inner.metrics.no_rule.add(1);
-            return Ok(Ok(FastAdmit::no_rule(rules.version).to_response(&rules)));
-        }
-        for &i in m.indices() {
-            let r = &rules.rules[i as usize];
-            if !r.shadow && cost > r.burst {
-                inner.metrics.invalid.add(1);
-                return Err(CheckError::Invalid {
-                    field: "cost",
-                    reason: format!("{cost} is above the burst {} of rule {}", r.burst, r.id),
-                });
-            }
-        }
-        Ok(Err((rules, m)))
-    }
-
-    /// One pass of the slow path at `t`: charge, deny, apply a fail policy,
-    /// or park for the next grant.
-    #[allow(clippy::too_many_arguments)]
-    fn decide_step(
-        &self,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        attempt: u32,
-        since: u64,
-        t: u64,
-    ) -> Step {
-        let inner = &*self.inner;
-        match self.try_charge(rules, m, input, cost, t) {
-            Ok((remaining, rule_idx)) => {
-                let reason = self.charge_shadow(rules, m, input, cost, t);
-                inner.metrics.allowed.add(1);
-                self.count_admitted(rules, m);
-                Step::Done(Ok(FastAdmit {
-                    remaining,
-                    rule_index: Some(rule_idx),
-                    rule_version: rules.version,
-                    reason,
-                }
-                .to_response(rules)))
-            }
-            Err((rule_idx, found)) => {
-                let rule = &rules.rules[rule_idx];
-                let mut core = inner.core.lock();
-                let slot = match found {
-                    // Still the key's slot (the core forgets a key from the
-                    // table and its own state together, under this lock).
-                    Some(s) if core.holds(&s) => Some(s),
-                    _ => core.slot_for(rule, input.tenant, input.route),
-                };
-                let Some(slot) = slot else {
-                    drop(core);
-                    return Step::Done(self.fail_policy(
-                        rule,
-                        rules,
-                        "the agent holds max_keys keys",
-                    ));
-                };
-                if let Some((status, why)) = core.refused(&slot) {
-                    drop(core);
-                    inner.metrics.over_limit.add(1);
-                    tracing::debug!(rule = %rule.id, ?status, %why, "key refused by the allocator");
-                    return Step::Done(Ok(self.over_limit(rule, rules, 1_000)));
-                }
-                let dry_until = slot.dry_until();
-                let reach = core.reach_of(&slot);
-                // Behind a regional allocator whose parent is unreachable the
-                // regional's pool still counts as leased: ask it once; when
-                // it is dry, the fail policy applies (SPEC §2 I3, §6).
-                let parent_cut = reach.parent_down && (attempt > 0 || dry_until > t);
-                let cut_off = parent_cut || reach.down || (!reach.connected && attempt > 0);
-                // A key the allocator is still fetching from its parent
-                // waits for it (see MAX_ROUNDS_OPENING).
-                let fetch_ns = inner.cfg.fetch_timeout.as_nanos() as u64;
-                let opening_wait = slot.opening()
-                    && attempt < MAX_ROUNDS_OPENING
-                    && t.saturating_sub(since) < fetch_ns;
-                if dry_until > t && !parent_cut && opening_wait {
-                    self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
-                    let seen = slot.settles();
-                    return Step::Park { slot, seen };
-                }
-                // The allocator is starting (its grace, a restart's wait):
-                // wait through it up to the caller's deadline (at most
-                // STARTING_WAIT without one), then say so, never "over
-                // limit".
-                // (The allocator's last word on the key: its hint may have
-                // passed while the next ask is on its way.)
-                if slot.starting() && !cut_off {
-                    if attempt != u32::MAX && t.saturating_sub(since) < STARTING_WAIT_NS {
-                        self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
-                        let seen = slot.settles();
-                        return Step::Park { slot, seen };
-                    }
-                    drop(core);
-                    let left_ms = dry_until.saturating_sub(t).div_ceil(1_000_000);
-                    return Step::Done(self.starting(rule, rules, left_ms));
-                }
-                if dry_until > t && !parent_cut {
-                    drop(core);
-                    slot.add_denied(cost);
-                    inner.metrics.over_limit.add(1);
-                    // The answer names the denying rule with the largest retry.
-                    let (ms, idx) = self.largest_retry(
-                        rules,
-                        m,
-                        input,
-                        cost,
-                        t,
-                        rule_idx,
-                        denial_wait_ns(&slot, rule, cost, t),
-                    );
-                    return Step::Done(Ok(self.over_limit(&rules.rules[idx], rules, ms)));
-                }
-                if cut_off {
-                    if rule.fail_policy == FailPolicy::Open {
-                        let paid = self.try_charge_emergency(&mut core, rules, m, input, cost, t);
-                        drop(core);
-                        return Step::Done(match paid {
-                            Ok((remaining, idx)) => {
-                                inner.metrics.failure_mode_allowed.add(1);
-                                self.count_rule(&rule.id, |c| &c.failure_mode_allowed);
-                                Ok(FastAdmit {
-                                    remaining,
-                                    rule_index: Some(idx),
-                                    rule_version: rules.version,
-                                    reason: Reason::FailureModeAllowed,
-                                }
-                                .to_response(rules))
-                            }
-                            Err(k) => self.fail_policy(
-                                &rules.rules[k],
-                                rules,
-                                "allocator unreachable; emergency bucket empty",
-                            ),
-                        });
-                    }
-                    drop(core);
-                    return Step::Done(self.fail_policy(rule, rules, "allocator unreachable"));
-                }
-                if attempt >= MAX_ATTEMPTS && !opening_wait {
-                    drop(core);
-                    slot.add_denied(cost);
-                    inner.metrics.over_limit.add(1);
-                    let ms = inner.cfg.plan.renew_interval.as_millis() as u64;
-                    return Step::Done(Ok(self.over_limit(rule, rules, ms.max(1))));
-                }
-                self.register_wait(&mut core, rules, m, input, cost, rule_idx, &slot, t);
-                let seen = slot.settles();
-                Step::Park { slot, seen }
-            }
-        }
-    }
-
-    /// Register a parked request with the core: every rule of it that
-    /// cannot pay asks in the next batch; wake the driver.
-    #[allow(clippy::too_many_arguments)]
-    fn register_wait(
-        &self,
-        core: &mut AgentCore,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        rule_idx: usize,
-        slot: &Slot,
-        t: u64,
-    ) {
-        core.want(slot.clone(), cost);
-        for &ri in m.indices() {
-            let other = &rules.rules[ri as usize];
-            if other.shadow || ri as usize == rule_idx {
-                continue;
-            }
-            if let Some(s) = core.slot_for(other, input.tenant, input.route) {
-                if s.word.peek(t).is_none_or(|held| held < cost) {
-                    core.want(s, cost);
-                }
-            }
-        }
-        self.inner.wake.notify_one();
-    }
-
-    /// The lease charge behind `check_fast` and `decide`: charge every
-    /// non-shadow matched rule from its lease, or none. `Ok((min remaining, rule index))` or
-    /// `Err(index of the first rule that could not pay)`.
-    fn try_charge(
-        &self,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) -> Result<(u64, usize), Unpaid> {
-        let table = self.inner.table.pin();
-        // (slot, generation) of each charge, for an all-or-none refund.
-        let mut taken: [Option<(SlotRef<'_>, u64)>; MAX_MATCHED] = [None; MAX_MATCHED];
-        let mut min_remaining = u64::MAX;
-        let mut min_rule = m.indices()[0] as usize;
-        for j in 0..m.len() {
-            let ri = m.indices()[j] as usize;
-            let r = &rules.rules[ri];
-            if r.shadow {
-                continue;
-            }
-            let slot = table.get(&Lookup::of(r, input.tenant, input.route));
-            let take = slot.map_or(Take::NoLease, |s| s.word.try_take(cost, t));
-            match take {
-                Take::Taken {
-                    generation,
-                    remaining,
-                } => {
-                    taken[j] = slot.map(|s| (s, generation));
-                    let remaining =
-                        slot.map_or(remaining, |s| s.global_remaining(remaining, r.burst));
-                    if remaining < min_remaining {
-                        min_remaining = remaining;
-                        min_rule = ri;
-                    }
-                }
-                Take::Short { .. } | Take::NoLease => {
-                    // All or none: give back what this request took.
-                    for (s, generation) in taken[..j].iter().flatten() {
-                        s.word.refund(*generation, cost);
-                    }
-                    // The slot that could not pay, so the slow path need
-                    // not look it up again.
-                    return Err((ri, slot.map(|s| s.to_owned())));
-                }
-            }
-        }
-        self.log_admission(rules, m, input, cost, t);
-        Ok((
-            if min_remaining == u64::MAX {
-                0
-            } else {
-                min_remaining
-            },
-            min_rule,
-        ))
-    }
-
-    /// Among the matched rules that cannot pay `cost` now, the one that
-    /// asks to wait longest: (retry in ms, rule index). `first` is the rule
-    /// already found denying with `first_wait_ns`.
-    #[allow(clippy::too_many_arguments)]
-    fn largest_retry(
-        &self,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-        first: usize,
-        first_wait_ns: u64,
-    ) -> (u64, usize) {
-        let table = self.inner.table.pin();
-        let mut best = (first_wait_ns, first);
-        for &ri in m.indices() {
-            let r = &rules.rules[ri as usize];
-            if r.shadow || ri as usize == first {
-                continue;
-            }
-            let Some(slot) = table.get(&Lookup::of(r, input.tenant, input.route)) else {
-                continue;
-            };
-            let short = slot.word.peek(t).is_none_or(|held| held < cost);
-            let wait = denial_wait_ns(&slot, r, cost, t);
-            if short && wait > best.0 {
-                best = (wait, ri as usize);
-            }
-        }
-        (best.0.div_ceil(1_000_000).max(1), best.1)
-    }
-
-    /// Test-only admission log: one line per charged (non-shadow) rule.
-    fn log_admission(
-        &self,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) {
-        let Some(log) = &self.inner.admission_log else {
-            return;
-        };
-        let mut w = log.lock();
-        for &ri in m.indices() {
-            let r = &rules.rules[ri as usize];
-            if !r.shadow {
-                let _ = writeln!(
-                    w,
-                    "{t}\t{}\t{}\t{}\t{cost}",
-                    r.id,
-                    r.tenant.key_part(input.tenant),
-                    r.route.key_part(input.route)
-                );
-            }
-        }
-    }
-
-    /// Fail-open admission while the allocator is unreachable (SPEC §2 I3):
-    /// every matched rule pays from its lease if it can, and an `open` rule
-    /// that cannot pays from its key's emergency bucket. All or none.
-    /// `Ok((min remaining, rule index))` or `Err(index of the rule that
-    /// could not pay)`.
-    fn try_charge_emergency(
-        &self,
-        core: &mut AgentCore,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) -> Result<(u64, usize), usize> {
-        enum Paid {
-            Lease(Slot, u64),
-            Emergency(Slot),
-        }
-        let mut paid: Vec<Paid> = Vec::with_capacity(m.len());
-        let mut min = (u64::MAX, m.indices()[0] as usize);
-        let mut failed = None;
-        for &ri in m.indices() {
-            let r = &rules.rules[ri as usize];
-            if r.shadow {
-                continue;
-            }
-            let Some(slot) = core.slot_for(r, input.tenant, input.route) else {
-                failed = Some(ri as usize);
-                break;
-            };
-            if let Take::Taken {
-                generation,
-                remaining,
-            } = slot.word.try_take(cost, t)
-            {
-                let remaining = slot.global_remaining(remaining, r.burst);
-                if remaining < min.0 {
-                    min = (remaining, ri as usize);
-                }
-                paid.push(Paid::Lease(slot, generation));
-                continue;
-            }
-            if r.fail_policy != FailPolicy::Open {
-                failed = Some(ri as usize);
-                break;
-            }
-            let took = core.emergency_take(&slot, r, cost, t);
-            match took {
-                Some(remaining) => {
-                    if remaining < min.0 {
-                        min = (remaining, ri as usize);
-                    }
-                    paid.push(Paid::Emergency(slot));
-                }
-                None => {
-                    failed = Some(ri as usize);
-                    break;
-                }
-            }
-        }
-        if let Some(ri) = failed {
-            for p in paid {
-                match p {
-                    Paid::Lease(slot, generation) => {
-                        slot.word.refund(generation, cost);
-                    }
-                    Paid::Emergency(slot) => core.emergency_refund(&slot, cost, t),
-                }
-            }
-            return Err(ri);
-        }
-        self.log_admission(rules, m, input, cost, t);
-        Ok((if min.0 == u64::MAX { 0 } else { min.0 }, min.1))
-    }
-
-    /// Shadow rules decide and report, never deny, never refund.
-    fn charge_shadow(
-        &self,
-        rules: &RuleSet,
-        m: &Matched,
-        input: &CheckInput<'_>,
-        cost: u64,
-        t: u64,
-    ) -> Reason {
-        let mut reason = Reason::Ok;
-        if !m.any_shadow() {
-            return reason;
-        }
-        for &ri in m.indices() {
-            let r = &rules.rules[ri as usize];
-            if !r.shadow {
-                continue;
-            }
-            let key = Lookup::of(r, input.tenant, input.route);
-            let take = self
-                .inner
-                .table
-                .pin()
-                .get(&key)
-                .map(|s| s.word.try_take(cost, t));
-            match take {
-                Some(Take::Taken { .. }) => {}
-                other => {
-                    let mut core = self.inner.core.lock();
-                    if let Some(slot) = core.slot_for(r, input.tenant, input.route) {
-                        let dry = slot.dry_until() > t;
-                        if dry && matches!(other, Some(Take::Short { .. })) {
-                            reason = Reason::ShadowOverLimit;
-                            self.inner.metrics.shadow_over_limit.add(1);
-                        } else {
-                            core.want(slot, cost);
-                            drop(core);
-                            self.inner.wake.notify_one();
-                        }
-                    }
-                }
-            }
-        }
-        reason
-    }
-
-    /// Count an admission for every rule the request matched (slow path:
-    /// the counters in force, if they belong to `rules`).
-    fn count_admitted(&self, rules: &RuleSet, m: &Matched) {
-        let counters = self.inner.metrics.by_rule.load();
-        if counters.version == rules.version {
-            count_admitted(&counters, m.indices());
-        }
-    }
-
-    /// Count one result for one rule.
-    fn count_rule(&self, rule_id: &str, which: impl Fn(&RuleCounters) -> &Counter) {
-        if let Some(c) = self.inner.metrics.by_rule.load().get(rule_id) {
-            which(c).add(1);
-        }
-    }
-
-    fn over_limit(&self, rule: &Rule, rules: &RuleSet, retry_after_ms: u64) -> CheckResponse {
-        self.count_rule(&rule.id, |c| &c.over_limit);
-        CheckResponse {
-            allowed: false,
-            remaining: 0,
-            retry_after_ms,
-            rule_id: rule.id.clone(),
-            applied_rule_version: rules.version,
-            reason: Reason::OverLimit as i32,
-        }
-    }
-
-    /// The answer while the allocator is starting (SPEC §2 "First start"):
-    /// not a limit. The fail policy's answer with a reason of its own:
-    /// `closed` answers unavailable, `open` and `lease_only` deny with
-    /// `STARTING` and the time until the wait ends. Counted as a fail
-    /// policy's denial. (`open` does not admit through the emergency
-    /// bucket here: the allocator is reachable, and I3 allows excess only
-    /// while it is not.)
-    fn starting(
-        &self,
-        rule: &Rule,
-        rules: &RuleSet,
-        left_ms: u64,
-    ) -> Result<CheckResponse, CheckError> {
-        let why = format!("the allocator is starting (granting in {left_ms} ms)");
-        self.policy_denial(rule, rules, &why, left_ms.max(1), Reason::Starting)
-    }
-
-    fn fail_policy(
-        &self,
-        rule: &Rule,
-        rules: &RuleSet,
-        why: &str,
-    ) -> Result<CheckResponse, CheckError> {
-        let retry_ms = self.inner.cfg.fetch_timeout.as_millis() as u64;
-        self.policy_denial(rule, rules, why, retry_ms, Reason::FailureModeDenied)
-    }
-
-    /// A fail policy's denial, counted as one: `closed` answers
-    /// unavailable saying `why`; `open` and `lease_only` deny with
-    /// `reason`, to retry after `retry_after_ms`.
-    fn policy_denial(
-        &self,
-        rule: &Rule,
-        rules: &RuleSet,
-        why: &str,
-        retry_after_ms: u64,
-        reason: Reason,
-    ) -> Result<CheckResponse, CheckError> {
-        let m = &self.inner.metrics;
-        self.count_rule(&rule.id, |c| &c.failure_mode_denied);
-        match rule.fail_policy {
-            FailPolicy::Closed => {
-                m.unavailable.add(1);
-                m.closed_unavailable.add(1);
-                Err(CheckError::Unavailable(format!(
-                    "rule {}: {why}; fail_policy closed",
-                    rule.id
-                )))
-            }
-            FailPolicy::Open | FailPolicy::LeaseOnly => {
-                m.failure_mode_denied.add(1);
-                Ok(CheckResponse {
-                    allowed: false,
-                    remaining: 0,
-                    retry_after_ms,
-                    rule_id: rule.id.clone(),
-                    applied_rule_version: rules.version,
-                    reason: reason as i32,
-                })
-            }
-        }
-    }
-
     /// Stop the driver, retire every lease and release the unused tokens
     /// to the allocator (bounded by `fetch_timeout`).
     pub async fn shutdown(&self) {
@@ -1664,5 +868,10 @@ impl Agent {
     }
 }
 
+mod config;
+mod request;
 #[cfg(test)]
 mod tests;
+
+pub use config::{AgentConfig, ConfigError, MAX_SETTING};
+pub use request::{ChargePlan, Parked, Request, Step, Wait};

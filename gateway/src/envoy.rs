@@ -159,17 +159,9 @@ impl RateLimitService for EnvoyService {
                 request_id: "",
                 domain,
             };
-            // The fast path first (no await, no allocation), else the full check.
-            let fast = match rules.as_deref() {
-                Some(r) => self.agent.check_fast(&input).map(|a| a.to_response(r)),
-                None => None,
-            };
-            let checked = match fast {
-                Some(r) => Ok(r),
-                // Boxed: keeps this future small when the fast path answers.
-                None => Box::pin(self.agent.check_by(input, deadline)).await,
-            };
-            let resp = match checked {
+            // The one way into the agent (its first step is the fast path;
+            // no allocation when that answers).
+            let resp = match self.agent.check_by(input, deadline).await {
                 Ok(r) => r,
                 Err(CheckError::Invalid { field, reason }) => {
                     let field = match field {

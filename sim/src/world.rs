@@ -1,7 +1,7 @@
 //! The simulator's event loop: one seed drives a simulated clock and network
 //! carrying the real cores — [`AllocatorCore`] for the global allocator,
 //! [`RegionalCore`] for regional allocators, and [`Agent`] for the agents
-//! (requests through `check_at`; its sans-IO core pumped through
+//! (requests through `Agent::step`, as every face of the agent; its sans-IO core pumped through
 //! `handle_timeout`, `handle_reply`, `poll_transmit`, `poll_event` and
 //! `poll_timeout`, as the tokio driver pumps it). There is no second
 //! implementation of the protocol here: this module only moves messages,
@@ -39,7 +39,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::time::Duration;
 
-use quotalease_agent::agent::{wait_round_ns, Agent, AgentConfig, CheckInput, CheckStep};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, Parked, Step};
 use quotalease_agent::core::Event as CoreEvent;
 use quotalease_agent::lease_table::Slot;
 use quotalease_agent::renewal::PlanConfig;
@@ -239,8 +239,9 @@ struct AgentNode {
     /// True time of the pending core timer (a `Tick` at another time is
     /// stale).
     timer_at: u64,
-    /// Parked requests: park id -> (arrival, attempt, the key it waits on).
-    parked: BTreeMap<u64, (Arrival, u32, Slot)>,
+    /// Parked requests: park id -> (arrival, the request between its
+    /// steps, the key it waits on).
+    parked: BTreeMap<u64, (Arrival, Parked, Slot)>,
     /// Suspended until this true time (0: awake).
     asleep_until: u64,
 }
@@ -584,7 +585,7 @@ impl World {
             for a in arrivals.iter().copied() {
                 self.run_events_until(a.t_ns);
                 self.t = a.t_ns;
-                self.arrive(a, 0);
+                self.arrive(a, None);
             }
             self.run_events_until(slice_end.saturating_sub(1));
             slice_start = slice_end;
@@ -658,8 +659,8 @@ impl World {
                 if node.life != life {
                     return;
                 }
-                if let Some((a, attempt, _)) = node.parked.remove(&park) {
-                    self.arrive(a, attempt + 1);
+                if let Some((a, parked, _)) = node.parked.remove(&park) {
+                    self.arrive(a, Some(parked));
                 }
             }
             Event::Crash(node) => self.crash(node),
@@ -1163,14 +1164,14 @@ impl World {
             .map(|(park, _)| *park)
             .collect();
         for park in due {
-            if let Some((a, attempt, _)) = self.agents[i as usize].parked.remove(&park) {
-                self.arrive(a, attempt + 1);
+            if let Some((a, parked, _)) = self.agents[i as usize].parked.remove(&park) {
+                self.arrive(a, Some(parked));
             }
         }
     }
 
-    /// A request arrives at its agent (or re-checks after parking).
-    fn arrive(&mut self, a: Arrival, attempt: u32) {
+    /// A request arrives at its agent, or steps again after parking.
+    fn arrive(&mut self, a: Arrival, parked: Option<Parked>) {
         let t = self.t;
         let slot = self.tenant_keys(a.tenant, a.route);
         let node = &mut self.agents[a.agent as usize];
@@ -1190,37 +1191,46 @@ impl World {
             request_id: "",
             domain: None,
         };
-        if attempt == 0 {
-            self.checks += 1;
-        }
-        // As the agent's gRPC and HTTP faces do (`Agent::check`): the fast
-        // path through a cached handle first, else the slow path.
-        let answer = match agent.check_at(&input, attempt, node.clock.local(a.t_ns), now) {
-            CheckStep::Answer(Ok(resp)) => Ok((
+        // As every face of the agent does (`Agent::check_by`): a request,
+        // stepped; the fast path through a cached handle first.
+        let req = match parked {
+            Some(p) => Ok(p.resume(input)),
+            None => {
+                self.checks += 1;
+                agent.request(input)
+            }
+        };
+        let step = match req {
+            Ok(mut req) => match agent.step(&mut req, now) {
+                Step::Wait(w) => Err((req.park(), w)),
+                Step::Answer(answer) => Ok(answer),
+            },
+            Err(invalid) => Ok(Err(invalid)),
+        };
+        let answer = match step {
+            Ok(Ok(resp)) => Ok((
                 resp.allowed,
                 resp.reason == Reason::FailureModeAllowed as i32,
             )),
-            CheckStep::Answer(Err(_)) => {
+            Ok(Err(_)) => {
                 self.unavailable += 1;
                 Ok((false, false))
             }
-            CheckStep::Wait(waits_on) => Err(waits_on),
+            Err(waits) => Err(waits),
         };
         let (allowed, emergency) = match answer {
             Ok(decided) => {
                 self.waits.push(t.saturating_sub(a.t_ns));
                 decided
             }
-            Err(waits_on) => {
+            Err((parked, wait)) => {
                 self.next_park += 1;
                 let park = self.next_park;
                 let life = node.life;
-                // A round lasts `fetch_timeout`; one on a key being opened
-                // ends `fetch_timeout` after the request's arrival.
-                let fetch = self.sc.fetch_timeout_ms * 1_000_000;
-                let wait = wait_round_ns(&waits_on, fetch, a.t_ns, t);
-                node.parked.insert(park, (a, attempt, waits_on));
-                let at = t + wait;
+                // The step said until when (the agent's clock): as long on
+                // the true clock.
+                let at = t + wait.until.saturating_sub(now);
+                node.parked.insert(park, (a, parked, wait.slot));
                 self.schedule(
                     at,
                     Event::Recheck {

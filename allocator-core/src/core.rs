@@ -27,7 +27,7 @@ use quotalease_model::key::KeyId;
 use quotalease_model::protocol::{drift_margin_ns, MAX_ID_BYTES};
 use quotalease_model::rules::{Pattern, Rule, RuleSet};
 
-use crate::ledger::{HolderId, KeyCheckpoint, KeyLedger, Lease, Renewal, PHANTOM};
+use crate::ledger::{HolderId, KeyCheckpoint, KeyLedger, Lease, PoolTerm, Renewal, PHANTOM};
 use crate::reservations::{Reservation, Reservations};
 
 mod runs;
@@ -964,7 +964,7 @@ impl AllocatorCore {
             parent_unreachable = mode.parent_unreachable;
             let left_ms = pool.deadline_ns.saturating_sub(now_ns) / 1_000_000;
             ttl_ns = ttl_ns.min(left_ms.saturating_mul(1_000_000));
-            ledger.set_pool_min_ttl(2 * self.cfg.epsilon_ns);
+            ledger.set_pool(PoolTerm::MinTtl(2 * self.cfg.epsilon_ns));
         }
         let new_id = self.next_lease_id;
         self.next_lease_id += 1;

@@ -173,6 +173,23 @@ pub struct Pool {
     pub parent_available: u64,
 }
 
+/// One term of a pooled ledger, set by [`KeyLedger::set_pool`]; each
+/// sets the [`Pool`] field of its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolTerm {
+    /// No lease expires after this instant from now on (0: the pool is
+    /// backed by nothing).
+    Deadline(u64),
+    /// What the parent last reported left above the region's lease.
+    ParentAvailable(u64),
+    /// Grant nothing new for leases shorter than this (ns).
+    MinTtl(u64),
+    /// Whether the parent's bucket is dry.
+    ParentDry(bool),
+    /// The retry hint when the pool cannot serve a want (ms, at least 1).
+    RetryMs(u64),
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Demand {
     holder: HolderId,
@@ -364,7 +381,7 @@ impl KeyLedger {
     }
 
     /// A pooled ledger (regional allocator): empty, never refills, backed by
-    /// nothing until [`KeyLedger::set_pool_deadline`] and
+    /// nothing until [`KeyLedger::set_pool`] ([`PoolTerm::Deadline`]) and
     /// [`KeyLedger::deposit`]. `burst` caps `available + outstanding` as
     /// usual (I2); `rate` only scales the fixed-point level.
     pub fn new_pooled(rate: Rate, burst: u64, now_ns: u64) -> Self {
@@ -419,39 +436,19 @@ impl KeyLedger {
         self.pool
     }
 
-    /// Pooled mode: no lease expires after `deadline_ns` from now on.
-    pub fn set_pool_deadline(&mut self, deadline_ns: u64) {
-        if let Some(p) = self.pool.as_mut() {
-            p.deadline_ns = deadline_ns;
-        }
-    }
-
-    /// Pooled mode: what the parent last reported is left above the
-    /// region's lease ([`Pool::parent_available`]).
-    pub fn set_pool_parent_available(&mut self, tokens: u64) {
-        if let Some(p) = self.pool.as_mut() {
-            p.parent_available = tokens;
-        }
-    }
-
-    /// Pooled mode: grant nothing new for leases shorter than `ns`.
-    pub fn set_pool_min_ttl(&mut self, ns: u64) {
-        if let Some(p) = self.pool.as_mut() {
-            p.min_ttl_ns = ns;
-        }
-    }
-
-    /// Pooled mode: whether the parent's bucket is dry (see [`Pool::parent_dry`]).
-    pub fn set_pool_parent_dry(&mut self, dry: bool) {
-        if let Some(p) = self.pool.as_mut() {
-            p.parent_dry = dry;
-        }
-    }
-
-    /// Pooled mode: the retry hint given when the pool cannot serve a want.
-    pub fn set_pool_retry_ms(&mut self, retry_ms: u64) {
-        if let Some(p) = self.pool.as_mut() {
-            p.retry_ms = retry_ms.max(1);
+    /// Pooled mode: set one of the pool's terms (nothing for a refilling
+    /// ledger). The rate a parent lease carries has its own call,
+    /// [`KeyLedger::set_pool_rate`]: changing it refills and may destroy.
+    pub fn set_pool(&mut self, term: PoolTerm) {
+        let Some(p) = self.pool.as_mut() else {
+            return;
+        };
+        match term {
+            PoolTerm::Deadline(ns) => p.deadline_ns = ns,
+            PoolTerm::ParentAvailable(tokens) => p.parent_available = tokens,
+            PoolTerm::MinTtl(ns) => p.min_ttl_ns = ns,
+            PoolTerm::ParentDry(dry) => p.parent_dry = dry,
+            PoolTerm::RetryMs(ms) => p.retry_ms = ms.max(1),
         }
     }
 

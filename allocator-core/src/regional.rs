@@ -47,7 +47,7 @@ use quotalease_model::protocol::{slowed_by_rho, use_by_ns};
 use quotalease_model::rules::RuleSet;
 
 use crate::core::{AllocatorCore, CoreConfig, KeyView, Stats};
-use crate::ledger::KeyLedger;
+use crate::ledger::{KeyLedger, PoolTerm};
 
 mod check;
 mod grants;
@@ -725,7 +725,7 @@ impl RegionalCore {
             if let Some(l) = self.core.ledger_mut(&key) {
                 let d = l.drain_pool(now_ns);
                 self.stats.tokens_destroyed += d;
-                l.set_pool_deadline(0);
+                l.set_pool(PoolTerm::Deadline(0));
                 ks.sample_h = ks.sample_h.saturating_sub(d);
             }
         }

@@ -103,7 +103,7 @@ impl RegionalCore {
                 // the pool adds it to its own on every grant to a child
                 // (SPEC §5 "What the headers say").
                 if let Some(ledger) = self.core.ledger_mut(&sent.key) {
-                    ledger.set_pool_parent_available(g.bucket_available);
+                    ledger.set_pool(PoolTerm::ParentAvailable(g.bucket_available));
                 }
             }
         }
@@ -167,7 +167,7 @@ impl RegionalCore {
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };
-            ledger.set_pool_deadline(deadline);
+            ledger.set_pool(PoolTerm::Deadline(deadline));
             let took = ledger.deposit(now_ns, fresh);
             self.stats.tokens_from_parent += fresh;
             self.stats.tokens_destroyed += fresh - took;
@@ -248,7 +248,7 @@ impl RegionalCore {
             }
             // Sub-leases live no longer than the acknowledged version
             // (the newest, unless a smaller one waits, see `ack_deadline_ns`).
-            ledger.set_pool_deadline(c.ack_deadline_ns);
+            ledger.set_pool(PoolTerm::Deadline(c.ack_deadline_ns));
             return;
         }
         // A new chain, as for leases of tokens.
@@ -293,7 +293,7 @@ impl RegionalCore {
             ks.sample_h = 0;
             return;
         }
-        fresh_ledger.set_pool_deadline(deadline);
+        fresh_ledger.set_pool(PoolTerm::Deadline(deadline));
         if carries_rate {
             fresh_ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
         }

@@ -185,7 +185,7 @@ impl RegionalCore {
         let c = ks.chain.take()?;
         let ledger = self.core.ledger_mut(key)?;
         let pool = ledger.drain_pool(now_ns);
-        ledger.set_pool_deadline(0);
+        ledger.set_pool(PoolTerm::Deadline(0));
         debug_assert_eq!(
             ledger.outstanding(),
             0,
@@ -377,7 +377,7 @@ fn plan_key(
     let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
     let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= ctx.idle_ns;
     let may_ask = now_ns >= ks.retry_at_ns;
-    ledger.set_pool_parent_dry(!may_ask);
+    ledger.set_pool(PoolTerm::ParentDry(!may_ask));
     // The rate to ask for: what the children consume, with room to grow;
     // twice the current rate while children miss tokens; what they ask
     // for now, spread over the consumption estimate's time constant (what
@@ -405,7 +405,7 @@ fn plan_key(
             c.ack_id = c.parent_lease_id;
             c.ack_capacity = c.capacity;
             c.ack_deadline_ns = c.deadline_ns;
-            ledger.set_pool_deadline(c.deadline_ns);
+            ledger.set_pool(PoolTerm::Deadline(c.deadline_ns));
         }
     }
     let plan = match &ks.chain {
@@ -506,6 +506,6 @@ fn plan_key(
     } else {
         ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
     };
-    ledger.set_pool_retry_ms(hint);
+    ledger.set_pool(PoolTerm::RetryMs(hint));
     (!matches!(plan, Plan::Nothing)).then_some(plan)
 }

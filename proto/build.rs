@@ -13,6 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["proto"])?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // The services' clients and servers only with the `grpc` feature.
+    let grpc = std::env::var_os("CARGO_FEATURE_GRPC").is_some();
+    tonic_prost_build::configure()
+        .build_client(grpc)
+        .build_server(grpc)
+        .compile_fds(fds)?;
     Ok(())
 }

@@ -1,18 +1,21 @@
 //! Generated protobuf and gRPC code for quotalease: the agent's public
-//! `quotalease.v1` API and the allocator lease protocol.
+//! `quotalease.v1` API and the allocator lease protocol. The gRPC layer
+//! (tonic clients and servers, `follow`, `endpoint`) is the `grpc`
+//! feature; without it, the messages alone.
 #![allow(missing_docs, clippy::all)]
 
 /// The agent's public API (SPEC §5).
 pub mod v1 {
-    tonic::include_proto!("quotalease.v1");
+    include!(concat!(env!("OUT_DIR"), "/quotalease.v1.rs"));
 }
 
 /// A lease client that follows the allocator leader (SPEC §7).
+#[cfg(feature = "grpc")]
 pub mod follow;
 
 /// The allocator <-> agent lease protocol.
 pub mod lease {
-    tonic::include_proto!("quotalease.lease.v1");
+    include!(concat!(env!("OUT_DIR"), "/quotalease.lease.v1.rs"));
 }
 
 /// Envoy's rate limit service API v3, from our own wire-compatible copy of
@@ -24,7 +27,7 @@ pub mod envoy {
         pub mod ratelimit {
             /// `envoy.service.ratelimit.v3`
             pub mod v3 {
-                tonic::include_proto!("envoy.service.ratelimit.v3");
+                include!(concat!(env!("OUT_DIR"), "/envoy.service.ratelimit.v3.rs"));
             }
         }
     }
@@ -36,7 +39,10 @@ pub mod envoy {
             pub mod ratelimit {
                 /// `envoy.extensions.common.ratelimit.v3`
                 pub mod v3 {
-                    tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                    include!(concat!(
+                        env!("OUT_DIR"),
+                        "/envoy.extensions.common.ratelimit.v3.rs"
+                    ));
                 }
             }
         }
@@ -47,7 +53,7 @@ pub mod envoy {
         pub mod core {
             /// `envoy.config.core.v3`
             pub mod v3 {
-                tonic::include_proto!("envoy.config.core.v3");
+                include!(concat!(env!("OUT_DIR"), "/envoy.config.core.v3.rs"));
             }
         }
     }
@@ -257,6 +263,7 @@ pub struct EndpointSettings {
     pub keep_alive_timeout: std::time::Duration,
 }
 
+#[cfg(feature = "grpc")]
 /// The one builder of the tonic endpoint every quotalease client uses for
 /// an allocator at `url` (the agent's and the regional upstream's), lazily
 /// connected by the caller, with TCP_NODELAY set. Errs when `url` is not a

@@ -27,6 +27,13 @@
 //! are sorted after a walk over the hashed keys), so outputs never depend
 //! on hash order.
 //!
+//! Its upstream side speaks the agent core's verbs, so its tokio pump
+//! (`quotalease_allocator::upstream::run`) and the simulator's read like
+//! the agent's driver: `handle_timeout`, `handle_reply`, `handle_failure`
+//! feed it time and outcomes; `poll_transmit` gives the next batch for the
+//! parent and `poll_timeout` when to look again. (The children's side is
+//! `handle`, as every allocator's.)
+//!
 //! Its parts: this file the state, the children's side and the timers;
 //! `upstream.rs` what it asks its parent for and sends; `grants.rs` the
 //! parent's replies applied to the chains; `check.rs` I2 of its pools.
@@ -615,7 +622,7 @@ impl RegionalCore {
         })
     }
 
-    /// When `poll_upstream` should next be called at the latest: one renew
+    /// When `poll_transmit` should next be called at the latest: one renew
     /// interval after the last walk over every key (renewals ahead of `E`,
     /// pool top-ups and heartbeats are decided then), the in-flight batch's
     /// timeout, or the next chain deadline (to drop a lapsed chain). A
@@ -663,12 +670,12 @@ impl RegionalCore {
         None
     }
 
-    /// When the upstream driver next looks (calls `handle_upstream_timeout`
-    /// and `poll_upstream`): [`RegionalCore::next_wakeup_ns`] kept within
+    /// When the upstream driver next looks (calls `handle_timeout`
+    /// and `poll_transmit`): [`RegionalCore::next_wakeup_ns`] kept within
     /// 1 ms and one renew interval from `now_ns`. Both drivers (the tokio
     /// `upstream::run` and the simulator) sleep until this instant, so the
     /// policy exists once.
-    pub fn upstream_timeout(&mut self, now_ns: u64) -> u64 {
+    pub fn poll_timeout(&mut self, now_ns: u64) -> u64 {
         let interval = self.cfg.renew_interval_ns.max(MS);
         self.next_wakeup_ns()
             .clamp(now_ns.saturating_add(MS), now_ns.saturating_add(interval))
@@ -683,11 +690,11 @@ impl RegionalCore {
     }
 
     /// Time passed to `now_ns`: a batch in flight past its deadline failed.
-    pub fn handle_upstream_timeout(&mut self, now_ns: u64) {
+    pub fn handle_timeout(&mut self, now_ns: u64) {
         let Some(f) = &self.in_flight else { return };
         if now_ns >= f.sent_ns.saturating_add(self.cfg.fetch_timeout_ns) {
             let seq = f.seq;
-            self.upstream_failed(now_ns, seq);
+            self.handle_failure(now_ns, seq);
         }
     }
 

@@ -1,5 +1,5 @@
 //! The regional allocator's upstream driver: a tokio task that calls
-//! [`RegionalCore::poll_upstream`](crate::regional::RegionalCore::poll_upstream)
+//! [`RegionalCore::poll_transmit`](crate::regional::RegionalCore::poll_transmit)
 //! when it is due (or when a child could not be served), sends the batch to
 //! the parent over gRPC with a timeout, and feeds the reply or the failure
 //! back. All decisions are in the sans-IO core; this only moves messages and
@@ -74,7 +74,7 @@ async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wai
     let now = shared.now();
     match res {
         Ok(Ok(reply)) => {
-            shared.with_regional(|r| r.handle_upstream_reply(now, &reply));
+            shared.with_regional(|r| r.handle_reply(now, &reply));
             if !was_reachable {
                 tracing::info!("parent allocator reachable");
             }
@@ -85,7 +85,7 @@ async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wai
             } else {
                 tracing::debug!(seq, %why, "parent allocator call failed");
             }
-            shared.with_regional(|r| r.upstream_failed(now, seq));
+            shared.with_regional(|r| r.handle_failure(now, seq));
         }
         Err(_) => {
             if was_reachable {
@@ -93,14 +93,14 @@ async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wai
             } else {
                 tracing::debug!(seq, ?wait, "parent allocator call timed out");
             }
-            shared.with_regional(|r| r.handle_upstream_timeout(now));
+            shared.with_regional(|r| r.handle_timeout(now));
         }
     }
 }
 
 /// The upstream loop, a pump of the regional core: poll; a batch goes out
 /// and the next poll follows its outcome; otherwise sleep until the
-/// core's `upstream_timeout` or until a child finds a pool dry. Returns
+/// core's `poll_timeout` or until a child finds a pool dry. Returns
 /// when `stop` turns true (or at once for a global allocator).
 pub async fn run(
     shared: Arc<Shared>,
@@ -113,7 +113,7 @@ pub async fn run(
         }
         let now = shared.now();
         let Some((batch, wake)) =
-            shared.with_regional(|r| (r.poll_upstream(now), r.upstream_timeout(now)))
+            shared.with_regional(|r| (r.poll_transmit(now), r.poll_timeout(now)))
         else {
             return;
         };

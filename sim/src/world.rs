@@ -879,7 +879,7 @@ impl World {
     /// Pump regional `r`'s upstream side, as `upstream::run` does: poll; a
     /// batch goes out and the next poll follows its outcome (reply, or the
     /// core's deadline for it); otherwise sleep until the core's
-    /// `upstream_timeout` or until a child finds a pool dry.
+    /// `poll_timeout` or until a child finds a pool dry.
     fn regional_poll(&mut self, r: u16) {
         let t = self.t;
         let n = &mut self.regionals[r as usize];
@@ -888,14 +888,14 @@ impl World {
             return; // a batch is out: its reply or timeout polls again
         }
         let now = n.clock.local(t);
-        match core.poll_upstream(now) {
+        match core.poll_transmit(now) {
             Some(batch) => {
                 let deadline = core.upstream_deadline().unwrap_or(now);
                 let at = n.clock.global(deadline).max(t);
                 self.send_batch(Node::Regional(r), Node::Global, batch, at);
             }
             None => {
-                let at = n.clock.global(core.upstream_timeout(now)).max(t + 1);
+                let at = n.clock.global(core.poll_timeout(now)).max(t + 1);
                 self.regional_wake(r, at);
             }
         }
@@ -1081,7 +1081,7 @@ impl World {
         if let Node::Regional(r) = node {
             let n = &mut self.regionals[r as usize];
             if let Some(core) = n.core.as_mut() {
-                core.handle_upstream_timeout(n.clock.local(t));
+                core.handle_timeout(n.clock.local(t));
             }
             self.regional_poll(r);
         }
@@ -1123,7 +1123,7 @@ impl World {
                 let Some(core) = n.core.as_mut() else { return };
                 let sent = n.awaiting.remove(&reply.seq);
                 let now = n.clock.local(t);
-                core.handle_upstream_reply(now, &reply);
+                core.handle_reply(now, &reply);
                 // The keys the reply can change are those of its batch.
                 let checked = match &sent {
                     Some(batch) => core.check_i2_batch(now, batch),

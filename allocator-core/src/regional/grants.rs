@@ -7,7 +7,7 @@ impl RegionalCore {
     /// Apply the parent's reply to the in-flight batch (ignored if it
     /// answers another one: another seq, or a digest that is not our
     /// request's).
-    pub fn handle_upstream_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
+    pub fn handle_reply(&mut self, now_ns: u64, reply: &LeaseReply) {
         if reply.shard_count > 1 && !self.warned_sharded {
             // Not built: a regional allocator sends all its keys to one
             // parent; the keys of the parent's other shards are refused.
@@ -26,7 +26,7 @@ impl RegionalCore {
                 retry_ms = reply.retry_after_ms,
                 "the parent's replicas have no leader yet"
             );
-            self.upstream_failed(now_ns, reply.seq);
+            self.handle_failure(now_ns, reply.seq);
             return;
         }
         let Some(f) = self.in_flight.take_if(|f| {
@@ -327,7 +327,7 @@ impl RegionalCore {
     /// timeout). Chains keep their leases and deadlines; the next batch has
     /// a new `seq` (a renewal the parent did apply shows up as a chain
     /// break then).
-    pub fn upstream_failed(&mut self, now_ns: u64, seq: u64) {
+    pub fn handle_failure(&mut self, now_ns: u64, seq: u64) {
         if self.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
             self.in_flight = None;
             self.fail(now_ns);

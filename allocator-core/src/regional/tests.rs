@@ -107,9 +107,9 @@ fn child_batch(agent: &str, seq: u64, items: Vec<LeaseItem>) -> LeaseBatch {
 
 /// One poll of the upstream side, delivered to the parent and back.
 fn pump(reg: &mut RegionalCore, parent: &mut AllocatorCore, now: u64) -> Option<LeaseReply> {
-    let b = reg.poll_upstream(now)?;
+    let b = reg.poll_transmit(now)?;
     let r = parent.handle(now, &b);
-    reg.handle_upstream_reply(now, &r);
+    reg.handle_reply(now, &r);
     Some(r)
 }
 
@@ -217,10 +217,10 @@ fn a_lost_reply_breaks_the_chain_and_old_sub_leases_carry_nothing() {
     let t = T0;
     let (mut reg, mut parent, g) = opened(t);
     let t = t + 1_500 * MS;
-    let b = reg.poll_upstream(t).expect("renewal");
+    let b = reg.poll_transmit(t).expect("renewal");
     let seq = b.header.as_ref().unwrap().seq;
     let _lost = parent.handle(t, &b); // applied at the parent, reply lost
-    reg.upstream_failed(t, seq);
+    reg.handle_failure(t, seq);
     assert!(!reg.parent_reachable());
     let g_unreach = ask(&mut reg, t, "b", 1, 0, 0, 1);
     assert!(g_unreach.parent_unreachable);
@@ -252,8 +252,8 @@ fn sub_leases_never_outlive_the_parent_lease() {
     let mut now = t;
     while now < e - 300 * MS {
         now += 50 * MS;
-        if let Some(b) = reg.poll_upstream(now) {
-            reg.upstream_failed(now, b.header.unwrap().seq);
+        if let Some(b) = reg.poll_transmit(now) {
+            reg.handle_failure(now, b.header.unwrap().seq);
         }
     }
     let g = ask(&mut reg, now, "b", 1, 0, 0, 5);
@@ -269,7 +269,7 @@ fn sub_leases_never_outlive_the_parent_lease() {
     // The upstream side wakes at E at the latest (the chain's deadline is
     // the earliest due), and at E the chain lapses with its pool.
     assert!(reg.next_wakeup_ns() <= e);
-    let _ = reg.poll_upstream(e);
+    let _ = reg.poll_transmit(e);
     assert!(reg.chain_view(&key()).is_none());
     assert!(reg.stats().chains_lapsed == 1 && reg.stats().tokens_destroyed > 0);
     reg.check_i2(e).unwrap();
@@ -286,11 +286,11 @@ fn parent_unreachable_is_stamped_until_a_reply_arrives() {
     // A call that never returns: after fetch_timeout the parent counts as
     // unreachable even before the driver reports the failure.
     let t = t + 1_500 * MS;
-    let b = reg.poll_upstream(t).expect("renewal");
+    let b = reg.poll_transmit(t).expect("renewal");
     let t2 = t + reg.config().fetch_timeout_ns;
     let g = ask(&mut reg, t2, "a", 4, 0, 0, 1);
     assert!(g.parent_unreachable);
-    reg.upstream_failed(t2, b.header.unwrap().seq);
+    reg.handle_failure(t2, b.header.unwrap().seq);
     assert!(!reg.parent_reachable());
     let t3 = t2 + 100 * MS;
     pump(&mut reg, &mut parent, t3).expect("retry");
@@ -347,10 +347,10 @@ fn an_idle_chain_is_released_and_the_pool_returns_to_the_parent() {
     let mut released = false;
     while now < end {
         now += 50 * MS;
-        if let Some(b) = reg.poll_upstream(now) {
+        if let Some(b) = reg.poll_transmit(now) {
             released |= b.items.iter().any(|i| i.kind == ItemKind::Release as i32);
             let r = parent.handle(now, &b);
-            reg.handle_upstream_reply(now, &r);
+            reg.handle_reply(now, &r);
         }
     }
     assert!(released, "idle chain released");
@@ -375,7 +375,7 @@ fn shutdown_returns_the_pool_but_keeps_what_children_hold() {
     assert_eq!(b.items[0].spent, before - g.tokens);
     let r = parent.handle(t, &b);
     assert_eq!(r.grants[0].carried, g.tokens);
-    reg.handle_upstream_reply(t, &r);
+    reg.handle_reply(t, &r);
     let g = ask(&mut reg, t, "a", 9, 0, 0, 1);
     assert_eq!(
         g.status,
@@ -677,15 +677,15 @@ fn both_tiers_keep_i1_and_i2(
                 Op::UpPoll { r } => {
                     let g = &mut regions[r];
                     if g.pending.is_none() {
-                        g.pending = g.reg.poll_upstream(now);
+                        g.pending = g.reg.poll_transmit(now);
                     }
                 }
                 Op::UpPump { r } => {
                     let g = &mut regions[r];
                     if g.pending.is_none() {
-                        if let Some(b) = g.reg.poll_upstream(now) {
+                        if let Some(b) = g.reg.poll_transmit(now) {
                             let rep = parent.handle(now, &b);
-                            g.reg.handle_upstream_reply(now, &rep);
+                            g.reg.handle_reply(now, &rep);
                             g.delivered = Some(b);
                         }
                     }
@@ -694,14 +694,14 @@ fn both_tiers_keep_i1_and_i2(
                     let g = &mut regions[r];
                     if let Some(b) = g.pending.take() {
                         let rep = parent.handle(now, &b);
-                        g.reg.handle_upstream_reply(now, &rep);
+                        g.reg.handle_reply(now, &rep);
                         g.delivered = Some(b);
                     }
                 }
                 Op::UpLoseRequest { r } => {
                     let g = &mut regions[r];
                     if let Some(b) = g.pending.take() {
-                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        g.reg.handle_failure(now, b.header.as_ref().unwrap().seq);
                         g.lost.push(b);
                     }
                 }
@@ -709,7 +709,7 @@ fn both_tiers_keep_i1_and_i2(
                     let g = &mut regions[r];
                     if let Some(b) = g.pending.take() {
                         let _ = parent.handle(now, &b);
-                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        g.reg.handle_failure(now, b.header.as_ref().unwrap().seq);
                         g.delivered = Some(b);
                     }
                 }
@@ -718,14 +718,14 @@ fn both_tiers_keep_i1_and_i2(
                     if !g.lost.is_empty() {
                         let b = g.lost.remove(0);
                         let rep = parent.handle(now, &b);
-                        g.reg.handle_upstream_reply(now, &rep); // answers no in-flight batch: ignored
+                        g.reg.handle_reply(now, &rep); // answers no in-flight batch: ignored
                     }
                 }
                 Op::UpDuplicate { r } => {
                     let g = &mut regions[r];
                     if let Some(b) = &g.delivered {
                         let rep = parent.handle(now, b);
-                        g.reg.handle_upstream_reply(now, &rep);
+                        g.reg.handle_reply(now, &rep);
                     }
                 }
                 Op::Advance { ms } => now += ms * MS,
@@ -830,11 +830,11 @@ fn two_regions_behind_a_slow_parent(rate_leases: bool, secs: u64) -> Vec<u64> {
                 }
                 if now >= *back {
                     let (_, _, _, reply) = wire[r].take().unwrap();
-                    regs[r].handle_upstream_reply(now, &reply.unwrap());
+                    regs[r].handle_reply(now, &reply.unwrap());
                 }
             }
             if wire[r].is_none() {
-                if let Some(b) = regs[r].poll_upstream(now) {
+                if let Some(b) = regs[r].poll_transmit(now) {
                     wire[r] = Some((b, now + 15 * MS, now + 30 * MS, None));
                 }
             }
@@ -922,7 +922,7 @@ fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
                 ask(&mut reg, now, "a", seq, lease, g.tokens, 0);
                 lease = 0;
             }
-            if let Some(mut b) = reg.poll_upstream(now) {
+            if let Some(mut b) = reg.poll_transmit(now) {
                 if !parent_knows {
                     // A protocol-2 parent decodes the batch without the
                     // fields it does not know, digests what it decoded and
@@ -939,7 +939,7 @@ fn adjacent_protocol_versions_interoperate_with_and_without_rates() {
                     r.grants.iter().all(|g| g.capacity == 0 && g.rate_utps == 0),
                     "no rate lease without asking: {r:?}"
                 );
-                reg.handle_upstream_reply(now, &r);
+                reg.handle_reply(now, &r);
             }
             reg.check_i2(now).unwrap();
             // Every chain is one of tokens (one ends when a renewal finds
@@ -1037,12 +1037,12 @@ fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
                 lease = g.lease_id;
             }
         }
-        if let Some(b) = reg.poll_upstream(now) {
+        if let Some(b) = reg.poll_transmit(now) {
             if now >= T0 + SEC {
                 items += b.items.len() as u64;
             }
             let r = parent.handle(now, &b);
-            reg.handle_upstream_reply(now, &r);
+            reg.handle_reply(now, &r);
         }
         reg.check_i2(now).unwrap();
         now += 10 * MS;
@@ -1073,7 +1073,7 @@ fn children_of_a_pool_without_a_rate_wait_one_round_trip_while_the_regional_asks
     let mut reg = rate_regional_at(now);
     let g = ask(&mut reg, now, "a", 1, 0, 0, 10);
     assert_eq!(g.tokens, 0, "nothing before the parent is asked");
-    let b = reg.poll_upstream(now).expect("the child waits: open");
+    let b = reg.poll_transmit(now).expect("the child waits: open");
     // The parent's answer as it is when the other holders' rates fill the
     // rule's rate: a first version with room for a capacity but no rate,
     // no tokens, and a token hint of 250 ms.
@@ -1088,13 +1088,13 @@ fn children_of_a_pool_without_a_rate_wait_one_round_trip_while_the_regional_asks
     pg.tokens = 0;
     pg.retry_after_ms = 250;
     pg.holders = 3;
-    reg.handle_upstream_reply(now + 20 * MS, &r);
+    reg.handle_reply(now + 20 * MS, &r);
     let now = now + 21 * MS;
     // Within the throttle: the renewal that asks for a rate (starved: rate
     // 0 of an equal share) waits for the walk, the hint does not add the
     // parent's 250 ms.
     assert!(
-        reg.poll_upstream(now).is_none(),
+        reg.poll_transmit(now).is_none(),
         "not urgent: the walk sends it"
     );
     let g = ask(&mut reg, now, "a", 2, 0, 0, 10);
@@ -1106,7 +1106,7 @@ fn children_of_a_pool_without_a_rate_wait_one_round_trip_while_the_regional_asks
     );
     // The walk asks for a rate despite the hint.
     let now = now + reg.cfg.renew_interval_ns;
-    let b = reg.poll_upstream(now).expect("the walk renews for a rate");
+    let b = reg.poll_transmit(now).expect("the walk renews for a rate");
     assert_eq!(b.items.len(), 1);
     assert!(b.items[0].want_rate_utps > 0);
     assert_eq!(b.items[0].want, 0, "no tokens asked before the hint is out");
@@ -1130,7 +1130,7 @@ fn a_shrink_of_rate_is_acknowledged_at_once() {
         if g.lease_id != 0 {
             lease = g.lease_id;
         }
-        if let Some(b) = reg.poll_upstream(now) {
+        if let Some(b) = reg.poll_transmit(now) {
             if reg
                 .chain_view(&key())
                 .is_some_and(|c| c.capacity > 0 && c.rate_utps > 20_000_000)
@@ -1138,7 +1138,7 @@ fn a_shrink_of_rate_is_acknowledged_at_once() {
                 break b;
             }
             let r = parent.handle(now, &b);
-            reg.handle_upstream_reply(now, &r);
+            reg.handle_reply(now, &r);
         }
         now += 20 * MS;
     };
@@ -1153,9 +1153,9 @@ fn a_shrink_of_rate_is_acknowledged_at_once() {
     pg.capacity = c.capacity;
     pg.tokens = 0;
     let newest = pg.lease_id;
-    reg.handle_upstream_reply(now + 10 * MS, &r);
+    reg.handle_reply(now + 10 * MS, &r);
     let b = reg
-        .poll_upstream(now + 11 * MS)
+        .poll_transmit(now + 11 * MS)
         .expect("the shrink is told at once, within the throttle");
     assert_eq!(b.items.len(), 1);
     assert_eq!(

@@ -8,7 +8,7 @@ impl RegionalCore {
     /// (with `spent = G - H`), requests for new chains where children wait,
     /// releases of idle chains, or a heartbeat. At most one batch is in
     /// flight; every batch has a new, higher `seq`.
-    pub fn poll_upstream(&mut self, now_ns: u64) -> Option<LeaseBatch> {
+    pub fn poll_transmit(&mut self, now_ns: u64) -> Option<LeaseBatch> {
         self.update_reachable(now_ns);
         self.core.set_parent_unreachable(!self.reachable);
         self.lapse_chains(now_ns);

@@ -210,7 +210,7 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
             Op2::Poll { r } => {
                 let g = &mut regions[r];
                 if matches!(g.link, Link::Idle) {
-                    if let Some(b) = g.reg.poll_upstream(now) {
+                    if let Some(b) = g.reg.poll_transmit(now) {
                         g.link = Link::Sent(b);
                     }
                 }
@@ -226,14 +226,14 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
             Op2::RegionGet { r } => {
                 let g = &mut regions[r];
                 match std::mem::replace(&mut g.link, Link::Idle) {
-                    Link::AtParent(_, rep) => g.reg.handle_upstream_reply(now, &rep),
+                    Link::AtParent(_, rep) => g.reg.handle_reply(now, &rep),
                     other => g.link = other,
                 }
             }
             Op2::LoseRequest { r } => {
                 let g = &mut regions[r];
                 if let Link::Sent(b) = std::mem::replace(&mut g.link, Link::Idle) {
-                    g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                    g.reg.handle_failure(now, b.header.as_ref().unwrap().seq);
                     g.lost.push(b);
                 }
             }
@@ -241,14 +241,14 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
                 let g = &mut regions[r];
                 match std::mem::replace(&mut g.link, Link::Idle) {
                     Link::AtParent(b, _) => {
-                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq)
+                        g.reg.handle_failure(now, b.header.as_ref().unwrap().seq)
                     }
                     other => g.link = other,
                 }
             }
             Op2::Timeout { r } => {
                 let g = &mut regions[r];
-                g.reg.handle_upstream_timeout(now);
+                g.reg.handle_timeout(now);
                 if g.reg.upstream_deadline().is_none() {
                     if let Link::Sent(b) = std::mem::replace(&mut g.link, Link::Idle) {
                         g.lost.push(b);
@@ -260,14 +260,14 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
                 if !g.lost.is_empty() {
                     let b = g.lost.remove(0);
                     let rep = parent.handle(now, &b);
-                    g.reg.handle_upstream_reply(now, &rep);
+                    g.reg.handle_reply(now, &rep);
                 }
             }
             Op2::Duplicate { r } => {
                 let g = &mut regions[r];
                 if let Some(b) = &g.delivered {
                     let rep = parent.handle(now, b);
-                    g.reg.handle_upstream_reply(now, &rep);
+                    g.reg.handle_reply(now, &rep);
                 }
             }
             Op2::ParentRestart => {
@@ -277,7 +277,7 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
                     if let Link::AtParent(b, _) | Link::Sent(b) =
                         std::mem::replace(&mut g.link, Link::Idle)
                     {
-                        g.reg.upstream_failed(now, b.header.as_ref().unwrap().seq);
+                        g.reg.handle_failure(now, b.header.as_ref().unwrap().seq);
                     }
                     g.lost.clear();
                     g.delivered = None;
@@ -288,9 +288,9 @@ fn run(ops: Vec<Op2>, short: bool) -> Result<(), TestCaseError> {
             Op2::Pump { r } => {
                 let g = &mut regions[r];
                 if matches!(g.link, Link::Idle) {
-                    if let Some(b) = g.reg.poll_upstream(now) {
+                    if let Some(b) = g.reg.poll_transmit(now) {
                         let rep = parent.handle(now, &b);
-                        g.reg.handle_upstream_reply(now, &rep);
+                        g.reg.handle_reply(now, &rep);
                         g.delivered = Some(b);
                     }
                 }

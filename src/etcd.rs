@@ -843,10 +843,7 @@ async fn session(r: &Arc<Replica>) -> anyhow::Result<()> {
     .await
     .context("granting an etcd lease")?;
     let id = lease.id();
-    let validity: Validity = Arc::new(Mutex::new(
-        sent + (Duration::from_secs(lease.ttl().max(0) as u64).saturating_sub(r.margin)).as_nanos()
-            as u64,
-    ));
+    let validity: Validity = Arc::new(Mutex::new(sent + r.lease_validity_ns(lease.ttl())));
     let (done_tx, mut done) = tokio::sync::watch::channel(false);
     let done_tx = Arc::new(done_tx);
     let keepers: Vec<_> = r
@@ -948,7 +945,7 @@ async fn keep_alive(
     validity: Validity,
     done: Arc<tokio::sync::watch::Sender<bool>>,
 ) {
-    let every = Duration::from_millis((r.lease_ttl_s as u64 * 1000 / 6).max(200));
+    let every = r.keep_alive_every();
     let mut c = member;
     let mut stream = None;
     loop {
@@ -971,9 +968,7 @@ async fn keep_alive(
             };
             match tokio::time::timeout(every, answered).await {
                 Ok(Some(resp)) if resp.ttl() > 0 => {
-                    let until = sent
-                        + (Duration::from_secs(resp.ttl() as u64).saturating_sub(r.margin))
-                            .as_nanos() as u64;
+                    let until = sent + r.lease_validity_ns(resp.ttl());
                     let mut v = validity.lock();
                     *v = (*v).max(until);
                 }
@@ -1006,6 +1001,24 @@ impl Replica {
     fn key_window_ns(&self) -> u64 {
         self.margin.as_nanos() as u64
     }
+
+    /// The session lease's TTL.
+    fn lease_ttl_ns(&self) -> u64 {
+        self.lease_ttl_s.max(0) as u64 * 1_000_000_000
+    }
+
+    /// How long a keep-alive etcd answered with `ttl_s` keeps this replica
+    /// valid, from its send ([`leadership::lease_validity_ns`]).
+    fn lease_validity_ns(&self, ttl_s: i64) -> u64 {
+        let answered = ttl_s.max(0) as u64 * 1_000_000_000;
+        leadership::lease_validity_ns(answered, self.lease_ttl_ns())
+    }
+
+    /// Between keep-alives, and between confirmations of the leader key
+    /// ([`leadership::keep_alive_every_ns`]).
+    fn keep_alive_every(&self) -> Duration {
+        Duration::from_nanos(leadership::keep_alive_every_ns(self.lease_ttl_ns()))
+    }
 }
 
 /// Keep the leader valid while both its lease (keep-alives) and its leader
@@ -1018,7 +1031,7 @@ async fn confirm_leadership(
     validity: Validity,
     deposed: Arc<AtomicBool>,
 ) {
-    let every = Duration::from_millis((r.lease_ttl_s as u64 * 1000 / 6).max(200));
+    let every = r.keep_alive_every();
     let epoch = leader.rev() as u64;
     loop {
         tokio::time::sleep(every).await;

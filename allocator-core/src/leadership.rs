@@ -44,6 +44,21 @@ pub fn key_window_ns(lease_ttl_ns: u64) -> u64 {
     (lease_ttl_ns / 3 / SEC).max(1) * SEC
 }
 
+/// How often a leader keeps its etcd session lease alive and confirms its
+/// leader key: every sixth of the lease's TTL, at least every 200 ms. The
+/// etcd driver and the simulator's failover model both use it.
+pub fn keep_alive_every_ns(lease_ttl_ns: u64) -> u64 {
+    (lease_ttl_ns / 6).max(200_000_000)
+}
+
+/// How long an answered keep-alive keeps a leader valid on its own clock,
+/// from the keep-alive's send: the lease's TTL as etcd answered it, less
+/// the margin ([`key_window_ns`] of the session's TTL) for the clocks' rate
+/// error and etcd's own lateness.
+pub fn lease_validity_ns(answered_ttl_ns: u64, lease_ttl_ns: u64) -> u64 {
+    answered_ttl_ns.saturating_sub(key_window_ns(lease_ttl_ns))
+}
+
 /// When a successor elected at `now`, resuming from the reservations
 /// (its predecessor did not hand over), may grant: after its
 /// predecessor's longest validity, a key window, with the clocks' rate

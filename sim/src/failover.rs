@@ -63,7 +63,7 @@ impl Settings {
     /// margin), as `src/etcd.rs` has it (the model confirms both at every
     /// keep-alive).
     pub fn validity_ns(&self) -> u64 {
-        (self.lease_ttl_ns - self.margin_ns).min(self.margin_ns)
+        leadership::lease_validity_ns(self.lease_ttl_ns, self.lease_ttl_ns).min(self.margin_ns)
     }
 
     /// From the scenario's spec.
@@ -74,7 +74,7 @@ impl Settings {
             margin_ns: leadership::key_window_ns(ttl),
             election_ns: spec.election_ms * MS,
             write_lag_ns: spec.write_lag_ms * MS,
-            keep_alive_ns: (ttl / 6).max(200 * MS),
+            keep_alive_ns: leadership::keep_alive_every_ns(ttl),
         }
     }
 }

@@ -14,7 +14,7 @@ use quotalease_allocator::ledger::KeyCheckpoint;
 use quotalease_allocator::regional::RegionalConfig;
 use quotalease_allocator::reservation_log;
 use quotalease_allocator::server::{self as alloc_server, Shared};
-use quotalease_allocator::term::{restart_grace, START_GRACE};
+use quotalease_allocator::term;
 use quotalease_allocator::upstream;
 use quotalease_gateway::envoy::EnvoyService;
 use quotalease_gateway::service::{self, CheckService};
@@ -251,119 +251,110 @@ pub async fn allocator(args: AllocatorArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| default_state_dir(args.listen));
     let state = StateDir::open(&dir)?;
-    let (record, first) = match state.read()? {
-        Some(r) => (r, false),
-        None => {
-            let r = LedgerRecord {
-                id: quotalease_proto::random_instance().max(1),
-                // An allocator from before the ledger file recorded no
-                // TTL_max: assume the cap.
-                ttl_max_ms: if state.has_old_start_record() {
-                    TTL_MAX_CAP_NS / 1_000_000
-                } else {
-                    0
-                },
-                rules_version: 0,
-                lease_id_base: 0,
-                run: 0,
-                runs: Vec::new(),
-                cluster: String::new(),
-            };
-            (r, !state.has_old_start_record())
-        }
-    };
-    // Versions never go backwards, whatever the wall clock says.
-    let version = alloc_server::unix_ms().max(record.rules_version + 1);
-    let rules = load_rules(&rules_path, version)?;
-    let predecessor_ttl_ms = record.ttl_max_ms;
+    let recorded = state.read()?;
+    // No record: a new ledger, unless an allocator from before the ledger
+    // file left its start record (its TTL_max unknown: the cap).
+    let first = recorded.is_none() && !state.has_old_start_record();
     // A run that did not stop cleanly got as far as its reservation log's
     // last durable record (unknown without a log: a lost ledger's was
     // removed, and a restart then waits the whole recorded TTL_max).
-    let last_seq = if record.run != 0 {
-        match reservation_log::read(&dir, record.id) {
+    let last_seq = match &recorded {
+        Some(r) if r.run != 0 => match reservation_log::read(&dir, r.id) {
             Ok(Some((_, seq))) => seq,
             _ => u64::MAX,
-        }
-    } else {
-        0
+        },
+        _ => 0,
     };
     // The cluster: recorded at the first start that names one; a later
     // start naming another is refused before anything is written.
-    let cluster = record
-        .cluster_with(args.cluster.as_deref())
-        .map_err(|theirs| {
-            anyhow!(
-                "--cluster {}: the state directory {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own directory)",
-                args.cluster.as_deref().unwrap_or_default(),
-                dir.display()
-            )
-        })?;
-    let mut record = LedgerRecord {
-        ttl_max_ms: record.ttl_max_ms.max(ttl_max_ms),
-        rules_version: version,
-        cluster,
-        ..record
-    };
-    let run = quotalease_proto::random_instance().max(1);
-    record.start_run(run, last_seq);
+    let next = term::next_record(
+        recorded,
+        first,
+        term::Starting {
+            new_ledger_id: quotalease_proto::random_instance(),
+            run: quotalease_proto::random_instance().max(1),
+            last_seq,
+            unix_ms: alloc_server::unix_ms(),
+            ttl_max_ms,
+            cluster: args.cluster.as_deref(),
+            lease_id_base: None,
+        },
+    )
+    .map_err(|theirs| {
+        anyhow!(
+            "--cluster {}: the state directory {} belongs to cluster {theirs} (start without --cluster, or give each cluster its own directory)",
+            args.cluster.as_deref().unwrap_or_default(),
+            dir.display()
+        )
+    })?;
+    let rules = load_rules(&rules_path, next.rules_version)?;
+    let record = next.record;
     state.write(&record)?;
-    let resumed = if first {
+    let checkpoint = if first {
         None
     } else {
         state.take_checkpoint(record.id)?
     };
     // After a crash: the write-ahead reservations (none from a version
     // without them, or after a lost ledger: then the whole start-up wait).
-    let reserved = if first || resumed.is_some() {
+    let reserved = if first || checkpoint.is_some() {
         None
     } else {
         reservation_log::read(&dir, record.id)
             .map_err(|e| anyhow!(e))?
             .map(|(keys, _)| keys)
     };
-    if first {
-        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), "no ledger in the state directory: a new ledger, buckets start full");
-    } else if let Some(keys) = &resumed {
-        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), keys = keys.len(), "clean restart of this ledger: keys resume from the shutdown's checkpoint, what was leased then counts until it has expired");
-    } else if let Some(keys) = &reserved {
-        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), keys = keys.len(), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger after a crash: keys resume from their write-ahead reservations (each at its floor, the rest of its burst leased out until the longest lease has expired); keys without one are full");
-    } else {
-        tracing::info!(dir = %dir.display(), ledger = format_args!("{:016x}", record.id), predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger without a checkpoint: every key counts as fully leased out until the longest lease it may have granted has expired");
-    }
-    let cfg = CoreConfig {
-        ttl_max_ns: args.ttl_max.as_nanos() as u64,
-        predecessor_ttl_max_ns: predecessor_ttl_ms.saturating_mul(1_000_000),
-        no_predecessor: first || resumed.is_some() || reserved.is_some(),
-        reservations: true,
+    let durable = term::Durable {
+        first,
+        lost: !first && checkpoint.is_none() && reserved.is_none(),
+        predecessor_ttl_max_ns: next.predecessor_ttl_max_ms.saturating_mul(1_000_000),
         ledger_id: record.id,
-        runs: record.runs(),
-        cluster: record.cluster.clone(),
-        // Agents holding a lost ledger's leases name it within their 1 s
-        // heartbeat (or their next renewal): a new ledger waits that long
-        // before it serves its full buckets. So does every later start:
-        // agents that saw a newer state than this directory holds (a
-        // restored backup) name its run before a brand-new agent, which
-        // presents nothing, can take from the older state; a restart waits
-        // no longer than `TTL_max` (at least a heartbeat), so that a key
-        // is usable again within `TTL_max` of a crash (SPEC §2
-        // "Restarts").
-        first_start_grace_ns: match (args.new_ledger, first) {
-            (true, _) => 0,
-            (false, true) => START_GRACE.as_nanos() as u64,
-            (false, false) => restart_grace(args.ttl_max).as_nanos() as u64,
-        },
-        new_ledger: args.new_ledger,
-        ..CoreConfig::default()
+        reservations: reserved.unwrap_or_default(),
+        checkpoint,
     };
+    // Agents holding a lost ledger's leases name it within their 1 s
+    // heartbeat (or their next renewal): a new ledger waits that long
+    // before it serves its full buckets. So does every later start:
+    // agents that saw a newer state than this directory holds (a
+    // restored backup) name its run before a brand-new agent, which
+    // presents nothing, can take from the older state; a restart waits
+    // no longer than `TTL_max` (at least a heartbeat), so that a key
+    // is usable again within `TTL_max` of a crash (SPEC §2 "Restarts").
+    let cfg = term::config(
+        CoreConfig {
+            ttl_max_ns: args.ttl_max.as_nanos() as u64,
+            runs: record.runs(),
+            cluster: record.cluster.clone(),
+            ..CoreConfig::default()
+        },
+        &durable,
+        term::Grace {
+            first_ns: term::START_GRACE.as_nanos() as u64,
+            later_ns: term::restart_grace(args.ttl_max).as_nanos() as u64,
+        },
+        args.new_ledger,
+    );
     let shared = Shared::new(cfg, rules, Some(rules_path));
     let now = shared.now();
-    if let Some(keys) = resumed {
-        shared.with_core(|c| c.resume_keys(now, keys));
-    } else if let Some(keys) = reserved {
-        shared.with_core(|c| c.resume_reserved(now, keys));
+    let predecessor_ttl_ms = next.predecessor_ttl_max_ms;
+    let ledger = format_args!("{:016x}", record.id).to_string();
+    let (resumed, promises) = shared.with_core(|c| term::resume(c, now, durable));
+    match resumed {
+        term::Resumed::First => {
+            tracing::info!(dir = %dir.display(), %ledger, "no ledger in the state directory: a new ledger, buckets start full")
+        }
+        term::Resumed::Checkpoint(keys) => {
+            tracing::info!(dir = %dir.display(), %ledger, keys, "clean restart of this ledger: keys resume from the shutdown's checkpoint, what was leased then counts until it has expired")
+        }
+        term::Resumed::Reserved(keys) => {
+            tracing::info!(dir = %dir.display(), %ledger, keys, predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger after a crash: keys resume from their write-ahead reservations (each at its floor, the rest of its burst leased out until the longest lease has expired); keys without one are full")
+        }
+        term::Resumed::Lost => {
+            tracing::info!(dir = %dir.display(), %ledger, predecessor_ttl_max_ms = predecessor_ttl_ms, "restart of this ledger without a checkpoint: every key counts as fully leased out until the longest lease it may have granted has expired")
+        }
     }
     // Every resumed key's state is its promise before anything is granted.
-    let (promises, seq) = shared.with_core(|c| (c.reserve_current_keys(now), c.reservation_seq()));
+    let seq = shared.with_core(|c| c.reservation_seq());
     let log = reservation_log::Log::create(&dir, record.id, seq, &promises).with_context(|| {
         format!(
             "--state-dir {}: cannot write the reservation log",

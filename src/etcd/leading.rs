@@ -122,17 +122,51 @@ pub(super) async fn lead(
     // No ledger and no reservations: a new ledger. Reservations without a
     // ledger record: a predecessor of unknown TTL_max (the compiled cap).
     let first = recorded.is_none() && reserved.is_empty() && !lost;
-    let ttl_max_ms = r.args.ttl_max.as_millis() as u64;
-    let prev = recorded.unwrap_or(LedgerRecord {
-        id: quotalease_proto::random_instance().max(1),
-        ttl_max_ms: if first { 0 } else { TTL_MAX_CAP_NS / 1_000_000 },
-        rules_version: 0,
-        lease_id_base: 0,
-        run: 0,
-        runs: Vec::new(),
-        cluster: String::new(),
-    });
-    let version = alloc_server::unix_ms().max(prev.rules_version + 1);
+    // Each term is a run of the ledger (SPEC §2 "First start"): the
+    // predecessor's ends at the records `run-seq` says are durable (none
+    // if it names another run: that one wrote nothing).
+    let prev_run = recorded.as_ref().map_or(0, |p| p.run);
+    let got = get(&r.client, &r.keys.run_seq(), None)
+        .await
+        .context("reading the run's record count")?;
+    let last_seq = match got.kvs().first().map(|kv| kv.value_str().unwrap_or("")) {
+        None => 0,
+        Some(v) => match parse_run_seq(v) {
+            Some((run, seq)) if run == prev_run => seq,
+            Some(_) => 0,
+            None => {
+                return Err(anyhow!(
+                    "etcd {}: {v:?} is not `RUN SEQ`; nothing is granted from it",
+                    r.keys.run_seq()
+                ))
+            }
+        },
+    };
+    // Each term's leases are numbered above the last term's, whatever the
+    // replicas' clocks say.
+    let prev_base = recorded.as_ref().map_or(0, |p| p.lease_id_base);
+    let lease_id_base = alloc_server::unix_ns().max(prev_base.saturating_add(TERM_LEASE_IDS));
+    let run_id = quotalease_proto::random_instance().max(1);
+    let next = term::next_record(
+        recorded,
+        first,
+        term::Starting {
+            new_ledger_id: quotalease_proto::random_instance(),
+            run: run_id,
+            last_seq,
+            unix_ms: alloc_server::unix_ms(),
+            ttl_max_ms: r.args.ttl_max.as_millis() as u64,
+            cluster: r.args.cluster.as_deref(),
+            lease_id_base: Some(lease_id_base),
+        },
+    )
+    .map_err(|theirs| {
+        anyhow!(
+            "--cluster: the ledger under {} belongs to cluster {theirs}",
+            r.keys.ledger()
+        )
+    })?;
+    let version = next.rules_version;
     let rules = match (&r.args.rules, &r.rules_text) {
         (Some(p), _) => serve::load_rules(p, version)?,
         (None, Some(latest)) => {
@@ -158,46 +192,7 @@ pub(super) async fn lead(
         }
         (None, None) => unreachable!("rules come from a file or from etcd"),
     };
-    let lease_id_base =
-        alloc_server::unix_ns().max(prev.lease_id_base.saturating_add(TERM_LEASE_IDS));
-    // Each term is a run of the ledger (SPEC §2 "First start"): the
-    // predecessor's ends at the records `run-seq` says are durable (none
-    // if it names another run: that one wrote nothing).
-    let got = get(&r.client, &r.keys.run_seq(), None)
-        .await
-        .context("reading the run's record count")?;
-    let last_seq = match got.kvs().first().map(|kv| kv.value_str().unwrap_or("")) {
-        None => 0,
-        Some(v) => match parse_run_seq(v) {
-            Some((run, seq)) if run == prev.run => seq,
-            Some(_) => 0,
-            None => {
-                return Err(anyhow!(
-                    "etcd {}: {v:?} is not `RUN SEQ`; nothing is granted from it",
-                    r.keys.run_seq()
-                ))
-            }
-        },
-    };
-    let cluster = prev
-        .cluster_with(r.args.cluster.as_deref())
-        .map_err(|theirs| {
-            anyhow!(
-                "--cluster: the ledger under {} belongs to cluster {theirs}",
-                r.keys.ledger()
-            )
-        })?;
-    let run_id = quotalease_proto::random_instance().max(1);
-    let mut record = LedgerRecord {
-        // A lowered --ttl-max never lowers the recorded one with --etcd:
-        // the next leader waits the largest any replica used.
-        ttl_max_ms: prev.ttl_max_ms.max(ttl_max_ms),
-        rules_version: version,
-        lease_id_base,
-        cluster,
-        ..prev.clone()
-    };
-    record.start_run(run_id, last_seq);
+    let record = next.record;
     let put =
         Txn::new()
             .when([guard()])
@@ -217,10 +212,14 @@ pub(super) async fn lead(
         // The predecessor may decide grants up to a key window after the
         // successor's read (see `lead` below): its leases outlive the read
         // by TTL_max plus that window.
-        predecessor_ttl_max_ns: prev
-            .ttl_max_ms
-            .saturating_mul(1_000_000)
-            .saturating_add(r.key_window_ns()),
+        // A lost ledger's: the compiled cap.
+        predecessor_ttl_max_ns: if lost {
+            TTL_MAX_CAP_NS
+        } else {
+            next.predecessor_ttl_max_ms
+                .saturating_mul(1_000_000)
+                .saturating_add(r.key_window_ns())
+        },
         ledger_id: record.id,
         reservations: reserved,
         checkpoint: checkpoint.filter(|_| !lost),
@@ -329,7 +328,7 @@ pub(super) async fn lead(
             tracing::info!(epoch, %ledger, "leading: no ledger in etcd, a new one; buckets start full")
         }
         term::Resumed::Reserved(keys) => {
-            tracing::info!(epoch, %ledger, keys, predecessor_ttl_max_ms = prev.ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full")
+            tracing::info!(epoch, %ledger, keys, predecessor_ttl_max_ms = next.predecessor_ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full")
         }
     }
     let mut written = record;

@@ -103,6 +103,25 @@ pub struct CoreConfig {
     pub cluster: String,
 }
 
+/// The core's timers, by name; [`AgentCore::poll_timeout`] is the earliest
+/// set one and [`AgentCore::handle_timeout`] acts on every one due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Timer {
+    /// Due at once: a walk over the keys is under way, or requests wait
+    /// for keys and fewer than `max_in_flight` batches are out.
+    Asked,
+    /// The earliest deadline of a batch attempt in flight (retry or give
+    /// up).
+    Retry,
+    /// The next tick: every key planned (at least every heartbeat).
+    Tick,
+}
+
+impl Timer {
+    /// Every timer.
+    pub const ALL: [Timer; 3] = [Timer::Asked, Timer::Retry, Timer::Tick];
+}
+
 /// What the driver must act on.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
@@ -639,24 +658,28 @@ impl AgentCore {
     // -- the driver's entry points --
 
     /// When to call [`AgentCore::handle_timeout`] next (agent clock, ns):
-    /// now if requests wait for keys, else the earliest of the next tick
-    /// and the deadline of the current attempt of every batch in flight.
+    /// the earliest of its [`Timer`]s; `None` once stopping.
     pub fn poll_timeout(&self) -> Option<u64> {
         if self.stopping {
             return None;
         }
-        if self.walk.is_some()
-            || (!self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight)
-        {
-            return Some(0);
+        Timer::ALL.iter().filter_map(|&t| self.timer(t)).min()
+    }
+
+    /// When the timer `t` is due (agent clock, ns), if it is set.
+    pub fn timer(&self, t: Timer) -> Option<u64> {
+        match t {
+            Timer::Asked => (self.walk.is_some()
+                || (!self.wanted.is_empty() && self.in_flight() < self.cfg.max_in_flight))
+                .then_some(0),
+            Timer::Retry => self
+                .pending
+                .values()
+                .filter(|p| !p.abandoned)
+                .map(|p| p.deadline_ns)
+                .min(),
+            Timer::Tick => Some(self.next_tick_ns),
         }
-        let retry = self
-            .pending
-            .values()
-            .filter(|p| !p.abandoned)
-            .map(|p| p.deadline_ns)
-            .min();
-        Some(retry.map_or(self.next_tick_ns, |r| r.min(self.next_tick_ns)))
     }
 
     /// Time passed to `now`: give up on or retry batches whose attempt

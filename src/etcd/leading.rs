@@ -69,16 +69,20 @@ pub(super) async fn confirm_key(r: &Replica, leader: &LeaderKey, within: Duratio
     answer
 }
 
-/// A term as leader: resume from etcd, serve, end on deposition or stop.
-pub(super) async fn lead(
-    r: &Arc<Replica>,
-    leader: &LeaderKey,
-    validity: &Validity,
-    done: &mut tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<()> {
-    let epoch = leader.rev() as u64;
-    let mut c = r.client.clone();
-    let guard = || Compare::create_revision(leader.key().to_vec(), CompareOp::Equal, leader.rev());
+/// What etcd holds of the ledger when a term begins.
+struct Found {
+    recorded: Option<LedgerRecord>,
+    reserved: Vec<(KeyId, Reservation)>,
+    /// Each reservation's etcd key and mod revision (the store guards its
+    /// writes by them).
+    revs: HashMap<String, i64>,
+    checkpoint: Option<Vec<(KeyId, quotalease_allocator::ledger::KeyCheckpoint)>>,
+    lost: bool,
+}
+
+/// Read what etcd holds of the ledger. A value that is not what it should
+/// be is an error: nothing is granted from it.
+async fn read_durable(r: &Replica) -> anyhow::Result<Found> {
     // The ledger record and every reservation, as the predecessor left them.
     let got = get(&r.client, &r.keys.ledger(), None)
         .await
@@ -119,6 +123,64 @@ pub(super) async fn lead(
         .context("reading the ledger record")?
         .kvs()
         .is_empty();
+    Ok(Found {
+        recorded,
+        reserved,
+        revs,
+        checkpoint,
+        lost,
+    })
+}
+
+/// The rules a term starts with, at `version`: the `--rules` file, or the
+/// text published to etcd (a text that is not valid, written by hand,
+/// leaves the rules empty until fixed).
+fn rules_for_term(r: &Replica, version: u64) -> anyhow::Result<RuleSet> {
+    let rules = match (&r.args.rules, &r.rules_text) {
+        (Some(p), _) => serve::load_rules(p, version)?,
+        (None, Some(latest)) => {
+            let text = latest.lock().clone();
+            match text {
+                // Published texts were validated; one that is not valid
+                // (written by hand) leaves the rules empty until fixed.
+                Some(t) => RuleSet::parse(&t, &r.keys.rules(), version).unwrap_or_else(|errs| {
+                    tracing::error!(
+                        errors = errs.len(),
+                        "the rules in etcd are not valid; no rules until they are"
+                    );
+                    RuleSet {
+                        version,
+                        rules: Vec::new(),
+                    }
+                }),
+                None => RuleSet {
+                    version,
+                    rules: Vec::new(),
+                },
+            }
+        }
+        (None, None) => unreachable!("rules come from a file or from etcd"),
+    };
+    Ok(rules)
+}
+
+/// A term as leader: begin from what etcd holds, serve, end on deposition
+/// or stop (a clean stop hands its exact state over).
+pub(super) async fn lead(
+    r: &Arc<Replica>,
+    leader: &LeaderKey,
+    validity: &Validity,
+    done: &mut tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let epoch = leader.rev() as u64;
+    let guard = || Compare::create_revision(leader.key().to_vec(), CompareOp::Equal, leader.rev());
+    let Found {
+        recorded,
+        reserved,
+        revs,
+        checkpoint,
+        lost,
+    } = read_durable(r).await?;
     // No ledger and no reservations: a new ledger. Reservations without a
     // ledger record: a predecessor of unknown TTL_max (the compiled cap).
     let first = recorded.is_none() && reserved.is_empty() && !lost;
@@ -167,31 +229,7 @@ pub(super) async fn lead(
         )
     })?;
     let version = next.rules_version;
-    let rules = match (&r.args.rules, &r.rules_text) {
-        (Some(p), _) => serve::load_rules(p, version)?,
-        (None, Some(latest)) => {
-            let text = latest.lock().clone();
-            match text {
-                // Published texts were validated; one that is not valid
-                // (written by hand) leaves the rules empty until fixed.
-                Some(t) => RuleSet::parse(&t, &r.keys.rules(), version).unwrap_or_else(|errs| {
-                    tracing::error!(
-                        errors = errs.len(),
-                        "the rules in etcd are not valid; no rules until they are"
-                    );
-                    RuleSet {
-                        version,
-                        rules: Vec::new(),
-                    }
-                }),
-                None => RuleSet {
-                    version,
-                    rules: Vec::new(),
-                },
-            }
-        }
-        (None, None) => unreachable!("rules come from a file or from etcd"),
-    };
+    let rules = rules_for_term(r, version)?;
     let record = next.record;
     let put =
         Txn::new()
@@ -331,41 +369,80 @@ pub(super) async fn lead(
             tracing::info!(epoch, %ledger, keys, predecessor_ttl_max_ms = next.predecessor_ttl_max_ms, "leading: keys resume from their reservations in etcd (each at its floor, the rest of its burst leased out until the predecessor's longest lease has expired); keys without one are full")
         }
     }
-    let mut written = record;
-    let mut lost_marker = lost;
-    let ended = loop {
+    let mut serving = Serving {
+        written: record,
+        lost_marker: lost,
+        deposed,
+    };
+    let ended = serve(r, &guard, &mut serving, done).await;
+    r.leadership.step_down();
+    r.term.store(0, Ordering::Release);
+    confirmer.abort();
+    writer.abort();
+    tracing::warn!(epoch, why = ended, "no longer leading");
+    if ended == STOPPING {
+        hand_over(r, leader, guard(), serving.written.id).await;
+    }
+    Ok(())
+}
+
+/// What a term keeps while it serves.
+struct Serving {
+    /// The ledger record as last written.
+    written: LedgerRecord,
+    /// The lost marker is still in etcd.
+    lost_marker: bool,
+    /// Set when a guarded write found the leader key gone.
+    deposed: Arc<AtomicBool>,
+}
+
+/// Why a term ended on a stop (a clean handover follows).
+const STOPPING: &str = "stopping";
+
+/// Serve until the term ends, every 100 ms (or at once when the lease is
+/// lost): end on a stop, a lost lease, a lapsed validity or deposition;
+/// delete the lost marker once a lost ledger's wait is over; keep the
+/// ledger record's rule version up with the core's. Returns why it ended.
+async fn serve(
+    r: &Replica,
+    guard: &(dyn Fn() -> Compare + Sync),
+    t: &mut Serving,
+    done: &mut tokio::sync::watch::Receiver<bool>,
+) -> &'static str {
+    let shared = &r.shared;
+    loop {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             _ = done.wait_for(|d| *d) => {}
         }
         if r.stopping.load(Ordering::Acquire) {
-            break "stopping";
+            return STOPPING;
         }
         if *done.borrow() {
-            break "the etcd lease was lost";
+            return "the etcd lease was lost";
         }
         if !r.leadership.leading(boot_now()) {
-            break "leadership validity ran out (etcd unreachable, or the lease or the key not confirmed in time)";
+            return "leadership validity ran out (etcd unreachable, or the lease or the key not confirmed in time)";
         }
-        if deposed.load(Ordering::Acquire) {
-            break "deposed: the leader key is gone";
+        if t.deposed.load(Ordering::Acquire) {
+            return "deposed: the leader key is gone";
         }
         // The wait for a lost ledger's leases is over: the reservations
         // describe the ledger again.
-        if lost_marker && shared.now() >= shared.with_core(|core| core.ready_at_ns()) {
+        if t.lost_marker && shared.now() >= shared.with_core(|core| core.ready_at_ns()) {
             let del = Txn::new()
                 .when([guard()])
                 .and_then([TxnOp::delete(r.keys.reservations_lost(), None)]);
             if let Ok(resp) = txn(&r.client, del).await {
-                lost_marker = !resp.succeeded();
+                t.lost_marker = !resp.succeeded();
             }
         }
         // Versions never go backwards for the next leader.
         let v = shared.with_core(|core| core.rules().version);
-        if v > written.rules_version {
+        if v > t.written.rules_version {
             let next = LedgerRecord {
                 rules_version: v,
-                ..written.clone()
+                ..t.written.clone()
             };
             let put = Txn::new().when([guard()]).and_then([TxnOp::put(
                 r.keys.ledger(),
@@ -373,37 +450,33 @@ pub(super) async fn lead(
                 None,
             )]);
             match txn(&r.client, put).await {
-                Ok(resp) if resp.succeeded() => written = next,
-                Ok(_) => break "deposed: the leader key is gone",
+                Ok(resp) if resp.succeeded() => t.written = next,
+                Ok(_) => return "deposed: the leader key is gone",
                 Err(e) => tracing::warn!(error = %e, "cannot update the ledger record"),
             }
         }
-    };
-    r.leadership.step_down();
-    r.term.store(0, Ordering::Release);
-    confirmer.abort();
-    writer.abort();
-    tracing::warn!(epoch, why = ended, "no longer leading");
-    if ended == "stopping" {
-        // A clean handover: the exact state after the last grant, for the
-        // successor, written while the leader key is still ours.
-        let keys = shared.checkpoint_and_close();
-        match write_checkpoint(&r.client, &r.keys, guard(), written.id, &keys).await {
-            Ok(()) => tracing::info!(
-                keys = keys.len(),
-                "checkpoint written to etcd for the next leader"
-            ),
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "no checkpoint for the next leader: it resumes from the reservations")
-            }
-        }
-        let _ = tokio::time::timeout(
-            Duration::from_secs(1),
-            c.resign(Some(ResignOptions::new().with_leader(leader.clone()))),
-        )
-        .await;
     }
-    Ok(())
+}
+
+/// A clean handover: the exact state after the last grant, for the
+/// successor, written while the leader key is still ours; then resign.
+async fn hand_over(r: &Replica, leader: &LeaderKey, guard: Compare, ledger: u64) {
+    let keys = r.shared.checkpoint_and_close();
+    match write_checkpoint(&r.client, &r.keys, guard, ledger, &keys).await {
+        Ok(()) => tracing::info!(
+            keys = keys.len(),
+            "checkpoint written to etcd for the next leader"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "no checkpoint for the next leader: it resumes from the reservations")
+        }
+    }
+    let mut c = r.client.clone();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        c.resign(Some(ResignOptions::new().with_leader(leader.clone()))),
+    )
+    .await;
 }
 
 /// The whole checkpoint of ledger `ledger` in etcd, if there is one.

@@ -71,6 +71,9 @@ struct Counts {
     admitted: BTreeMap<String, u64>,
     denied: BTreeMap<String, u64>,
     unavailable: u64,
+    /// Every check of a key of a charged rule: (arrival, admitted), for an
+    /// ideal bucket fed the same arrivals.
+    arrivals: BTreeMap<(String, String, String), Vec<(u64, bool)>>,
 }
 
 pub async fn run(duration: Duration) -> anyhow::Result<()> {
@@ -212,7 +215,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     // I1 over every window of every key.
     println!();
     println!(
-        "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9} {:>7} {:>7} {:>5}",
+        "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>5}",
         "rule",
         "checks",
         "admitted",
@@ -220,7 +223,9 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         "keys",
         "busiest key",
         "its adm",
+        "ideal",
         "B+R*T",
+        "vs id %",
         "util %",
         "chk/msg",
         "I1"
@@ -230,7 +235,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     let mut all_held = true;
     for rule in &rules.rules {
         let mut held = true;
-        let mut busiest: Option<(u64, String)> = None;
+        let mut busiest: Option<(u64, String, u64)> = None;
         let mut keys = 0;
         for ((rid, tenant, route), adm) in log.iter() {
             if rid != &rule.id {
@@ -242,18 +247,21 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
             held &= w.held();
             let total: u64 = adm.iter().map(|x| x.1).sum();
             if busiest.as_ref().is_none_or(|b| total > b.0) {
-                busiest = Some((total, format!("{tenant}{route}")));
+                let key = (rid.clone(), tenant.clone(), route.clone());
+                let arrivals = counts.arrivals.get(&key).map_or(&[][..], |a| &a[..]);
+                let ideal = ideal_admits(rule, arrivals);
+                busiest = Some((total, format!("{tenant}{route}"), ideal));
             }
         }
         all_held &= held;
         let rate_per_s = rule.rate.tokens as f64 / rule.rate.period_s as f64;
         let bound = rule.burst as f64 + rate_per_s * t_s;
-        let (b_adm, b_name) = busiest.unwrap_or((0, "-".into()));
+        let (b_adm, b_name, b_ideal) = busiest.unwrap_or((0, "-".into(), 0));
         let util = 100.0 * b_adm as f64 / bound.max(1e-9);
         let rule_checks = counts.checks.get(&rule.id).copied().unwrap_or(0);
         let rule_msgs = msgs_by_rule.get(&rule.id).copied().unwrap_or(0);
         println!(
-            "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9.0} {:>7.1} {:>7.1} {:>5}",
+            "{:<13} {:>8} {:>8} {:>8} {:>5} {:>13} {:>9} {:>9} {:>9.0} {:>7.1} {:>7.1} {:>7.1} {:>5}",
             rule.id,
             rule_checks,
             counts.admitted.get(&rule.id).copied().unwrap_or(0),
@@ -261,14 +269,16 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
             keys,
             truncate(&b_name, 13),
             b_adm,
+            b_ideal,
             bound,
+            100.0 * b_adm as f64 / b_ideal.max(1) as f64,
             util.min(999.9),
             rule_checks as f64 / rule_msgs.max(1) as f64,
             if held { "held" } else { "BROKEN" }
         );
     }
     println!();
-    println!("T = {t_s:.1}s. For the busiest key of each rule: its admitted tokens, the bound B + R*T, and util % = admitted / (B + R*T).");
+    println!("T = {t_s:.1}s. For the busiest key of each rule: its admitted tokens; what one ideal bucket (exact, starting full) admits over the same arrivals, and vs id % = admitted / ideal (of that rule alone: a key charged beside another rule, like tenant-total, also loses what the other rule denies); the bound B + R*T, and util % = admitted / (B + R*T).");
     println!("chk/msg = checks matching the rule / messages from agents to their regional allocator carrying any of its keys (a batch counts once); all rules: {checks} checks / {msgs} messages.");
     for (name, n) in &upstream_msgs {
         println!(
@@ -298,6 +308,19 @@ async fn serve(shared: Arc<Shared>) -> anyhow::Result<std::net::SocketAddr> {
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     Ok(addr)
+}
+
+/// What one ideal bucket of `rule` (exact, global, starting full) admits
+/// over `arrivals` (time, our answer), each of cost 1: the simulator's
+/// shortfall figure (SPEC §2).
+fn ideal_admits(rule: &quotalease_model::rules::Rule, arrivals: &[(u64, bool)]) -> u64 {
+    let mut sorted = arrivals.to_vec();
+    sorted.sort_unstable();
+    let mut ideal = quotalease_sim::quality::FalseRejectStream::new(rule.rate, rule.burst, 0);
+    for (t, admitted) in sorted {
+        ideal.push(t, 1, admitted);
+    }
+    ideal.versus_ideal().1
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -367,12 +390,24 @@ async fn load(
                     request_id: "",
                     domain: None,
                 };
+                let arrived = BootClock::now();
                 let res = agent.check(input).await;
                 let t = BootClock::now();
                 let matched = rules.matching(None, &tenant, route).unwrap_or_default();
                 let mut c = counts.lock();
                 for rule in &matched {
                     *c.checks.entry(rule.id.clone()).or_insert(0) += 1;
+                }
+                let admitted = matches!(&res, Ok(r) if r.allowed);
+                for rule in matched.iter().filter(|r| !r.shadow) {
+                    c.arrivals
+                        .entry((
+                            rule.id.clone(),
+                            rule.tenant.key_part(&tenant).to_string(),
+                            rule.route.key_part(route).to_string(),
+                        ))
+                        .or_default()
+                        .push((arrived, admitted));
                 }
                 match res {
                     Ok(r) if r.allowed && r.reason != Reason::NoRule as i32 => {

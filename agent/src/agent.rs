@@ -33,8 +33,8 @@ use tokio::sync::Notify;
 use crate::core::{AgentCore, CoreConfig, Event};
 pub use crate::core::{EmergencyConfig, EmergencyOpened};
 use crate::driver::Pumped as _;
-use crate::handle::take_all;
 pub use crate::handle::KeyHandle;
+use crate::handle::{take_all, Charges};
 use crate::idempotency::{Claim, ReplayCache};
 use crate::lease_table::Take;
 pub use crate::lease_table::{KeyId, KeyRef, Lookup, Slot, SlotRef, Table};
@@ -633,27 +633,56 @@ impl Agent {
     /// [`Agent::check_fast_at`] on validated input.
     #[inline(always)]
     fn fast_at(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
-        self.fast_shape(input, cost, now, true)
+        self.fast_shape(input, cost, now)
     }
 
-    /// The fast path through this thread's cached handle only: a shape it
-    /// has none for costs a hash (and is resolved and cached on its second
-    /// miss in a row, see `shapes`), not a rule match and look-ups.
-    fn fast_cached(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
-        self.fast_shape(input, cost, now, false)
-    }
-
-    /// The fast path on the shape's cached handle; on a shape this thread
-    /// has none for, resolve and cache it when due (its second miss), else
-    /// decide uncached (`uncached`) or not at all.
-    #[inline(always)]
-    fn fast_shape(
+    /// The fast path through this thread's cached handle only, for the slow
+    /// path's first step (a shape it has none for costs a hash, and is
+    /// resolved and cached on its second miss in a row, see `shapes`): the answer,
+    /// or the plan of the shape's cached handle when it could not pay
+    /// (`Err(Some)`), or neither (`Err(None)`: no handle).
+    fn fast_or_plan(
         &self,
         input: &CheckInput<'_>,
         cost: u64,
         now: u64,
-        uncached: bool,
-    ) -> Option<FastAdmit> {
+    ) -> Result<FastAdmit, Option<ChargePlan>> {
+        let rules = &self.inner.rules;
+        let generation = rules.generation();
+        let decided = shapes::with(
+            rules.id(),
+            generation,
+            input.domain,
+            input.tenant,
+            input.route,
+            |h| {
+                let (r, keep) = self.charge_cached(h, cost, now);
+                (Some(r.ok_or_else(|| h.plan.clone())), keep)
+            },
+            |cache| match cache {
+                true => {
+                    let (r, h) = self.fast_uncached(input, cost, now, generation, true);
+                    let r = match (r, &h) {
+                        (Some(a), _) => Some(Ok(a)),
+                        (None, Some(h)) => Some(Err(h.plan.clone())),
+                        (None, None) => None,
+                    };
+                    (r, h)
+                }
+                false => (None, None),
+            },
+        );
+        match decided {
+            Some(r) => r.map_err(Some),
+            None => Err(None),
+        }
+    }
+
+    /// The fast path on the shape's cached handle; on a shape this thread
+    /// has none for, resolve and cache it when due (its second miss), else
+    /// decide uncached.
+    #[inline(always)]
+    fn fast_shape(&self, input: &CheckInput<'_>, cost: u64, now: u64) -> Option<FastAdmit> {
         let rules = &self.inner.rules;
         let generation = rules.generation();
         shapes::with(
@@ -664,10 +693,7 @@ impl Agent {
             input.route,
             #[inline(always)]
             |h| self.charge_cached(h, cost, now),
-            |cache| match cache || uncached {
-                true => self.fast_uncached(input, cost, now, generation, cache),
-                false => (None, None),
-            },
+            |cache| self.fast_uncached(input, cost, now, generation, cache),
         )
     }
 
@@ -873,5 +899,6 @@ mod request;
 #[cfg(test)]
 mod tests;
 
+pub use crate::handle::ChargePlan;
 pub use config::{AgentConfig, ConfigError, MAX_SETTING};
-pub use request::{ChargePlan, Parked, Request, Step, Wait};
+pub use request::{Parked, Request, Step, Wait};

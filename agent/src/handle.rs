@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use quotalease_model::matching::{Matched, MAX_MATCHED};
+use quotalease_model::rules::RuleSet;
 
 use crate::lease_table::{Slot, Take};
 use crate::metrics::RuleCounters;
@@ -28,6 +29,9 @@ pub struct KeyHandle {
     pub(crate) max_cost: u64,
     pub(crate) any_shadow: bool,
     pub(crate) no_rule: bool,
+    /// What a request of this shape is charged to (the slow path's plan,
+    /// found once per shape).
+    pub(crate) plan: ChargePlan,
 }
 
 impl KeyHandle {
@@ -57,12 +61,80 @@ impl KeyHandle {
             max_cost,
             slots,
             counters,
+            plan: ChargePlan {
+                rules: snap.rules.clone(),
+                charges: Charges::of(&snap.rules, m),
+            },
         }
     }
 
     /// The rules' generation this handle was resolved for.
     pub(crate) fn generation(&self) -> u64 {
         self.generation
+    }
+}
+
+/// What a request is charged to: the rules it matched, by index into
+/// `rules`, split into the charged rules (in file order) and the shadow
+/// rules (in file order), which only report. Found once per request.
+#[derive(Clone, Debug)]
+pub struct ChargePlan {
+    pub(crate) rules: Arc<RuleSet>,
+    pub(crate) charges: Charges,
+}
+
+impl ChargePlan {
+    /// The rule set the request was matched in (its answers name rules of
+    /// it and its version).
+    pub fn rules(&self) -> &Arc<RuleSet> {
+        &self.rules
+    }
+}
+
+/// The matched rules' indices: the charged ones, then the shadow ones.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Charges {
+    idx: [u32; MAX_MATCHED],
+    charged: usize,
+    n: usize,
+    /// The first matched rule in file order: an admission that charged no
+    /// rule (only shadow rules matched) names it.
+    pub(crate) first: u32,
+}
+
+impl Charges {
+    pub(crate) fn of(rules: &RuleSet, m: &Matched) -> Self {
+        let mut idx = [0; MAX_MATCHED];
+        let (mut n, mut charged) = (0, 0);
+        for shadow in [false, true] {
+            for &i in m.indices() {
+                if rules.rules[i as usize].shadow == shadow {
+                    idx[n] = i;
+                    n += 1;
+                }
+            }
+            if !shadow {
+                charged = n;
+            }
+        }
+        Self {
+            idx,
+            charged,
+            n,
+            first: m.indices().first().copied().unwrap_or(0),
+        }
+    }
+
+    pub(crate) fn charged(&self) -> &[u32] {
+        &self.idx[..self.charged]
+    }
+
+    pub(crate) fn shadow(&self) -> &[u32] {
+        &self.idx[self.charged..self.n]
+    }
+
+    pub(crate) fn all(&self) -> &[u32] {
+        &self.idx[..self.n]
     }
 }
 

@@ -48,70 +48,6 @@ fn wait_round_ns(slot: &Slot, fetch_timeout_ns: u64, since: u64, now: u64) -> u6
     }
 }
 
-/// What a request is charged to: the rules it matched, by index into
-/// `rules`, split into the charged rules (in file order) and the shadow
-/// rules (in file order), which only report. Found once per request.
-#[derive(Clone, Debug)]
-pub struct ChargePlan {
-    rules: Arc<RuleSet>,
-    charges: Charges,
-}
-
-impl ChargePlan {
-    /// The rule set the request was matched in (its answers name rules of
-    /// it and its version).
-    pub fn rules(&self) -> &Arc<RuleSet> {
-        &self.rules
-    }
-}
-
-/// The matched rules' indices: the charged ones, then the shadow ones.
-#[derive(Clone, Copy, Debug)]
-struct Charges {
-    idx: [u32; MAX_MATCHED],
-    charged: usize,
-    n: usize,
-    /// The first matched rule in file order: an admission that charged no
-    /// rule (only shadow rules matched) names it.
-    first: u32,
-}
-
-impl Charges {
-    fn of(rules: &RuleSet, m: &Matched) -> Self {
-        let mut idx = [0; MAX_MATCHED];
-        let (mut n, mut charged) = (0, 0);
-        for shadow in [false, true] {
-            for &i in m.indices() {
-                if rules.rules[i as usize].shadow == shadow {
-                    idx[n] = i;
-                    n += 1;
-                }
-            }
-            if !shadow {
-                charged = n;
-            }
-        }
-        Self {
-            idx,
-            charged,
-            n,
-            first: m.indices().first().copied().unwrap_or(0),
-        }
-    }
-
-    fn charged(&self) -> &[u32] {
-        &self.idx[..self.charged]
-    }
-
-    fn shadow(&self) -> &[u32] {
-        &self.idx[self.charged..self.n]
-    }
-
-    fn all(&self) -> &[u32] {
-        &self.idx[..self.n]
-    }
-}
-
 /// One request's charge as the decision sees it: `cost` against the rules
 /// of `charges` in `rules`, on the keys of (tenant, route).
 #[derive(Clone, Copy)]
@@ -283,10 +219,11 @@ impl Agent {
     /// The start of a request's first step: no rules (unavailable), the
     /// fast path through this thread's cached handle (`Ok(Ok(answer))`),
     /// no rule matched, a cost above a burst (invalid), or what it is
-    /// charged to (`Ok(Err(plan))`). The request's rules are matched once
-    /// here; a shape this thread has no handle for is decided by the slow
-    /// path itself (its first round charges leases that hold enough), not
-    /// by an uncached fast attempt first.
+    /// charged to (`Ok(Err(plan))`): the cached handle's plan, found once
+    /// per shape, else the rules matched here, once. A shape this thread
+    /// has no handle for is decided by the slow path itself (its first
+    /// round charges leases that hold enough), not by an uncached fast
+    /// attempt first.
     fn plan(
         &self,
         input: &CheckInput<'_>,
@@ -300,22 +237,31 @@ impl Agent {
                 "no rules yet: the allocator has not been reached".into(),
             ));
         };
-        if let Some(a) = self.fast_cached(input, cost, t) {
-            // The answer names its rule by index in the rules it was decided
-            // under: a publish in between means newer rules than `snap`.
-            let rules = match a.rule_version == snap.rules.version {
-                true => snap.rules.clone(),
-                false => inner.rules.rules().unwrap_or_else(|| snap.rules.clone()),
-            };
-            return Ok(Ok(a.to_response(&rules)));
-        }
-        let rules = snap.rules.clone();
-        let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
-        if m.is_empty() {
-            inner.metrics.no_rule.add(1);
-            return Ok(Ok(FastAdmit::no_rule(rules.version).to_response(&rules)));
-        }
-        let charges = Charges::of(&rules, &m);
+        let plan = match self.fast_or_plan(input, cost, t) {
+            Ok(a) => {
+                // The answer names its rule by index in the rules it was
+                // decided under: a publish in between means newer rules
+                // than `snap`.
+                let rules = match a.rule_version == snap.rules.version {
+                    true => snap.rules.clone(),
+                    false => inner.rules.rules().unwrap_or_else(|| snap.rules.clone()),
+                };
+                return Ok(Ok(a.to_response(&rules)));
+            }
+            // The shape's cached handle could not pay: its plan.
+            Err(Some(plan)) => plan,
+            Err(None) => {
+                let rules = snap.rules.clone();
+                let m = match_rules(&rules, input.domain, input.tenant, input.route)?;
+                if m.is_empty() {
+                    inner.metrics.no_rule.add(1);
+                    return Ok(Ok(FastAdmit::no_rule(rules.version).to_response(&rules)));
+                }
+                let charges = Charges::of(&rules, &m);
+                ChargePlan { rules, charges }
+            }
+        };
+        let (rules, charges) = (&plan.rules, &plan.charges);
         for &i in charges.charged() {
             let r = &rules.rules[i as usize];
             if cost > r.burst {
@@ -326,7 +272,7 @@ impl Agent {
                 });
             }
         }
-        Ok(Err(ChargePlan { rules, charges }))
+        Ok(Err(plan))
     }
 
     /// The uncached fast path on a shape matched in `snap`'s rules:

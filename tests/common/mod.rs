@@ -151,9 +151,30 @@ impl Drop for Proc {
 }
 
 /// A free loopback port (bound then released).
+/// A free address on 127.0.0.1 for a process a test starts. The port is
+/// below the kernel's ephemeral range (32768 and up on Linux): a port
+/// from that range, free when asked, could be taken by any outgoing
+/// connection before the process bound it (an etcd member lost its peer
+/// port that way under CI's load). Ports go out in turn from a counter
+/// that starts at an offset of this process's id, each checked bindable;
+/// port 0's pick once they are used up.
 pub fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = std::process::id().wrapping_mul(613) % SPAN;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        if n >= SPAN {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            return l.local_addr().expect("addr");
+        }
+        let port = (LOW + (base + n) % SPAN) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().expect("addr");
+        }
+    }
 }
 
 pub fn write_rules(dir: &Path, yaml: &str) -> PathBuf {

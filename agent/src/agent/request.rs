@@ -3,7 +3,7 @@
 //! A request is one value ([`Request`]): its input, its cost, when its
 //! first step ran, its round, and what it is charged to ([`ChargePlan`]:
 //! the rules it matched, the charged ones and the shadow ones, found once
-//! per request). [`Agent::step`] decides it at an agent-clock instant over
+//! per shape by its cached handle, else once per request). [`Agent::step`] decides it at an agent-clock instant over
 //! the lease table and the core: an answer, or "wait for the next grant of
 //! this key until `until`" ([`Wait`]). How long a round waits is decided
 //! here, once; a driver only waits: the tokio one in [`Agent::check_by`]
@@ -193,18 +193,19 @@ impl Agent {
     /// Replays by request id are [`Agent::check_by`]'s.
     pub fn step(&self, req: &mut Request<'_>, now: u64) -> Step {
         let since = *req.parked.since.get_or_insert(now);
-        if req.parked.plan.is_none() {
-            match self.plan(&req.input, req.cost, now) {
+        let plan = match req.parked.plan.take() {
+            Some(plan) => plan,
+            None => match self.plan(&req.input, req.cost, now) {
                 Err(e) => return Step::Answer(Err(e)),
                 Ok(Ok(answer)) => return Step::Answer(Ok(answer)),
-                Ok(Err(plan)) => req.parked.plan = Some(plan),
-            }
-        }
-        let Some(plan) = &req.parked.plan else {
-            unreachable!("planned above")
+                Ok(Err(plan)) => plan,
+            },
         };
         let charge = Charge::of(&plan.rules, &plan.charges, &req.input, req.cost);
-        match self.decide_round(charge, req.parked.attempt, since, now) {
+        let decided = self.decide_round(charge, req.parked.attempt, since, now);
+        // Kept for the request's next rounds.
+        req.parked.plan = Some(plan);
+        match decided {
             Decided::Done(answer) => Step::Answer(answer),
             Decided::Park { slot, seen } => {
                 let attempt = &mut req.parked.attempt;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use quotalease_agent::agent::{Agent, AgentConfig, CheckError, CheckInput, Step};
+use quotalease_agent::agent::{Agent, AgentConfig, CheckError, CheckInput, Request, Step};
 use quotalease_agent::renewal::PlanConfig;
 use quotalease_agent::transport::{InProcess, LeaseFuture, Transport};
 use quotalease_allocator::core::CoreConfig;
@@ -452,13 +452,14 @@ fn bad_settings_are_errors_naming_the_setting() {
     assert!(e.to_string().contains("--fetch-timeout"), "{e}");
 }
 
-/// A sans-IO agent on a manual clock, a real allocator core, and the batch
-/// a cold check sends.
+/// A sans-IO agent on a manual clock, a real allocator core, the batch a
+/// cold check sends, and that check, waiting.
 fn cold_batch() -> (
     Agent,
     quotalease_allocator::core::AllocatorCore,
     LeaseBatch,
     u64,
+    Request<'static>,
 ) {
     let rules = RuleSet::parse(BULK, "test", 1).expect("valid rules");
     let core = quotalease_allocator::core::AllocatorCore::new(
@@ -479,10 +480,11 @@ fn cold_batch() -> (
     };
     let a = Agent::new(cfg, None, Some(rules)).expect("agent");
     let t = a.now();
-    assert!(matches!(step_at(&a, t), Step::Wait(_)));
+    let mut req = a.request(input("t", "/x")).expect("valid");
+    assert!(matches!(a.step(&mut req, t), Step::Wait(_)));
     let batch = next_batch(&a, t).expect("a renewal for the waiting key");
     assert_eq!(batch.header.as_ref().unwrap().instance, 42);
-    (a, core, batch, t)
+    (a, core, batch, t, req)
 }
 
 /// The first step at `t` of a request on tenant "t", route "/x".
@@ -503,7 +505,7 @@ fn next_batch(a: &Agent, t: u64) -> Option<LeaseBatch> {
 #[test]
 fn a_reply_that_does_not_answer_the_request_is_ignored() {
     // Grants for other items (more grants than items)...
-    let (a, mut core, batch, t) = cold_batch();
+    let (a, mut core, batch, t, _) = cold_batch();
     let seq = batch.header.as_ref().unwrap().seq;
     let mut reply = core.handle(t, &batch);
     assert_eq!(reply.grants[0].status, GrantStatus::Granted as i32);
@@ -512,7 +514,7 @@ fn a_reply_that_does_not_answer_the_request_is_ignored() {
     assert_eq!(a.metrics().mismatched_replies.get(), 1);
     assert_eq!(a.check_fast(&input("t", "/x")), None, "nothing installed");
     // ...or a reply to other content under the same seq (digest).
-    let (a, mut core, batch, t) = cold_batch();
+    let (a, mut core, batch, t, _) = cold_batch();
     let seq = batch.header.as_ref().unwrap().seq;
     let mut reply = core.handle(t, &batch);
     reply.request_digest ^= 1;
@@ -524,13 +526,14 @@ fn a_reply_that_does_not_answer_the_request_is_ignored() {
     assert!(matches!(step_at(&a, t + 2), Step::Wait(_)));
     let again = next_batch(&a, t + 2).expect("asked again");
     assert!(again.header.as_ref().unwrap().seq > seq);
-    // And a matching reply is applied.
-    let (a, mut core, batch, t) = cold_batch();
+    // And a matching reply is applied: the waiting check's next round is
+    // answered.
+    let (a, mut core, batch, t, mut req) = cold_batch();
     let seq = batch.header.as_ref().unwrap().seq;
     let reply = core.handle(t, &batch);
     a.core().handle_reply(t + 1, seq, reply);
     assert_eq!(a.metrics().mismatched_replies.get(), 0);
-    assert!(!matches!(step_at(&a, t + 2), Step::Wait(_)));
+    assert!(!matches!(a.step(&mut req, t + 2), Step::Wait(_)));
 }
 
 const TWO_RULES: &str = r#"

@@ -761,15 +761,7 @@ impl RegionalCore {
                 l.outstanding()
             });
             if outstanding == 0 {
-                if let Some(item) = self.release_item(now_ns, &key) {
-                    items.push(item);
-                    sent.push(SentItem {
-                        key,
-                        release: true,
-                        chain_serial: None,
-                        carry_asked: 0,
-                    });
-                }
+                self.release_into(now_ns, key, &mut items, &mut sent);
                 continue;
             }
             let Some(ledger) = self.core.ledger_mut(&key) else {

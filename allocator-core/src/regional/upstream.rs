@@ -119,15 +119,7 @@ impl RegionalCore {
                     });
                 }
                 Plan::Release => {
-                    if let Some(item) = self.release_item(now_ns, &key) {
-                        items.push(item);
-                        sent.push(SentItem {
-                            key,
-                            release: true,
-                            chain_serial: None,
-                            carry_asked: 0,
-                        });
-                    }
+                    self.release_into(now_ns, key, &mut items, &mut sent);
                 }
             }
         }
@@ -173,6 +165,26 @@ impl RegionalCore {
             spent,
             want,
             ..LeaseItem::default()
+        }
+    }
+
+    /// The release of `key`'s chain, if it has one, added to a batch's
+    /// `items` and what was `sent`.
+    pub(super) fn release_into(
+        &mut self,
+        now_ns: u64,
+        key: KeyId,
+        items: &mut Vec<LeaseItem>,
+        sent: &mut Vec<SentItem>,
+    ) {
+        if let Some(item) = self.release_item(now_ns, &key) {
+            items.push(item);
+            sent.push(SentItem {
+                key,
+                release: true,
+                chain_serial: None,
+                carry_asked: 0,
+            });
         }
     }
 

@@ -171,6 +171,8 @@ sweep small-burst-below-rate 0.1 1..10
 sweep small-burst-flash 0.1 1..10
 sweep failover 0.5 1..20
 sweep demo-shape 1 1..10
+sweep slow-rules-six 1 1..20
+sweep slow-rules 1 1..5
 
 log "simulator: swarm sweep (a fault plan per seed, liveness after the faults heal)"
 "$sim" sim --swarm --seeds 1..100

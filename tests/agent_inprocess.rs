@@ -651,11 +651,15 @@ rules:
 /// more shapes than entries, interleaved so that they keep evicting each
 /// other, every admission still charges its own key: each of 1 500
 /// tenants of a burst-4 rule (1/m: no refill during the test) is admitted
-/// exactly 4 times, through the fast path or the slow one.
+/// exactly 4 times, through the fast path or the slow one. The agent
+/// leases the rule's keys ahead (`PlanConfig::central` off; served
+/// centrally, a key holds no tokens for the fast path to take).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_shapes_charge_their_own_key_under_collisions() {
     const TENANTS: usize = 1_500;
-    let (a, _shared) = start_with(PER_TENANT_4);
+    let mut cfg = AgentConfig::default();
+    cfg.plan.central = false;
+    let (a, _shared) = start_configured(PER_TENANT_4, cfg);
     wait_ready(&a).await;
     let a = Arc::new(a);
     let names: Arc<Vec<String>> = Arc::new((0..TENANTS).map(|i| format!("t-{i:05}")).collect());

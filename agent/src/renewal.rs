@@ -42,6 +42,10 @@ pub struct PlanConfig {
     pub ewma_tau: Duration,
     /// Ask for leases that carry a rate (protocol 3).
     pub rate_leases: bool,
+    /// Serve keys of slow rules centrally (`Rate::served_centrally`,
+    /// docs/protocol.md "Slow rules, served centrally"); off, they are
+    /// leased ahead as faster ones are.
+    pub central: bool,
 }
 
 impl Default for PlanConfig {
@@ -52,6 +56,7 @@ impl Default for PlanConfig {
             idle_release: Duration::from_secs(10),
             ewma_tau: Duration::from_secs(1),
             rate_leases: true,
+            central: true,
         }
     }
 }
@@ -119,6 +124,9 @@ pub enum Plan {
     },
     /// Give the lease back and forget the key.
     Release,
+    /// Give the lease back and keep the key (its cached denials): a key
+    /// served centrally returns what its waiting requests did not take.
+    Return,
 }
 
 /// Inputs of one planning decision.
@@ -146,6 +154,13 @@ pub struct KeyNow {
     pub asked_rate_utps: u64,
     /// The lease TTL this agent asks for.
     pub lease_ttl_ns: u64,
+    /// The key is served centrally (`Rate::served_centrally`).
+    pub central: bool,
+    /// How long a request waits for a grant (the agent's fetch timeout):
+    /// a key served centrally keeps tokens left in its lease this long
+    /// after its last activity (a request charging several rules gives a
+    /// token back to this key while it waits for another key's grant).
+    pub fetch_timeout_ns: u64,
 }
 
 /// Rate to ask for: `1.25 x` the demand, at most the rule's rate; 0 for
@@ -184,6 +199,10 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
     }
     let idle_ns = cfg.idle_release.as_nanos() as u64;
     let idle = usage.last_active_ns.saturating_add(idle_ns) < now_ns;
+    if k.central {
+        let quiet = usage.last_active_ns.saturating_add(k.fetch_timeout_ns) <= now_ns;
+        return plan_central(k, idle, quiet, now_ns);
+    }
     if idle && k.waiting_cost == 0 {
         return Plan::Release;
     }
@@ -255,6 +274,38 @@ pub fn plan(cfg: &PlanConfig, usage: &Usage, k: KeyNow, now_ns: u64) -> Plan {
     Plan::Wait
 }
 
+/// [`plan`] of a key served centrally (docs/protocol.md "Slow rules,
+/// served centrally"): ask for exactly what the waiting requests cost once
+/// the allocator's next-token instant has come (denials are cached until
+/// then), never ahead and never for a rate; give back what they did not
+/// take: a lease spent to 0 at once (its spent report lets the
+/// allocator's bucket refill: while it counts the lease outstanding it
+/// cannot), tokens left once the key was `quiet` for a fetch timeout (a
+/// token kept here is one another gateway's request is denied; a request
+/// that charges several rules gives this key's token back while it waits
+/// for another key's grant, and comes back for it).
+fn plan_central(k: KeyNow, idle: bool, quiet: bool, now_ns: u64) -> Plan {
+    if k.waiting_cost > 0 {
+        return if now_ns >= k.dry_until_ns {
+            Plan::Renew {
+                want: k.waiting_cost.clamp(1, k.burst.max(1)),
+                want_rate_utps: 0,
+            }
+        } else {
+            Plan::Wait
+        };
+    }
+    // A lease that carries a rate (held from before a rule change made the
+    // key slow) goes back at once: its capacity counts at the allocator.
+    if k.valid && (k.held == 0 || quiet || k.lease_rate_utps > 0) {
+        Plan::Return
+    } else if idle && !k.valid {
+        Plan::Release
+    } else {
+        Plan::Wait
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,6 +325,8 @@ mod tests {
             lease_rate_utps: 0,
             asked_rate_utps: 0,
             lease_ttl_ns: 2_000 * MS,
+            central: false,
+            fetch_timeout_ns: 250 * MS,
         }
     }
 
@@ -445,5 +498,77 @@ mod tests {
         assert_eq!(rate_wanted(&cfg, &u, 1_000_000, 270), 1_000_000);
         // So is a rule slower than a token per 250 s.
         assert_eq!(rate_wanted(&cfg, &u, MIN_RATE_UTPS - 1, 1), 0);
+    }
+
+    /// A key served centrally asks for exactly what its waiting requests
+    /// cost once the allocator's next-token instant has come, never ahead
+    /// and never for a rate, gives a lease spent to 0 back at once, keeps
+    /// tokens left for a fetch timeout after its last activity (a request
+    /// charging several rules comes back for them), and a rate lease from
+    /// before a rule change not at all.
+    #[test]
+    fn a_key_served_centrally_asks_exactly_and_gives_back() {
+        let cfg = PlanConfig::default();
+        // A busy key: consumption history would size a lease ahead.
+        let u = Usage {
+            rate: 50.0,
+            last_active_ns: 1_000 * MS,
+            ..Usage::default()
+        };
+        let mut k = key(0);
+        k.central = true;
+        k.burst = 5;
+        k.rule_rate_utps = 83_333;
+        k.waiting_cost = 3;
+        let now = 1_000 * MS;
+        assert_eq!(
+            plan(&cfg, &u, k, now),
+            Plan::Renew {
+                want: 3,
+                want_rate_utps: 0
+            }
+        );
+        // More waiting than the burst: at most the burst.
+        k.waiting_cost = 9;
+        assert_eq!(
+            plan(&cfg, &u, k, now),
+            Plan::Renew {
+                want: 5,
+                want_rate_utps: 0
+            }
+        );
+        // Denials cached until the allocator's next token: nothing asked.
+        k.dry_until_ns = now + 12_000 * MS;
+        assert_eq!(plan(&cfg, &u, k, now), Plan::Wait);
+        k.dry_until_ns = 0;
+        // Nothing waits: a lease spent to 0 goes back at once.
+        k.waiting_cost = 0;
+        k.valid = true;
+        assert_eq!(plan(&cfg, &u, k, now), Plan::Return);
+        // Tokens left: kept while the key was active within a fetch
+        // timeout, given back after.
+        k.held = 2;
+        assert_eq!(plan(&cfg, &u, k, now + 100 * MS), Plan::Wait);
+        assert_eq!(plan(&cfg, &u, k, now + 250 * MS), Plan::Return);
+        // A rate lease: back at once.
+        k.lease_rate_utps = 83_333;
+        assert_eq!(plan(&cfg, &u, k, now + 100 * MS), Plan::Return);
+        // No lease, idle: the key is forgotten; not idle: kept (its
+        // cached denial with it).
+        k.valid = false;
+        k.held = 0;
+        k.lease_rate_utps = 0;
+        assert_eq!(plan(&cfg, &u, k, now + 100 * MS), Plan::Wait);
+        assert_eq!(plan(&cfg, &u, k, now + 11_000 * MS), Plan::Release);
+        // The same busy key not served centrally asks ahead, with a rate.
+        k.central = false;
+        k.waiting_cost = 3;
+        match plan(&cfg, &u, k, now) {
+            Plan::Renew {
+                want,
+                want_rate_utps,
+            } => assert!(want > 3 && want_rate_utps > 0, "{want} {want_rate_utps}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

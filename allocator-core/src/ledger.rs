@@ -726,6 +726,10 @@ impl KeyLedger {
                 .leases
                 .iter()
                 .any(|l| l.id == req.lease_id && l.holder == req.holder && l.is_rate());
+        // A key served centrally (docs/protocol.md "Slow rules, served
+        // centrally"): its holders ask for no rate (an agent of an older
+        // release still may, and is answered as before).
+        let central = self.rate.served_centrally();
         if (req.want_rate_utps > 0 || names_rate) && self.pool.is_none() {
             return self.renew_rate(now_ns, req, active_window_ns);
         }
@@ -756,7 +760,14 @@ impl KeyLedger {
         let asked_rate = req.want_rate_utps;
         self.note_demand(req.holder, req.want, asked_rate, now_ns, active_window_ns);
         let avail = self.available.tokens(self.rate);
-        let share = self.fair_level(avail);
+        // Served centrally, an ask is what requests waiting now cost, not
+        // tokens for later: first come, first served (a fair share of 5
+        // tokens among six holders asking one each is below one token).
+        let share = if central {
+            avail
+        } else {
+            self.fair_level(avail)
+        };
         let mut fresh = req.want.min(share).min(avail);
         let mut expires_ns = now_ns.saturating_add(req.ttl_ns);
         if let Some(p) = self.pool {
@@ -865,6 +876,14 @@ impl KeyLedger {
                             ECONOMY_WAIT_MS,
                             target,
                         ),
+                    };
+                    // Served centrally: the exact instant of the next token,
+                    // which the holder's denials are cached until (no
+                    // economy wait: a request per token is the design).
+                    let (one, longest, goal) = if central && self.pool.is_none() {
+                        (one, 0, 0)
+                    } else {
+                        (one, longest, goal)
                     };
                     let economy = self
                         .available

@@ -47,6 +47,11 @@ const PERIODS: [(u64, &str); 4] = [(1, "s"), (60, "m"), (3_600, "h"), (86_400, "
 
 /// A refill rate: `tokens` per `period_s` seconds.
 ///
+/// Keys of a rule slower than this many tokens a second are served
+/// centrally ([`Rate::served_centrally`]): `R x 2 s` (the default lease
+/// TTL) below 4 tokens.
+pub const CENTRAL_BELOW_TPS: u64 = 2;
+
 /// Rates parsed or validated by this module have `tokens` in
 /// `1..=MAX_RATE_TOKENS` and `period_s` one of 1, 60, 3600 or 86400.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +109,17 @@ impl Rate {
             other => return Err(format!("{s:?}: unknown unit {other:?} (use s, m, h or d)")),
         };
         Ok(Rate { tokens, period_s })
+    }
+
+    /// Whether keys of this rate are served centrally (SPEC §2 "Slow and
+    /// small rules", docs/protocol.md "Slow rules, served centrally"):
+    /// below [`CENTRAL_BELOW_TPS`] tokens a second a lease of the default
+    /// 2 s TTL would carry less than a few tokens, so every tier asks for
+    /// exactly what its waiting requests cost, no tier keeps tokens ahead
+    /// or asks for a rate, and the root grants first come, first served
+    /// from the whole bucket.
+    pub fn served_centrally(&self) -> bool {
+        self.tokens < CENTRAL_BELOW_TPS.saturating_mul(self.period_s)
     }
 
     /// The period in nanoseconds (saturating, so a hand-built rate with an

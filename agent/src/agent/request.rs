@@ -639,7 +639,10 @@ impl Agent {
                     let mut core = self.inner.core.lock();
                     if let Some(slot) = core.slot_for(r, c.tenant, c.route) {
                         let dry = slot.dry_until() > t;
-                        if dry && matches!(other, Some(Take::Short { .. })) {
+                        // Dry by the allocator's word: over the limit
+                        // whether the lease is short or already given
+                        // back (a key served centrally holds none).
+                        if dry && matches!(other, Some(Take::Short { .. } | Take::NoLease)) {
                             reason = Reason::ShadowOverLimit;
                             self.inner.metrics.shadow_over_limit.add(1);
                         } else {

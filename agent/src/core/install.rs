@@ -273,7 +273,18 @@ impl AgentCore {
         // Nothing because the allocator is starting: not a limit.
         slot.set_starting(g.starting && g.tokens == 0);
         let dry = if g.retry_after_ms > 0 {
-            t.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
+            // A key served centrally caches its denials until the
+            // allocator's next-token instant, counted from when the ask
+            // left (the allocator decided after that): never later than
+            // the token can exist. Others count from now.
+            let central = self.cfg.plan.central
+                && self
+                    .rules
+                    .rules()
+                    .and_then(|r| r.get(slot.rule_id()).map(|r| r.rate.served_centrally()))
+                    .unwrap_or(false);
+            let from = if central { sent_ns.min(t) } else { t };
+            from.saturating_add(g.retry_after_ms.saturating_mul(1_000_000))
         } else {
             0
         };

@@ -15,8 +15,12 @@ impl AgentCore {
     ) -> Option<(Vec<LeaseItem>, Vec<Renewing>)> {
         let rules = self.rules.rules();
         let version = rules.as_ref().map_or(0, |r| r.version);
-        let rules_changed =
-            !woken && std::mem::replace(&mut self.planned_version, version) != version;
+        let previous = if woken {
+            version
+        } else {
+            std::mem::replace(&mut self.planned_version, version)
+        };
+        let rules_changed = previous != version;
         let mut ctx = PlanCtx {
             rules,
             rules_changed,
@@ -57,6 +61,12 @@ impl AgentCore {
             self.active.clear();
             self.parked.clear();
             for slot in all {
+                // Denials cached under older rules are dropped: the key
+                // asks the allocator again (a new burst or rate may
+                // admit). Not at the first rules (the hints came with them).
+                if previous != 0 {
+                    slot.set_dry_until(0);
+                }
                 let mut k = KeyState::load(&slot);
                 self.plan_one(&slot, &mut k, t, true, &mut ctx);
                 k.listed = !k.parked;
@@ -327,6 +337,8 @@ fn plan_key(
                 },
                 asked_rate_utps: k.asked_rate_utps,
                 lease_ttl_ns: cfg.lease_ttl.as_nanos() as u64,
+                central: cfg.plan.central && rule.rate.served_centrally(),
+                fetch_timeout_ns: cfg.fetch_timeout.as_nanos() as u64,
             },
             t,
         ),
@@ -346,6 +358,15 @@ fn plan_key(
             deadline.saturating_sub(ctx.lead_ns),
             deadline,
             if held_back { probe_at } else { 0 },
+            // A key served centrally gives back what its lease still
+            // holds once quiet for a fetch timeout.
+            if cfg.plan.central && rule.is_some_and(|r| r.rate.served_centrally()) {
+                k.usage
+                    .last_active_ns
+                    .saturating_add(cfg.fetch_timeout.as_nanos() as u64)
+            } else {
+                0
+            },
         ]
         .into_iter()
         .filter(|&x| x > t)
@@ -399,6 +420,25 @@ fn plan_key(
                     asked_rate_utps: want_rate_utps,
                 },
             ));
+        }
+        Plan::Return => {
+            if !may_release || k.in_flight.is_some() || k.lease_id == 0 {
+                return;
+            }
+            let (left, new_gen) = slot.word.retire(t);
+            if gen == k.generation && !refill.is_rate() {
+                k.usage.since_tick += tokens.saturating_sub(left);
+            }
+            k.generation = new_gen;
+            k.baseline = 0;
+            ctx.releases
+                .push(k.release_item(slot, refill.is_rate(), left));
+            if deadline <= t {
+                metrics.tokens_expired_unused.add(left);
+            } else {
+                metrics.tokens_released.add(left);
+            }
+            k.lease_id = 0;
         }
         Plan::Release => {
             if !may_release || k.in_flight.is_some() {

@@ -1489,3 +1489,52 @@ fn releasing_a_version_given_up_on_keeps_the_held_version_counted() {
     assert_eq!(l.outstanding(), 0);
     assert!(l.i2_holds());
 }
+
+/// A key served centrally (`5/m burst 5`, docs/protocol.md "Slow rules,
+/// served centrally"): six holders asking a token each at once are served
+/// first come, first served, so all five tokens go out; the sixth is told
+/// the next token's instant, 12 s (at `R`, as a client is told: never
+/// later than the token can exist), with no economy wait added, before
+/// and after the five report their tokens spent.
+#[test]
+fn a_key_served_centrally_grants_first_come_and_hints_the_next_token() {
+    let r = rate(5, 60);
+    assert!(r.served_centrally());
+    let mut l = KeyLedger::new(r, 5, T0, Some(0));
+    let mut leases = Vec::new();
+    for h in 1..=5u32 {
+        let g = l.renew(T0, renewal(h, 0, 0, 1, u64::from(h)), SEC);
+        assert_eq!((g.tokens, g.retry_after_ms), (1, 0), "holder {h}");
+        leases.push(g.lease_id);
+    }
+    let g = l.renew(T0, renewal(6, 0, 0, 1, 6), SEC);
+    assert_eq!((g.tokens, g.retry_after_ms), (0, 12_000), "{g:?}");
+    for (h, id) in (1..=5u32).zip(&leases) {
+        assert_eq!(l.release(T0 + SEC, h, *id, 1), Some(0));
+    }
+    // Reported a second late, the refill starts then: while the five were
+    // outstanding the bucket was full by its count (I2 caps the refill at
+    // `B - outstanding`), which is why holders of such keys report at once.
+    let g = l.renew(T0 + SEC, renewal(6, 0, 0, 1, 7), SEC);
+    assert_eq!((g.tokens, g.retry_after_ms), (0, 12_000), "{g:?}");
+    // Two tokens asked for when the first exists (the root refills at
+    // R (1 - rho)): the one that exists now, and the next one's instant.
+    let t = T0 + SEC + at_root_rate(12 * SEC);
+    let g = l.renew(t, renewal(6, 0, 0, 2, 8), SEC);
+    assert_eq!(g.tokens, 1, "a partial grant: what exists now");
+    assert!((11_900..=12_000).contains(&g.retry_after_ms), "{g:?}");
+}
+
+/// The same key not served centrally (`10/s burst 5`) keeps its max-min
+/// fair shares and economy waits.
+#[test]
+fn a_leased_key_keeps_fair_shares_and_economy_waits() {
+    let r = rate(10, 1);
+    assert!(!r.served_centrally());
+    let mut l = KeyLedger::new(r, 5, T0, Some(0));
+    let g = l.renew(T0, renewal(1, 0, 0, 5, 1), SEC);
+    assert_eq!(g.tokens, 5);
+    let g = l.renew(T0, renewal(2, 0, 0, 5, 2), SEC);
+    assert_eq!(g.tokens, 0);
+    assert!(g.retry_after_ms >= 100, "an economy wait: {g:?}");
+}

@@ -85,6 +85,12 @@ impl RegionalCore {
                     Ok(rules) => {
                         self.core.set_rules(rules, now_ns);
                         self.rules_known = true;
+                        // The parent's hints were about the old rules (a
+                        // key served centrally caches a day's denial of
+                        // `1/d`): every key may ask again.
+                        for ks in self.keys.values_mut() {
+                            ks.retry_at_ns = 0;
+                        }
                         self.stats.rules_adopted += 1;
                     }
                     Err(errs) => {
@@ -124,7 +130,17 @@ impl RegionalCore {
             ..KeyState::default()
         });
         if g.retry_after_ms > 0 {
-            ks.retry_at_ns = now_ns.saturating_add(g.retry_after_ms.saturating_mul(MS));
+            // A key served centrally is told the parent's next-token
+            // instant, which its children cache their denials until:
+            // counted from when the ask left (the parent decided after),
+            // never later than the token can exist. Others from now.
+            let central = self
+                .core
+                .rules()
+                .get(&key.rule)
+                .is_some_and(|r| r.rate.served_centrally());
+            let from = if central { sent_ns.min(now_ns) } else { now_ns };
+            ks.retry_at_ns = from.saturating_add(g.retry_after_ms.saturating_mul(MS));
         }
         if g.status != GrantStatus::Granted as i32 {
             // Refused (unknown rule, key limit, bad item): nothing applied

@@ -589,6 +589,20 @@ proptest! {
     ) {
         both_tiers_keep_i1_and_i2(ops, rates, Some((change_at, rate_new, burst_new)))?;
     }
+
+    /// The same with the rule slowed at a random step to one served
+    /// centrally (`1/s`, docs/protocol.md "Slow rules, served centrally"):
+    /// rate chains from before the change are given back, and the
+    /// regionals pass their children's asks through.
+    #[test]
+    fn both_tiers_keep_i1_and_i2_when_the_rule_becomes_one_served_centrally(
+        ops in proptest::collection::vec(op(), 1..400),
+        rates in proptest::collection::vec(any::<bool>(), 2),
+        change_at in 0usize..300,
+        burst_new in 1u64..10,
+    ) {
+        both_tiers_keep_i1_and_i2(ops, rates, Some((change_at, 1, burst_new)))?;
+    }
 }
 
 /// Two regions under one parent, five agents, driven by `ops`; `change`:
@@ -1162,4 +1176,123 @@ fn a_shrink_of_rate_is_acknowledged_at_once() {
         b.items[0].lease_id, newest,
         "the renewal names the smaller version"
     );
+}
+
+/// Rules of one key served centrally: `5/m burst 5`.
+fn slow_rules(version: u64) -> RuleSet {
+    RuleSet::parse(
+        "rules:\n  - id: hot\n    match: { tenant: \"*\" }\n    rate: 5/m\n    burst: 5\n    fail_policy: closed\n",
+        "test.yaml",
+        version,
+    )
+    .expect("valid rules")
+}
+
+/// A key served centrally (docs/protocol.md "Slow rules, served
+/// centrally"): the regional asks its parent for exactly what its children
+/// wait for, with no rate (it has rate chains on), hands it down, and gives
+/// the chain back once no child waits and nothing is sub-leased; a child
+/// the parent has no token for is told the parent's next-token instant,
+/// counted from when the regional asked, not a round trip beyond it.
+#[test]
+fn a_key_served_centrally_asks_exactly_what_children_wait_for_and_gives_it_back() {
+    let t = T0;
+    let mut parent = AllocatorCore::new(
+        CoreConfig {
+            no_predecessor: true,
+            ..CoreConfig::default()
+        },
+        slow_rules(5),
+        1,
+        1_000_000,
+        t,
+    );
+    let mut reg = RegionalCore::new(
+        RegionalConfig {
+            region: "eu".into(),
+            ..RegionalConfig::default()
+        },
+        Some(slow_rules(0)),
+        7_000_000,
+        5_000_000,
+        t,
+    );
+    // Two children wait for 2 and 1.
+    let g = ask(&mut reg, t, "a", 1, 0, 0, 2);
+    assert!(g.opening && g.tokens == 0, "{g:?}");
+    let g = ask(&mut reg, t, "b", 1, 0, 0, 1);
+    assert!(g.opening && g.tokens == 0, "{g:?}");
+    let b = reg.poll_transmit(t).expect("children wait: ask the parent");
+    assert_eq!(b.items.len(), 1);
+    assert_eq!((b.items[0].want, b.items[0].want_rate_utps), (3, 0));
+    let r = parent.handle(t, &b);
+    reg.handle_reply(t, &r);
+    assert_eq!(r.grants[0].tokens, 3);
+    let ga = ask(&mut reg, t, "a", 2, 0, 0, 2);
+    let gb = ask(&mut reg, t, "b", 2, 0, 0, 1);
+    assert_eq!((ga.tokens, gb.tokens), (2, 1));
+    // Spent and given back at once (as an agent does for such a key).
+    let now = t + 10 * MS;
+    for (c, g) in [("a", &ga), ("b", &gb)] {
+        let r = reg.handle(
+            now,
+            &child_batch(c, 3, vec![item(ItemKind::Release, g.lease_id, g.tokens, 0)]),
+        );
+        assert_eq!(r.grants[0].status, GrantStatus::Released as i32);
+    }
+    // A child that gave up: its ask stays unmet for the active window; the
+    // chain goes back at the first walk after it (not after the idle
+    // release's two lease TTLs).
+    let mut released_at = None;
+    let mut now = now;
+    while now < t + 3 * SEC && released_at.is_none() {
+        now += 50 * MS;
+        if let Some(b) = reg.poll_transmit(now) {
+            if b.items.iter().any(|i| i.kind == ItemKind::Release as i32) {
+                released_at = Some(now);
+            }
+            let r = parent.handle(now, &b);
+            reg.handle_reply(now, &r);
+        }
+    }
+    let released_at = released_at.expect("the chain was given back");
+    assert!(
+        released_at <= t + reg.config().core.active_window_ns + 100 * MS,
+        "released {} ms after the grant",
+        (released_at - t) / MS
+    );
+    assert!(reg.chain_view(&key()).is_none());
+    assert_eq!(parent_region_outstanding(&mut parent, now), 0);
+    // The parent has 2 left; a child wanting 3 gets 2, and one wanting
+    // more after that is told the parent's next token: 12 s after the
+    // parent's refill started (the releases above), counted from the ask.
+    let t2 = now + 10 * MS;
+    assert_eq!(ask(&mut reg, t2, "a", 4, 0, 0, 2).tokens, 0);
+    assert_eq!(ask(&mut reg, t2, "b", 4, 0, 0, 1).tokens, 0);
+    let b = reg.poll_transmit(t2).expect("ask the parent");
+    let t3 = t2 + 30 * MS;
+    let r = parent.handle(t3, &b);
+    reg.handle_reply(t3 + 30 * MS, &r);
+    assert_eq!(r.grants[0].tokens, 2);
+    let hint = r.grants[0].retry_after_ms;
+    assert!(hint > 11_000, "{:?}", r.grants[0]);
+    let ga = ask(&mut reg, t3 + 31 * MS, "a", 5, 0, 0, 2);
+    assert_eq!(ga.tokens, 2);
+    let gb = ask(&mut reg, t3 + 31 * MS, "b", 5, 0, 0, 1);
+    assert_eq!(gb.tokens, 0);
+    // The pool is dry until the parent's instant, counted from the ask
+    // (t2): never later than the token can exist at the parent.
+    let c = reg.poll_transmit(t3 + 40 * MS);
+    assert!(c.is_none_or(|b| b.items.iter().all(|i| i.want == 0)));
+    let gb = ask(&mut reg, t3 + 41 * MS, "b", 6, 0, 0, 1);
+    assert_eq!(gb.tokens, 0);
+    assert!(!gb.opening, "the parent is dry: a denial, cached");
+    let until = t3 + 41 * MS + gb.retry_after_ms * MS;
+    assert!(
+        until <= t2 + hint * MS + MS,
+        "child told {} ms, the parent's instant is {} ms after the ask",
+        gb.retry_after_ms,
+        hint
+    );
+    reg.check_i2(t3 + 41 * MS).unwrap();
 }

@@ -384,8 +384,18 @@ fn plan_key(
     let outstanding = ledger.outstanding();
     let unmet = ledger.unmet_demand(now_ns, ctx.window);
     let burst = ledger.burst();
-    let low = (ks.rate * ctx.low_water_s).ceil() as u64;
-    let target = (ks.rate * ctx.horizon_s).ceil() as u64;
+    // A key served centrally (docs/protocol.md "Slow rules, served
+    // centrally") asks for what its children wait for, nothing ahead and
+    // no rate, and gives back what is left once no child waits.
+    let central = ledger.rate().served_centrally();
+    let (low, target) = if central {
+        (0, 0)
+    } else {
+        (
+            (ks.rate * ctx.low_water_s).ceil() as u64,
+            (ks.rate * ctx.horizon_s).ceil() as u64,
+        )
+    };
     let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
     let idle = now_ns.saturating_sub(ledger.last_used_ns()) >= ctx.idle_ns;
     let may_ask = now_ns >= ks.retry_at_ns;
@@ -401,7 +411,7 @@ fn plan_key(
     // region found no room (300 cold tenants of the demo's shape: 18-57 %
     // of their checks denied, where an ideal bucket denies none).
     let rule_tps = ledger.rate().tokens as f64 / ledger.rate().period_s.max(1) as f64;
-    let want_rate = if ctx.rate_leases {
+    let want_rate = if ctx.rate_leases && !central {
         let current = ks.chain.as_ref().map_or(0.0, |c| c.rate_utps as f64 / 1e6);
         let grow = if unmet > 0 { 2.0 * current } else { 0.0 };
         let asked = unmet as f64 / EWMA_TAU_S;
@@ -429,6 +439,11 @@ fn plan_key(
         None if idle && outstanding == 0 && pool == 0 => Plan::Forget,
         None => Plan::Nothing,
         Some(_) if idle && outstanding == 0 => Plan::Release,
+        // Served centrally: given back once no child waits; a rate chain
+        // (the key was leased before a rule change) at once when nothing
+        // is sub-leased: its capacity, counted at the parent, may be the
+        // whole burst, refilled by a rate of 0 once the key asks none.
+        Some(c) if central && (unmet == 0 || c.is_rate()) && outstanding == 0 => Plan::Release,
         Some(c) if c.is_rate() => {
             let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
             let short = may_ask && want > 0 && unmet > pool;
@@ -514,7 +529,13 @@ fn plan_key(
         _ => ks.retry_at_ns.saturating_sub(now_ns).div_ceil(MS),
     };
     let hint = if ctx.reachable {
-        ctx.rtt_ms + wait_ms
+        if central && wait_ms > 0 {
+            // The parent's next-token instant, which children cache their
+            // denials until: no later than the token can exist.
+            wait_ms
+        } else {
+            ctx.rtt_ms + wait_ms
+        }
     } else {
         ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
     };

@@ -46,17 +46,7 @@ fn setup(name: &str) -> Option<Setup> {
     let rules = write_rules(&dir, HA_RULES);
     let etcd = Etcd::start(&bin, &dir, 3);
     let urls = etcd.urls();
-    let replicas: Vec<Option<Proc>> = (0..3)
-        .map(|i| {
-            Some(replica(
-                &dir,
-                Some(&rules),
-                &urls,
-                i,
-                &dir.join(format!("replica-{i}.log")),
-            ))
-        })
-        .collect();
+    let replicas = replicas(&dir, Some(&rules), &urls, 3);
     let leader = leader_of(&replicas, None, Duration::from_secs(20));
     // Agents know one follower only: they are sent to the leader and learn
     // the other replicas from the replies.

@@ -122,17 +122,7 @@ async fn a_login_rule_through_three_etcd_replicas_admits_like_one_bucket() {
     let rules = write_rules(&dir, SLOW_RULES);
     let etcd = Etcd::start(&bin, &dir, 1);
     let urls = etcd.urls();
-    let replicas: Vec<Option<Proc>> = (0..3)
-        .map(|i| {
-            Some(replica(
-                &dir,
-                Some(&rules),
-                &urls,
-                i,
-                &dir.join(format!("replica-{i}.log")),
-            ))
-        })
-        .collect();
+    let replicas = replicas(&dir, Some(&rules), &urls, 3);
     leader_of(&replicas, None, Duration::from_secs(20));
     let logs: Vec<_> = (0..3).map(|i| dir.join(format!("adm-{i}.log"))).collect();
     let agents: Vec<Proc> = (0..3)

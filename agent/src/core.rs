@@ -156,6 +156,10 @@ struct Rare {
     refused: Option<(GrantStatus, String)>,
     /// Fail-open emergency bucket of an outage: (outage, bucket).
     emergency: Option<(u64, TokenBucket)>,
+    /// Tokens a newer rate version's smaller capacity clipped from the
+    /// word, handed back with the next renewal, which names that version
+    /// (`LeaseItem.left`; docs/protocol.md "A shrink hands back").
+    returnable: u64,
 }
 
 /// A key renewed by a batch in flight.

@@ -202,6 +202,9 @@ pub struct AgentMetrics {
     pub tokens_leased: Counter,
     /// Unused tokens given back.
     pub tokens_released: Counter,
+    /// Tokens a smaller rate version clipped from a lease word, handed
+    /// back with the renewal naming that version.
+    pub tokens_handed_back: Counter,
     /// Tokens a lease still held when it ran out.
     pub tokens_expired_unused: Counter,
     /// Allocator replies ignored because they do not answer the request
@@ -325,6 +328,11 @@ impl AgentMetrics {
                     g(&self.tokens_released),
                 ),
                 (
+                    "quotalease_agent_tokens_handed_back_total",
+                    "Tokens a smaller rate version clipped from a lease, handed back with the renewal naming it.",
+                    g(&self.tokens_handed_back),
+                ),
+                (
                     "quotalease_agent_mismatched_replies_total",
                     "Allocator replies ignored because they answer another request.",
                     g(&self.mismatched_replies),
@@ -382,7 +390,7 @@ impl AgentMetrics {
 struct Snapshot {
     checks: [(&'static str, u64); 6],
     /// (name, help, value) of the unlabelled counters.
-    totals: [(&'static str, &'static str, u64); 14],
+    totals: [(&'static str, &'static str, u64); 15],
     by_rule: Vec<(String, [(&'static str, u64); 4])>,
     messages_by_rule: Vec<(String, u64)>,
     keys_held: u64,

@@ -200,6 +200,9 @@ pub struct Stats {
     pub rate_grants: u64,
     /// Tokens carried from renewed leases.
     pub tokens_carried: u64,
+    /// Tokens holders of rate leases handed back of a shrink (a RENEW's
+    /// `left`, docs/protocol.md "A shrink hands back").
+    pub tokens_handed_back: u64,
     /// Releases applied.
     pub releases: u64,
     /// Tokens returned by releases.

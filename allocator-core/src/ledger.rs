@@ -115,6 +115,11 @@ pub struct Renewal {
     /// A rate asked for (micro-tokens per second; 0: tokens only, unless
     /// `lease_id` names a rate lease, whose new version may then carry 0).
     pub want_rate_utps: u64,
+    /// Naming a rate version: tokens the holder gave up because a newer
+    /// version of a smaller capacity did not fit them (`LeaseItem.left` of
+    /// a RENEW). They return to `available`, at most what the holder's
+    /// count drops by as the older versions stop counting (so only once).
+    pub returned: u64,
 }
 
 /// What a renewal produced.
@@ -144,6 +149,9 @@ pub struct Granted {
     pub capacity: u64,
     /// See `rate_utps`.
     pub version_of: u64,
+    /// Tokens the holder handed back of a shrink (`Renewal::returned`)
+    /// that went back to `available`.
+    pub handed_back: u64,
 }
 
 /// Pooled-mode state of a ledger (see the module docs).
@@ -928,12 +936,14 @@ impl KeyLedger {
     fn renew_rate(&mut self, now_ns: u64, req: Renewal, active_window_ns: u64) -> Granted {
         let mut carried = 0;
         let mut version_of = 0;
+        let mut handed_back = 0;
         if let Some(i) = self
             .leases
             .iter()
             .position(|l| l.id == req.lease_id && l.holder == req.holder && req.lease_id != 0)
         {
             let named = self.leases[i].clone();
+            let (counted_before, _) = self.counted_for(req.holder);
             if named.is_rate() {
                 version_of = named.id;
                 let before = self.leases.len();
@@ -951,6 +961,21 @@ impl KeyLedger {
                 carried = lease.granted - spent;
             }
             self.recount_rates();
+            // What the holder gave up of a shrink goes back, within what
+            // its count dropped by: those tokens were unspent and counted
+            // by the versions that stop counting now (a second naming of
+            // the same version drops nothing: applied once).
+            if named.is_rate() && req.returned > 0 {
+                let (counted_after, _) = self.counted_for(req.holder);
+                let back = req
+                    .returned
+                    .min(counted_before.saturating_sub(counted_after));
+                let cap = self.cap().saturating_sub(self.outstanding);
+                let before = self.available.tokens(self.rate);
+                self.available.give(self.rate, back, cap.max(before));
+                handed_back = self.available.tokens(self.rate) - before;
+                self.shadow.refund(handed_back, now_ns);
+            }
         }
         self.note_demand(
             req.holder,
@@ -1053,6 +1078,7 @@ impl KeyLedger {
                 expires_ns,
                 holders: u32::try_from(self.demand.len()).unwrap_or(u32::MAX),
                 version_of,
+                handed_back,
                 ..Granted::default()
             };
         }
@@ -1141,6 +1167,7 @@ impl KeyLedger {
             rate_utps: rate,
             capacity,
             version_of,
+            handed_back,
         }
     }
 

@@ -154,6 +154,9 @@ pub struct RegionalStats {
     pub tokens_returned: u64,
     /// Pool tokens destroyed (chain break, lapse, backing shrank, shutdown).
     pub tokens_destroyed: u64,
+    /// Pool tokens a shrink did not fit, handed back to the parent (a
+    /// parent of an older release ignores them: destroyed then).
+    pub tokens_handed_back: u64,
     /// Chains that broke (the parent did not carry our lease).
     pub chain_breaks: u64,
     /// Chains dropped at their deadline without renewal.
@@ -226,6 +229,11 @@ struct Chain {
     /// those on top of its capacity until the version is named (unless they
     /// fit under it), so naming it is worth a renewal too.
     unnamed_tokens: bool,
+    /// Pool tokens a shrink did not fit (a newer version's smaller
+    /// capacity), handed back with the renewal that next names a newer
+    /// acknowledged version (`LeaseItem.left`; docs/protocol.md "A shrink
+    /// hands back").
+    returnable: u64,
 }
 
 impl Chain {
@@ -727,6 +735,7 @@ impl RegionalCore {
                 self.chain_deadlines.push(Reverse((d, serial, key)));
                 continue;
             }
+            self.stats.tokens_destroyed += c.returnable;
             ks.chain = None;
             self.stats.chains_lapsed += 1;
             if let Some(l) = self.core.ledger_mut(&key) {

@@ -133,6 +133,11 @@ impl Collector for Snapshot {
                 st.tokens_carried,
             ),
             (
+                "quotalease_allocator_tokens_handed_back_total",
+                "Tokens holders of rate leases handed back of a shrink (a renewal's left).",
+                st.tokens_handed_back,
+            ),
+            (
                 "quotalease_allocator_releases_total",
                 "Lease releases applied.",
                 st.releases,
@@ -270,8 +275,13 @@ impl Collector for Snapshot {
             ),
             (
                 "quotalease_regional_tokens_destroyed_total",
-                "Pool tokens dropped on a chain break, lapse or shutdown, or clipped to a smaller capacity.",
+                "Pool tokens dropped on a chain break, lapse or shutdown.",
                 st.tokens_destroyed,
+            ),
+            (
+                "quotalease_regional_tokens_handed_back_total",
+                "Pool tokens a smaller capacity did not fit, handed back to the parent.",
+                st.tokens_handed_back,
             ),
             (
                 "quotalease_regional_chain_breaks_total",

@@ -225,6 +225,21 @@ pub fn replica_on(
         .unwrap_or_else(|l| panic!("replica {i} did not start: {l:?}"))
 }
 
+/// `n` replicas of [`replica`] (logs `replica-I.log` in `dir`).
+pub fn replicas(dir: &Path, rules: Option<&Path>, etcd: &str, n: usize) -> Vec<Option<Proc>> {
+    (0..n)
+        .map(|i| {
+            Some(replica(
+                dir,
+                rules,
+                etcd,
+                i,
+                &dir.join(format!("replica-{i}.log")),
+            ))
+        })
+        .collect()
+}
+
 /// Index of the replica that says it leads, waiting up to `within`.
 pub fn leader_of(replicas: &[Option<Proc>], skip: Option<usize>, within: Duration) -> usize {
     let deadline = Instant::now() + within;

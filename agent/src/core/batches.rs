@@ -265,7 +265,22 @@ impl AgentCore {
     /// Send planned items (releases first, then renewals with their slot
     /// ids in item order) in batches of at most [`MAX_BATCH_ITEMS`], or a
     /// heartbeat when nothing is planned and one is due.
-    pub(super) fn send(&mut self, t: u64, items: Vec<LeaseItem>, renews: Vec<Renewing>) {
+    pub(super) fn send(&mut self, t: u64, mut items: Vec<LeaseItem>, renews: Vec<Renewing>) {
+        // A renewal names the key's newest version: what a shrink clipped
+        // goes back with it, once (the allocator credits it as the older
+        // versions stop counting).
+        let first_renewal = items.len() - renews.len();
+        for (item, r) in items[first_renewal..].iter_mut().zip(&renews) {
+            if let Some(rare) = self.rare.get_mut(&r.slot) {
+                if rare.returnable > 0 && item.lease_id != 0 {
+                    item.left = std::mem::take(&mut rare.returnable);
+                    self.metrics.tokens_handed_back.add(item.left);
+                    if rare.refused.is_none() && rare.emergency.is_none() {
+                        self.rare.remove(&r.slot);
+                    }
+                }
+            }
+        }
         // A heartbeat is due when nothing was sent for its interval, while
         // no rules are known, and to a shard not reached yet.
         let quiet = self.in_flight() == 0;

@@ -205,7 +205,7 @@ impl AgentCore {
         k.bucket_available = g.bucket_available;
         if let Some(rare) = self.rare.get_mut(&f.slot) {
             rare.refused = None;
-            if rare.emergency.is_none() {
+            if rare.emergency.is_none() && rare.returnable == 0 {
                 self.rare.remove(&f.slot);
             }
         }
@@ -332,6 +332,15 @@ impl AgentCore {
         });
         if same_lease && !old_refill.is_rate() {
             k.usage.since_tick += k.baseline.saturating_sub(old_seen);
+        }
+        if rate_grant && continues {
+            // What the word clipped (a smaller capacity, or no room for
+            // the increment) goes back with the renewal naming this
+            // version: the allocator counts it until then.
+            let clipped = old_seen.saturating_add(g.tokens).saturating_sub(new_tokens);
+            if clipped > 0 {
+                self.rare.entry(slot.clone()).or_default().returnable += clipped;
+            }
         }
         if g.carried == 0 && g.version_of == 0 && old_deadline <= t && k.lease_id != 0 {
             // The old lease ran out before it was renewed: what it still held

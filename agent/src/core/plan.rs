@@ -425,20 +425,12 @@ fn plan_key(
             if !may_release || k.in_flight.is_some() || k.lease_id == 0 {
                 return;
             }
-            let (left, new_gen) = slot.word.retire(t);
-            if gen == k.generation && !refill.is_rate() {
+            let same_word = gen == k.generation;
+            let left = give_back(slot, k, t, refill.is_rate(), deadline, ctx, metrics);
+            if same_word && !refill.is_rate() {
                 k.usage.since_tick += tokens.saturating_sub(left);
             }
-            k.generation = new_gen;
             k.baseline = 0;
-            ctx.releases
-                .push(k.release_item(slot, refill.is_rate(), left));
-            if deadline <= t {
-                metrics.tokens_expired_unused.add(left);
-            } else {
-                metrics.tokens_released.add(left);
-            }
-            k.lease_id = 0;
         }
         Plan::Release => {
             if !may_release || k.in_flight.is_some() {
@@ -455,19 +447,34 @@ fn plan_key(
             {
                 return;
             }
-            let (left, new_gen) = slot.word.retire(t);
-            k.generation = new_gen;
-            if k.lease_id != 0 {
-                ctx.releases
-                    .push(k.release_item(slot, refill.is_rate(), left));
-                if deadline <= t {
-                    metrics.tokens_expired_unused.add(left);
-                } else {
-                    metrics.tokens_released.add(left);
-                }
-            }
-            k.lease_id = 0;
+            give_back(slot, k, t, refill.is_rate(), deadline, ctx, metrics);
             ctx.forget.push(slot.clone());
         }
     }
+}
+
+/// Retire `slot`'s lease word and queue the RELEASE of what it still holds
+/// (counted released, or expired unused past its `deadline`), if a lease
+/// is held; the key holds none after. What the word held.
+fn give_back(
+    slot: &Slot,
+    k: &mut KeyState,
+    t: u64,
+    rate: bool,
+    deadline: u64,
+    ctx: &mut PlanCtx,
+    metrics: &AgentMetrics,
+) -> u64 {
+    let (left, new_gen) = slot.word.retire(t);
+    k.generation = new_gen;
+    if k.lease_id != 0 {
+        ctx.releases.push(k.release_item(slot, rate, left));
+        if deadline <= t {
+            metrics.tokens_expired_unused.add(left);
+        } else {
+            metrics.tokens_released.add(left);
+        }
+    }
+    k.lease_id = 0;
+    left
 }

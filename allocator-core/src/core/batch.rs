@@ -377,6 +377,7 @@ impl AllocatorCore {
                 ttl_ns,
                 new_id,
                 want_rate_utps: item.want_rate_utps,
+                returned: item.left,
             },
             self.cfg.active_window_ns,
         );
@@ -414,6 +415,7 @@ impl AllocatorCore {
             self.stats.rate_grants += 1;
         }
         self.stats.tokens_carried += g.carried;
+        self.stats.tokens_handed_back += g.handed_back;
         Grant {
             status: GrantStatus::Granted as i32,
             lease_id: g.lease_id,

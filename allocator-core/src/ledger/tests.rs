@@ -28,6 +28,7 @@ fn renewal(holder: HolderId, lease_id: u64, spent: u64, want: u64, new_id: u64) 
         ttl_ns: 2 * SEC,
         new_id,
         want_rate_utps: 0,
+        returned: 0,
     }
 }
 
@@ -219,7 +220,7 @@ proptest! {
                     let valid = me.id != 0 && now < me.until_ns;
                     // An inaccurate holder under-reports (a stale count): safe, never over.
                     let spent = if accurate { me.spent } else { me.spent / 2 };
-                    let g = l.renew(now, Renewal { holder: h, lease_id: if valid { me.id } else { 0 }, spent, want, ttl_ns, new_id: next_id, want_rate_utps: 0 }, SEC);
+                    let g = l.renew(now, Renewal { holder: h, lease_id: if valid { me.id } else { 0 }, spent, want, ttl_ns, new_id: next_id, want_rate_utps: 0, returned: 0 }, SEC);
                     next_id += 1;
                     prop_assert!(!g.shadow_violation, "shadow bucket fired");
                     // The holder installs: tokens = carried + fresh - spent since report.
@@ -253,7 +254,7 @@ proptest! {
                 Op::Stale(h, s) => {
                     let prev = held[h as usize].previous_id;
                     if prev != 0 {
-                        let g = l.renew(now, Renewal { holder: h, lease_id: prev, spent: s, want: 0, ttl_ns, new_id: next_id, want_rate_utps: 0 }, SEC);
+                        let g = l.renew(now, Renewal { holder: h, lease_id: prev, spent: s, want: 0, ttl_ns, new_id: next_id, want_rate_utps: 0, returned: 0 }, SEC);
                         next_id += 1;
                         // A stale report names a rolled lease: it carries nothing.
                         prop_assert_eq!(g.carried, 0);
@@ -293,7 +294,7 @@ proptest! {
         let r = rate(n, 1);
         let mut lazy = KeyLedger::new(r, burst, 0, None);
         for (i, (w, ttl_ms)) in wants.iter().enumerate() {
-            lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1, want_rate_utps: 0 }, SEC);
+            lazy.renew(0, Renewal { holder: i as u32, lease_id: 0, spent: 0, want: *w, ttl_ns: ttl_ms * MS, new_id: i as u64 + 1, want_rate_utps: 0, returned: 0 }, SEC);
         }
         let mut ticked = lazy.clone();
         for t in 1..=horizon_ms { ticked.advance(t * MS); }
@@ -732,6 +733,7 @@ impl RateWorld {
                         ttl_ns: self.ttl_ns,
                         new_id: self.next_id,
                         want_rate_utps: rate_tps * 1_000_000 + 1,
+                        returned: 0,
                     },
                     SEC,
                 );
@@ -1197,6 +1199,7 @@ proptest! {
                     let g = l.renew(now, Renewal {
                         holder: h, lease_id: named, spent, want, ttl_ns,
                         new_id: next_id, want_rate_utps: rate_tps * 1_000_000 / period,
+                        returned: 0,
                     }, SEC);
                     next_id += 1;
                     prop_assert!(!g.shadow_violation, "shadow bucket fired");
@@ -1307,6 +1310,7 @@ fn slow_rule_rate_version_keeps_i1(period: u64, held_as_tokens: bool) {
                 ttl_ns: ttl,
                 new_id: *id,
                 want_rate_utps: half,
+                returned: 0,
             },
             SEC,
         );
@@ -1354,6 +1358,7 @@ fn slow_rule_rate_version_keeps_i1(period: u64, held_as_tokens: bool) {
             ttl_ns: ttl,
             new_id: id,
             want_rate_utps: 0,
+            returned: 0,
         },
         SEC,
     );
@@ -1405,6 +1410,7 @@ fn a_rate_version_at_2_per_s_burst_600_keeps_i1() {
                 ttl_ns: ttl,
                 new_id: *id,
                 want_rate_utps: 1_000_000,
+                returned: 0,
             },
             SEC,
         );
@@ -1444,6 +1450,7 @@ fn a_rate_version_at_2_per_s_burst_600_keeps_i1() {
             ttl_ns: ttl,
             new_id: id,
             want_rate_utps: 0,
+            returned: 0,
         },
         SEC,
     );
@@ -1475,6 +1482,7 @@ fn releasing_a_version_given_up_on_keeps_the_held_version_counted() {
         ttl_ns,
         new_id,
         want_rate_utps: 4_000_000,
+        returned: 0,
     };
     let b = l.renew(0, ask(3, 1), SEC);
     assert_eq!((b.capacity, b.tokens), (4, 4));

@@ -250,12 +250,17 @@ impl RegionalCore {
             let Some(ledger) = self.core.ledger_mut(key) else {
                 return;
             };
+            // What a smaller capacity does not fit leaves the pool; it is
+            // handed back when this chain next names a newer version.
             let d = ledger.set_pool_rate(now_ns, slowed(g.rate_utps), g.capacity);
-            self.stats.tokens_destroyed += d;
+            c.returnable += d;
             ks.sample_h = ks.sample_h.saturating_sub(d);
             let took = ledger.deposit(now_ns, g.tokens);
             self.stats.tokens_from_parent += g.tokens;
-            self.stats.tokens_destroyed += g.tokens - took;
+            // Tokens the pool has no room for: the parent counts them on
+            // top of the capacity until this version is named, so they go
+            // back with the naming, as a shrink's do.
+            c.returnable += g.tokens - took;
             ks.sample_h += took;
             if ledger.outstanding() <= g.capacity {
                 c.ack_id = g.lease_id;
@@ -282,7 +287,11 @@ impl RegionalCore {
         let Some(ks) = self.keys.get_mut(key) else {
             return;
         };
-        let had_chain = ks.chain.take().is_some();
+        let old_chain = ks.chain.take();
+        let had_chain = old_chain.is_some();
+        // What a shrink did not fit and was not handed back is lost with
+        // the old chain (the parent counts its versions until they expire).
+        self.stats.tokens_destroyed += old_chain.map_or(0, |c| c.returnable);
         let rule = self.core.rules().get(&key.rule).map(|r| (r.rate, r.burst));
         let mut old = self.core.ledger_mut(key);
         // A renewal of a chain that held nothing (every token spent) is not
@@ -333,6 +342,7 @@ impl RegionalCore {
             counted_capacity: g.capacity,
             counted_rate_utps: g.rate_utps,
             unnamed_tokens: false,
+            returnable: 0,
         });
         self.chain_deadlines
             .push(Reverse((deadline, self.next_serial, key.clone())));

@@ -1296,3 +1296,91 @@ fn a_key_served_centrally_asks_exactly_what_children_wait_for_and_gives_it_back(
     );
     reg.check_i2(t3 + 41 * MS).unwrap();
 }
+
+/// A regional `eu` opens the key for 40 tokens that its child never comes
+/// back for, then a second region `us` asks for the key hard: `eu`'s next
+/// version is smaller, and its pool holds more than it fits. Returns
+/// `eu`'s counters and the parent's tokens handed back. With
+/// `parent_reads_left` off, the parent is of the release before the hand
+/// back (it decodes `left` on a RENEW and ignores it: stripped here).
+fn shrink_under_a_second_region(parent_reads_left: bool) -> (RegionalStats, u64) {
+    let mut now = T0;
+    let mut parent = parent_at(now);
+    let mut eu = rate_regional_at(now);
+    let mut us = RegionalCore::new(
+        RegionalConfig {
+            region: "us".into(),
+            ..RegionalConfig::default()
+        },
+        Some(rules(0)),
+        7_000_000,
+        5_000_000,
+        now,
+    );
+    let g = ask(&mut eu, now, "a", 1, 0, 0, 40);
+    assert!(g.opening, "{g:?}");
+    let mut seq = 1;
+    while now < T0 + 6 * SEC {
+        for (reg, is_eu) in [(&mut eu, true), (&mut us, false)] {
+            if !is_eu && now >= T0 + 100 * MS {
+                seq += 1;
+                let g = ask(reg, now, "b", seq, 0, 0, 40);
+                // Spent at once: reported released, all of it.
+                if g.lease_id != 0 {
+                    seq += 1;
+                    reg.handle(
+                        now,
+                        &child_batch(
+                            "b",
+                            seq,
+                            vec![item(ItemKind::Release, g.lease_id, g.tokens, 0)],
+                        ),
+                    );
+                }
+            }
+            if let Some(b) = reg.poll_transmit(now) {
+                let r = if is_eu && !parent_reads_left {
+                    // It decodes `left` (a field since protocol 3) and
+                    // digests it, and applies it only to a RELEASE.
+                    let mut ignored = b.clone();
+                    for i in &mut ignored.items {
+                        if i.kind == ItemKind::Renew as i32 {
+                            i.left = 0;
+                        }
+                    }
+                    let mut r = parent.handle(now, &ignored);
+                    r.request_digest = quotalease_proto::request_digest(&b);
+                    r
+                } else {
+                    parent.handle(now, &b)
+                };
+                reg.handle_reply(now, &r);
+            }
+            reg.check_i2(now).unwrap();
+        }
+        assert_eq!(parent.i2_holds(now, &key()), Some(true));
+        now += 10 * MS;
+    }
+    (eu.stats().clone(), parent.stats().tokens_handed_back)
+}
+
+/// A shrink hands back what no longer fits (docs/protocol.md "A shrink
+/// hands back"): the regional gives the pool tokens a smaller version
+/// does not fit to its parent with the renewal that names that version,
+/// and the parent credits them (at most what the older versions' count
+/// drops by): none destroyed. A parent of the previous release ignores
+/// them: they are destroyed as before, and both tiers keep I2.
+#[test]
+fn a_shrink_hands_back_what_no_longer_fits() {
+    let (eu, credited) = shrink_under_a_second_region(true);
+    eprintln!("reads left: eu {eu:?}, parent credited {credited}");
+    assert!(eu.tokens_handed_back > 0, "no shrink happened: {eu:?}");
+    assert_eq!(credited, eu.tokens_handed_back, "{eu:?}");
+    assert_eq!(eu.tokens_destroyed, 0, "{eu:?}");
+    let (eu_old, credited_old) = shrink_under_a_second_region(false);
+    eprintln!("ignores left: eu {eu_old:?}, parent credited {credited_old}");
+    assert_eq!(credited_old, 0);
+    assert!(eu_old.tokens_handed_back > 0, "{eu_old:?}");
+    assert_eq!(eu_old.upstream_mismatched_replies, 0, "{eu_old:?}");
+    assert_eq!(eu_old.chain_breaks + eu_old.chains_lapsed, 0, "{eu_old:?}");
+}

@@ -90,10 +90,18 @@ impl RegionalCore {
                     let h = self.holding(now_ns, &key);
                     let c = self.keys[&key].chain.clone().expect("planned for a chain");
                     let mut carry_asked = 0;
+                    let mut handed_back = 0;
                     let mut item = if c.is_rate() {
                         // A rate chain names the version it acknowledges;
                         // spent reports mean nothing for it.
                         if let Some(c) = self.keys.get_mut(&key).and_then(|k| k.chain.as_mut()) {
+                            // Naming a newer version: what its shrink did
+                            // not fit goes back with it (the parent credits
+                            // it as the older versions stop counting,
+                            // once).
+                            if c.told_ack_id != c.ack_id {
+                                handed_back = std::mem::take(&mut c.returnable);
+                            }
                             c.told_ack_id = c.ack_id;
                             if c.ack_id == c.parent_lease_id {
                                 // Only the newest version is counted now
@@ -110,6 +118,8 @@ impl RegionalCore {
                         self.item(&key, ItemKind::Renew, c.parent_lease_id, spent, want)
                     };
                     item.want_rate_utps = want_rate;
+                    item.left = handed_back;
+                    self.stats.tokens_handed_back += handed_back;
                     items.push(item);
                     sent.push(SentItem {
                         key,
@@ -206,9 +216,12 @@ impl RegionalCore {
         ks.sample_h = ks.sample_h.saturating_sub(pool);
         self.stats.tokens_returned += pool;
         if c.is_rate() {
-            // Every version up to the newest stops counting; the pool goes back.
+            // Every version up to the newest stops counting; the pool goes
+            // back, with what a shrink did not fit and was not handed back
+            // yet (the versions that counted it count until now).
             let mut item = self.item(key, ItemKind::Release, c.parent_lease_id, 0, 0);
-            item.left = pool;
+            item.left = pool + c.returnable;
+            self.stats.tokens_handed_back += c.returnable;
             return Some(item);
         }
         let spent = c.granted.saturating_sub(pool);

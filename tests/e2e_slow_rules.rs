@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quotalease_model::clock::BootClock;
+use quotalease_proto::v1::rate_limiter_client::RateLimiterClient;
+use tonic::transport::Channel;
 
 const SLOW_RULES: &str = r#"
 rules:
@@ -80,25 +82,9 @@ fn two_regions(name: &str, per_region: usize) -> Topology {
     }
 }
 
-/// One check of cost 1 for tenant `acme` on `route` at `a`: allowed?
-async fn check_once(
-    c: &mut quotalease_proto::v1::rate_limiter_client::RateLimiterClient<tonic::transport::Channel>,
-    route: &str,
-) -> bool {
-    let r = c
-        .check(quotalease_proto::v1::CheckRequest {
-            tenant_id: "acme".into(),
-            route_id: route.into(),
-            cost: 1,
-            ..Default::default()
-        })
-        .await
-        .expect("check")
-        .into_inner();
-    if std::env::var("SLOW_DEBUG").is_ok() {
-        eprintln!("{r:?}");
-    }
-    r.allowed
+/// One check of cost 1 for tenant `acme` on `route` through `c`: allowed?
+async fn check_once(c: &mut RateLimiterClient<Channel>, route: &str) -> bool {
+    check_one(c, "acme", route).await.allowed
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

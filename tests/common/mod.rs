@@ -577,16 +577,7 @@ pub async fn count_allowed(
     let mut c = client(agent).await;
     let mut allowed = 0;
     for _ in 0..n {
-        let r = c
-            .check(quotalease_proto::v1::CheckRequest {
-                tenant_id: tenant.into(),
-                route_id: route.into(),
-                cost: 1,
-                ..Default::default()
-            })
-            .await
-            .expect("check")
-            .into_inner();
+        let r = check_one(&mut c, tenant, route).await;
         if r.allowed {
             allowed += 1;
         } else if until_denied {
@@ -594,6 +585,23 @@ pub async fn count_allowed(
         }
     }
     allowed
+}
+
+/// One check of cost 1 for (`tenant`, `route`) through `c`: the answer.
+pub async fn check_one(
+    c: &mut RateLimiterClient<Channel>,
+    tenant: &str,
+    route: &str,
+) -> quotalease_proto::v1::CheckResponse {
+    c.check(quotalease_proto::v1::CheckRequest {
+        tenant_id: tenant.into(),
+        route_id: route.into(),
+        cost: 1,
+        ..Default::default()
+    })
+    .await
+    .expect("check")
+    .into_inner()
 }
 
 /// Run `quotalease ARGS` in `cwd` to its end: (success, stderr).

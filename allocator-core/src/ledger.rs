@@ -989,10 +989,28 @@ impl KeyLedger {
         // 2. The rate.
         let r_eff = slowed_by_rho(rate_utps(self.rate));
         let others_rate = self.rates_out_utps - own_rate;
+        let asking = self
+            .demand
+            .iter()
+            .filter(|d| d.want_rate > 0)
+            .count()
+            .max(1) as u64;
         let rate = req
             .want_rate_utps
             .min(self.fair_rate_level(r_eff))
             .min(r_eff.saturating_sub(others_rate));
+        // At least a quarter of an equal share per holder asking for a
+        // rate, within what the others' rates leave (the rate twin of the
+        // capacity floor below): a region opening a hot key asks for what
+        // its children asked over the last second, a small fraction of
+        // what they spend once open, and its first round trips at that
+        // rate were where nearly all false rejects behind regions came
+        // from (docs/simulation.md, "the false rejects are the opening").
+        let rate = if req.want_rate_utps > 0 {
+            rate.max((r_eff / (4 * asking)).min(r_eff.saturating_sub(others_rate)))
+        } else {
+            rate
+        };
         // 3. The capacity: with the largest capacity, the tokens in flight
         // and the new tokens, this holder's count must fit in what the
         // others leave.
@@ -1011,12 +1029,6 @@ impl KeyLedger {
         // be cut to a token or two that its children then split and sit
         // out (a 50/s tenant beside a hot one: 1 % false rejects, 0 with
         // this floor).
-        let asking = self
-            .demand
-            .iter()
-            .filter(|d| d.want_rate > 0)
-            .count()
-            .max(1) as u64;
         let share = share.max(self.burst / (4 * asking));
         // A holder's first version covers what it asks for now, as far as
         // a fair share of the room goes: its rate share alone can be far

@@ -336,18 +336,19 @@ fn rates_lent_out_slow_the_root_and_capacities_count_until_acknowledged() {
     assert_eq!(l.release(T0, 2, 9, 20), Some(0), "all 20 spent");
     l.advance(T0 + 200 * MS);
     assert_eq!(l.available(), 39 + 11, "11.98 in 200 ms");
-    // A new version with a lower rate and capacity (its share of B is 11,
-    // raised to the floor of B / 4 for one holder asking for a rate):
-    // until acknowledged, the larger of the two counts.
+    // A new version with a lower rate and capacity (10/s asked, raised to
+    // the floor of R (1 - rho) / 4 for the one holder asking for a rate,
+    // and that rate's share of B): until acknowledged, the larger of the
+    // two counts.
     let g2 = l.renew(T0 + 100 * MS, ask(1, 1, 0, 10, 2), SEC);
     assert_eq!(g2.version_of, 1);
-    assert_eq!((g2.rate_utps, g2.capacity), (10_000_000, 25));
+    assert_eq!((g2.rate_utps, g2.capacity), (24_975_000, 25));
     assert_eq!(l.rates_out_utps(), 40_000_000, "version 1 still counts");
     assert_eq!(l.outstanding(), 41);
     // Naming version 2 acknowledges it: version 1 stops counting.
     let g3 = l.renew(T0 + 200 * MS, ask(1, 2, 0, 10, 3), SEC);
     assert_eq!(g3.version_of, 2);
-    assert_eq!(l.rates_out_utps(), 10_000_000);
+    assert_eq!(l.rates_out_utps(), 24_975_000);
     assert_eq!(l.outstanding(), 25);
     assert!(l.i2_holds());
     // A release returns what the holder had left, at most its count, once.
@@ -458,9 +459,11 @@ fn a_first_ask_counts_as_an_equal_share_until_the_holder_asks_again() {
     let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
     let a = l.renew(T0, ask(0, 0, 3, 1), SEC);
     let b = l.renew(T0, ask(1, 0, 3, 2), SEC);
-    assert_eq!((a.rate_utps, b.rate_utps), (3_000_000, 3_000_000));
-    // Taken at their word the two first asks leave 293.7/s to the third;
-    // as first asks they count as a third of R (1 - rho) each.
+    // Each is raised to the rate floor: a quarter of an equal share among
+    // the holders asking for a rate so far (one, then two).
+    assert_eq!((a.rate_utps, b.rate_utps), (74_925_000, 37_462_500));
+    // Taken at their word the two first asks would leave 187.3/s to the
+    // third; as first asks they count as a third of R (1 - rho) each.
     let c = l.renew(T0 + MS, ask(2, 0, 250, 3), SEC);
     assert_eq!(c.rate_utps, 99_900_000);
     // The first two ask again, for their equal share: it is there.
@@ -468,15 +471,19 @@ fn a_first_ask_counts_as_an_equal_share_until_the_holder_asks_again() {
     let b = l.renew(T0 + 2 * MS, ask(1, b.lease_id, 200, 5), SEC);
     assert_eq!((a.rate_utps, b.rate_utps), (99_900_000, 99_900_000));
     assert!(l.rates_out_utps() <= 299_700_000, "over R (1 - rho)");
-    // Had the two re-asked for 3/s, the third grows into the rest.
+    // Had the two re-asked for 3/s, the third grows into the rest: all of
+    // it but the two floors (a quarter of an equal share of three each).
     let mut l = KeyLedger::new(rate(300, 1), 300, T0, None);
     let a = l.renew(T0, ask(0, 0, 3, 1), SEC);
     let b = l.renew(T0, ask(1, 0, 3, 2), SEC);
     let c = l.renew(T0 + MS, ask(2, 0, 250, 3), SEC);
-    l.renew(T0 + 2 * MS, ask(0, a.lease_id, 3, 4), SEC);
-    l.renew(T0 + 2 * MS, ask(1, b.lease_id, 3, 5), SEC);
-    let c = l.renew(T0 + 3 * MS, ask(2, c.lease_id, 250, 6), SEC);
-    assert_eq!(c.rate_utps, 250_000_000);
+    let a = l.renew(T0 + 2 * MS, ask(0, a.lease_id, 3, 4), SEC);
+    let b = l.renew(T0 + 2 * MS, ask(1, b.lease_id, 3, 5), SEC);
+    // Their larger first versions count until they name the new ones.
+    l.renew(T0 + 3 * MS, ask(0, a.lease_id, 3, 6), SEC);
+    l.renew(T0 + 3 * MS, ask(1, b.lease_id, 3, 7), SEC);
+    let c = l.renew(T0 + 4 * MS, ask(2, c.lease_id, 250, 8), SEC);
+    assert_eq!(c.rate_utps, 299_700_000 - 2 * 24_975_000);
 }
 
 #[derive(Clone, Debug)]

@@ -167,7 +167,9 @@ sweep flash-crowd  0.2  1..20
 sweep zipf-100k    0.01 1..5
 sweep speed-hot-key 0.05 1..5
 sweep small-burst 0.1 1..10
-sweep small-burst-below-rate 0.1 1..10
+sweep small-burst-below-rate 0.1 1..20
+sweep small-burst-few 1 1..20
+sweep small-burst-many 0.2 1..10
 sweep small-burst-flash 0.1 1..10
 sweep failover 0.5 1..20
 sweep demo-shape 1 1..10

@@ -273,8 +273,15 @@ fn slowed(rate_utps: u64) -> u64 {
 #[derive(Clone, Debug, Default)]
 struct KeyState {
     chain: Option<Chain>,
-    /// Children's consumption, tokens/s (EWMA over what left `H`).
+    /// Children's consumption, tokens/s (EWMA over what left `H`, biased
+    /// towards 0 while the key is young: read it through
+    /// [`KeyState::consumption`]).
     rate: f64,
+    /// The weight the EWMA has given to samples so far, `1 - e^(-t/tau)`
+    /// after `t` of samples: what corrects its start from 0.
+    weight: f64,
+    /// Tokens that left `H` since this state was created.
+    seen: u64,
     /// `H` at the last sample plus what was deposited since.
     sample_h: u64,
     sample_ns: u64,
@@ -283,6 +290,37 @@ struct KeyState {
     /// Holders the parent last said share this key (this region included;
     /// 0: not told yet).
     parent_holders: u32,
+}
+
+/// Tokens a key must have consumed before its consumption estimate is
+/// corrected for the EWMA's start from 0: a count's relative error
+/// (`1 / sqrt(n)`, Poisson) is then within the rate's headroom of a
+/// quarter, so one request of a cold key is not read as a rate.
+const SEEN_FOR_CORRECTION: u64 = 16;
+
+impl KeyState {
+    /// Fold `used` tokens that left `H` over the last `dt_s` seconds into
+    /// the consumption estimate.
+    fn sample(&mut self, used: u64, dt_s: f64) {
+        let alpha = 1.0 - (-dt_s / EWMA_TAU_S).exp();
+        self.rate += alpha * (used as f64 / dt_s - self.rate);
+        self.weight += alpha * (1.0 - self.weight);
+        self.seen = self.seen.saturating_add(used);
+    }
+
+    /// Children's consumption, tokens/s: the EWMA divided by the weight it
+    /// has given samples so far once it has seen enough tokens (the mean
+    /// since the key opened while that is short against tau; the EWMA
+    /// alone, from 0, read 220/s 200 ms after a region's children started
+    /// spending 1 800/s, and the region shrank its rate to a quarter of
+    /// what they spent: docs/simulation.md "The opening, again").
+    fn consumption(&self) -> f64 {
+        if self.seen >= SEEN_FOR_CORRECTION && self.weight > 0.0 {
+            self.rate / self.weight
+        } else {
+            self.rate
+        }
+    }
 }
 
 #[derive(Clone, Debug)]

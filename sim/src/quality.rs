@@ -118,6 +118,12 @@ impl KeyQuality {
         self.false_rejects.versus_ideal()
     }
 
+    /// Per whole second: requests we denied and of those the false ones
+    /// ([`FalseRejectStream::per_second`]).
+    pub fn denials_per_second(&self) -> &[(u64, u64)] {
+        self.false_rejects.per_second()
+    }
+
     /// Utilization per window.
     pub fn utilization(&self) -> Vec<f64> {
         self.utilization.ratios(self.rate)
@@ -189,6 +195,10 @@ pub struct FalseRejectStream {
     /// same arrivals (the shortfall figure, SPEC §2).
     admitted_tokens: u64,
     ideal_tokens: u64,
+    /// Per whole second of request time: requests we denied, and of
+    /// those the false ones (the report's series of false rejects over
+    /// time).
+    per_second: Vec<(u64, u64)>,
 }
 
 impl FalseRejectStream {
@@ -214,6 +224,7 @@ impl FalseRejectStream {
             out: FalseRejects::default(),
             admitted_tokens: 0,
             ideal_tokens: 0,
+            per_second: Vec::new(),
         }
     }
 
@@ -276,6 +287,22 @@ impl FalseRejectStream {
         (self.admitted_tokens, self.ideal_tokens)
     }
 
+    /// Per whole second of request time (second `s` covers `[s, s + 1)`
+    /// s): requests we denied and of those the false ones, of the requests
+    /// decided so far.
+    pub fn per_second(&self) -> &[(u64, u64)] {
+        &self.per_second
+    }
+
+    fn count_denial(&mut self, t: u64, false_one: bool) {
+        let s = usize::try_from(t / 1_000_000_000).unwrap_or(usize::MAX);
+        if s >= self.per_second.len() {
+            self.per_second.resize(s + 1, (0, 0));
+        }
+        self.per_second[s].0 += 1;
+        self.per_second[s].1 += u64::from(false_one);
+    }
+
     fn at(&self, i: usize) -> &Ideal {
         &self.buf[i - self.base]
     }
@@ -311,6 +338,7 @@ impl FalseRejectStream {
         }
         self.out.denied += 1;
         if charge == 0 {
+            self.count_denial(t, false);
             return; // the ideal bucket denied it too
         }
         let (cap, per_ns) = (self.cap, self.per_ns);
@@ -344,9 +372,9 @@ impl FalseRejectStream {
             self.after.slide(level, k + 1, self.end_next);
             min = min.min((self.after.min(level) + charge).min(cap));
         }
-        if min >= u128::from(cost) * self.p {
-            self.out.false_denied += 1;
-        }
+        let false_one = min >= u128::from(cost) * self.p;
+        self.out.false_denied += u64::from(false_one);
+        self.count_denial(t, false_one);
     }
 }
 
@@ -607,6 +635,21 @@ mod tests {
             q.push(t, 1, b.try_acquire(1, t).is_ok());
         }
         assert_eq!(q.versus_ideal(), 1.0);
+    }
+
+    #[test]
+    fn denials_are_counted_per_second_of_request_time() {
+        // 10/s burst 1, shift 1 ms: at 0 s the ideal bucket pays one and
+        // denies the next at once (not false); at 2.5 s it is full again, so
+        // our denial there is false.
+        let reqs = [(0, 1, true), (MS / 2, 1, false), (2_500 * MS, 1, false)];
+        let mut s = FalseRejectStream::new(per_s(10), 1, MS);
+        for (t, c, a) in reqs {
+            s.push(t, c, a);
+        }
+        let out = s.finish();
+        assert_eq!((out.denied, out.false_denied), (2, 1));
+        assert_eq!(s.per_second(), &[(1, 0), (0, 0), (1, 1)]);
     }
 
     #[test]

@@ -427,6 +427,12 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             let mut rows = Vec::new();
             let regions = usize::from(o.regions.max(1));
             let mut per_region: Vec<Vec<(f64, f64)>> = vec![Vec::new(); regions];
+            let denials = k
+                .quality
+                .as_ref()
+                .map(|q| q.denials_per_second())
+                .unwrap_or(&[]);
+            let (mut denied_pts, mut false_pts) = (Vec::new(), Vec::new());
             for (s, per) in k.per_second.iter().enumerate() {
                 let total: u64 = per.iter().sum();
                 cum += total;
@@ -436,8 +442,13 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 for (r, v) in per.iter().enumerate() {
                     per_region[r].push((x, *v as f64));
                 }
+                let (denied, false_denied) = denials.get(s).copied().unwrap_or((0, 0));
+                denied_pts.push((x, denied as f64));
+                false_pts.push((x, false_denied as f64));
                 let mut row = vec![(s + 1).to_string(), total.to_string(), cum.to_string()];
                 row.extend(per.iter().map(|v| v.to_string()));
+                row.push(denied.to_string());
+                row.push(false_denied.to_string());
                 rows.push(row);
             }
             let stem = format!("{}-{}", sc.name, vi);
@@ -461,8 +472,20 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                     file: format!("{stem}-share-per-region.svg"),
                 });
             }
+            plots.push(LinePlot {
+                title: format!("{}: denied and falsely denied per second", key_name(k)),
+                x_label: "simulated s".into(),
+                y_label: "requests / s".into(),
+                series: vec![
+                    ("denied".into(), denied_pts),
+                    ("false rejects".into(), false_pts),
+                ],
+                file: format!("{stem}-denials.svg"),
+            });
             let mut header = vec!["second".into(), "admitted".into(), "cumulative".into()];
             header.extend((0..regions).map(|r| format!("region_{r}")));
+            header.push("denied".into());
+            header.push("false_rejects".into());
             csv.push((format!("{stem}-series.csv"), header, rows));
         }
         sections.push(Section {

@@ -1384,3 +1384,38 @@ fn a_shrink_hands_back_what_no_longer_fits() {
     assert_eq!(eu_old.upstream_mismatched_replies, 0, "{eu_old:?}");
     assert_eq!(eu_old.chain_breaks + eu_old.chains_lapsed, 0, "{eu_old:?}");
 }
+
+#[test]
+fn a_young_keys_consumption_is_its_mean_so_far_and_a_cold_ones_is_not_inflated() {
+    // 1 800 tokens/s sampled every 50 ms: 200 ms after the key opened the
+    // EWMA from 0 reads about 326/s; corrected for the weight it gave its
+    // samples, the mean so far.
+    let mut ks = KeyState::default();
+    for _ in 0..4 {
+        ks.sample(90, 0.05);
+    }
+    assert!((ks.rate - 326.3).abs() < 1.0, "EWMA {}", ks.rate);
+    assert!(
+        (ks.consumption() - 1800.0).abs() < 1.0,
+        "{}",
+        ks.consumption()
+    );
+    // A second on, the correction has all but gone: still the rate.
+    for _ in 0..20 {
+        ks.sample(90, 0.05);
+    }
+    assert!(
+        (ks.consumption() - 1800.0).abs() < 1.0,
+        "{}",
+        ks.consumption()
+    );
+    // One request of a cold key in its first 50 ms is not read as 20/s:
+    // below `SEEN_FOR_CORRECTION` tokens the EWMA stands as it is.
+    let mut cold = KeyState::default();
+    cold.sample(1, 0.05);
+    assert!(cold.consumption() < 1.0, "{}", cold.consumption());
+    for _ in 0..19 {
+        cold.sample(0, 0.05);
+    }
+    assert!(cold.consumption() < 1.0, "{}", cold.consumption());
+}

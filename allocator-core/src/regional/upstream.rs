@@ -386,10 +386,7 @@ fn plan_key(
     // Consumption estimate: what left H since the last sample.
     let dt = now_ns.saturating_sub(ks.sample_ns);
     if dt >= ctx.renew_interval_ns.max(1) {
-        let used = ks.sample_h.saturating_sub(h) as f64;
-        let dt_s = dt as f64 / 1e9;
-        let alpha = 1.0 - (-dt_s / EWMA_TAU_S).exp();
-        ks.rate += alpha * (used / dt_s - ks.rate);
+        ks.sample(ks.sample_h.saturating_sub(h), dt as f64 / 1e9);
         ks.sample_h = h;
         ks.sample_ns = now_ns;
     }
@@ -405,8 +402,8 @@ fn plan_key(
         (0, 0)
     } else {
         (
-            (ks.rate * ctx.low_water_s).ceil() as u64,
-            (ks.rate * ctx.horizon_s).ceil() as u64,
+            (ks.consumption() * ctx.low_water_s).ceil() as u64,
+            (ks.consumption() * ctx.horizon_s).ceil() as u64,
         )
     };
     let want = unmet.saturating_add(target).saturating_sub(pool).min(burst);
@@ -428,7 +425,10 @@ fn plan_key(
         let current = ks.chain.as_ref().map_or(0.0, |c| c.rate_utps as f64 / 1e6);
         let grow = if unmet > 0 { 2.0 * current } else { 0.0 };
         let asked = unmet as f64 / EWMA_TAU_S;
-        let tps = (ks.rate * RATE_HEADROOM).max(grow).max(asked).min(rule_tps);
+        let tps = (ks.consumption() * RATE_HEADROOM)
+            .max(grow)
+            .max(asked)
+            .min(rule_tps);
         ((tps * 1e6) as u64).max(1)
     } else {
         0

@@ -144,6 +144,9 @@ pub struct RegionalStats {
     pub upstream_items: u64,
     /// Of the batches, heartbeats (no items).
     pub upstream_heartbeats: u64,
+    /// Heartbeats whose reply was not waited for: a batch opening a key a
+    /// child waits for went out instead.
+    pub upstream_heartbeats_superseded: u64,
     /// Replies applied.
     pub upstream_replies: u64,
     /// Batches that failed or timed out (or were answered STALE/UNSUPPORTED).
@@ -725,6 +728,13 @@ impl RegionalCore {
         let interval = self.cfg.renew_interval_ns.max(MS);
         self.next_wakeup_ns()
             .clamp(now_ns.saturating_add(MS), now_ns.saturating_add(interval))
+    }
+
+    /// Whether the batch in flight is a heartbeat (no items): a driver
+    /// then also polls when a child waits, since a batch opening a key
+    /// supersedes it ([`RegionalCore::poll_transmit`]).
+    pub fn heartbeat_in_flight(&self) -> bool {
+        self.in_flight.as_ref().is_some_and(|f| f.items.is_empty())
     }
 
     /// Until when the batch in flight may still be answered (its send plus

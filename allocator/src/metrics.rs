@@ -254,6 +254,11 @@ impl Collector for Snapshot {
                 st.upstream_heartbeats,
             ),
             (
+                "quotalease_regional_upstream_heartbeats_superseded_total",
+                "Heartbeats whose reply was not waited for: a batch opening a key went out instead.",
+                st.upstream_heartbeats_superseded,
+            ),
+            (
                 "quotalease_regional_upstream_replies_total",
                 "Parent replies applied.",
                 st.upstream_replies,

@@ -112,18 +112,39 @@ pub async fn run(
             return;
         }
         let now = shared.now();
-        let Some((batch, wake)) =
+        let Some((polled, wake)) =
             shared.with_regional(|r| (r.poll_transmit(now), r.poll_timeout(now)))
         else {
             return;
         };
-        if let Some(batch) = batch {
-            // The core's deadline for the batch bounds the wait.
-            let deadline = shared.with_regional(|r| r.upstream_deadline()).flatten();
-            let wait = Duration::from_nanos(deadline.unwrap_or(0).saturating_sub(shared.now()));
-            tokio::select! {
-                _ = exchange(&shared, &client, batch, wait) => {}
-                _ = stop.wait_for(|s| *s) => return,
+        if let Some(mut batch) = polled {
+            // A batch goes out and the next poll follows its outcome;
+            // while a heartbeat is out, a child waiting for a key to be
+            // opened polls at once: a batch opening it supersedes the
+            // heartbeat (whose answer the core then ignores).
+            loop {
+                let heartbeat = batch.items.is_empty();
+                // The core's deadline for the batch bounds the wait.
+                let deadline = shared.with_regional(|r| r.upstream_deadline()).flatten();
+                let wait = Duration::from_nanos(deadline.unwrap_or(0).saturating_sub(shared.now()));
+                let exchanged = exchange(&shared, &client, batch, wait);
+                tokio::pin!(exchanged);
+                let superseded = loop {
+                    tokio::select! {
+                        _ = &mut exchanged => break None,
+                        _ = shared.upstream_wanted(), if heartbeat => {
+                            let now = shared.now();
+                            if let Some(Some(b)) = shared.with_regional(|r| r.poll_transmit(now)) {
+                                break Some(b);
+                            }
+                        }
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                };
+                match superseded {
+                    Some(b) => batch = b,
+                    None => break,
+                }
             }
             continue;
         }

@@ -879,17 +879,20 @@ impl World {
     /// Pump regional `r`'s upstream side, as `upstream::run` does: poll; a
     /// batch goes out and the next poll follows its outcome (reply, or the
     /// core's deadline for it); otherwise sleep until the core's
-    /// `poll_timeout` or until a child finds a pool dry.
+    /// `poll_timeout` or until a child finds a pool dry. While a heartbeat
+    /// is out it polls too: a batch opening a key a child waits for
+    /// supersedes it (its reply is then ignored).
     fn regional_poll(&mut self, r: u16) {
         let t = self.t;
         let n = &mut self.regionals[r as usize];
         let Some(core) = n.core.as_mut() else { return };
-        if !n.awaiting.is_empty() {
+        if !n.awaiting.is_empty() && !core.heartbeat_in_flight() {
             return; // a batch is out: its reply or timeout polls again
         }
         let now = n.clock.local(t);
         match core.poll_transmit(now) {
             Some(batch) => {
+                n.awaiting.clear(); // a heartbeat superseded, if any
                 let deadline = core.upstream_deadline().unwrap_or(now);
                 let at = n.clock.global(deadline).max(t);
                 self.send_batch(Node::Regional(r), Node::Global, batch, at);
@@ -904,7 +907,8 @@ impl World {
     /// Make sure regional `r` polls no later than `at`.
     fn regional_wake(&mut self, r: u16, at: u64) {
         let n = &mut self.regionals[r as usize];
-        if n.core.is_none() || !n.awaiting.is_empty() || n.poll_at <= at {
+        let Some(core) = n.core.as_ref() else { return };
+        if (!n.awaiting.is_empty() && !core.heartbeat_in_flight()) || n.poll_at <= at {
             return;
         }
         n.poll_at = at;

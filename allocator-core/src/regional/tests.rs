@@ -1419,3 +1419,64 @@ fn a_young_keys_consumption_is_its_mean_so_far_and_a_cold_ones_is_not_inflated()
     }
     assert!(cold.consumption() < 1.0, "{}", cold.consumption());
 }
+
+#[test]
+fn an_opening_supersedes_a_heartbeat_in_flight_and_its_late_answer_is_ignored() {
+    let now = 1_000 * MS;
+    let mut parent = parent_at(now);
+    let mut reg = rate_regional_at(now);
+    // Nothing to ask yet: the first poll is a heartbeat, and it is out.
+    let hb = reg.poll_transmit(now).expect("a first heartbeat");
+    assert!(hb.items.is_empty());
+    assert!(reg.heartbeat_in_flight());
+    // A child asks for a key the region does not hold: told to wait
+    // (opening); the next poll opens the key without waiting for the
+    // heartbeat's answer.
+    let g = ask(&mut reg, now + MS, "a", 1, 0, 0, 10);
+    assert!(g.opening && g.tokens == 0, "{g:?}");
+    let open = reg
+        .poll_transmit(now + MS)
+        .expect("the opening goes out at once");
+    assert_eq!(open.items.len(), 1);
+    assert!(open.header.as_ref().unwrap().seq > hb.header.as_ref().unwrap().seq);
+    assert!(!reg.heartbeat_in_flight());
+    assert_eq!(reg.stats().upstream_heartbeats_superseded, 1);
+    // Nothing else goes out while the opening is in flight.
+    assert!(reg.poll_transmit(now + 2 * MS).is_none());
+    // The heartbeat's answer arrives late: ignored (the opening is still
+    // the batch in flight); then the opening's answer fills the pool.
+    let late = parent.handle(now + 2 * MS, &hb);
+    reg.handle_reply(now + 3 * MS, &late);
+    assert!(reg.poll_transmit(now + 3 * MS).is_none(), "still in flight");
+    let r = parent.handle(now + 3 * MS, &open);
+    reg.handle_reply(now + 4 * MS, &r);
+    let g = ask(&mut reg, now + 4 * MS, "a", 2, 0, 0, 10);
+    assert_eq!(g.tokens, 10, "{g:?}");
+    reg.check_i2(now + 4 * MS).unwrap();
+    // A batch with items in flight is never superseded: a second key's
+    // opening is out, a third key's waits for its answer.
+    let child_asks = |reg: &mut RegionalCore, t: u64, seq: u64, tenant: &str| {
+        let r = reg.handle(
+            t,
+            &child_batch(
+                "a",
+                seq,
+                vec![LeaseItem {
+                    tenant: tenant.into(),
+                    ..item(ItemKind::Renew, 0, 0, 5)
+                }],
+            ),
+        );
+        r.grants[0].clone()
+    };
+    let t = now + 5 * MS;
+    assert!(child_asks(&mut reg, t, 3, "second").opening);
+    let second = reg.poll_transmit(t).expect("the second key's opening");
+    assert!(second.items.iter().any(|i| i.tenant == "second"));
+    assert!(child_asks(&mut reg, t + MS, 4, "third").opening);
+    assert!(
+        reg.poll_transmit(t + MS).is_none(),
+        "an opening is in flight"
+    );
+    assert_eq!(reg.stats().upstream_heartbeats_superseded, 1);
+}

@@ -7,7 +7,11 @@ impl RegionalCore {
     /// The next batch for the parent, or `None`: renewals of due chains
     /// (with `spent = G - H`), requests for new chains where children wait,
     /// releases of idle chains, or a heartbeat. At most one batch is in
-    /// flight; every batch has a new, higher `seq`.
+    /// flight; every batch has a new, higher `seq`. A heartbeat in flight
+    /// (no items) is superseded by a batch that opens a key a child waits
+    /// for: its reply, when it comes, is ignored (it asked for nothing);
+    /// a driver polls while a heartbeat is out when a child waits
+    /// ([`RegionalCore::heartbeat_in_flight`]).
     pub fn poll_transmit(&mut self, now_ns: u64) -> Option<LeaseBatch> {
         self.update_reachable(now_ns);
         self.core.set_parent_unreachable(!self.reachable);
@@ -25,8 +29,16 @@ impl RegionalCore {
         let throttled = self
             .last_walk_ns
             .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
-        let blocked = self.in_flight.is_some() || self.stopping || now_ns < self.not_before_ns;
-        let must_walk = self.walk_all || self.walked_reachable != self.reachable;
+        let held_back = self.stopping || now_ns < self.not_before_ns;
+        // A key opened while a heartbeat was out waited a whole round trip
+        // for it (a third of the openings behind a regional holding chains
+        // at 75 ms from its parent; `small-burst-few`: the region whose
+        // first poll was a heartbeat opened the hot key a round trip after
+        // the others and got what their rates left, most of the run's
+        // false rejects).
+        let supersede = !held_back && self.heartbeat_in_flight() && !self.wanting.is_empty();
+        let blocked = (self.in_flight.is_some() && !supersede) || held_back;
+        let must_walk = !supersede && (self.walk_all || self.walked_reachable != self.reachable);
         // Within the throttle only urgent plans go out, and only a key a
         // child found without tokens can be urgent: plan just those and the
         // keys the last upstream answer named (their chains and retry times
@@ -34,7 +46,7 @@ impl RegionalCore {
         // renew interval (renewals ahead of the deadline, reports,
         // releases: the walk waits for a batch in flight to be answered)
         // and when reachability changed (every pool's hints, at once).
-        let plans = if throttled && !must_walk {
+        let plans = if (throttled || supersede) && !must_walk {
             if blocked {
                 // Nothing can go out; the answer in flight plans its keys.
                 return None;
@@ -70,7 +82,7 @@ impl RegionalCore {
             match plan {
                 Plan::Nothing => {}
                 Plan::Forget => forget.push(key),
-                _ if throttled && !urgent => {}
+                _ if (throttled || supersede) && !urgent => {}
                 Plan::Open {
                     want, want_rate, ..
                 } => {
@@ -152,8 +164,15 @@ impl RegionalCore {
                     now_ns >= t.saturating_add(every)
                 }
             };
-        if items.is_empty() && !heartbeat {
+        if items.is_empty() && (!heartbeat || supersede) {
             return None;
+        }
+        if supersede {
+            tracing::debug!(
+                seq = self.seq,
+                "a heartbeat in flight superseded by an opening"
+            );
+            self.stats.upstream_heartbeats_superseded += 1;
         }
         Some(self.send(now_ns, items, sent))
     }

@@ -37,6 +37,10 @@ pub struct SimArgs {
     /// for quick sweeps.
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
+    /// Seeds of a sweep run at once, each in its own thread (0: one per
+    /// core). The output is the same for any number.
+    #[arg(long, default_value_t = 0)]
+    jobs: usize,
 }
 
 fn parse_seeds(s: &str) -> Result<(u64, u64), String> {
@@ -116,7 +120,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
         Some((a, b)) => {
-            let failed = runner::sweep(&sc, a, b).map_err(|e| anyhow!("{e}"))?;
+            let failed = runner::sweep(&sc, a, b, args.jobs).map_err(|e| anyhow!("{e}"))?;
             let total = b - a + 1;
             for f in &failed {
                 println!(
@@ -175,20 +179,36 @@ fn swarm(args: &SimArgs, base: Option<&Scenario>, flags: &str) -> anyhow::Result
         }
         Some((a, b)) => {
             let mut failed = Vec::new();
-            for seed in a..=b {
-                let run = runner::swarm_run(base, seed).map_err(|e| anyhow!("{e}"))?;
-                println!("{}", run.summary());
-                let failures = run.failures();
-                if !failures.is_empty() {
-                    println!("FAILED seed {seed}: replay: {}", replay(seed));
-                    for f in &failures {
-                        println!("  {f}");
+            let mut error = None;
+            runner::for_seeds(
+                a..=b,
+                args.jobs,
+                |seed| runner::swarm_run(base, seed),
+                |seed, run| {
+                    let run = match run {
+                        Ok(run) if error.is_none() => run,
+                        Ok(_) => return,
+                        Err(e) => {
+                            error.get_or_insert(e);
+                            return;
+                        }
+                    };
+                    println!("{}", run.summary());
+                    let failures = run.failures();
+                    if !failures.is_empty() {
+                        println!("FAILED seed {seed}: replay: {}", replay(seed));
+                        for f in &failures {
+                            println!("  {f}");
+                        }
+                        for line in run.plan.yaml.lines() {
+                            println!("  | {line}");
+                        }
+                        failed.push(seed);
                     }
-                    for line in run.plan.yaml.lines() {
-                        println!("  | {line}");
-                    }
-                    failed.push(seed);
-                }
+                },
+            );
+            if let Some(e) = error {
+                bail!("{e}");
             }
             let total = b - a + 1;
             println!(

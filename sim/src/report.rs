@@ -39,6 +39,9 @@ pub struct LinePlot {
     /// File name relative to the report directory, e.g.
     /// `admitted-vs-bound.svg`.
     pub file: String,
+    /// X ranges shaded behind the series (the scenario's faults: cuts,
+    /// crashes, storms, suspends, shutdowns, rule changes).
+    pub spans: Vec<(f64, f64)>,
 }
 
 /// A section of the report.
@@ -290,6 +293,15 @@ fn draw(p: &LinePlot, out: &mut String) -> Result<(), Box<dyn std::error::Error>
             .x_label_formatter(&tick)
             .y_label_formatter(&tick)
             .draw()?;
+        for &(a, b) in &p.spans {
+            let (a, b) = (a.max(x0), b.min(x1));
+            if a < b {
+                chart.draw_series(std::iter::once(Rectangle::new(
+                    [(a, y0), (b, y1)],
+                    RGBColor(160, 160, 160).mix(0.25).filled(),
+                )))?;
+            }
+        }
         for (i, (name, series)) in p.series.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             chart
@@ -355,6 +367,7 @@ mod tests {
                         ("empty".into(), vec![(f64::NAN, 1.0)]),
                     ],
                     file: "admitted-vs-bound.svg".into(),
+                    spans: vec![(10.0, 20.0), (55.0, 99.0)],
                 }],
                 csv: vec![(
                     "series.csv".into(),
@@ -419,6 +432,22 @@ mod tests {
         }
         let _ = std::fs::remove_dir_all(&a);
         let _ = std::fs::remove_dir_all(&b);
+    }
+
+    #[test]
+    fn fault_spans_are_shaded_within_the_plot() {
+        let mut p = sample().sections[0].plots[0].clone();
+        let shaded = svg(&p).unwrap().matches("<rect").count();
+        p.spans.clear();
+        let plain = svg(&p).unwrap().matches("<rect").count();
+        // Two spans, the second clipped to the x range (0..59).
+        assert_eq!(shaded, plain + 2);
+        p.spans = vec![(70.0, 80.0)];
+        assert_eq!(
+            svg(&p).unwrap().matches("<rect").count(),
+            plain,
+            "outside: none"
+        );
     }
 
     #[test]

@@ -178,6 +178,32 @@ pub fn for_seeds<T: Send>(
     });
 }
 
+/// The scenario's faults as shaded x ranges of its plots (simulated s): a
+/// cut, storm or suspend for its length, a crash or shutdown until its
+/// restart (or the end), a rule change as a sliver of a fiftieth of the
+/// run (at least 0.2 s) from its instant.
+pub fn fault_spans(sc: &Scenario) -> Vec<(f64, f64)> {
+    let end = sc.duration_s;
+    let f = &sc.faults;
+    let instant = (end / 50.0).max(0.2);
+    let mut spans: Vec<(f64, f64)> = f
+        .cuts
+        .iter()
+        .map(|c| (c.at_s, c.at_s + c.for_s))
+        .chain(f.storms.iter().map(|c| (c.at_s, c.at_s + c.for_s)))
+        .chain(f.suspends.iter().map(|c| (c.at_s, c.at_s + c.for_s)))
+        .chain(
+            f.crashes
+                .iter()
+                .chain(&f.shutdowns)
+                .map(|c| (c.at_s, c.restart_after_s.map_or(end, |r| c.at_s + r))),
+        )
+        .chain(f.rule_changes.iter().map(|c| (c.at_s, c.at_s + instant)))
+        .collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    spans
+}
+
 fn fmt_f(x: f64, digits: usize) -> String {
     if x.is_finite() {
         format!("{x:.digits$}")
@@ -523,12 +549,39 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 rows.push(row);
             }
             let stem = format!("{}-{}", sc.name, vi);
+            let spans = fault_spans(sc);
+            // Per second, admitted / R against SPEC §2's 97 % (meaningful
+            // where demand is at or above R), the faults shaded.
+            let utilization: Vec<(f64, f64)> = k
+                .per_second
+                .iter()
+                .enumerate()
+                .map(|(s, per)| {
+                    (
+                        (s + 1) as f64,
+                        100.0 * per.iter().sum::<u64>() as f64 / r_per_s,
+                    )
+                })
+                .collect();
+            let line: Vec<(f64, f64)> = [0.0, k.per_second.len() as f64]
+                .into_iter()
+                .map(|x| (x, 97.0))
+                .collect();
+            plots.push(LinePlot {
+                title: format!("{}: admitted per second / R", key_name(k)),
+                x_label: "simulated s (faults shaded)".into(),
+                y_label: "% of R".into(),
+                series: vec![("admitted / R".into(), utilization), ("97 %".into(), line)],
+                file: format!("{stem}-utilization.svg"),
+                spans: spans.clone(),
+            });
             plots.push(LinePlot {
                 title: format!("{}: admitted vs the bound B + R*t", key_name(k)),
                 x_label: "simulated s".into(),
                 y_label: "tokens (cumulative)".into(),
                 series: vec![("admitted".into(), admitted), ("B + R*t".into(), bound)],
                 file: format!("{stem}-admitted-vs-bound.svg"),
+                spans: spans.clone(),
             });
             if regions > 1 {
                 plots.push(LinePlot {
@@ -541,6 +594,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                         .map(|(r, pts)| (format!("region {r}"), pts))
                         .collect(),
                     file: format!("{stem}-share-per-region.svg"),
+                    spans: spans.clone(),
                 });
             }
             plots.push(LinePlot {
@@ -552,6 +606,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                     ("false rejects".into(), false_pts),
                 ],
                 file: format!("{stem}-denials.svg"),
+                spans,
             });
             let mut header = vec!["second".into(), "admitted".into(), "cumulative".into()];
             header.extend((0..regions).map(|r| format!("region_{r}")));
@@ -709,7 +764,21 @@ pub fn swarm_report(run: &SwarmRun, replay: &str) -> Report {
 
 #[cfg(test)]
 mod tests {
-    use super::for_seeds;
+    use super::{fault_spans, for_seeds};
+    use crate::scenario::Scenario;
+
+    #[test]
+    fn faults_become_spans_of_their_length() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("scenarios")
+            .join("global-crash.yaml");
+        let sc = Scenario::load(&path).expect("the shipped scenario is valid");
+        // The global allocator down 20-25 s, region 1 40-42 s.
+        assert_eq!(fault_spans(&sc), vec![(20.0, 25.0), (40.0, 42.0)]);
+        let path = path.with_file_name("region-cut.yaml");
+        let sc = Scenario::load(&path).expect("the shipped scenario is valid");
+        assert_eq!(fault_spans(&sc), vec![(45.0, 105.0)]);
+    }
 
     #[test]
     fn seeds_run_on_many_threads_come_back_in_seed_order() {

@@ -56,11 +56,16 @@ fn regional_at(now: u64, bootstrap: bool) -> RegionalCore {
 
 /// A regional of rate chains (the default) with bootstrap rules.
 fn rate_regional_at(now: u64) -> RegionalCore {
+    rate_regional_with("eu", rules(0), now)
+}
+
+/// A regional of rate chains for `region` with bootstrap `rules`.
+fn rate_regional_with(region: &str, rules: RuleSet, now: u64) -> RegionalCore {
     let cfg = RegionalConfig {
-        region: "eu".into(),
+        region: region.into(),
         ..RegionalConfig::default()
     };
-    RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now)
+    RegionalCore::new(cfg, Some(rules), 7_000_000, 5_000_000, now)
 }
 
 fn key() -> KeyId {
@@ -1207,16 +1212,7 @@ fn a_key_served_centrally_asks_exactly_what_children_wait_for_and_gives_it_back(
         1_000_000,
         t,
     );
-    let mut reg = RegionalCore::new(
-        RegionalConfig {
-            region: "eu".into(),
-            ..RegionalConfig::default()
-        },
-        Some(slow_rules(0)),
-        7_000_000,
-        5_000_000,
-        t,
-    );
+    let mut reg = rate_regional_with("eu", slow_rules(0), t);
     // Two children wait for 2 and 1.
     let g = ask(&mut reg, t, "a", 1, 0, 0, 2);
     assert!(g.opening && g.tokens == 0, "{g:?}");
@@ -1307,16 +1303,7 @@ fn shrink_under_a_second_region(parent_reads_left: bool) -> (RegionalStats, u64)
     let mut now = T0;
     let mut parent = parent_at(now);
     let mut eu = rate_regional_at(now);
-    let mut us = RegionalCore::new(
-        RegionalConfig {
-            region: "us".into(),
-            ..RegionalConfig::default()
-        },
-        Some(rules(0)),
-        7_000_000,
-        5_000_000,
-        now,
-    );
+    let mut us = rate_regional_with("us", rules(0), now);
     let g = ask(&mut eu, now, "a", 1, 0, 0, 40);
     assert!(g.opening, "{g:?}");
     let mut seq = 1;

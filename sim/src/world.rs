@@ -35,8 +35,7 @@
 //! - liveness, when the scenario asks ([`crate::liveness`]), from the
 //!   per-second demand and `OK` admissions of the tracked keys.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use quotalease_agent::agent::{Agent, AgentConfig, CheckInput, Parked, Step};
@@ -70,10 +69,14 @@ const SEC: u64 = 1_000_000_000;
 
 mod observe;
 mod outcome;
+mod parked;
+mod queue;
 mod replicas;
 
 use observe::{check_i2_core, fault_window_ns};
 pub use outcome::{worst, KeyStats, Outcome};
+use parked::ParkedRequests;
+use queue::EventQueue;
 
 /// A lease message in flight.
 #[derive(Debug)]
@@ -130,28 +133,6 @@ enum Event {
     RuleChange(usize),
     /// Housekeeping sweep of every allocator.
     Sweep,
-}
-
-struct Ev {
-    t: u64,
-    n: u64,
-    ev: Event,
-}
-impl PartialEq for Ev {
-    fn eq(&self, o: &Self) -> bool {
-        (self.t, self.n) == (o.t, o.n)
-    }
-}
-impl Eq for Ev {}
-impl PartialOrd for Ev {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Ev {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (self.t, self.n).cmp(&(o.t, o.n))
-    }
 }
 
 /// A node's clock: true time to its own reading.
@@ -241,7 +222,7 @@ struct AgentNode {
     timer_at: u64,
     /// Parked requests: park id -> (arrival, the request between its
     /// steps, the key it waits on).
-    parked: BTreeMap<u64, (Arrival, Parked, Slot)>,
+    parked: ParkedRequests,
     /// Suspended until this true time (0: awake).
     asleep_until: u64,
 }
@@ -271,8 +252,7 @@ pub struct World {
     seed: u64,
     t: u64,
     end: u64,
-    n: u64,
-    queue: BinaryHeap<Reverse<Ev>>,
+    queue: EventQueue<Event>,
     net: Net,
     workload: Workload,
     rules: RuleSet,
@@ -356,7 +336,7 @@ impl World {
                     region,
                     life: 0,
                     timer_at: u64::MAX,
-                    parked: BTreeMap::new(),
+                    parked: ParkedRequests::default(),
                     asleep_until: 0,
                 }
             })
@@ -383,8 +363,7 @@ impl World {
             seed,
             t: 0,
             end,
-            n: 0,
-            queue: BinaryHeap::new(),
+            queue: EventQueue::new(),
             net,
             workload,
             rules,
@@ -441,8 +420,7 @@ impl World {
     }
 
     fn schedule(&mut self, t: u64, ev: Event) {
-        self.n += 1;
-        self.queue.push(Reverse(Ev { t, n: self.n, ev }));
+        self.queue.push(t, ev);
     }
 
     fn renew_interval_ns(&self) -> u64 {
@@ -594,13 +572,9 @@ impl World {
     }
 
     fn run_events_until(&mut self, until: u64) {
-        while let Some(Reverse(top)) = self.queue.peek() {
-            if top.t > until {
-                break;
-            }
-            let Reverse(ev) = self.queue.pop().expect("peeked");
-            self.t = ev.t;
-            self.handle(ev.ev);
+        while let Some((t, ev)) = self.queue.pop_until(until) {
+            self.t = t;
+            self.handle(ev);
         }
     }
 
@@ -659,7 +633,7 @@ impl World {
                 if node.life != life {
                     return;
                 }
-                if let Some((a, parked, _)) = node.parked.remove(&park) {
+                if let Some((a, parked, _)) = node.parked.remove(park) {
                     self.arrive(a, Some(parked));
                 }
             }
@@ -1161,14 +1135,9 @@ impl World {
     /// driver wakes only those: a settle of another key is no round of
     /// theirs).
     fn recheck_parked(&mut self, i: u32, settled: &[Slot]) {
-        let parked = &mut self.agents[i as usize].parked;
-        let due: Vec<u64> = parked
-            .iter()
-            .filter(|(_, (_, _, slot))| settled.contains(slot))
-            .map(|(park, _)| *park)
-            .collect();
+        let due = self.agents[i as usize].parked.on(settled);
         for park in due {
-            if let Some((a, parked, _)) = self.agents[i as usize].parked.remove(&park) {
+            if let Some((a, parked, _)) = self.agents[i as usize].parked.remove(park) {
                 self.arrive(a, Some(parked));
             }
         }

@@ -1,0 +1,574 @@
+//! quotalease in the caller's process: a global, exact rate limit decided
+//! in memory.
+//!
+//! A [`Client`] embeds a quotalease agent (the same one the sidecar runs):
+//! it holds leases of each key's global bucket from an allocator, decides
+//! every check from them in memory (one atomic update per rule charged when
+//! the lease holds enough), and renews them in the background on the tokio
+//! runtime it was built on. The limit holds across every process that holds
+//! leases of the same allocator: tokens admitted over any interval `T`
+//! never exceed `B + R*T` (SPEC §2).
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), quotalease_client::Error> {
+//! use quotalease_client::{Client, Key};
+//!
+//! let client = Client::builder()
+//!     .allocator("http://127.0.0.1:7070")
+//!     .agent_id("checkout-7f9c")
+//!     .build()?;
+//! let key = Key::new("tenant-42", "/v1/orders");
+//! // Synchronous, never waits: from the lease held, or "would wait".
+//! let d = client.try_check(&key, 1);
+//! if !d.allowed() {
+//!     // May wait for a grant, up to the client's deadline.
+//!     let d = client.check(&key, 1).await;
+//!     if !d.allowed() {
+//!         println!("429, retry after {:?}", d.retry_after());
+//!     }
+//! }
+//! client.shutdown().await; // gives back what it holds
+//! # Ok(()) }
+//! ```
+//!
+//! **Every process that embeds a client is a holder.** An allocator
+//! shares a key's burst among its holders (SPEC §2's ranges count them):
+//! a service with 50 replicas holding leases of a `5/m burst 5` rule needs
+//! the allocator to serve it centrally, as it does, and short-lived or
+//! prefork processes pay a round trip on their first check of each key:
+//! run the sidecar (`quotalease agent`) beside those instead. A client
+//! needs a tokio runtime (multi-thread or current-thread) and refuses any
+//! clock but `CLOCK_BOOTTIME` when it talks to a remote allocator
+//! (docs/client.md).
+#![warn(missing_docs)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_agent::agent::{Agent, AgentConfig, CheckError, CheckInput, FastAdmit, Step};
+use quotalease_agent::transport::{GrpcTransport, Transport};
+use quotalease_model::rules::RuleSet;
+use quotalease_proto::v1::{CheckResponse, Reason};
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+/// How often a check made before the rules are known looks again.
+const RULES_POLL: Duration = Duration::from_millis(1);
+
+/// What a client could not be built from (every variant names the
+/// setting).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    /// No allocator URL, and no in-process allocator.
+    #[error("allocator: at least one allocator URL is needed")]
+    NoAllocator,
+    /// A setting is invalid.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The builder setting.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The bootstrap rules do not validate (every error, one per line).
+    #[error("rules: {0}")]
+    Rules(String),
+    /// No tokio runtime to run the renewals on.
+    #[error("a client is built inside a tokio runtime (it renews its leases there)")]
+    NoRuntime,
+}
+
+/// The bucket a check draws from: a tenant and a route (and, for rules
+/// in a namespace, a domain), matched against the rules in force.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Key {
+    tenant: String,
+    route: String,
+    domain: Option<String>,
+}
+
+impl Key {
+    /// The key of `tenant` on `route`.
+    pub fn new(tenant: impl Into<String>, route: impl Into<String>) -> Self {
+        Self {
+            tenant: tenant.into(),
+            route: route.into(),
+            domain: None,
+        }
+    }
+
+    /// The same key in rule namespace `domain` (Envoy's domain).
+    pub fn in_domain(mut self, domain: impl Into<String>) -> Self {
+        self.domain = Some(domain.into());
+        self
+    }
+
+    /// Tenant part.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// Route part.
+    pub fn route(&self) -> &str {
+        &self.route
+    }
+
+    fn input<'a>(&'a self, cost: u32, request_id: &'a str) -> CheckInput<'a> {
+        CheckInput {
+            tenant: &self.tenant,
+            route: &self.route,
+            cost,
+            request_id,
+            domain: self.domain.as_deref(),
+        }
+    }
+}
+
+/// Why a decision is what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted within the limit.
+    Ok,
+    /// No rule matches the key: admitted, unlimited.
+    NoRule,
+    /// Denied: the limit is reached.
+    OverLimit,
+    /// Admitted: a shadow rule (observed, not enforced) is over its limit.
+    ShadowOverLimit,
+    /// Admitted by the rule's fail policy (`open`) while the allocator is
+    /// out of reach.
+    FailureModeAllowed,
+    /// Denied by the rule's fail policy while the allocator is out of reach.
+    FailureModeDenied,
+    /// The allocator is starting (a restart's wait): nothing could be
+    /// leased yet; denied under the rule's fail policy, not a limit.
+    Starting,
+    /// [`Client::try_check`] only: no lease holds enough and one is being
+    /// fetched; [`Client::check`] would wait for it. Nothing was charged.
+    WouldWait,
+    /// No decision: the rules are not known yet, or the rule is
+    /// fail-`closed` with no lease (`UNAVAILABLE`).
+    Unavailable(String),
+    /// No decision: the check is invalid (`field` says which part).
+    Invalid {
+        /// The invalid field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The answer to one check: enough to write `RateLimit` and `Retry-After`
+/// headers (SPEC §5).
+#[must_use]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    allowed: bool,
+    remaining: u64,
+    retry_after: Option<Duration>,
+    rule_id: Option<Arc<str>>,
+    rule_version: u64,
+    outcome: Outcome,
+}
+
+impl Decision {
+    /// Whether the request may pass.
+    pub fn allowed(&self) -> bool {
+        self.allowed
+    }
+
+    /// The key's global remaining tokens as this process estimates them
+    /// (for the most constrained rule charged; SPEC §5 "What the headers
+    /// say"); 0 when unknown.
+    pub fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// When a denied request may succeed at the earliest.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The rule that decided (the most constrained one charged), if any.
+    pub fn rule_id(&self) -> Option<&str> {
+        self.rule_id.as_deref()
+    }
+
+    /// The version of the rules applied (0: bootstrap rules, or none).
+    pub fn rule_version(&self) -> u64 {
+        self.rule_version
+    }
+
+    /// Why.
+    pub fn outcome(&self) -> &Outcome {
+        &self.outcome
+    }
+
+    /// Whether the limit was consulted in shadow mode only.
+    pub fn is_shadow(&self) -> bool {
+        self.outcome == Outcome::ShadowOverLimit
+    }
+
+    fn from_fast(f: FastAdmit, agent: &Agent) -> Self {
+        let rule_id = f
+            .rule_index
+            .and_then(|i| {
+                agent
+                    .rules()
+                    .and_then(|r| r.rules.get(i).map(|r| r.id.clone()))
+            })
+            .map(Arc::from);
+        Self {
+            allowed: true,
+            remaining: f.remaining,
+            retry_after: None,
+            rule_id,
+            rule_version: f.rule_version,
+            outcome: outcome_of(f.reason),
+        }
+    }
+
+    fn from_answer(answer: Result<CheckResponse, CheckError>) -> Self {
+        match answer {
+            Ok(r) => Self {
+                allowed: r.allowed,
+                remaining: r.remaining,
+                retry_after: (r.retry_after_ms > 0)
+                    .then(|| Duration::from_millis(r.retry_after_ms)),
+                rule_id: (!r.rule_id.is_empty()).then(|| Arc::from(r.rule_id.as_str())),
+                rule_version: r.applied_rule_version,
+                outcome: outcome_of(Reason::try_from(r.reason).unwrap_or(Reason::Ok)),
+            },
+            Err(CheckError::Invalid { field, reason }) => {
+                Self::undecided(Outcome::Invalid { field, reason }, None)
+            }
+            Err(CheckError::Unavailable(why)) => Self::undecided(Outcome::Unavailable(why), None),
+        }
+    }
+
+    fn undecided(outcome: Outcome, retry_after: Option<Duration>) -> Self {
+        Self {
+            allowed: false,
+            remaining: 0,
+            retry_after,
+            rule_id: None,
+            rule_version: 0,
+            outcome,
+        }
+    }
+}
+
+fn outcome_of(reason: Reason) -> Outcome {
+    match reason {
+        Reason::Ok => Outcome::Ok,
+        Reason::OverLimit => Outcome::OverLimit,
+        Reason::ShadowOverLimit => Outcome::ShadowOverLimit,
+        Reason::NoRule => Outcome::NoRule,
+        Reason::FailureModeAllowed => Outcome::FailureModeAllowed,
+        Reason::FailureModeDenied => Outcome::FailureModeDenied,
+        Reason::Invalid => Outcome::Invalid {
+            field: "request",
+            reason: "invalid".into(),
+        },
+        Reason::Starting => Outcome::Starting,
+    }
+}
+
+/// Builds a [`Client`]. Defaults as the sidecar's (docs/operations.md).
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct Builder {
+    allocators: Vec<String>,
+    agent_id: Option<String>,
+    rules: Option<RuleSet>,
+    rules_file: Option<PathBuf>,
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
+    deadline: Duration,
+    lease_ttl: Option<Duration>,
+    cluster: String,
+    #[cfg(feature = "testing")]
+    in_process: Option<testing::InProcessAllocator>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self {
+            allocators: Vec::new(),
+            agent_id: None,
+            rules: None,
+            rules_file: None,
+            tls: None,
+            deadline: AgentConfig::default().fetch_timeout,
+            lease_ttl: None,
+            cluster: String::new(),
+            #[cfg(feature = "testing")]
+            in_process: None,
+        }
+    }
+}
+
+impl Builder {
+    /// An allocator to hold leases of (`http://` or, with [`Builder::tls`],
+    /// `https://`); several: the replicas of one allocator (the leader is
+    /// followed).
+    pub fn allocator(mut self, url: impl Into<String>) -> Self {
+        self.allocators.push(url.into());
+        self
+    }
+
+    /// This process's identity at the allocator (unique per process; the
+    /// default is `client-<pid>`). A per-process random nonce is sent
+    /// beside it, so two processes sharing an id stay distinct holders.
+    pub fn agent_id(mut self, id: impl Into<String>) -> Self {
+        self.agent_id = Some(id.into());
+        self
+    }
+
+    /// Rules to use until the allocator's arrive (the allocator's rules
+    /// win as soon as it answers).
+    pub fn bootstrap_rules(mut self, rules: RuleSet) -> Self {
+        self.rules = Some(rules);
+        self
+    }
+
+    /// [`Builder::bootstrap_rules`] from a rules file (SPEC §4), validated
+    /// when the client is built.
+    pub fn bootstrap_rules_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.rules_file = Some(path.into());
+        self
+    }
+
+    /// mTLS to the allocator: this process's certificate and key and the
+    /// CA the allocator's certificate is signed by (PEM files, re-read when
+    /// they change).
+    pub fn tls(
+        mut self,
+        cert: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+        ca: impl Into<PathBuf>,
+    ) -> Self {
+        self.tls = Some((cert.into(), key.into(), ca.into()));
+        self
+    }
+
+    /// The longest [`Client::check`] waits for a grant before it answers
+    /// as its last round would (default: the agent's fetch timeout,
+    /// 250 ms).
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Lease lifetime asked for (the allocator grants at most its
+    /// `TTL_max`).
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = Some(ttl);
+        self
+    }
+
+    /// The cluster this process belongs to (`--cluster` of the sidecar).
+    pub fn cluster(mut self, cluster: impl Into<String>) -> Self {
+        self.cluster = cluster.into();
+        self
+    }
+
+    /// Hold leases of an allocator core in this process instead of a
+    /// remote one (tests; the `testing` feature).
+    #[cfg(feature = "testing")]
+    pub fn in_process(mut self, allocator: &testing::InProcessAllocator) -> Self {
+        self.in_process = Some(allocator.clone());
+        self
+    }
+
+    /// Start the client on the current tokio runtime: it reaches the
+    /// allocator lazily, so this succeeds while the allocator is down
+    /// (checks then answer by each rule's fail policy).
+    pub fn build(self) -> Result<Client, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoRuntime);
+        }
+        let mut rules = self.rules;
+        if let Some(path) = &self.rules_file {
+            let parsed = RuleSet::load(path, 0).map_err(|errs| {
+                Error::Rules(
+                    errs.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                )
+            })?;
+            rules = Some(parsed);
+        }
+        let mut cfg = AgentConfig {
+            agent_id: self
+                .agent_id
+                .unwrap_or_else(|| format!("client-{}", std::process::id())),
+            cluster: self.cluster,
+            ..AgentConfig::default()
+        };
+        if let Some(ttl) = self.lease_ttl {
+            cfg.lease_ttl = ttl;
+        }
+        let transport: Arc<dyn Transport> = {
+            #[cfg(feature = "testing")]
+            let in_process = self.in_process;
+            #[cfg(not(feature = "testing"))]
+            let in_process: Option<std::convert::Infallible> = None;
+            match in_process {
+                #[cfg(feature = "testing")]
+                Some(a) => {
+                    if !self.allocators.is_empty() {
+                        return Err(Error::Invalid {
+                            field: "allocator",
+                            reason: "an in-process allocator and allocator URLs exclude each other"
+                                .into(),
+                        });
+                    }
+                    cfg.clock = a.clock();
+                    Arc::new(a.transport())
+                }
+                #[cfg(not(feature = "testing"))]
+                Some(never) => match never {},
+                None => {
+                    if self.allocators.is_empty() {
+                        return Err(Error::NoAllocator);
+                    }
+                    let tls = match &self.tls {
+                        None => None,
+                        Some((cert, key, ca)) => Some(
+                            quotalease_tls::ClientTls::client(quotalease_tls::TlsFiles {
+                                cert: (cert.clone(), "tls cert"),
+                                key: (key.clone(), "tls key"),
+                                ca: (ca.clone(), "tls ca"),
+                            })
+                            .map_err(|reason| Error::Invalid {
+                                field: "tls",
+                                reason,
+                            })?,
+                        ),
+                    };
+                    if let Some(t) = &tls {
+                        t.clone().watch();
+                    }
+                    Arc::new(
+                        GrpcTransport::with_tls(&self.allocators, cfg.fetch_timeout, tls.as_ref())
+                            .map_err(|reason| Error::Invalid {
+                                field: "allocator",
+                                reason,
+                            })?,
+                    )
+                }
+            }
+        };
+        let agent = Agent::start(cfg, transport, rules).map_err(|e| Error::Invalid {
+            field: "agent",
+            reason: e.to_string(),
+        })?;
+        Ok(Client {
+            agent,
+            deadline: self.deadline,
+        })
+    }
+}
+
+/// A handle on the embedded agent: cheap to clone, `Send + Sync`; every
+/// clone decides from the same leases.
+#[derive(Clone, Debug)]
+pub struct Client {
+    agent: Agent,
+    deadline: Duration,
+}
+
+impl Client {
+    /// A [`Builder`].
+    pub fn builder() -> Builder {
+        Builder::default()
+    }
+
+    /// Decide a check of `cost` tokens on `key` now, without waiting: from
+    /// the leases held, or [`Outcome::WouldWait`] when a lease must be
+    /// fetched first (the fetch starts; nothing is charged). Denials,
+    /// fail policies and invalid input are answered as [`Client::check`]
+    /// answers them.
+    pub fn try_check(&self, key: &Key, cost: u32) -> Decision {
+        let input = key.input(cost, "");
+        let now = self.agent.now();
+        if let Some(f) = self.agent.check_fast_at(&input, now) {
+            return Decision::from_fast(f, &self.agent);
+        }
+        let mut req = match self.agent.request(input) {
+            Ok(r) => r,
+            Err(e) => return Decision::from_answer(Err(e)),
+        };
+        match self.agent.step(&mut req, now) {
+            Step::Answer(answer) => Decision::from_answer(answer),
+            Step::Wait(w) => Decision::undecided(
+                Outcome::WouldWait,
+                Some(Duration::from_nanos(w.until.saturating_sub(now))),
+            ),
+        }
+    }
+
+    /// Decide a check of `cost` tokens on `key`, waiting for a grant when
+    /// no lease holds enough, at most the client's deadline
+    /// ([`Builder::deadline`]); then it answers as its last round would
+    /// (denied with a retry hint, or the rule's fail policy while the
+    /// allocator is out of reach).
+    pub async fn check(&self, key: &Key, cost: u32) -> Decision {
+        self.check_with_id(key, cost, "").await
+    }
+
+    /// [`Client::check`] with a request id: a retry of the same id within a
+    /// minute is answered with the first answer and charged once.
+    pub async fn check_with_id(&self, key: &Key, cost: u32, request_id: &str) -> Decision {
+        let input = key.input(cost, request_id);
+        if request_id.is_empty() {
+            if let Some(f) = self.agent.check_fast(&input) {
+                return Decision::from_fast(f, &self.agent);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.deadline;
+        // Just built, the client may not know the rules yet: the first
+        // answer from the allocator brings them, within the deadline.
+        self.rules_by(deadline).await;
+        Decision::from_answer(self.agent.check_by(input, Some(deadline)).await)
+    }
+
+    /// Wait until the rules are known or `deadline` passes.
+    async fn rules_by(&self, deadline: tokio::time::Instant) {
+        while !self.has_rules() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(RULES_POLL).await;
+        }
+    }
+
+    /// Wait up to `within` until the client knows the rules and its last
+    /// call to the allocator succeeded (what the sidecar's `/readyz`
+    /// says); whether it did.
+    pub async fn ready(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if self.agent.is_ready() {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(RULES_POLL).await;
+        }
+    }
+
+    /// Whether the rules are known (bootstrap rules, or the allocator's).
+    pub fn has_rules(&self) -> bool {
+        self.agent.rules().is_some()
+    }
+
+    /// Give back every lease this process holds (unused tokens return to
+    /// the allocator's bucket at once) and stop renewing; checks after it
+    /// answer by each rule's fail policy. Bounded by the agent's fetch
+    /// timeout; leases that could not be given back expire on their own.
+    pub async fn shutdown(&self) {
+        self.agent.shutdown().await;
+    }
+}

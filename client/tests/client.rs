@@ -1,0 +1,208 @@
+//! The client against the real allocator core in process (the `testing`
+//! feature): the bound, denials, the non-waiting check, clones, shutdown.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quotalease_client::testing::InProcessAllocator;
+use quotalease_client::{Client, Error, Key, Outcome};
+
+const RULES: &str = r#"
+rules:
+  - id: api
+    match: { tenant: "*", route: /api }
+    rate: 10/s
+    burst: 20
+    fail_policy: closed
+  - id: login
+    match: { tenant: "*", route: /login }
+    rate: 1/m
+    burst: 2
+    fail_policy: closed
+"#;
+
+fn client(alloc: &InProcessAllocator, id: &str) -> Client {
+    Client::builder()
+        .in_process(alloc)
+        .agent_id(id)
+        .build()
+        .expect("client")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clones_and_tasks_together_admit_at_most_b_plus_r_t() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-a");
+    let admitted = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        // Every task decides through its own clone: one set of leases.
+        let c = client.clone();
+        let admitted = admitted.clone();
+        tasks.push(tokio::spawn(async move {
+            let key = Key::new("t1", "/api");
+            let until = Instant::now() + Duration::from_millis(1500);
+            while Instant::now() < until {
+                if c.check(&key, 1).await.allowed() {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let admitted = admitted.load(Ordering::Relaxed);
+    // Every admission happened within [start, now]: the bound over it.
+    let bound = 20.0 + 10.0 * elapsed;
+    assert!(
+        admitted as f64 <= bound,
+        "{admitted} admitted in {elapsed:.3} s, bound {bound:.1}"
+    );
+    // Demand (16 tasks, one check every ~2 ms) is far above the rule: the
+    // burst is admitted at once, and refill goes on being delivered.
+    assert!(
+        admitted >= 20 + 5,
+        "{admitted} admitted in {elapsed:.3} s: the burst and the refill are delivered"
+    );
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_denial_names_its_rule_and_when_to_retry() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-b");
+    let key = Key::new("t1", "/login");
+    for i in 0..2 {
+        let d = client.check(&key, 1).await;
+        assert!(d.allowed(), "check {i}: {d:?}");
+        assert_eq!(d.rule_id(), Some("login"));
+    }
+    let d = client.check(&key, 1).await;
+    assert!(!d.allowed(), "{d:?}");
+    assert_eq!(d.outcome(), &Outcome::OverLimit);
+    assert_eq!(d.rule_id(), Some("login"));
+    let retry = d.retry_after().expect("a denial says when to retry");
+    // The next token of 1/m comes within a minute of the burst's first use.
+    assert!(
+        retry > Duration::ZERO && retry <= Duration::from_secs(60),
+        "{retry:?}"
+    );
+    // The same denial from the non-waiting check.
+    let d = client.try_check(&key, 1);
+    assert!(!d.allowed(), "{d:?}");
+    assert_eq!(d.outcome(), &Outcome::OverLimit);
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn try_check_says_would_wait_then_decides_from_the_lease() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-c");
+    let key = Key::new("t2", "/api");
+    // Before its first answer from the allocator a client knows no rules
+    // (no bootstrap rules here): the non-waiting check cannot decide then.
+    assert!(client.ready(Duration::from_secs(5)).await, "ready");
+    // A key never seen: no lease yet, nothing charged, a fetch started.
+    let d = client.try_check(&key, 1);
+    assert_eq!(d.outcome(), &Outcome::WouldWait, "{d:?}");
+    assert!(!d.allowed());
+    // Once a grant is in, the non-waiting check decides from the lease.
+    let d = client.check(&key, 1).await;
+    assert!(d.allowed(), "{d:?}");
+    let mut from_lease = 0;
+    for _ in 0..5 {
+        let d = client.try_check(&key, 1);
+        if d.allowed() {
+            assert_eq!(d.outcome(), &Outcome::Ok);
+            assert_eq!(d.rule_id(), Some("api"));
+            from_lease += 1;
+        }
+    }
+    assert!(
+        from_lease > 0,
+        "the lease held serves the synchronous check"
+    );
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_gives_back_what_it_holds() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-d");
+    let key = Key::new("t3", "/api");
+    for _ in 0..3 {
+        assert!(client.check(&key, 1).await.allowed());
+    }
+    let held = alloc.ledger("api", "t3", "/api").expect("leased");
+    assert_eq!(held.holders, 1, "{held:?}");
+    assert!(held.outstanding > 0, "{held:?}");
+    client.shutdown().await;
+    let after = alloc.ledger("api", "t3", "/api").expect("known");
+    assert_eq!(after.holders, 0, "released: {after:?}");
+    assert_eq!(after.outstanding, 0, "released: {after:?}");
+    // What was not spent is back in the bucket: 20 less the 3 spent, plus
+    // what refilled meanwhile (10/s), at most the burst.
+    assert!(after.available >= 17 && after.available <= 20, "{after:?}");
+}
+
+#[tokio::test]
+async fn unmatched_keys_pass_and_invalid_checks_name_their_field() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-e");
+    let d = client.check(&Key::new("t1", "/elsewhere"), 1).await;
+    assert!(d.allowed(), "{d:?}");
+    assert_eq!(d.outcome(), &Outcome::NoRule);
+    let d = client.try_check(&Key::new("", "/api"), 1);
+    assert!(!d.allowed());
+    match d.outcome() {
+        Outcome::Invalid { field, .. } => assert!(field.contains("tenant"), "{field}"),
+        other => panic!("expected an invalid tenant, got {other:?}"),
+    }
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn building_fails_with_the_setting_named() {
+    assert_eq!(
+        Client::builder().agent_id("x").build().err(),
+        Some(Error::NoAllocator)
+    );
+    let dir = std::env::temp_dir().join(format!("ql-client-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let bad = dir.join("rules.yaml");
+    std::fs::write(&bad, "rules:\n  - id: x\n    rate: fast\n").expect("write");
+    match Client::builder()
+        .allocator("http://127.0.0.1:1")
+        .bootstrap_rules_file(&bad)
+        .build()
+    {
+        Err(Error::Rules(msg)) => assert!(msg.contains("rate"), "{msg}"),
+        other => panic!("expected a rules error, got {other:?}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    match Client::builder()
+        .in_process(&alloc)
+        .allocator("http://127.0.0.1:1")
+        .build()
+    {
+        Err(Error::Invalid { field, .. }) => assert_eq!(field, "allocator"),
+        other => panic!("expected the allocator setting named, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_client_needs_a_runtime() {
+    assert_eq!(
+        Client::builder()
+            .allocator("http://127.0.0.1:1")
+            .build()
+            .err(),
+        Some(Error::NoRuntime)
+    );
+}

@@ -51,6 +51,8 @@ use quotalease_agent::transport::{GrpcTransport, Transport};
 use quotalease_model::rules::RuleSet;
 use quotalease_proto::v1::{CheckResponse, Reason};
 
+#[cfg(feature = "tower")]
+pub mod middleware;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -557,6 +559,14 @@ impl Client {
             }
             tokio::time::sleep(RULES_POLL).await;
         }
+    }
+
+    /// The rule `id` of the rules in force (for headers).
+    #[cfg(feature = "tower")]
+    pub(crate) fn rule(&self, id: &str) -> Option<quotalease_model::rules::Rule> {
+        self.agent
+            .rules()
+            .and_then(|r| r.rules.iter().find(|r| r.id == id).cloned())
     }
 
     /// Whether the rules are known (bootstrap rules, or the allocator's).

@@ -10,7 +10,9 @@
 #![warn(missing_docs)]
 
 pub mod envoy;
-pub mod headers;
+/// The rate-limit headers (moved to `quotalease_model::headers`, shared
+/// with the client crate).
+pub use quotalease_model::headers;
 pub mod http_api;
 pub mod service;
 

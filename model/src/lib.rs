@@ -15,6 +15,7 @@ pub mod clock;
 pub mod endpoint;
 #[cfg(feature = "prometheus")]
 pub mod exposition;
+pub mod headers;
 pub mod key;
 pub mod matching;
 pub mod protocol;

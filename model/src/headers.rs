@@ -1,9 +1,10 @@
-//! Rate-limit response headers shared by the HTTP API and Envoy RLS: the
+//! Rate-limit response headers shared by the HTTP API, Envoy RLS and the
+//! client crate's middleware: the
 //! IETF httpapi ratelimit-headers draft structured fields (`RateLimit-Policy`,
 //! `RateLimit`), the legacy `RateLimit-Limit/Remaining/Reset`, and
 //! `Retry-After`.
 
-use quotalease_model::rules::Rule;
+use crate::rules::Rule;
 use quotalease_proto::v1::CheckResponse;
 
 /// The `remaining` every interface reports for an answer (Envoy RLS
@@ -89,7 +90,7 @@ pub fn retry_after_secs(retry_after_ms: u64) -> u64 {
     retry_after_ms.div_ceil(1000).max(1)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "yaml"))]
 mod tests {
     use super::*;
 
@@ -102,7 +103,7 @@ mod tests {
     }
 
     fn rule(rate: &str, burst: u64) -> Rule {
-        quotalease_model::rules::RuleSet::parse(
+        crate::rules::RuleSet::parse(
             &format!(
                 "rules:\n  - id: orders\n    match: {{ tenant: \"*\" }}\n    rate: {rate}\n    burst: {burst}\n"
             ),
@@ -138,7 +139,7 @@ mod tests {
 
     #[test]
     fn remaining_is_the_agents_global_estimate_and_zero_on_a_denial() {
-        let rule = quotalease_model::rules::RuleSet::parse(
+        let rule = crate::rules::RuleSet::parse(
             "rules:\n  - id: orders\n    match: { tenant: \"*\" }\n    rate: 20/m\n    burst: 20\n",
             "test",
             1,

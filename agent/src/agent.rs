@@ -464,6 +464,12 @@ impl Agent {
             && self.inner.core.lock().reach().connected
     }
 
+    /// The rules' generation: moves on whenever rules are put in force (a
+    /// [`KeyHandle`] resolved under an older one is stale).
+    pub fn rules_generation(&self) -> u64 {
+        self.inner.rules.generation()
+    }
+
     /// The per-process nonce this agent sends beside its id.
     pub fn instance(&self) -> u64 {
         self.inner.instance

@@ -69,7 +69,7 @@ impl KeyHandle {
     }
 
     /// The rules' generation this handle was resolved for.
-    pub(crate) fn generation(&self) -> u64 {
+    pub fn generation(&self) -> u64 {
         self.generation
     }
 }

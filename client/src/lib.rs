@@ -513,6 +513,22 @@ impl Client {
         }
     }
 
+    /// `key` resolved once (its rules matched and its keys' slots found):
+    /// checks through the [`ResolvedKey`] skip matching and look-up (one
+    /// atomic update per rule charged). `Err` is the decision a check of
+    /// the key would get now (the rules are not known yet, or the key is
+    /// invalid).
+    pub fn resolve(&self, key: &Key) -> Result<ResolvedKey, Decision> {
+        match self.agent.resolve(&key.input(1, "")) {
+            Ok(handle) => Ok(ResolvedKey {
+                client: self.clone(),
+                key: key.clone(),
+                handle,
+            }),
+            Err(e) => Err(Decision::from_answer(Err(e))),
+        }
+    }
+
     /// Decide a check of `cost` tokens on `key`, waiting for a grant when
     /// no lease holds enough, at most the client's deadline
     /// ([`Builder::deadline`]); then it answers as its last round would
@@ -580,5 +596,48 @@ impl Client {
     /// timeout; leases that could not be given back expire on their own.
     pub async fn shutdown(&self) {
         self.agent.shutdown().await;
+    }
+}
+
+/// A key resolved by [`Client::resolve`], for hot keys: its checks charge
+/// the leases directly when they cover the cost, and otherwise take the
+/// client's path for the key (so a rules change, which makes the handle
+/// stale, costs speed, never a wrong answer; resolve again to get the
+/// speed back: [`ResolvedKey::is_current`]).
+#[derive(Clone, Debug)]
+pub struct ResolvedKey {
+    client: Client,
+    key: Key,
+    handle: quotalease_agent::KeyHandle,
+}
+
+impl ResolvedKey {
+    /// The key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// [`Client::try_check`] of this key.
+    pub fn try_check(&self, cost: u32) -> Decision {
+        let agent = &self.client.agent;
+        match agent.check_handle(&self.handle, cost, agent.now()) {
+            Some(f) => Decision::from_fast(f, agent),
+            None => self.client.try_check(&self.key, cost),
+        }
+    }
+
+    /// [`Client::check`] of this key.
+    pub async fn check(&self, cost: u32) -> Decision {
+        let agent = &self.client.agent;
+        match agent.check_handle(&self.handle, cost, agent.now()) {
+            Some(f) => Decision::from_fast(f, agent),
+            None => self.client.check(&self.key, cost).await,
+        }
+    }
+
+    /// Whether the handle was resolved under the rules in force (after a
+    /// rules change its checks take the slower path until resolved again).
+    pub fn is_current(&self) -> bool {
+        self.handle.generation() == self.client.agent.rules_generation()
     }
 }

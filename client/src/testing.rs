@@ -90,6 +90,25 @@ impl InProcessAllocator {
         })
     }
 
+    /// Put `rules` (SPEC §4 YAML) in force as version `version` (larger
+    /// than the one in force: clients adopt it with their next answer).
+    pub fn set_rules(&self, rules: &str, version: u64) -> Result<(), Error> {
+        let rules = RuleSet::parse(rules, "rules", version).map_err(|errs| {
+            Error::Rules(
+                errs.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            )
+        })?;
+        let now = self.clock.now();
+        self.core
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .set_rules(rules, now);
+        Ok(())
+    }
+
     pub(crate) fn clock(&self) -> ClockSource {
         self.clock.clone()
     }

@@ -206,3 +206,36 @@ fn a_client_needs_a_runtime() {
         Some(Error::NoRuntime)
     );
 }
+
+#[tokio::test]
+async fn a_resolved_key_decides_from_the_lease_and_survives_a_rules_change() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = client(&alloc, "svc-f");
+    assert!(client.ready(Duration::from_secs(5)).await, "ready");
+    let key = Key::new("t4", "/login");
+    let hot = client.resolve(&key).expect("resolved");
+    assert!(hot.is_current());
+    // 1/m burst 2: two, then a denial, through the handle.
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        answers.push(hot.check(1).await.allowed());
+    }
+    assert_eq!(answers, [true, true, false]);
+    // A new rule set (version 2) raises the burst to 4; the client adopts
+    // it with its next answer from the allocator.
+    alloc
+        .set_rules(&RULES.replace("burst: 2", "burst: 4"), 2)
+        .expect("rules v2");
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while hot.is_current() {
+        assert!(std::time::Instant::now() < until, "rules v2 not adopted");
+        let _ = client.check(&Key::new("t5", "/api"), 1).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The stale handle still answers, by the client's path under v2.
+    let d = hot.check(1).await;
+    assert_eq!(d.rule_version(), 2, "{d:?}");
+    let fresh = client.resolve(&key).expect("resolved again");
+    assert!(fresh.is_current());
+    client.shutdown().await;
+}

@@ -290,6 +290,7 @@ pub struct Builder {
     deadline: Duration,
     lease_ttl: Option<Duration>,
     cluster: String,
+    admission_log: Option<PathBuf>,
     #[cfg(feature = "testing")]
     in_process: Option<testing::InProcessAllocator>,
 }
@@ -305,6 +306,7 @@ impl Default for Builder {
             deadline: AgentConfig::default().fetch_timeout,
             lease_ttl: None,
             cluster: String::new(),
+            admission_log: None,
             #[cfg(feature = "testing")]
             in_process: None,
         }
@@ -376,6 +378,16 @@ impl Builder {
         self
     }
 
+    /// Test-only: append every admission (time, key, cost) to `path`, as
+    /// the sidecar's test admission log does (flushed on
+    /// [`Client::shutdown`]); end-to-end tests check the bound over every
+    /// window from it.
+    #[doc(hidden)]
+    pub fn admission_log(mut self, path: impl Into<PathBuf>) -> Self {
+        self.admission_log = Some(path.into());
+        self
+    }
+
     /// Hold leases of an allocator core in this process instead of a
     /// remote one (tests; the `testing` feature).
     #[cfg(feature = "testing")]
@@ -408,6 +420,7 @@ impl Builder {
                 .agent_id
                 .unwrap_or_else(|| format!("client-{}", std::process::id())),
             cluster: self.cluster,
+            admission_log: self.admission_log,
             ..AgentConfig::default()
         };
         if let Some(ttl) = self.lease_ttl {

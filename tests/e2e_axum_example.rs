@@ -7,8 +7,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,27 +80,7 @@ fn instance(bin: &Path, allocator: &str, id: &str, dir: &Path) -> Instance {
 
 /// GET /v1/orders as `tenant`: (status, lower-case headers).
 fn get(addr: SocketAddr, tenant: &str) -> (u16, Vec<(String, String)>) {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-    write!(
-        s,
-        "GET /v1/orders HTTP/1.1\r\nHost: test\r\nx-tenant: {tenant}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).expect("read");
-    let status = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let head = buf.split_once("\r\n\r\n").map_or(buf.as_str(), |h| h.0);
-    let headers = head
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
+    let (status, headers, _) = http_get_sending(addr, "/v1/orders", &[("x-tenant", tenant)]);
     (status, headers)
 }
 

@@ -82,6 +82,18 @@ pub enum Error {
     NoRuntime,
 }
 
+impl Error {
+    /// Every error of a rules file, one per line.
+    pub(crate) fn rules(errs: &[quotalease_model::rules::RuleError]) -> Self {
+        Error::Rules(
+            errs.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    }
+}
+
 /// The bucket a check draws from: a tenant and a route (and, for rules
 /// in a namespace, a domain), matched against the rules in force.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -405,14 +417,7 @@ impl Builder {
         }
         let mut rules = self.rules;
         if let Some(path) = &self.rules_file {
-            let parsed = RuleSet::load(path, 0).map_err(|errs| {
-                Error::Rules(
-                    errs.iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                )
-            })?;
+            let parsed = RuleSet::load(path, 0).map_err(|errs| Error::rules(&errs))?;
             rules = Some(parsed);
         }
         let mut cfg = AgentConfig {

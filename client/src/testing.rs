@@ -43,14 +43,7 @@ pub struct Ledger {
 impl InProcessAllocator {
     /// An allocator enforcing `rules` (SPEC §4 YAML), on the boot clock.
     pub fn from_yaml(rules: &str) -> Result<Self, Error> {
-        let rules = RuleSet::parse(rules, "rules", 1).map_err(|errs| {
-            Error::Rules(
-                errs.iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            )
-        })?;
+        let rules = RuleSet::parse(rules, "rules", 1).map_err(|errs| Error::rules(&errs))?;
         Ok(Self::new(rules, ClockSource::Boot))
     }
 
@@ -93,14 +86,7 @@ impl InProcessAllocator {
     /// Put `rules` (SPEC §4 YAML) in force as version `version` (larger
     /// than the one in force: clients adopt it with their next answer).
     pub fn set_rules(&self, rules: &str, version: u64) -> Result<(), Error> {
-        let rules = RuleSet::parse(rules, "rules", version).map_err(|errs| {
-            Error::Rules(
-                errs.iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            )
-        })?;
+        let rules = RuleSet::parse(rules, "rules", version).map_err(|errs| Error::rules(&errs))?;
         let now = self.clock.now();
         self.core
             .lock()

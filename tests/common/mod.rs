@@ -321,11 +321,24 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 /// Minimal HTTP/1.1 GET: (status, response headers as
 /// (lower-case name, value), body).
 pub fn http_get_with_headers(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, String) {
+    http_get_sending(addr, path, &[])
+}
+
+/// [`http_get_with_headers`] sending `headers` with the request.
+pub fn http_get_sending(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (u16, Vec<(String, String)>, String) {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect http");
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: test\r\n{extra}Connection: close\r\n\r\n"
     )
     .expect("send");
     let mut buf = String::new();

@@ -595,12 +595,10 @@ impl Client {
         }
     }
 
-    /// The rule `id` of the rules in force (for headers).
+    /// The rules in force (for headers).
     #[cfg(feature = "tower")]
-    pub(crate) fn rule(&self, id: &str) -> Option<quotalease_model::rules::Rule> {
-        self.agent
-            .rules()
-            .and_then(|r| r.rules.iter().find(|r| r.id == id).cloned())
+    pub(crate) fn rules(&self) -> Option<Arc<RuleSet>> {
+        self.agent.rules()
     }
 
     /// Whether the rules are known (bootstrap rules, or the allocator's).

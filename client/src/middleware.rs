@@ -249,13 +249,20 @@ fn refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
 /// `RateLimit-Policy`, `RateLimit` and the legacy three for the rule that
 /// decided `d` (nothing when no rule did).
 fn add_headers(client: &Client, d: &Decision, headers: &mut http::HeaderMap) {
-    let Some(rule) = d.rule_id().and_then(|id| client.rule(id)) else {
+    let Some(id) = d.rule_id() else {
+        return;
+    };
+    let Some(rules) = client.rules() else {
+        return;
+    };
+    let Some(rule) = rules.rules.iter().find(|r| r.id == id) else {
         return;
     };
     let remaining = if d.allowed() { d.remaining() } else { 0 };
     let ms = d.retry_after().map_or(0, |r| r.as_millis() as u64);
-    for (name, value) in LimitInfo::new(&rule, remaining, ms).headers() {
-        if let Ok(v) = HeaderValue::from_str(&value) {
+    for (name, value) in LimitInfo::new(rule, remaining, ms).headers() {
+        // The string's buffer becomes the value's (no copy).
+        if let Ok(v) = HeaderValue::try_from(value) {
             headers.insert(HeaderName::from_static(name), v);
         }
     }

@@ -62,6 +62,16 @@ impl InProcessAllocator {
         }
     }
 
+    /// A client holding leases of this allocator as `agent_id` (the
+    /// builder's defaults otherwise; [`crate::Builder::in_process`] for
+    /// more settings). Inside a tokio runtime.
+    pub fn client(&self, agent_id: &str) -> Result<crate::Client, Error> {
+        crate::Client::builder()
+            .in_process(self)
+            .agent_id(agent_id)
+            .build()
+    }
+
     /// What the ledger of rule `rule`'s key for `tenant` on `route` holds
     /// now (`None`: no holder ever asked for it).
     pub fn ledger(&self, rule: &str, tenant: &str, route: &str) -> Option<Ledger> {

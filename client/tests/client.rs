@@ -22,18 +22,10 @@ rules:
     fail_policy: closed
 "#;
 
-fn client(alloc: &InProcessAllocator, id: &str) -> Client {
-    Client::builder()
-        .in_process(alloc)
-        .agent_id(id)
-        .build()
-        .expect("client")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn clones_and_tasks_together_admit_at_most_b_plus_r_t() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-a");
+    let client = alloc.client("svc-a").expect("client");
     let admitted = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -75,7 +67,7 @@ async fn clones_and_tasks_together_admit_at_most_b_plus_r_t() {
 #[tokio::test]
 async fn a_denial_names_its_rule_and_when_to_retry() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-b");
+    let client = alloc.client("svc-b").expect("client");
     let key = Key::new("t1", "/login");
     for i in 0..2 {
         let d = client.check(&key, 1).await;
@@ -102,7 +94,7 @@ async fn a_denial_names_its_rule_and_when_to_retry() {
 #[tokio::test]
 async fn try_check_says_would_wait_then_decides_from_the_lease() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-c");
+    let client = alloc.client("svc-c").expect("client");
     let key = Key::new("t2", "/api");
     // Before its first answer from the allocator a client knows no rules
     // (no bootstrap rules here): the non-waiting check cannot decide then.
@@ -133,7 +125,7 @@ async fn try_check_says_would_wait_then_decides_from_the_lease() {
 #[tokio::test]
 async fn shutdown_gives_back_what_it_holds() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-d");
+    let client = alloc.client("svc-d").expect("client");
     let key = Key::new("t3", "/api");
     for _ in 0..3 {
         assert!(client.check(&key, 1).await.allowed());
@@ -153,7 +145,7 @@ async fn shutdown_gives_back_what_it_holds() {
 #[tokio::test]
 async fn unmatched_keys_pass_and_invalid_checks_name_their_field() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-e");
+    let client = alloc.client("svc-e").expect("client");
     let d = client.check(&Key::new("t1", "/elsewhere"), 1).await;
     assert!(d.allowed(), "{d:?}");
     assert_eq!(d.outcome(), &Outcome::NoRule);
@@ -210,7 +202,7 @@ fn a_client_needs_a_runtime() {
 #[tokio::test]
 async fn a_resolved_key_decides_from_the_lease_and_survives_a_rules_change() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let client = client(&alloc, "svc-f");
+    let client = alloc.client("svc-f").expect("client");
     assert!(client.ready(Duration::from_secs(5)).await, "ready");
     let key = Key::new("t4", "/login");
     let hot = client.resolve(&key).expect("resolved");

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use http::{Request, Response, StatusCode};
 use quotalease_client::middleware::{HeaderKey, RateLimitLayer};
 use quotalease_client::testing::InProcessAllocator;
-use quotalease_client::Client;
 use tower::{Layer, Service, ServiceExt};
 
 const RULES: &str = r#"
@@ -27,14 +26,6 @@ rules:
     burst: 5
     fail_policy: closed
 "#;
-
-fn client(alloc: &InProcessAllocator, id: &str) -> Client {
-    Client::builder()
-        .in_process(alloc)
-        .agent_id(id)
-        .build()
-        .expect("client")
-}
 
 /// The limited service: answers 200 with an empty body.
 fn service(
@@ -61,8 +52,14 @@ async fn hundreds_in_flight_through_two_holders_stay_within_b_plus_r_t() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
     // Two holders (two services' worth of leases) on one allocator.
     let layers = [
-        RateLimitLayer::new(client(&alloc, "svc-1"), HeaderKey::new("x-tenant")),
-        RateLimitLayer::new(client(&alloc, "svc-2"), HeaderKey::new("x-tenant")),
+        RateLimitLayer::new(
+            alloc.client("svc-1").expect("client"),
+            HeaderKey::new("x-tenant"),
+        ),
+        RateLimitLayer::new(
+            alloc.client("svc-2").expect("client"),
+            HeaderKey::new("x-tenant"),
+        ),
     ];
     let ok = Arc::new(AtomicU64::new(0));
     let denied = Arc::new(AtomicU64::new(0));
@@ -127,7 +124,10 @@ async fn hundreds_in_flight_through_two_holders_stay_within_b_plus_r_t() {
 #[tokio::test]
 async fn polling_ready_charges_nothing_the_call_decides() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let layer = RateLimitLayer::new(client(&alloc, "svc-3"), HeaderKey::new("x-tenant"));
+    let layer = RateLimitLayer::new(
+        alloc.client("svc-3").expect("client"),
+        HeaderKey::new("x-tenant"),
+    );
     let mut svc = service(&layer);
     for _ in 0..50 {
         // Polled ready, never called: no token is spent.
@@ -151,7 +151,7 @@ async fn polling_ready_charges_nothing_the_call_decides() {
 #[tokio::test]
 async fn requests_without_the_tenant_header_pass_unless_a_default_is_named() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let c = client(&alloc, "svc-4");
+    let c = alloc.client("svc-4").expect("client");
     let open = service(&RateLimitLayer::new(c.clone(), HeaderKey::new("x-tenant")));
     for _ in 0..10 {
         let resp = open
@@ -181,8 +181,11 @@ async fn requests_without_the_tenant_header_pass_unless_a_default_is_named() {
 #[tokio::test]
 async fn headers_on_admitted_can_be_off_and_an_invalid_key_is_a_bad_request() {
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
-    let layer = RateLimitLayer::new(client(&alloc, "svc-5"), HeaderKey::new("x-tenant"))
-        .headers_on_admitted(false);
+    let layer = RateLimitLayer::new(
+        alloc.client("svc-5").expect("client"),
+        HeaderKey::new("x-tenant"),
+    )
+    .headers_on_admitted(false);
     let svc = service(&layer);
     let resp = svc
         .clone()

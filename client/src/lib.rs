@@ -182,10 +182,35 @@ pub struct Decision {
     allowed: bool,
     remaining: u64,
     retry_after: Option<Duration>,
-    rule_id: Option<Arc<str>>,
+    rule: Option<RuleRef>,
     rule_version: u64,
     outcome: Outcome,
 }
+
+/// The rule that decided: within the rule set in force when the lease
+/// decided (no copy on the fast path), or by the id an answer named.
+#[derive(Clone, Debug)]
+enum RuleRef {
+    InSet(Arc<RuleSet>, usize),
+    Named(Arc<str>),
+}
+
+impl RuleRef {
+    fn id(&self) -> &str {
+        match self {
+            RuleRef::InSet(set, i) => &set.rules[*i].id,
+            RuleRef::Named(id) => id,
+        }
+    }
+}
+
+impl PartialEq for RuleRef {
+    fn eq(&self, other: &Self) -> bool {
+        self.id() == other.id()
+    }
+}
+
+impl Eq for RuleRef {}
 
 impl Decision {
     /// Whether the request may pass.
@@ -207,7 +232,17 @@ impl Decision {
 
     /// The rule that decided (the most constrained one charged), if any.
     pub fn rule_id(&self) -> Option<&str> {
-        self.rule_id.as_deref()
+        self.rule.as_ref().map(RuleRef::id)
+    }
+
+    /// The deciding rule itself when the decision came from the leases
+    /// held (the middleware's headers read its burst and rate).
+    #[cfg(feature = "tower")]
+    pub(crate) fn rule_in_set(&self) -> Option<&quotalease_model::rules::Rule> {
+        match &self.rule {
+            Some(RuleRef::InSet(set, i)) => set.rules.get(*i),
+            _ => None,
+        }
     }
 
     /// The version of the rules applied (0: bootstrap rules, or none).
@@ -226,19 +261,17 @@ impl Decision {
     }
 
     fn from_fast(f: FastAdmit, agent: &Agent) -> Self {
-        let rule_id = f
-            .rule_index
-            .and_then(|i| {
-                agent
-                    .rules()
-                    .and_then(|r| r.rules.get(i).map(|r| r.id.clone()))
-            })
-            .map(Arc::from);
+        let rule = f.rule_index.and_then(|i| {
+            agent
+                .rules()
+                .filter(|set| i < set.rules.len())
+                .map(|set| RuleRef::InSet(set, i))
+        });
         Self {
             allowed: true,
             remaining: f.remaining,
             retry_after: None,
-            rule_id,
+            rule,
             rule_version: f.rule_version,
             outcome: outcome_of(f.reason),
         }
@@ -251,7 +284,7 @@ impl Decision {
                 remaining: r.remaining,
                 retry_after: (r.retry_after_ms > 0)
                     .then(|| Duration::from_millis(r.retry_after_ms)),
-                rule_id: (!r.rule_id.is_empty()).then(|| Arc::from(r.rule_id.as_str())),
+                rule: (!r.rule_id.is_empty()).then(|| RuleRef::Named(Arc::from(r.rule_id))),
                 rule_version: r.applied_rule_version,
                 outcome: outcome_of(Reason::try_from(r.reason).unwrap_or(Reason::Ok)),
             },
@@ -267,7 +300,7 @@ impl Decision {
             allowed: false,
             remaining: 0,
             retry_after,
-            rule_id: None,
+            rule: None,
             rule_version: 0,
             outcome,
         }

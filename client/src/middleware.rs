@@ -249,14 +249,24 @@ fn refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
 /// `RateLimit-Policy`, `RateLimit` and the legacy three for the rule that
 /// decided `d` (nothing when no rule did).
 fn add_headers(client: &Client, d: &Decision, headers: &mut http::HeaderMap) {
-    let Some(id) = d.rule_id() else {
-        return;
-    };
-    let Some(rules) = client.rules() else {
-        return;
-    };
-    let Some(rule) = rules.rules.iter().find(|r| r.id == id) else {
-        return;
+    // Admitted from the leases: the rule is at hand. Otherwise (a slow
+    // path answer names its rule by id) it is found in the rules in force.
+    let rules;
+    let rule = match d.rule_in_set() {
+        Some(rule) => rule,
+        None => {
+            let Some(id) = d.rule_id() else {
+                return;
+            };
+            let Some(set) = client.rules() else {
+                return;
+            };
+            rules = set;
+            let Some(rule) = rules.rules.iter().find(|r| r.id == id) else {
+                return;
+            };
+            rule
+        }
     };
     let remaining = if d.allowed() { d.remaining() } else { 0 };
     let ms = d.retry_after().map_or(0, |r| r.as_millis() as u64);

@@ -231,3 +231,118 @@ async fn a_resolved_key_decides_from_the_lease_and_survives_a_rules_change() {
     assert!(fresh.is_current());
     client.shutdown().await;
 }
+
+const MINUTE_AND_A_SECOND: Duration = Duration::from_secs(61);
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_rule_under_tokio_s_paused_clock_takes_no_minute() {
+    use quotalease_client::testing::TokioClock;
+    let alloc = InProcessAllocator::from_yaml_with_clock(RULES, TokioClock::new()).expect("rules");
+    let client = alloc.client("svc-g").expect("client");
+    let key = Key::new("t6", "/login");
+    let wall = Instant::now();
+    // 1/m burst 2: two, then a denial naming a retry within the minute.
+    for i in 0..2 {
+        let d = client.check(&key, 1).await;
+        assert!(d.allowed(), "check {i}: {d:?}");
+    }
+    let d = client.check(&key, 1).await;
+    assert!(!d.allowed(), "{d:?}");
+    let retry = d.retry_after().expect("a retry hint");
+    assert!(retry <= Duration::from_secs(60), "{retry:?}");
+    // A minute passes on tokio's clock: one token more, and only one. (The
+    // bucket refills at R slowed by rho = 0.1 % (SPEC §2 "Clocks"): a
+    // whole token takes 60.06 s, so the test lets 61 s pass.)
+    tokio::time::advance(MINUTE_AND_A_SECOND).await;
+    let d = client.check(&key, 1).await;
+    assert!(d.allowed(), "after a minute: {d:?}");
+    assert!(!client.check(&key, 1).await.allowed(), "only one refilled");
+    // Ten simulated minutes: ten more, never eleven (the bucket's bound).
+    let mut admitted = 0;
+    for _ in 0..10 {
+        tokio::time::advance(MINUTE_AND_A_SECOND).await;
+        for _ in 0..3 {
+            if client.check(&key, 1).await.allowed() {
+                admitted += 1;
+            }
+        }
+    }
+    assert_eq!(admitted, 10);
+    assert!(
+        wall.elapsed() < Duration::from_secs(30),
+        "simulated, not waited: {:?}",
+        wall.elapsed()
+    );
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_manual_clock_moves_only_when_the_test_moves_it() {
+    use quotalease_client::testing::ManualClock;
+    let clock = ManualClock::new(5_000_000_000);
+    let alloc = InProcessAllocator::from_yaml_with_clock(RULES, clock.clone()).expect("rules");
+    let client = alloc.client("svc-h").expect("client");
+    let key = Key::new("t7", "/api");
+    // 10/s burst 20: the burst, then nothing while the clock stands still
+    // (however long the test really takes).
+    let mut admitted = 0;
+    for _ in 0..40 {
+        if client.check(&key, 1).await.allowed() {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 20);
+    // 510 ms: five tokens (5.1 at R slowed by rho per tier, SPEC §2).
+    clock.advance(510_000_000);
+    let mut more = 0;
+    for _ in 0..20 {
+        if client.check(&key, 1).await.allowed() {
+            more += 1;
+        }
+    }
+    assert_eq!(more, 5);
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_key_under_two_rules_is_charged_by_both_or_neither() {
+    // Every tenant's calls (any route) share `tenant`; `/login` also has
+    // its own slow rule. A login denied by `login` charges `tenant` nothing.
+    const TWO: &str = r#"
+rules:
+  - id: tenant
+    match: { tenant: "*" }
+    rate: 1/m
+    burst: 10
+  - id: login
+    match: { tenant: "*", route: /login }
+    rate: 1/m
+    burst: 2
+"#;
+    let alloc = InProcessAllocator::from_yaml(TWO).expect("rules");
+    let client = alloc.client("svc-i").expect("client");
+    let login = Key::new("t8", "/login");
+    let mut logins = 0;
+    for _ in 0..6 {
+        let d = client.check(&login, 1).await;
+        if d.allowed() {
+            logins += 1;
+        } else {
+            assert_eq!(d.rule_id(), Some("login"), "{d:?}");
+        }
+    }
+    assert_eq!(logins, 2);
+    // The tenant's bucket lost the two admitted logins only: 8 left.
+    let other = Key::new("t8", "/api");
+    let mut rest = 0;
+    for _ in 0..12 {
+        let d = client.check(&other, 1).await;
+        if d.allowed() {
+            rest += 1;
+        } else {
+            assert_eq!(d.rule_id(), Some("tenant"), "{d:?}");
+        }
+    }
+    assert_eq!(rest, 8);
+    client.shutdown().await;
+}

@@ -260,6 +260,66 @@ impl Decision {
         self.outcome == Outcome::ShadowOverLimit
     }
 
+    /// The refusal as a gRPC status for a tonic handler that checks in its
+    /// own code (the key from the message, not the request's metadata):
+    /// `RESOURCE_EXHAUSTED` over the limit (with `retry-after` metadata in
+    /// whole seconds), `UNAVAILABLE` without a decision, `INVALID_ARGUMENT`
+    /// for an invalid key; `None` when allowed.
+    ///
+    /// ```
+    /// # fn f(d: quotalease_client::Decision) -> Result<(), tonic::Status> {
+    /// if let Some(status) = d.to_status() {
+    ///     return Err(status);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tonic")]
+    pub fn to_status(&self) -> Option<tonic::Status> {
+        if self.allowed {
+            return None;
+        }
+        let code = tonic::Code::from_i32(i32::from(self.grpc_code()));
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        if code == tonic::Code::ResourceExhausted {
+            let ms = self.retry_after.map_or(0, |r| r.as_millis() as u64);
+            let secs = quotalease_model::headers::retry_after_secs(ms);
+            if let Ok(v) = secs.to_string().parse() {
+                metadata.insert("retry-after", v);
+            }
+        }
+        Some(tonic::Status::with_metadata(
+            code,
+            self.refusal_message(),
+            metadata,
+        ))
+    }
+
+    /// The gRPC status code a refusal answers with.
+    #[cfg_attr(not(any(feature = "tower", feature = "tonic")), allow(dead_code))]
+    pub(crate) fn grpc_code(&self) -> u8 {
+        match self.outcome {
+            Outcome::Invalid { .. } => 3,  // INVALID_ARGUMENT
+            Outcome::Unavailable(_) => 14, // UNAVAILABLE
+            _ => 8,                        // RESOURCE_EXHAUSTED
+        }
+    }
+
+    /// A refusal's message (ASCII).
+    #[cfg_attr(not(any(feature = "tower", feature = "tonic")), allow(dead_code))]
+    pub(crate) fn refusal_message(&self) -> String {
+        match &self.outcome {
+            Outcome::Invalid { field, .. } => format!("invalid {field}"),
+            Outcome::Unavailable(_) => "rate limiter unavailable".to_owned(),
+            _ => {
+                let ms = self.retry_after.map_or(0, |r| r.as_millis());
+                match self.rule_id() {
+                    Some(rule) => format!("rate limited by rule {rule}, retry after {ms} ms"),
+                    None => format!("rate limited, retry after {ms} ms"),
+                }
+            }
+        }
+    }
+
     fn from_fast(f: FastAdmit, agent: &Agent) -> Self {
         let rule = f.rule_index.and_then(|i| {
             agent

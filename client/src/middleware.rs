@@ -52,13 +52,27 @@ enum Route {
     Path,
     /// Always this route.
     Fixed(String),
+    /// axum's route template (`MatchedPath`, `/users/{id}`).
+    #[cfg(feature = "axum")]
+    Matched,
 }
+
+/// The route of a request axum matched to no route (its fallback): they
+/// share one bucket per tenant instead of one per path tried.
+#[cfg(feature = "axum")]
+pub const UNMATCHED_ROUTE: &str = "(unmatched)";
 
 impl Route {
     fn of<B>(&self, req: &Request<B>) -> String {
         match self {
             Route::Path => req.uri().path().to_owned(),
             Route::Fixed(r) => r.clone(),
+            #[cfg(feature = "axum")]
+            Route::Matched => req
+                .extensions()
+                .get::<axum::extract::MatchedPath>()
+                .map_or(UNMATCHED_ROUTE, |m| m.as_str())
+                .to_owned(),
         }
     }
 }
@@ -94,6 +108,17 @@ impl HeaderKey {
         self
     }
 
+    /// The route is axum's route template (`MatchedPath`: `/users/{id}`,
+    /// so every user's page shares the route's rule) instead of the
+    /// concrete path; requests that matched no route are
+    /// [`UNMATCHED_ROUTE`]. Apply the layer with `Router::layer` or
+    /// `route_layer` (it runs after routing there).
+    #[cfg(feature = "axum")]
+    pub fn matched_path(mut self) -> Self {
+        self.route = Route::Matched;
+        self
+    }
+
     /// Requests without the header are this tenant (they share its
     /// limit) instead of passing unlimited.
     pub fn default_tenant(mut self, tenant: impl Into<String>) -> Self {
@@ -117,6 +142,7 @@ impl<B> KeyExtractor<B> for HeaderKey {
 #[derive(Clone, Debug)]
 pub struct PathKey {
     tenant: String,
+    route: Route,
 }
 
 impl PathKey {
@@ -124,14 +150,29 @@ impl PathKey {
     pub fn new(tenant: impl Into<String>) -> Self {
         Self {
             tenant: tenant.into(),
+            route: Route::Path,
         }
+    }
+
+    /// The route is axum's route template, as [`HeaderKey::matched_path`].
+    #[cfg(feature = "axum")]
+    pub fn matched_path(mut self) -> Self {
+        self.route = Route::Matched;
+        self
     }
 }
 
 impl<B> KeyExtractor<B> for PathKey {
     fn extract(&self, req: &Request<B>) -> Option<(Key, u32)> {
-        Some((Key::new(self.tenant.clone(), req.uri().path()), 1))
+        Some((Key::new(self.tenant.clone(), self.route.of(req)), 1))
     }
+}
+
+/// How refusals are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Protocol {
+    Http,
+    Grpc,
 }
 
 /// The layer: see the module docs.
@@ -140,6 +181,7 @@ pub struct RateLimitLayer<K> {
     client: Client,
     extractor: K,
     headers_on_admitted: bool,
+    protocol: Protocol,
 }
 
 impl<K> RateLimitLayer<K> {
@@ -149,7 +191,21 @@ impl<K> RateLimitLayer<K> {
             client,
             extractor,
             headers_on_admitted: true,
+            protocol: Protocol::Http,
         }
+    }
+
+    /// Refuse as a gRPC server does (a tonic service behind the layer):
+    /// a trailers-only response, HTTP 200 with `grpc-status`
+    /// `RESOURCE_EXHAUSTED` (8) over the limit, `UNAVAILABLE` (14) without
+    /// a decision, `INVALID_ARGUMENT` (3) for an invalid key, and a
+    /// `grpc-message` naming the rule; `retry-after` and the rate-limit
+    /// headers ride along as response metadata. The route of a gRPC
+    /// request is its method path (`/pkg.Service/Method`) unless the
+    /// extractor fixes one.
+    pub fn grpc(mut self) -> Self {
+        self.protocol = Protocol::Grpc;
+        self
     }
 
     /// Whether admitted responses carry the rate-limit headers (default:
@@ -169,6 +225,7 @@ impl<S, K: Clone> Layer<S> for RateLimitLayer<K> {
             client: self.client.clone(),
             extractor: self.extractor.clone(),
             headers_on_admitted: self.headers_on_admitted,
+            protocol: self.protocol,
         }
     }
 }
@@ -180,6 +237,7 @@ pub struct RateLimit<S, K> {
     client: Client,
     extractor: K,
     headers_on_admitted: bool,
+    protocol: Protocol,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -209,6 +267,7 @@ where
         let key = self.extractor.extract(&req);
         let client = self.client.clone();
         let headers_on_admitted = self.headers_on_admitted;
+        let protocol = self.protocol;
         Box::pin(async move {
             let Some((key, cost)) = key else {
                 return inner.call(req).await;
@@ -221,9 +280,82 @@ where
                 }
                 return Ok(resp);
             }
-            Ok(refusal(&client, &d))
+            #[cfg(feature = "tracing")]
+            trace_refusal(&key, &d);
+            Ok(match protocol {
+                Protocol::Http => refusal(&client, &d),
+                Protocol::Grpc => grpc_refusal(&client, &d),
+            })
         })
     }
+}
+
+/// A refusal as a tracing event: denials at DEBUG (they are the limiter
+/// working), no decision at WARN (the allocator or the rules are missing).
+#[cfg(feature = "tracing")]
+fn trace_refusal(key: &Key, d: &Decision) {
+    let retry_after_ms = d.retry_after().map_or(0, |r| r.as_millis() as u64);
+    match d.outcome() {
+        Outcome::Unavailable(why) => tracing::warn!(
+            tenant = key.tenant(),
+            route = key.route(),
+            reason = %why,
+            "quotalease: no decision, refused"
+        ),
+        Outcome::Invalid { field, reason } => tracing::debug!(
+            tenant = key.tenant(),
+            route = key.route(),
+            field,
+            reason = %reason,
+            "quotalease: invalid key, refused"
+        ),
+        outcome => tracing::debug!(
+            tenant = key.tenant(),
+            route = key.route(),
+            rule = d.rule_id().unwrap_or(""),
+            outcome = ?outcome,
+            retry_after_ms,
+            "quotalease: rate limited"
+        ),
+    }
+}
+
+/// A gRPC refusal: trailers-only (HTTP 200, the status in the headers).
+fn grpc_refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
+    let mut resp = Response::new(RB::default());
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert("grpc-status", HeaderValue::from(u16::from(d.grpc_code())));
+    let message = percent_encode_message(&d.refusal_message());
+    if let Ok(v) = HeaderValue::try_from(message) {
+        h.insert("grpc-message", v);
+    }
+    if d.grpc_code() == 8 {
+        let ms = d.retry_after().map_or(0, |r| r.as_millis() as u64);
+        h.insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from(retry_after_secs(ms)),
+        );
+        add_headers(client, d, h);
+    }
+    resp
+}
+
+/// `grpc-message` encoding (gRPC over HTTP/2: percent-encode everything
+/// outside printable ASCII and `%` itself).
+fn percent_encode_message(m: &str) -> String {
+    let mut out = String::with_capacity(m.len());
+    for b in m.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// The response to a request that was not admitted.

@@ -346,3 +346,33 @@ rules:
     assert_eq!(rest, 8);
     client.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_refusal_becomes_a_tonic_status() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = alloc.client("svc-j").expect("client");
+    let key = Key::new("t9", "/login");
+    for _ in 0..2 {
+        let d = client.check(&key, 1).await;
+        assert!(d.to_status().is_none(), "allowed: {d:?}");
+    }
+    let d = client.check(&key, 1).await;
+    let status = d.to_status().expect("refused");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert!(status.message().contains("rule login"), "{status:?}");
+    let retry: u64 = status
+        .metadata()
+        .get("retry-after")
+        .expect("retry-after")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let invalid = client.try_check(&Key::new("", "/api"), 1);
+    assert_eq!(
+        invalid.to_status().expect("refused").code(),
+        tonic::Code::InvalidArgument
+    );
+    client.shutdown().await;
+}

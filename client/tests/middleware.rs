@@ -202,3 +202,109 @@ async fn headers_on_admitted_can_be_off_and_an_invalid_key_is_a_bad_request() {
         .expect("infallible");
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn grpc_refusals_are_trailers_only_with_resource_exhausted() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let layer = RateLimitLayer::new(
+        alloc.client("svc-g").expect("client"),
+        HeaderKey::new("x-tenant").route("/strict"),
+    )
+    .grpc();
+    let svc = service(&layer);
+    let mut statuses = Vec::new();
+    let mut refused = None;
+    for _ in 0..7 {
+        let resp = svc
+            .clone()
+            .oneshot(request(Some("acme"), "/pkg.Orders/Create"))
+            .await
+            .expect("infallible");
+        // gRPC answers HTTP 200 either way; the status rides in the headers.
+        assert_eq!(resp.status(), StatusCode::OK);
+        let grpc = resp
+            .headers()
+            .get("grpc-status")
+            .map(|v| v.to_str().unwrap().to_owned());
+        statuses.push(grpc.clone());
+        if grpc.is_some() {
+            refused = Some(resp);
+        }
+    }
+    // 1/m burst 5: five pass (no grpc-status from the layer), two refused.
+    assert_eq!(
+        statuses.iter().filter(|s| s.is_none()).count(),
+        5,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| s.as_deref() == Some("8"))
+            .count(),
+        2,
+        "{statuses:?}"
+    );
+    let resp = refused.expect("refused");
+    let h = resp.headers();
+    assert_eq!(h["content-type"], "application/grpc");
+    let message = h["grpc-message"].to_str().expect("ascii");
+    assert!(message.contains("rule strict"), "{message}");
+    let retry: u64 = h["retry-after"].to_str().unwrap().parse().expect("seconds");
+    assert!((1..=60).contains(&retry), "{retry}");
+    assert_eq!(h["ratelimit-policy"], "\"strict\";q=5;w=300");
+    assert!(
+        h["ratelimit"].to_str().unwrap().contains("r=0"),
+        "{:?}",
+        h["ratelimit"]
+    );
+}
+
+#[tokio::test]
+async fn axum_route_templates_key_every_path_of_a_route_together() {
+    use axum::routing::get;
+    const TEMPLATES: &str = r#"
+rules:
+  - id: users
+    match: { tenant: "*", route: "/users/{id}" }
+    rate: 1/m
+    burst: 3
+    fail_policy: closed
+  - id: unmatched
+    match: { tenant: "*", route: "(unmatched)" }
+    rate: 1/m
+    burst: 2
+    fail_policy: closed
+"#;
+    let alloc = InProcessAllocator::from_yaml(TEMPLATES).expect("rules");
+    let layer = RateLimitLayer::new(
+        alloc.client("svc-m").expect("client"),
+        HeaderKey::new("x-tenant").matched_path(),
+    );
+    let app: axum::Router = axum::Router::new()
+        .route("/users/{id}", get(|| async { "user" }))
+        .layer(layer);
+    let get_status = |path: String| {
+        let app = app.clone();
+        async move {
+            let req = Request::builder()
+                .uri(path)
+                .header("x-tenant", "acme")
+                .body(axum::body::Body::empty())
+                .expect("request");
+            app.oneshot(req).await.expect("infallible").status()
+        }
+    };
+    // Five users' pages, one route: the route's burst of 3, then 429s.
+    let mut codes = Vec::new();
+    for id in 1..=5 {
+        codes.push(get_status(format!("/users/{id}")).await.as_u16());
+    }
+    assert_eq!(codes, [200, 200, 200, 429, 429]);
+    // Paths no route matches share one bucket per tenant: 404, 404, 429.
+    let mut codes = Vec::new();
+    for i in 1..=3 {
+        codes.push(get_status(format!("/scan/{i}")).await.as_u16());
+    }
+    assert_eq!(codes, [404, 404, 429]);
+}

@@ -7,10 +7,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,58 +24,6 @@ rules:
     fail_policy: closed
 "#;
 
-const EXAMPLE: &str = "axum_tenant_limit";
-
-/// The example's binary: built by `cargo test` beside the crate's binary
-/// (examples are compiled with the tests); built here when a filtered
-/// run did not.
-fn example_bin() -> PathBuf {
-    let dir = Path::new(BIN)
-        .parent()
-        .expect("target dir")
-        .join("examples");
-    let bin = dir.join(EXAMPLE);
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--example", EXAMPLE])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build --example");
-        assert!(status.success(), "cargo build --example {EXAMPLE}");
-    }
-    bin
-}
-
-struct Instance {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-fn instance(bin: &Path, allocator: &str, id: &str, dir: &Path) -> Instance {
-    let log = dir.join(format!("{id}.admissions"));
-    let mut child = Command::new(bin)
-        .args(["--allocator", allocator, "--id", id])
-        .env("QUOTALEASE_ADMISSION_LOG", &log)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the example");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("start line");
-    let addr = line
-        .trim()
-        .strip_prefix("listening=")
-        .unwrap_or_else(|| panic!("{id}: start line {line:?}"))
-        .parse()
-        .expect("address");
-    Instance { child, addr, log }
-}
-
 /// GET /v1/orders as `tenant`: (status, lower-case headers).
 fn get(addr: SocketAddr, tenant: &str) -> (u16, Vec<(String, String)>) {
     let (status, headers, _) = http_get_sending(addr, "/v1/orders", &[("x-tenant", tenant)]);
@@ -86,13 +32,13 @@ fn get(addr: SocketAddr, tenant: &str) -> (u16, Vec<(String, String)>) {
 
 #[test]
 fn two_instances_of_the_axum_example_share_one_global_limit() {
-    let bin = example_bin();
+    let bin = example_bin("axum_tenant_limit");
     let dir = tempdir("e2e_axum_example");
     let rules = write_rules(&dir, RULES);
     let alloc = allocator(&rules, &dir.join("state"), None, "2s");
     let instances = [
-        instance(&bin, &alloc.url(), "orders-1", &dir),
-        instance(&bin, &alloc.url(), "orders-2", &dir),
+        example(&bin, &alloc.url(), "orders-1", &dir),
+        example(&bin, &alloc.url(), "orders-2", &dir),
     ];
     // Until the allocator's first-start wait is over, answers are 429
     // (STARTING under the rule's policy) or 503: wait for a first 200.
@@ -146,16 +92,7 @@ fn two_instances_of_the_axum_example_share_one_global_limit() {
     let (oks, denials) = (oks.load(Ordering::Relaxed), denials.load(Ordering::Relaxed));
     // SIGTERM: each instance stops, gives its leases back and flushes its
     // admission log.
-    let logs: Vec<PathBuf> = instances
-        .into_iter()
-        .map(|mut inst| {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe { libc::kill(inst.child.id() as i32, libc::SIGTERM) };
-            let status = inst.child.wait().expect("wait");
-            assert!(status.success(), "clean exit: {status}");
-            inst.log
-        })
-        .collect();
+    let logs: Vec<PathBuf> = instances.into_iter().map(Example::stop).collect();
     let k = check_key_i1(&logs, ("orders", "acme", "/v1/orders"), 20, 40, oks);
     eprintln!(
         "{} admitted over {:.2} s by two instances (bound {:.1}, {:.1} %), {denials} denied",

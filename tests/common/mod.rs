@@ -657,3 +657,69 @@ rules:
     burst: 20
     fail_policy: closed
 "#;
+
+/// A root-crate example's binary (`cargo test` builds the examples beside
+/// the crate's binary; built here when a filtered run did not).
+pub fn example_bin(name: &str) -> PathBuf {
+    let bin = Path::new(BIN)
+        .parent()
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo build --example");
+        assert!(status.success(), "cargo build --example {name}");
+    }
+    bin
+}
+
+/// An example service holding leases of an allocator: its process, the
+/// address it serves on and its admission log.
+pub struct Example {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub log: PathBuf,
+}
+
+/// Start example `bin` as holder `id` of `allocator` (`--allocator URL
+/// --id ID`; it prints `listening=ADDR`), logging admissions to
+/// `dir/ID.admissions`.
+pub fn example(bin: &Path, allocator: &str, id: &str, dir: &Path) -> Example {
+    let log = dir.join(format!("{id}.admissions"));
+    let mut child = Command::new(bin)
+        .args(["--allocator", allocator, "--id", id])
+        .env("QUOTALEASE_ADMISSION_LOG", &log)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the example");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("start line");
+    let addr = line
+        .trim()
+        .strip_prefix("listening=")
+        .unwrap_or_else(|| panic!("{id}: start line {line:?}"))
+        .parse()
+        .expect("address");
+    Example { child, addr, log }
+}
+
+impl Example {
+    /// SIGTERM: the example stops, gives its leases back and flushes its
+    /// admission log; it must exit cleanly. Its admission log.
+    pub fn stop(mut self) -> PathBuf {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().expect("wait");
+        assert!(status.success(), "clean exit: {status}");
+        self.log
+    }
+}

@@ -235,12 +235,12 @@ impl Decision {
         self.rule.as_ref().map(RuleRef::id)
     }
 
-    /// The deciding rule itself when the decision came from the leases
-    /// held (the middleware's headers read its burst and rate).
+    /// The rule set and the deciding rule's index in it when the decision
+    /// came from the leases held (the middleware's headers read the rule).
     #[cfg(feature = "tower")]
-    pub(crate) fn rule_in_set(&self) -> Option<&quotalease_model::rules::Rule> {
+    pub(crate) fn rule_slot(&self) -> Option<(&Arc<RuleSet>, usize)> {
         match &self.rule {
-            Some(RuleRef::InSet(set, i)) => set.rules.get(*i),
+            Some(RuleRef::InSet(set, i)) if *i < set.rules.len() => Some((set, *i)),
             _ => None,
         }
     }

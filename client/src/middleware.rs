@@ -30,9 +30,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
 use http::header::{HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use quotalease_model::headers::{retry_after_secs, LimitInfo};
+use quotalease_model::rules::RuleSet;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -182,6 +186,7 @@ pub struct RateLimitLayer<K> {
     extractor: K,
     headers_on_admitted: bool,
     protocol: Protocol,
+    rule_headers: Arc<RuleHeaderCache>,
 }
 
 impl<K> RateLimitLayer<K> {
@@ -192,6 +197,7 @@ impl<K> RateLimitLayer<K> {
             extractor,
             headers_on_admitted: true,
             protocol: Protocol::Http,
+            rule_headers: Arc::default(),
         }
     }
 
@@ -226,6 +232,7 @@ impl<S, K: Clone> Layer<S> for RateLimitLayer<K> {
             extractor: self.extractor.clone(),
             headers_on_admitted: self.headers_on_admitted,
             protocol: self.protocol,
+            rule_headers: self.rule_headers.clone(),
         }
     }
 }
@@ -238,6 +245,7 @@ pub struct RateLimit<S, K> {
     extractor: K,
     headers_on_admitted: bool,
     protocol: Protocol,
+    rule_headers: Arc<RuleHeaderCache>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -268,6 +276,7 @@ where
         let client = self.client.clone();
         let headers_on_admitted = self.headers_on_admitted;
         let protocol = self.protocol;
+        let cache = self.rule_headers.clone();
         Box::pin(async move {
             let Some((key, cost)) = key else {
                 return inner.call(req).await;
@@ -276,15 +285,15 @@ where
             if d.allowed() {
                 let mut resp = inner.call(req).await?;
                 if headers_on_admitted {
-                    add_headers(&client, &d, resp.headers_mut());
+                    add_headers(&client, &cache, &d, resp.headers_mut());
                 }
                 return Ok(resp);
             }
             #[cfg(feature = "tracing")]
             trace_refusal(&key, &d);
             Ok(match protocol {
-                Protocol::Http => refusal(&client, &d),
-                Protocol::Grpc => grpc_refusal(&client, &d),
+                Protocol::Http => refusal(&client, &cache, &d),
+                Protocol::Grpc => grpc_refusal(&client, &cache, &d),
             })
         })
     }
@@ -321,7 +330,11 @@ fn trace_refusal(key: &Key, d: &Decision) {
 }
 
 /// A gRPC refusal: trailers-only (HTTP 200, the status in the headers).
-fn grpc_refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
+fn grpc_refusal<RB: Default>(
+    client: &Client,
+    cache: &RuleHeaderCache,
+    d: &Decision,
+) -> Response<RB> {
     let mut resp = Response::new(RB::default());
     let h = resp.headers_mut();
     h.insert(
@@ -339,7 +352,7 @@ fn grpc_refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
             http::header::RETRY_AFTER,
             HeaderValue::from(retry_after_secs(ms)),
         );
-        add_headers(client, d, h);
+        add_headers(client, cache, d, h);
     }
     resp
 }
@@ -359,7 +372,7 @@ fn percent_encode_message(m: &str) -> String {
 }
 
 /// The response to a request that was not admitted.
-fn refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
+fn refusal<RB: Default>(client: &Client, cache: &RuleHeaderCache, d: &Decision) -> Response<RB> {
     let status = match d.outcome() {
         Outcome::Invalid { .. } => StatusCode::BAD_REQUEST,
         Outcome::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -373,19 +386,24 @@ fn refusal<RB: Default>(client: &Client, d: &Decision) -> Response<RB> {
             http::header::RETRY_AFTER,
             HeaderValue::from(retry_after_secs(ms)),
         );
-        add_headers(client, d, resp.headers_mut());
+        add_headers(client, cache, d, resp.headers_mut());
     }
     resp
 }
 
 /// `RateLimit-Policy`, `RateLimit` and the legacy three for the rule that
 /// decided `d` (nothing when no rule did).
-fn add_headers(client: &Client, d: &Decision, headers: &mut http::HeaderMap) {
+fn add_headers(
+    client: &Client,
+    cache: &RuleHeaderCache,
+    d: &Decision,
+    headers: &mut http::HeaderMap,
+) {
     // Admitted from the leases: the rule is at hand. Otherwise (a slow
     // path answer names its rule by id) it is found in the rules in force.
-    let rules;
-    let rule = match d.rule_in_set() {
-        Some(rule) => rule,
+    let in_force;
+    let (set, i) = match d.rule_slot() {
+        Some(slot) => slot,
         None => {
             let Some(id) = d.rule_id() else {
                 return;
@@ -393,19 +411,81 @@ fn add_headers(client: &Client, d: &Decision, headers: &mut http::HeaderMap) {
             let Some(set) = client.rules() else {
                 return;
             };
-            rules = set;
-            let Some(rule) = rules.rules.iter().find(|r| r.id == id) else {
+            in_force = set;
+            let Some(i) = in_force.rules.iter().position(|r| r.id == id) else {
                 return;
             };
-            rule
+            (&in_force, i)
         }
     };
+    headers.reserve(5);
+    cache.with(set, |c| {
+        for (name, value) in &c.rules[i] {
+            headers.insert(name.clone(), value.clone());
+        }
+    });
     let remaining = if d.allowed() { d.remaining() } else { 0 };
     let ms = d.retry_after().map_or(0, |r| r.as_millis() as u64);
-    for (name, value) in LimitInfo::new(rule, remaining, ms).headers() {
+    for (name, value) in LimitInfo::new(&set.rules[i], remaining, ms).answer_headers() {
         // The string's buffer becomes the value's (no copy).
         if let Ok(v) = HeaderValue::try_from(value) {
             headers.insert(HeaderName::from_static(name), v);
         }
+    }
+}
+
+/// The headers of every rule that depend on the rule alone
+/// (`RateLimit-Policy`, `RateLimit-Limit`), for the rule set in force:
+/// built on the first answer under a rule set, then cloned (a reference
+/// count) instead of formatted on every response. Shared by a layer's
+/// services.
+#[derive(Default)]
+struct RuleHeaderCache(ArcSwapOption<RuleHeaderSet>);
+
+/// One rule set's rule headers, by rule index.
+struct RuleHeaderSet {
+    set: Arc<RuleSet>,
+    rules: Vec<Vec<(HeaderName, HeaderValue)>>,
+}
+
+impl RuleHeaderCache {
+    /// `f` on `set`'s rule headers (built when `set` is not the set
+    /// cached: a rules change replaces the entry).
+    fn with<R>(&self, set: &Arc<RuleSet>, f: impl FnOnce(&RuleHeaderSet) -> R) -> R {
+        let cached = self.0.load();
+        if let Some(c) = cached.as_ref() {
+            if Arc::ptr_eq(&c.set, set) {
+                return f(c);
+            }
+        }
+        drop(cached);
+        let rules = set
+            .rules
+            .iter()
+            .map(|rule| {
+                LimitInfo::new(rule, 0, 0)
+                    .rule_headers()
+                    .into_iter()
+                    .filter_map(|(name, value)| {
+                        Some((
+                            HeaderName::from_static(name),
+                            HeaderValue::try_from(value).ok()?,
+                        ))
+                    })
+                    .collect()
+            })
+            .collect();
+        let built = Arc::new(RuleHeaderSet {
+            set: set.clone(),
+            rules,
+        });
+        self.0.store(Some(built.clone()));
+        f(&built)
+    }
+}
+
+impl std::fmt::Debug for RuleHeaderCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RuleHeaderCache")
     }
 }

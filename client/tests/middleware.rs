@@ -308,3 +308,43 @@ rules:
     }
     assert_eq!(codes, [404, 404, 429]);
 }
+
+#[tokio::test]
+async fn the_headers_follow_a_rules_change() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let layer = RateLimitLayer::new(
+        alloc.client("svc-r").expect("client"),
+        HeaderKey::new("x-tenant"),
+    );
+    let svc = service(&layer);
+    let policy = |resp: &Response<String>| {
+        resp.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let resp = svc
+        .clone()
+        .oneshot(request(Some("acme"), "/api"))
+        .await
+        .expect("infallible");
+    assert_eq!(policy(&resp), "\"api\";q=20;w=2");
+    // Version 2 raises the burst: the policy header says so once the
+    // client has adopted it (the layer's cached rule headers are rebuilt).
+    alloc
+        .set_rules(&RULES.replace("burst: 20", "burst: 30"), 2)
+        .expect("rules v2");
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let resp = svc
+            .clone()
+            .oneshot(request(Some("acme"), "/api"))
+            .await
+            .expect("infallible");
+        if resp.status() == StatusCode::OK && policy(&resp) == "\"api\";q=30;w=3" {
+            break;
+        }
+        assert!(Instant::now() < until, "still {}", policy(&resp));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

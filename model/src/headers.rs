@@ -56,19 +56,38 @@ impl<'a> LimitInfo<'a> {
         Self::new(rule, remaining_of(resp), resp.retry_after_ms)
     }
 
-    /// The five rate-limit headers.
+    /// The five rate-limit headers: [`LimitInfo::rule_headers`], then
+    /// [`LimitInfo::answer_headers`].
     pub fn headers(&self) -> [(&'static str, String); 5] {
-        let p = self.policy;
+        let [policy, limit] = self.rule_headers();
+        let [ratelimit, remaining, reset] = self.answer_headers();
+        [policy, ratelimit, limit, remaining, reset]
+    }
+
+    /// The headers that depend on the rule alone (`RateLimit-Policy`,
+    /// `RateLimit-Limit`): the same on every answer of a rule, so a caller
+    /// may build them once per rule.
+    pub fn rule_headers(&self) -> [(&'static str, String); 2] {
         [
             (
                 "ratelimit-policy",
-                format!("\"{p}\";q={};w={}", self.quota, self.window_s),
-            ),
-            (
-                "ratelimit",
-                format!("\"{p}\";r={};t={}", self.remaining, self.reset_s),
+                format!("\"{}\";q={};w={}", self.policy, self.quota, self.window_s),
             ),
             ("ratelimit-limit", self.quota.to_string()),
+        ]
+    }
+
+    /// The headers that depend on the answer (`RateLimit`,
+    /// `RateLimit-Remaining`, `RateLimit-Reset`).
+    pub fn answer_headers(&self) -> [(&'static str, String); 3] {
+        [
+            (
+                "ratelimit",
+                format!(
+                    "\"{}\";r={};t={}",
+                    self.policy, self.remaining, self.reset_s
+                ),
+            ),
             ("ratelimit-remaining", self.remaining.to_string()),
             ("ratelimit-reset", self.reset_s.to_string()),
         ]

@@ -47,9 +47,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quotalease_agent::agent::{Agent, AgentConfig, CheckError, CheckInput, FastAdmit, Step};
+use quotalease_agent::core::EmergencyConfig;
 use quotalease_agent::transport::{GrpcTransport, Transport};
-use quotalease_model::rules::RuleSet;
 use quotalease_proto::v1::{CheckResponse, Reason};
+
+/// The rule set type [`Builder::bootstrap_rules`] takes
+/// (`RuleSet::parse(yaml, source_name, version)` reads SPEC §4 YAML).
+pub use quotalease_model::rules::RuleSet;
 
 #[cfg(feature = "tower")]
 pub mod middleware;
@@ -395,6 +399,7 @@ pub struct Builder {
     deadline: Duration,
     lease_ttl: Option<Duration>,
     cluster: String,
+    emergency: EmergencyConfig,
     admission_log: Option<PathBuf>,
     #[cfg(feature = "testing")]
     in_process: Option<testing::InProcessAllocator>,
@@ -411,6 +416,7 @@ impl Default for Builder {
             deadline: AgentConfig::default().fetch_timeout,
             lease_ttl: None,
             cluster: String::new(),
+            emergency: EmergencyConfig::default(),
             admission_log: None,
             #[cfg(feature = "testing")]
             in_process: None,
@@ -483,6 +489,25 @@ impl Builder {
         self
     }
 
+    /// Fail policy `open` (SPEC §6): the rate of the emergency bucket a
+    /// key admits through once its lease is spent while the allocator is
+    /// out of reach, as a fraction of the rule's rate in (0, 1] (default:
+    /// this process's recent share of the rule's rate, as the sidecar's
+    /// `--emergency-rate`). The rule's policy itself is the rule's: a
+    /// client cannot turn `closed` into `open`.
+    pub fn emergency_rate(mut self, fraction: f64) -> Self {
+        self.emergency.rate_fraction = Some(fraction);
+        self
+    }
+
+    /// [`Builder::emergency_rate`]'s burst: the emergency bucket's burst
+    /// as a fraction of the rule's burst in (0, 1] (default: the rule's
+    /// burst over its holders; the sidecar's `--emergency-burst`).
+    pub fn emergency_burst(mut self, fraction: f64) -> Self {
+        self.emergency.burst_fraction = Some(fraction);
+        self
+    }
+
     /// Test-only: append every admission (time, key, cost) to `path`, as
     /// the sidecar's test admission log does (flushed on
     /// [`Client::shutdown`]); end-to-end tests check the bound over every
@@ -518,12 +543,17 @@ impl Builder {
                 .agent_id
                 .unwrap_or_else(|| format!("client-{}", std::process::id())),
             cluster: self.cluster,
+            emergency: self.emergency,
             admission_log: self.admission_log,
             ..AgentConfig::default()
         };
         if let Some(ttl) = self.lease_ttl {
             cfg.lease_ttl = ttl;
         }
+        cfg.validate().map_err(|e| Error::Invalid {
+            field: builder_setting(e.setting),
+            reason: e.reason,
+        })?;
         let transport: Arc<dyn Transport> = {
             #[cfg(feature = "testing")]
             let in_process = self.in_process;
@@ -583,6 +613,17 @@ impl Builder {
             agent,
             deadline: self.deadline,
         })
+    }
+}
+
+/// The builder setting behind an agent setting (named as its sidecar flag).
+fn builder_setting(agent_setting: &'static str) -> &'static str {
+    match agent_setting {
+        "--lease-ttl" => "lease_ttl",
+        "--agent-id" => "agent_id",
+        "--emergency-rate" => "emergency_rate",
+        "--emergency-burst" => "emergency_burst",
+        other => other,
     }
 }
 

@@ -376,3 +376,54 @@ async fn a_refusal_becomes_a_tonic_status() {
     );
     client.shutdown().await;
 }
+
+#[tokio::test]
+async fn fail_open_admits_through_an_emergency_bucket_of_the_size_asked() {
+    // Nothing listens on port 1: the allocator is out of reach from the
+    // start, and the bootstrap rule is fail-open.
+    let rules = quotalease_client::RuleSet::parse(
+        "rules:\n  - id: open\n    match: { tenant: \"*\", route: /api }\n    rate: 1/m\n    burst: 10\n    fail_policy: open\n",
+        "rules",
+        0,
+    )
+    .expect("rules");
+    let client = Client::builder()
+        .allocator("http://127.0.0.1:1")
+        .bootstrap_rules(rules)
+        .emergency_burst(0.5)
+        .build()
+        .expect("client");
+    let key = Key::new("t10", "/api");
+    let mut outcomes = Vec::new();
+    for _ in 0..7 {
+        outcomes.push(client.check(&key, 1).await.outcome().clone());
+    }
+    // Half the burst through the emergency bucket, counted as such; then
+    // the bucket is empty (1/m refills nothing meanwhile).
+    let allowed = outcomes
+        .iter()
+        .filter(|o| **o == Outcome::FailureModeAllowed)
+        .count();
+    assert_eq!(allowed, 5, "{outcomes:?}");
+    assert!(
+        outcomes[5..]
+            .iter()
+            .all(|o| *o != Outcome::FailureModeAllowed),
+        "{outcomes:?}"
+    );
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn emergency_fractions_outside_zero_to_one_are_refused_by_name() {
+    for (builder, field) in [
+        (Client::builder().emergency_rate(1.5), "emergency_rate"),
+        (Client::builder().emergency_burst(0.0), "emergency_burst"),
+        (Client::builder().emergency_rate(f64::NAN), "emergency_rate"),
+    ] {
+        match builder.allocator("http://127.0.0.1:1").build() {
+            Err(Error::Invalid { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("expected {field} named, got {other:?}"),
+        }
+    }
+}

@@ -144,6 +144,20 @@ impl AgentConfig {
                 reason: "must be greater than zero".into(),
             });
         }
+        let fractions = [
+            ("--emergency-rate", self.emergency.rate_fraction),
+            ("--emergency-burst", self.emergency.burst_fraction),
+        ];
+        for (setting, f) in fractions {
+            if let Some(f) = f {
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(ConfigError {
+                        setting,
+                        reason: format!("{f} is not a fraction in (0, 1]"),
+                    });
+                }
+            }
+        }
         Ok(())
     }
 }

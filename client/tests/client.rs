@@ -427,3 +427,24 @@ async fn emergency_fractions_outside_zero_to_one_are_refused_by_name() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_retry_with_the_same_request_id_is_charged_once() {
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let client = alloc.client("svc-k").expect("client");
+    let key = Key::new("t11", "/login");
+    // 1/m burst 2: the same request retried three times is one token.
+    for _ in 0..3 {
+        let d = client.check_with_id(&key, 1, "req-1").await;
+        assert!(d.allowed(), "{d:?}");
+    }
+    assert!(client.check_with_id(&key, 1, "req-2").await.allowed());
+    let d = client.check_with_id(&key, 1, "req-3").await;
+    assert!(
+        !d.allowed(),
+        "the burst of 2 is spent by two requests: {d:?}"
+    );
+    // A replay answers as the first time, even now.
+    assert!(client.check_with_id(&key, 1, "req-1").await.allowed());
+    client.shutdown().await;
+}

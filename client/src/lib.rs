@@ -693,17 +693,25 @@ impl Client {
     /// [`Client::check`] with a request id: a retry of the same id within a
     /// minute is answered with the first answer and charged once.
     pub async fn check_with_id(&self, key: &Key, cost: u32, request_id: &str) -> Decision {
-        let input = key.input(cost, request_id);
         if request_id.is_empty() {
-            if let Some(f) = self.agent.check_fast(&input) {
-                return Decision::from_fast(f, &self.agent);
+            if let Some(d) = self.check_fast(key, cost) {
+                return d;
             }
         }
+        let input = key.input(cost, request_id);
         let deadline = tokio::time::Instant::now() + self.deadline;
         // Just built, the client may not know the rules yet: the first
         // answer from the allocator brings them, within the deadline.
         self.rules_by(deadline).await;
         Decision::from_answer(self.agent.check_by(input, Some(deadline)).await)
+    }
+
+    /// The fast path alone: `Some` when the leases held admit the check
+    /// now (the first step of [`Client::check`] without a request id).
+    pub(crate) fn check_fast(&self, key: &Key, cost: u32) -> Option<Decision> {
+        self.agent
+            .check_fast(&key.input(cost, ""))
+            .map(|f| Decision::from_fast(f, &self.agent))
     }
 
     /// Wait until the rules are known or `deadline` passes.

@@ -272,15 +272,29 @@ where
         // clone stays for the next (tower's usual swap).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let key = self.extractor.extract(&req);
-        let client = self.client.clone();
+        let Some((key, cost)) = self.extractor.extract(&req) else {
+            return Box::pin(inner.call(req));
+        };
         let headers_on_admitted = self.headers_on_admitted;
+        // Admitted from the leases held (the common case): decided here,
+        // and the future carries the inner call alone.
+        if let Some(d) = self.client.check_fast(&key, cost) {
+            let fut = inner.call(req);
+            if !headers_on_admitted {
+                return Box::pin(fut);
+            }
+            let client = self.client.clone();
+            let cache = self.rule_headers.clone();
+            return Box::pin(async move {
+                let mut resp = fut.await?;
+                add_headers(&client, &cache, &d, resp.headers_mut());
+                Ok(resp)
+            });
+        }
+        let client = self.client.clone();
         let protocol = self.protocol;
         let cache = self.rule_headers.clone();
         Box::pin(async move {
-            let Some((key, cost)) = key else {
-                return inner.call(req).await;
-            };
             let d = client.check(&key, cost).await;
             if d.allowed() {
                 let mut resp = inner.call(req).await?;

@@ -1,5 +1,6 @@
 //! `examples/tonic_tenant_limit.rs` run as two processes against one real
-//! allocator process, called by real tonic clients over HTTP/2: both
+//! allocator process, called by real tonic clients over HTTP/2 with
+//! hundreds of calls in flight: both
 //! instances' admissions together stay within `B + R*T` over every window
 //! (exact, from their admission logs, which must agree with the calls
 //! that succeeded), and refusals are `RESOURCE_EXHAUSTED` naming the rule,
@@ -72,10 +73,11 @@ async fn two_instances_of_the_tonic_example_share_one_global_limit() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Then 16 tasks over both instances for 3 s, far above 20/s.
+    // Then 256 tasks over both instances for 3 s (hundreds of calls in
+    // flight on two HTTP/2 connections), far above 20/s.
     let oks = Arc::new(AtomicU64::new(ok));
     let denials = Arc::new(AtomicU64::new(0));
-    let tasks: Vec<_> = (0..16)
+    let tasks: Vec<_> = (0..256)
         .map(|i| {
             let (oks, denials) = (oks.clone(), denials.clone());
             let mut client = clients[i % 2].clone();

@@ -31,6 +31,41 @@
 //! # Ok(()) }
 //! ```
 //!
+//! In tests, the `testing` feature runs the real allocator core in this
+//! process, on a clock the test controls (here tokio's, paused):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use quotalease_client::testing::{InProcessAllocator, TokioClock};
+//!
+//! let alloc = InProcessAllocator::from_yaml_with_clock(
+//!     r#"
+//! rules:
+//!   - id: orders
+//!     match: { tenant: "*", route: /v1/orders }
+//!     rate: 10/s
+//!     burst: 20
+//! "#,
+//!     TokioClock::new(),
+//! )
+//! .unwrap();
+//! let client = alloc.client("orders-test").unwrap();
+//! assert!(client.ready(Duration::from_secs(1)).await); // the rules are known
+//! let orders = client.key("tenant-42", "/v1/orders").unwrap(); // a hot key's handle
+//! let mut admitted = 0;
+//! for _ in 0..30 {
+//!     admitted += u32::from(orders.check(1).await.allowed());
+//! }
+//! assert_eq!(admitted, 20); // the burst, and no more at one instant
+//! tokio::time::advance(Duration::from_millis(1010)).await;
+//! let d = client.check(orders.key(), 10).await; // ten tokens refilled
+//! assert!(d.allowed());
+//! client.shutdown().await;
+//! # }
+//! ```
+//!
 //! **Every process that embeds a client is a holder.** An allocator
 //! shares a key's burst among its holders (SPEC §2's ranges count them):
 //! a service with 50 replicas holding leases of a `5/m burst 5` rule needs
@@ -679,6 +714,16 @@ impl Client {
             }),
             Err(e) => Err(Decision::from_answer(Err(e))),
         }
+    }
+
+    /// [`Client::resolve`] of the key of `tenant` on `route`: a handle for
+    /// a hot key (once the rules are known: [`Client::ready`]).
+    pub fn key(
+        &self,
+        tenant: impl Into<String>,
+        route: impl Into<String>,
+    ) -> Result<ResolvedKey, Decision> {
+        self.resolve(&Key::new(tenant, route))
     }
 
     /// Decide a check of `cost` tokens on `key`, waiting for a grant when

@@ -1404,22 +1404,28 @@ impl KeyLedger {
             .filter(move |d| d.want_rate > 0 && !(crowded && d.starved))
     }
 
-    /// Water-filling level: the largest share `L` such that giving every
-    /// active holder `min(want, L)` fits in `avail`.
+    /// Water-filling level over the active holders' wants.
     fn fair_level(&self, avail: u64) -> u64 {
-        let mut wants: Vec<u64> = self.demand.iter().map(|d| d.want).collect();
-        wants.sort_unstable();
-        let mut left = avail;
-        let n = wants.len() as u64;
-        for (i, w) in wants.iter().enumerate() {
-            let share = left / (n - i as u64);
-            if *w > share {
-                return share.max(u64::from(left > 0 && share == 0));
-            }
-            left -= w;
-        }
-        u64::MAX
+        water_level(self.demand.iter().map(|d| d.want).collect(), avail)
     }
+}
+
+/// Water-filling level: the largest share `L` such that giving every one
+/// of `wants` `min(want, L)` fits in `avail` (`u64::MAX`: all fit; at
+/// least 1 while anything is left). The token ledger's fair share and the
+/// slot ledger's max-min share.
+pub(crate) fn water_level(mut wants: Vec<u64>, avail: u64) -> u64 {
+    wants.sort_unstable();
+    let mut left = avail;
+    let n = wants.len() as u64;
+    for (i, w) in wants.iter().enumerate() {
+        let share = left / (n - i as u64);
+        if *w > share {
+            return share.max(u64::from(left > 0 && share == 0));
+        }
+        left -= w;
+    }
+    u64::MAX
 }
 
 /// Fine units per nanosecond the root's bucket refills at: `R` slowed by

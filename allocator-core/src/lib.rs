@@ -6,7 +6,8 @@
 //!
 //! [`ledger`] the per-key ledger; [`core`] the allocator state machine;
 //! [`regional`] the regional allocator (chains of parent leases over a
-//! pooled core); [`reservations`] the write-ahead promises; [`term`] how a
+//! pooled core); [`reservations`] the write-ahead promises; [`slots`] the slot ledger of a
+//! concurrency key (permits, not wired in yet); [`term`] how a
 //! start or an election resumes from what is durable; [`durable`] the
 //! durable formats; [`leadership`] the serving gate of `--etcd` replicas.
 #![warn(missing_docs)]
@@ -18,4 +19,5 @@ pub mod leadership;
 pub mod ledger;
 pub mod regional;
 pub mod reservations;
+pub mod slots;
 pub mod term;

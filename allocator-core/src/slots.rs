@@ -1,0 +1,236 @@
+//! The slot ledger of a concurrency rule's key (SPEC §2 I4, §4
+//! `concurrency`; docs/permits.md): `N` slots lent to holders as slot
+//! leases. Sans-IO like the token ledger: time is an argument.
+//!
+//! Not wired in yet: no rule kind, message or agent uses it (issue 34 is
+//! being built in steps; docs/permits.md says which are done).
+//!
+//! * **Held** is the slots of the unexpired leases. A grant never takes it
+//!   above `max(N, held before the grant)`: kept slots are never cut, and
+//!   fresh ones only fill `N - held`.
+//! * **Ask** `(holder, lease_id, keep, want)`: the holder keeps
+//!   `min(keep, lease.slots)` of the lease it names (the rest is free at
+//!   once: the holder promised, when it sent the ask, to run at most `keep`
+//!   permits from then on) and gets up to `want` fresh slots: at most
+//!   `N - held` and at most its max-min share (water-filling over the
+//!   demand, kept plus wanted, of the holders that asked within the last
+//!   second). The new lease replaces the old one in the same step, so kept
+//!   slots are counted continuously.
+//! * **Release** frees a lease's slots at once (the holder sends it when no
+//!   permit stands on it); **expiry** frees them at the lease's expiry.
+//!   Unlike tokens, slots always come back.
+//! * **After a restart** the phantom holds all `N` until every lease a
+//!   predecessor could have granted has expired ([`SlotLedger::after_restart`]).
+//! * **Fencing**: each grant hands out as many numbers of a per-key counter
+//!   as it grants fresh slots, from `fence_first`; the counter starts at a
+//!   base the caller makes larger than any predecessor's (its run number in
+//!   the high bits).
+
+use crate::ledger::{water_level, HolderId, PHANTOM};
+
+/// How long a holder's demand counts for max-min shares after it asked.
+pub const ACTIVE_WINDOW_NS: u64 = 1_000_000_000;
+
+/// One unexpired slot lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotLease {
+    /// Lease id (unique per key; 0 is the phantom's).
+    pub id: u64,
+    /// Who holds it.
+    pub holder: HolderId,
+    /// Slots lent.
+    pub slots: u64,
+    /// Allocator-clock instant at which its slots are free again.
+    pub expires_ns: u64,
+}
+
+/// A holder's ask for one key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotAsk {
+    /// Holder asking.
+    pub holder: HolderId,
+    /// The lease it renews (0: none).
+    pub lease_id: u64,
+    /// Slots of that lease it keeps (at most the lease's).
+    pub keep: u64,
+    /// Fresh slots it wants on top.
+    pub want: u64,
+    /// Lifetime of the new lease.
+    pub ttl_ns: u64,
+    /// Id to give the new lease.
+    pub new_id: u64,
+}
+
+/// What an ask produced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotGrant {
+    /// The new lease's id; 0 when the holder now holds nothing.
+    pub lease_id: u64,
+    /// Slots of the new lease (kept + fresh).
+    pub slots: u64,
+    /// Of which kept from the renewed lease.
+    pub kept: u64,
+    /// Of which fresh.
+    pub fresh: u64,
+    /// The new lease's expiry (allocator clock).
+    pub expires_ns: u64,
+    /// The first of the `fresh` fencing numbers handed out.
+    pub fence_first: u64,
+    /// Some holder that asked within the window still misses slots: give
+    /// back the ones no permit uses, and report a release at once.
+    pub contended: bool,
+    /// More slots are held than `N` (after a lowering): start new permits
+    /// only on fresh slots.
+    pub over: bool,
+}
+
+/// A holder's demand (kept + wanted at its last ask) and when it asked.
+#[derive(Clone, Copy, Debug)]
+struct Demand {
+    holder: HolderId,
+    demand: u64,
+    missing: u64,
+    at_ns: u64,
+}
+
+/// One concurrency key's slots.
+#[derive(Clone, Debug)]
+pub struct SlotLedger {
+    n: u64,
+    leases: Vec<SlotLease>,
+    demand: Vec<Demand>,
+    next_fence: u64,
+}
+
+impl SlotLedger {
+    /// `n` free slots; fencing numbers from `fence_base`.
+    pub fn new(n: u64, fence_base: u64) -> Self {
+        Self {
+            n,
+            leases: Vec::new(),
+            demand: Vec::new(),
+            next_fence: fence_base,
+        }
+    }
+
+    /// A ledger that cannot know what a predecessor lent: the phantom
+    /// holds all `n` slots until `until_ns` (when every lease it could
+    /// have granted has expired).
+    pub fn after_restart(n: u64, fence_base: u64, until_ns: u64) -> Self {
+        let mut l = Self::new(n, fence_base);
+        l.leases.push(SlotLease {
+            id: 0,
+            holder: PHANTOM,
+            slots: n,
+            expires_ns: until_ns,
+        });
+        l
+    }
+
+    /// `N` in force.
+    pub fn n(&self) -> u64 {
+        self.n
+    }
+
+    /// Change `N`. Kept slots stay; fresh ones are granted only while
+    /// `held < N` (I4 against `max(N_old, N_new)` until the old permits
+    /// are gone).
+    pub fn set_n(&mut self, n: u64) {
+        self.n = n;
+    }
+
+    /// The unexpired leases (as of the last [`SlotLedger::advance`]).
+    pub fn leases(&self) -> &[SlotLease] {
+        &self.leases
+    }
+
+    /// Slots held (as of the last [`SlotLedger::advance`]).
+    pub fn held(&self) -> u64 {
+        self.leases.iter().map(|l| l.slots).sum()
+    }
+
+    /// Drop the leases expired at `now_ns` (their slots are free) and
+    /// forget demand older than the window.
+    pub fn advance(&mut self, now_ns: u64) {
+        self.leases.retain(|l| l.expires_ns > now_ns);
+        self.demand
+            .retain(|d| d.at_ns.saturating_add(ACTIVE_WINDOW_NS) > now_ns);
+    }
+
+    /// Renew and/or ask for slots (see the module docs).
+    pub fn ask(&mut self, now_ns: u64, ask: SlotAsk) -> SlotGrant {
+        self.advance(now_ns);
+        let old = (ask.lease_id != 0)
+            .then(|| {
+                self.leases
+                    .iter()
+                    .position(|l| l.id == ask.lease_id && l.holder == ask.holder)
+            })
+            .flatten();
+        let kept = old.map_or(0, |i| ask.keep.min(self.leases[i].slots));
+        if let Some(i) = old {
+            self.leases.swap_remove(i);
+        }
+        let held = self.held() + kept;
+        let room = self.n.saturating_sub(held);
+        // Max-min over demand: this holder's demand is what it keeps and
+        // wants; the others' is what they had at their last ask.
+        let demand = kept.saturating_add(ask.want);
+        self.demand.retain(|d| d.holder != ask.holder);
+        let mut demands: Vec<u64> = self.demand.iter().map(|d| d.demand).collect();
+        demands.push(demand);
+        let level = water_level(demands, self.n);
+        let fresh = ask.want.min(room).min(level.saturating_sub(kept));
+        self.demand.push(Demand {
+            holder: ask.holder,
+            demand,
+            missing: ask.want - fresh,
+            at_ns: now_ns,
+        });
+        let slots = kept + fresh;
+        let expires_ns = now_ns.saturating_add(ask.ttl_ns);
+        let lease_id = if slots > 0 {
+            self.leases.push(SlotLease {
+                id: ask.new_id,
+                holder: ask.holder,
+                slots,
+                expires_ns,
+            });
+            ask.new_id
+        } else {
+            0
+        };
+        let fence_first = self.next_fence;
+        self.next_fence = self.next_fence.saturating_add(fresh);
+        SlotGrant {
+            lease_id,
+            slots,
+            kept,
+            fresh,
+            expires_ns: if slots > 0 { expires_ns } else { 0 },
+            fence_first,
+            contended: self.demand.iter().any(|d| d.missing > 0),
+            over: self.held() > self.n,
+        }
+    }
+
+    /// `holder` gives lease `lease_id` back: its slots are free at once.
+    /// Whether it was held (a duplicate or late release changes nothing).
+    pub fn release(&mut self, now_ns: u64, holder: HolderId, lease_id: u64) -> bool {
+        self.advance(now_ns);
+        match self
+            .leases
+            .iter()
+            .position(|l| l.id == lease_id && l.holder == holder && lease_id != 0)
+        {
+            Some(i) => {
+                self.leases.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

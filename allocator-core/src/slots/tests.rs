@@ -1,0 +1,247 @@
+//! The slot ledger: unit cases, and a property test against a model of
+//! what each holder may be using.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const TTL: u64 = 2_000_000_000;
+
+fn ask(holder: HolderId, lease_id: u64, keep: u64, want: u64, new_id: u64) -> SlotAsk {
+    SlotAsk {
+        holder,
+        lease_id,
+        keep,
+        want,
+        ttl_ns: TTL,
+        new_id,
+    }
+}
+
+#[test]
+fn slots_are_lent_up_to_n_and_come_back_on_release_and_expiry() {
+    let mut l = SlotLedger::new(5, 100);
+    let a = l.ask(0, ask(1, 0, 0, 3, 10));
+    assert_eq!(
+        (a.lease_id, a.slots, a.fresh, a.fence_first),
+        (10, 3, 3, 100)
+    );
+    let b = l.ask(1, ask(2, 0, 0, 4, 11));
+    assert_eq!(b.slots, 2, "only N - held = 2 left");
+    assert!(b.contended, "holder 2 still misses 2");
+    assert_eq!(b.fence_first, 103);
+    assert_eq!(l.held(), 5);
+    // Holder 1 releases: its 3 slots are free at once.
+    assert!(l.release(2, 1, 10));
+    assert!(!l.release(3, 1, 10), "a duplicate release changes nothing");
+    assert_eq!(l.held(), 2);
+    // Holder 2's lease expires unrenewed: its slots are free at expiry.
+    l.advance(1 + TTL - 1);
+    assert_eq!(l.held(), 2);
+    l.advance(1 + TTL);
+    assert_eq!(l.held(), 0);
+}
+
+#[test]
+fn kept_slots_are_never_cut_and_the_rest_is_free_at_once() {
+    let mut l = SlotLedger::new(4, 0);
+    let g = l.ask(0, ask(1, 0, 0, 4, 1));
+    assert_eq!(g.slots, 4);
+    // Keep 1 of 4 (one permit runs): 3 free now.
+    let g = l.ask(10, ask(1, 1, 1, 0, 2));
+    assert_eq!((g.lease_id, g.slots, g.kept, g.fresh), (2, 1, 1, 0));
+    assert_eq!(l.held(), 1);
+    // Keep more than the lease had: capped at the lease.
+    let g = l.ask(20, ask(1, 2, 9, 0, 3));
+    assert_eq!(g.kept, 1);
+    // Naming a lease that is not this holder's keeps nothing.
+    let g = l.ask(30, ask(2, 3, 1, 0, 4));
+    assert_eq!((g.lease_id, g.kept), (0, 0));
+    assert_eq!(l.held(), 1);
+}
+
+#[test]
+fn a_lowered_n_keeps_kept_slots_and_grants_nothing_fresh_until_under_it() {
+    let mut l = SlotLedger::new(6, 0);
+    l.ask(0, ask(1, 0, 0, 3, 1));
+    l.ask(0, ask(2, 0, 0, 3, 2));
+    l.set_n(2);
+    // Holder 1 keeps its 3 (permits may stand on them): over N.
+    let g = l.ask(10, ask(1, 1, 3, 1, 3));
+    assert_eq!((g.kept, g.fresh), (3, 0));
+    assert!(g.over);
+    assert_eq!(l.held(), 6);
+    // Holder 2 gives back everything: still 3 > 2 held, nothing fresh.
+    assert!(l.release(20, 2, 2));
+    let g = l.ask(30, ask(2, 0, 0, 1, 4));
+    assert_eq!(g.fresh, 0);
+    // Holder 1 keeps 1: now 1 < 2, one fresh for holder 2.
+    l.ask(40, ask(1, 3, 1, 0, 5));
+    let g = l.ask(50, ask(2, 0, 0, 1, 6));
+    assert_eq!(g.fresh, 1);
+    assert!(!g.over);
+}
+
+#[test]
+fn the_phantom_holds_every_slot_until_its_end() {
+    let mut l = SlotLedger::after_restart(3, 1 << 40, 1_000);
+    assert_eq!(l.ask(999, ask(1, 0, 0, 1, 1)).fresh, 0);
+    let g = l.ask(1_000, ask(1, 0, 0, 1, 2));
+    assert_eq!(g.fresh, 1);
+    assert_eq!(g.fence_first, 1 << 40, "fencing starts above the base");
+}
+
+#[test]
+fn slots_move_to_where_demand_is_max_min() {
+    let mut l = SlotLedger::new(10, 0);
+    // Holder 1 takes all 10 while alone.
+    assert_eq!(l.ask(0, ask(1, 0, 0, 10, 1)).slots, 10);
+    // Holder 2 wants 6: nothing free, contended.
+    let g = l.ask(1, ask(2, 0, 0, 6, 2));
+    assert_eq!(g.fresh, 0);
+    assert!(g.contended);
+    // Holder 1, told so, keeps only its 3 in use (demand 3).
+    let g = l.ask(2, ask(1, 1, 3, 0, 3));
+    assert!(g.contended, "holder 2's want is still unmet");
+    // Holder 2 now gets its 6 (demands 3 and 6 fit in 10).
+    let g = l.ask(3, ask(2, 0, 0, 6, 4));
+    assert_eq!(g.fresh, 6);
+    // A third holder wanting 5: 1 free; max-min level over 3, 6, 5 in 10
+    // is 3, so it gets 1 now (all that is free) and more as 2 gives back.
+    let g = l.ask(4, ask(3, 0, 0, 5, 5));
+    assert_eq!(g.fresh, 1);
+    // Holder 2 renews keeping 6 and asking nothing: level 3 < its 6; it
+    // is told others wait.
+    let g = l.ask(5, ask(2, 4, 6, 0, 6));
+    assert!(g.contended);
+}
+
+/// One step of a holder's or the clock's life.
+#[derive(Clone, Debug)]
+enum Op {
+    /// Holder `h` asks, keeping `keep` (drawn 0..=slots+1) and wanting
+    /// `want`; the reply is lost when `lost`.
+    Ask {
+        h: HolderId,
+        keep: u64,
+        want: u64,
+        lost: bool,
+    },
+    /// Holder `h` releases its lease (`dup`: the previous one, again).
+    Release { h: HolderId, dup: bool },
+    /// Time passes.
+    Wait { ns: u64 },
+    /// `N` changes.
+    SetN { n: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..4, 0u64..8, 0u64..6, proptest::bool::weighted(0.2))
+            .prop_map(|(h, keep, want, lost)| Op::Ask { h, keep, want, lost }),
+        1 => (0u32..4, any::<bool>()).prop_map(|(h, dup)| Op::Release { h, dup }),
+        3 => (0u64..TTL).prop_map(|ns| Op::Wait { ns }),
+        1 => (1u64..8).prop_map(|n| Op::SetN { n }),
+    ]
+}
+
+/// What a holder believes it holds, and the most it may run on it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Holder {
+    /// The lease it knows of (id, slots, expiry), from its last reply.
+    known: Option<(u64, u64, u64)>,
+    /// Its promise since an ask whose reply was lost: at most this many.
+    promise: Option<u64>,
+    /// The lease it released last (for duplicate releases).
+    released: Option<u64>,
+}
+
+impl Holder {
+    /// The most slots it may be running at `t`.
+    fn usable(&self, t: u64) -> u64 {
+        match self.known {
+            Some((_, slots, exp)) if t < exp => slots.min(self.promise.unwrap_or(u64::MAX)),
+            _ => 0,
+        }
+    }
+}
+
+/// The ledger's count of `h`'s slots at `t` (without advancing it).
+fn counted(l: &SlotLedger, h: HolderId, t: u64) -> u64 {
+    l.leases()
+        .iter()
+        .filter(|x| x.holder == h && x.expires_ns > t)
+        .map(|x| x.slots)
+        .sum()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn the_ledger_counts_every_slot_a_holder_may_run_and_never_grants_past_n(
+        n0 in 1u64..8,
+        ops in proptest::collection::vec(op(), 1..80),
+    ) {
+        let mut l = SlotLedger::new(n0, 0);
+        let mut holders: HashMap<HolderId, Holder> = HashMap::new();
+        let mut now = 0u64;
+        let mut next_id = 1u64;
+        let mut fences = 0u64;
+        for op in ops {
+            match op {
+                Op::Ask { h, keep, want, lost } => {
+                    let st = holders.entry(h).or_default();
+                    let lease_id = st.known.map_or(0, |k| k.0);
+                    let before = { l.advance(now); l.held() };
+                    let g = l.ask(now, ask(h, lease_id, keep, want, next_id));
+                    next_id += 1;
+                    // Never past max(N, held before).
+                    prop_assert!(l.held() <= l.n().max(before),
+                        "held {} > max(N {}, before {})", l.held(), l.n(), before);
+                    prop_assert!(g.fresh <= want);
+                    prop_assert_eq!(g.fence_first, fences);
+                    fences += g.fresh;
+                    // The holder promised at most `keep` from the send.
+                    let st = holders.get_mut(&h).expect("holder");
+                    if lost {
+                        st.promise = Some(st.promise.unwrap_or(u64::MAX).min(keep));
+                    } else {
+                        st.known = (g.lease_id != 0).then_some((g.lease_id, g.slots, g.expires_ns));
+                        st.promise = None;
+                    }
+                }
+                Op::Release { h, dup } => {
+                    let st = holders.entry(h).or_default();
+                    if dup {
+                        if let Some(id) = st.released {
+                            prop_assert!(!l.release(now, h, id), "a duplicate release applied");
+                        }
+                    } else if let Some((id, _, _)) = st.known.take() {
+                        l.release(now, h, id);
+                        st.released = Some(id);
+                        st.promise = None;
+                    }
+                }
+                Op::Wait { ns } => now += ns,
+                Op::SetN { n } => l.set_n(n),
+            }
+            // At now, and just before every expiry the holders know of,
+            // the ledger counts at least what each holder may run.
+            l.advance(now);
+            let mut instants = vec![now];
+            instants.extend(holders.values().filter_map(|s| s.known.map(|k| k.2.saturating_sub(1))).filter(|t| *t >= now));
+            for t in instants {
+                for (h, st) in &holders {
+                    prop_assert!(counted(&l, *h, t) >= st.usable(t),
+                        "holder {h} may run {} at {t}, the ledger counts {}", st.usable(t), counted(&l, *h, t));
+                }
+            }
+        }
+        // Nothing leaks: once every lease has expired, all slots are free.
+        l.advance(now + 2 * TTL);
+        prop_assert_eq!(l.held(), 0);
+    }
+}

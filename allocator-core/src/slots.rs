@@ -21,10 +21,12 @@
 //!   Unlike tokens, slots always come back.
 //! * **After a restart** the phantom holds all `N` until every lease a
 //!   predecessor could have granted has expired ([`SlotLedger::after_restart`]).
-//! * **Fencing**: each grant hands out as many numbers of a per-key counter
-//!   as it grants fresh slots, from `fence_first`; the counter starts at a
-//!   base the caller makes larger than any predecessor's (its run number in
-//!   the high bits).
+//! * **Fencing**: each grant of slots takes the next number of a per-key
+//!   counter (`fence`); the holder stamps its permits on that lease with
+//!   `fence << 20 | a local sequence number`, so a permit stamped on a
+//!   later grant carries a larger token. The counter starts at a base the
+//!   caller makes larger than any predecessor's (its run number in the
+//!   high bits).
 
 use crate::ledger::{water_level, HolderId, PHANTOM};
 
@@ -74,8 +76,9 @@ pub struct SlotGrant {
     pub fresh: u64,
     /// The new lease's expiry (allocator clock).
     pub expires_ns: u64,
-    /// The first of the `fresh` fencing numbers handed out.
-    pub fence_first: u64,
+    /// The grant's fencing number (see the module docs; 0 when nothing is
+    /// held).
+    pub fence: u64,
     /// Some holder that asked within the window still misses slots: give
     /// back the ones no permit uses, and report a release at once.
     pub contended: bool,
@@ -200,15 +203,19 @@ impl SlotLedger {
         } else {
             0
         };
-        let fence_first = self.next_fence;
-        self.next_fence = self.next_fence.saturating_add(fresh);
+        let fence = if slots > 0 {
+            self.next_fence = self.next_fence.saturating_add(1);
+            self.next_fence
+        } else {
+            0
+        };
         SlotGrant {
             lease_id,
             slots,
             kept,
             fresh,
             expires_ns: if slots > 0 { expires_ns } else { 0 },
-            fence_first,
+            fence,
             contended: self.demand.iter().any(|d| d.missing > 0),
             over: self.held() > self.n,
         }

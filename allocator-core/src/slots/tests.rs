@@ -24,14 +24,11 @@ fn ask(holder: HolderId, lease_id: u64, keep: u64, want: u64, new_id: u64) -> Sl
 fn slots_are_lent_up_to_n_and_come_back_on_release_and_expiry() {
     let mut l = SlotLedger::new(5, 100);
     let a = l.ask(0, ask(1, 0, 0, 3, 10));
-    assert_eq!(
-        (a.lease_id, a.slots, a.fresh, a.fence_first),
-        (10, 3, 3, 100)
-    );
+    assert_eq!((a.lease_id, a.slots, a.fresh, a.fence), (10, 3, 3, 101));
     let b = l.ask(1, ask(2, 0, 0, 4, 11));
     assert_eq!(b.slots, 2, "only N - held = 2 left");
     assert!(b.contended, "holder 2 still misses 2");
-    assert_eq!(b.fence_first, 103);
+    assert_eq!(b.fence, 102);
     assert_eq!(l.held(), 5);
     // Holder 1 releases: its 3 slots are free at once.
     assert!(l.release(2, 1, 10));
@@ -90,7 +87,7 @@ fn the_phantom_holds_every_slot_until_its_end() {
     assert_eq!(l.ask(999, ask(1, 0, 0, 1, 1)).fresh, 0);
     let g = l.ask(1_000, ask(1, 0, 0, 1, 2));
     assert_eq!(g.fresh, 1);
-    assert_eq!(g.fence_first, 1 << 40, "fencing starts above the base");
+    assert_eq!(g.fence, (1 << 40) + 1, "fencing starts above the base");
 }
 
 #[test]
@@ -189,7 +186,7 @@ proptest! {
         let mut holders: HashMap<HolderId, Holder> = HashMap::new();
         let mut now = 0u64;
         let mut next_id = 1u64;
-        let mut fences = 0u64;
+        let mut fence = 0u64;
         for op in ops {
             match op {
                 Op::Ask { h, keep, want, lost } => {
@@ -202,8 +199,13 @@ proptest! {
                     prop_assert!(l.held() <= l.n().max(before),
                         "held {} > max(N {}, before {})", l.held(), l.n(), before);
                     prop_assert!(g.fresh <= want);
-                    prop_assert_eq!(g.fence_first, fences);
-                    fences += g.fresh;
+                    // Each grant of slots takes a larger fencing number.
+                    if g.slots > 0 {
+                        prop_assert!(g.fence > fence);
+                        fence = g.fence;
+                    } else {
+                        prop_assert_eq!(g.fence, 0);
+                    }
                     // The holder promised at most `keep` from the send.
                     let st = holders.get_mut(&h).expect("holder");
                     if lost {

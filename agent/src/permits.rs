@@ -1,0 +1,353 @@
+//! An agent's permits on one concurrency key (issue 34, docs/permits.md):
+//! a local semaphore over the slot leases the agent holds. Sans-IO like
+//! the agent's core: time is the agent's clock in ns, passed in; a driver
+//! (not built yet) wraps one of these per key in a mutex and carries its
+//! asks to the allocator and the grants back.
+//!
+//! * Permits stand on a slot lease and never outlive its use-by
+//!   (`first send of the ask + TTL(1 - 2 rho) - epsilon`, the token
+//!   leases' formula), which falls before the allocator's expiry of that
+//!   lease in true time: while a permit is valid, the allocator counts its
+//!   slots.
+//! * New permits go on the current lease only, while its slots cover
+//!   them; a lease superseded by a grant keeps the permits that could not
+//!   move to the new one until they end.
+//! * **The promise**: once an ask keeping `k` slots of the current lease is
+//!   sent, at most `k` permits run on it until the grant arrives (so a lost
+//!   reply is safe: the allocator counts the `k` kept slots, or the old
+//!   lease if the ask never arrived).
+//! * Acquires wait in arrival order; renewing cannot extend a permit past
+//!   its lease's use-by or `max_hold`; a permit past its expiry is gone
+//!   (renewing it answers [`RenewError::Expired`]) and its slots are free
+//!   from its expiry, never before; release is idempotent.
+
+use std::collections::VecDeque;
+
+use quotalease_model::protocol::use_by_ns;
+
+/// Bits of a permit's fencing token taken by the local sequence number.
+pub const FENCE_LOCAL_BITS: u32 = 20;
+
+/// A key's permit settings (from its rule, and the agent's lease TTL).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PermitSettings {
+    /// `N` of the rule: the most slots one acquire may ask for.
+    pub n: u64,
+    /// A permit expires unless renewed within this.
+    pub permit_ttl_ns: u64,
+    /// The longest a permit may be held in total.
+    pub max_hold_ns: u64,
+    /// Lease TTL asked for.
+    pub lease_ttl_ns: u64,
+    /// Stall allowance (`epsilon`).
+    pub epsilon_ns: u64,
+}
+
+/// A permit held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Permit {
+    /// Id (unique per key and incarnation of the agent).
+    pub id: u64,
+    /// Slots it takes.
+    pub slots: u64,
+    /// When it was acquired (agent clock).
+    pub acquired_ns: u64,
+    /// When it expires unless renewed (agent clock).
+    pub expiry_ns: u64,
+    /// Fencing token: grows with the grant its lease came from.
+    pub fence: u64,
+    /// The slot lease it stands on.
+    pub lease_id: u64,
+}
+
+/// An acquire that could not be granted at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcquireError {
+    /// More slots than the rule's `N` (or 0): never grantable.
+    Invalid,
+    /// Queued as this waiter; [`PermitKey::serve_waiters`] grants it.
+    Queued(u64),
+}
+
+/// A renew that did not extend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RenewError {
+    /// The permit is past its expiry (or was released): never revived.
+    Expired,
+}
+
+/// A slot lease held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    id: u64,
+    slots: u64,
+    use_by_ns: u64,
+    fence: u64,
+}
+
+/// An ask sent and not answered yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SentAsk {
+    /// The lease it renews (0: none).
+    pub lease_id: u64,
+    /// Slots of it kept.
+    pub keep: u64,
+    /// Fresh slots wanted.
+    pub want: u64,
+    /// When it was first sent (agent clock): the use-by of its grant
+    /// counts from here.
+    pub first_send_ns: u64,
+}
+
+/// What the allocator granted for an ask (its `SlotGrant`, as received).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Granted {
+    /// The new lease (0: none).
+    pub lease_id: u64,
+    /// Its slots.
+    pub slots: u64,
+    /// Of which kept from the lease the ask named.
+    pub kept: u64,
+    /// The grant's fencing number.
+    pub fence: u64,
+}
+
+/// One key's permits at one agent.
+#[derive(Clone, Debug)]
+pub struct PermitKey {
+    settings: PermitSettings,
+    /// The current lease (new permits go here), if any.
+    current: Option<Held>,
+    /// Superseded leases that still have permits standing on them.
+    older: Vec<Held>,
+    /// The ask in flight on the current lease, if any.
+    sent: Option<SentAsk>,
+    permits: Vec<Permit>,
+    waiting: VecDeque<(u64, u64)>,
+    next_id: u64,
+    next_local_fence: u64,
+}
+
+impl PermitKey {
+    /// No lease, no permits.
+    pub fn new(settings: PermitSettings) -> Self {
+        Self {
+            settings,
+            current: None,
+            older: Vec::new(),
+            sent: None,
+            permits: Vec::new(),
+            waiting: VecDeque::new(),
+            next_id: 1,
+            next_local_fence: 0,
+        }
+    }
+
+    /// The permits valid at `now` (expired ones are dropped).
+    pub fn permits(&mut self, now_ns: u64) -> &[Permit] {
+        self.expire(now_ns);
+        &self.permits
+    }
+
+    /// Slots taken by valid permits on lease `id`.
+    fn used_on(&self, id: u64) -> u64 {
+        self.permits
+            .iter()
+            .filter(|p| p.lease_id == id)
+            .map(|p| p.slots)
+            .sum()
+    }
+
+    fn expire(&mut self, now_ns: u64) {
+        self.permits.retain(|p| p.expiry_ns > now_ns);
+        let live: Vec<u64> = self.permits.iter().map(|p| p.lease_id).collect();
+        self.older.retain(|h| live.contains(&h.id));
+        if self.current.is_some_and(|c| c.use_by_ns <= now_ns) {
+            self.current = None;
+        }
+    }
+
+    /// Slots free for a new permit now on the current lease.
+    pub fn free(&mut self, now_ns: u64) -> u64 {
+        self.expire(now_ns);
+        let Some(c) = self.current else {
+            return 0;
+        };
+        let cap = match self.sent {
+            Some(s) if s.lease_id == c.id => c.slots.min(s.keep),
+            _ => c.slots,
+        };
+        cap.saturating_sub(self.used_on(c.id))
+    }
+
+    /// Acquire `slots` now, or queue behind earlier waiters.
+    pub fn acquire(&mut self, now_ns: u64, slots: u64) -> Result<Permit, AcquireError> {
+        if slots == 0 || slots > self.settings.n {
+            return Err(AcquireError::Invalid);
+        }
+        if self.waiting.is_empty() && self.free(now_ns) >= slots {
+            return Ok(self.grant(now_ns, slots));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, slots));
+        Err(AcquireError::Queued(id))
+    }
+
+    fn grant(&mut self, now_ns: u64, slots: u64) -> Permit {
+        let c = self
+            .current
+            .expect("a free slot stands on the current lease");
+        let s = &self.settings;
+        let expiry_ns = now_ns
+            .saturating_add(s.permit_ttl_ns)
+            .min(c.use_by_ns)
+            .min(now_ns.saturating_add(s.max_hold_ns));
+        let id = self.next_id;
+        self.next_id += 1;
+        let fence =
+            (c.fence << FENCE_LOCAL_BITS) | (self.next_local_fence & ((1 << FENCE_LOCAL_BITS) - 1));
+        self.next_local_fence += 1;
+        let p = Permit {
+            id,
+            slots,
+            acquired_ns: now_ns,
+            expiry_ns,
+            fence,
+            lease_id: c.id,
+        };
+        self.permits.push(p);
+        p
+    }
+
+    /// Grant waiters in arrival order while the head fits: (waiter id,
+    /// permit) each.
+    pub fn serve_waiters(&mut self, now_ns: u64) -> Vec<(u64, Permit)> {
+        let mut out = Vec::new();
+        while let Some(&(id, slots)) = self.waiting.front() {
+            if self.free(now_ns) < slots {
+                break;
+            }
+            self.waiting.pop_front();
+            out.push((id, self.grant(now_ns, slots)));
+        }
+        out
+    }
+
+    /// A waiter gave up (its deadline, or its client went away).
+    pub fn cancel(&mut self, waiter: u64) {
+        self.waiting.retain(|(id, _)| *id != waiter);
+    }
+
+    /// Slots the waiters want beyond what is free.
+    pub fn waiting_slots(&self) -> u64 {
+        self.waiting.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Extend permit `id` by the permit TTL, within its lease's use-by and
+    /// `max_hold`: its new expiry.
+    pub fn renew(&mut self, now_ns: u64, id: u64) -> Result<u64, RenewError> {
+        self.expire(now_ns);
+        let Some(i) = self.permits.iter().position(|p| p.id == id) else {
+            return Err(RenewError::Expired);
+        };
+        let p = self.permits[i];
+        let use_by = self
+            .current
+            .iter()
+            .chain(self.older.iter())
+            .find(|h| h.id == p.lease_id)
+            .map_or(p.expiry_ns, |h| h.use_by_ns);
+        let s = &self.settings;
+        let expiry = now_ns
+            .saturating_add(s.permit_ttl_ns)
+            .min(use_by)
+            .min(p.acquired_ns.saturating_add(s.max_hold_ns))
+            .max(p.expiry_ns);
+        self.permits[i].expiry_ns = expiry;
+        Ok(expiry)
+    }
+
+    /// Release permit `id`: its slots are free at once. Whether it was
+    /// held (a second release changes nothing).
+    pub fn release(&mut self, now_ns: u64, id: u64) -> bool {
+        self.expire(now_ns);
+        let before = self.permits.len();
+        self.permits.retain(|p| p.id != id);
+        self.permits.len() < before
+    }
+
+    /// The ask to send now: renew the current lease keeping the slots in
+    /// use (and the free ones too unless `give_back`), and want what the
+    /// waiters miss. From here on at most `keep` permits run on the
+    /// current lease until [`PermitKey::on_grant`].
+    pub fn ask(&mut self, now_ns: u64, give_back: bool) -> SentAsk {
+        self.expire(now_ns);
+        let (lease_id, used, cap) = match self.current {
+            Some(c) => {
+                let cap = match self.sent {
+                    // An earlier ask is unanswered (its reply may yet
+                    // arrive, or be lost): its promise stands.
+                    Some(s) if s.lease_id == c.id => c.slots.min(s.keep),
+                    _ => c.slots,
+                };
+                (c.id, self.used_on(c.id), cap)
+            }
+            None => (0, 0, 0),
+        };
+        let keep = if give_back { used } else { cap.max(used) };
+        let want = self.waiting_slots().saturating_sub(keep - used);
+        let sent = SentAsk {
+            lease_id,
+            keep,
+            want,
+            first_send_ns: now_ns,
+        };
+        self.sent = Some(sent);
+        sent
+    }
+
+    /// The grant for `sent` arrived: the new lease becomes current; the
+    /// permits of the renewed lease move to it when its kept slots cover
+    /// them, and otherwise stay on the old lease until they end.
+    pub fn on_grant(&mut self, now_ns: u64, sent: SentAsk, g: Granted) {
+        self.expire(now_ns);
+        if self.sent == Some(sent) {
+            self.sent = None;
+        }
+        let use_by_ns = use_by_ns(
+            sent.first_send_ns,
+            self.settings.lease_ttl_ns,
+            self.settings.epsilon_ns,
+        );
+        let old = self
+            .current
+            .filter(|c| c.id == sent.lease_id && sent.lease_id != 0);
+        if let Some(old) = old {
+            let used = self.used_on(old.id);
+            if g.lease_id != 0 && g.kept >= used {
+                for p in self.permits.iter_mut().filter(|p| p.lease_id == old.id) {
+                    p.lease_id = g.lease_id;
+                }
+            } else if used > 0 {
+                self.older.push(old);
+            }
+        } else if let Some(c) = self.current {
+            // A grant for an ask on another lease: the current one is
+            // superseded; its permits stay on it.
+            if self.used_on(c.id) > 0 {
+                self.older.push(c);
+            }
+        }
+        self.current = (g.lease_id != 0 && use_by_ns > now_ns).then_some(Held {
+            id: g.lease_id,
+            slots: g.slots,
+            use_by_ns,
+            fence: g.fence,
+        });
+        self.next_local_fence = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests;

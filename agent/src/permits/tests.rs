@@ -1,0 +1,150 @@
+//! The local semaphore's unit cases (the whole protocol against the slot
+//! ledger is `tests/permits_core.rs` of the root crate).
+
+use super::*;
+
+const MS: u64 = 1_000_000;
+
+fn settings() -> PermitSettings {
+    PermitSettings {
+        n: 4,
+        permit_ttl_ns: 100 * MS,
+        max_hold_ns: 250 * MS,
+        lease_ttl_ns: 2_000 * MS,
+        epsilon_ns: 10 * MS,
+    }
+}
+
+/// A key holding a lease of `slots` granted for an ask sent at `at`.
+fn holding(slots: u64, at: u64) -> PermitKey {
+    holding_with(settings(), slots, at)
+}
+
+fn holding_with(settings: PermitSettings, slots: u64, at: u64) -> PermitKey {
+    let mut k = PermitKey::new(settings);
+    let sent = k.ask(at, false);
+    k.on_grant(
+        at,
+        sent,
+        Granted {
+            lease_id: 7,
+            slots,
+            kept: 0,
+            fence: 3,
+        },
+    );
+    k
+}
+
+#[test]
+fn waiters_are_served_in_arrival_order_once_slots_arrive() {
+    let mut k = PermitKey::new(settings());
+    assert_eq!(k.acquire(0, 5), Err(AcquireError::Invalid), "more than N");
+    assert_eq!(k.acquire(0, 0), Err(AcquireError::Invalid));
+    assert_eq!(k.acquire(0, 2), Err(AcquireError::Queued(1)));
+    assert_eq!(k.acquire(0, 1), Err(AcquireError::Queued(2)));
+    let sent = k.ask(1, false);
+    assert_eq!((sent.lease_id, sent.keep, sent.want), (0, 0, 3));
+    k.on_grant(
+        2,
+        sent,
+        Granted {
+            lease_id: 9,
+            slots: 2,
+            kept: 0,
+            fence: 5,
+        },
+    );
+    // Two slots: the first waiter (2) fits, the second must wait.
+    let served = k.serve_waiters(3);
+    assert_eq!(served.len(), 1);
+    assert_eq!(served[0].0, 1);
+    assert_eq!(served[0].1.fence, 5 << FENCE_LOCAL_BITS);
+    assert!(k.serve_waiters(3).is_empty());
+    // A later acquire queues behind waiter 2 even when a slot frees.
+    assert!(k.release(4, served[0].1.id));
+    assert_eq!(k.acquire(5, 1), Err(AcquireError::Queued(4)));
+    let served = k.serve_waiters(5);
+    assert_eq!(served.iter().map(|s| s.0).collect::<Vec<_>>(), [2, 4]);
+}
+
+#[test]
+fn a_permit_never_outlives_its_lease_or_max_hold_and_is_never_revived() {
+    let mut k = holding(2, 0);
+    let use_by = use_by_ns(0, 2_000 * MS, 10 * MS);
+    let p = k.acquire(1_900 * MS, 1).expect("free");
+    assert_eq!(p.expiry_ns, use_by, "the lease's use-by comes first");
+    assert_eq!(k.renew(1_950 * MS, p.id), Ok(use_by), "cannot pass it");
+    // Past its expiry: gone, its slot free, renewing says so.
+    assert_eq!(k.renew(use_by, p.id), Err(RenewError::Expired));
+    assert!(!k.release(use_by, p.id));
+    // max_hold: renewed every 50 ms, it ends 250 ms after its acquire.
+    let mut k = holding(2, 0);
+    let p = k.acquire(0, 1).expect("free");
+    let mut t = 0;
+    let mut last = 0;
+    while let Ok(e) = k.renew(t, p.id) {
+        last = e;
+        t += 50 * MS;
+    }
+    assert_eq!(last, 250 * MS);
+}
+
+#[test]
+fn an_ask_in_flight_holds_the_agent_to_what_it_keeps() {
+    let mut k = holding(3, 0);
+    let p = k.acquire(1, 1).expect("free");
+    assert_eq!(k.free(1), 2);
+    // Give back what no permit uses: keep 1, so nothing is free until
+    // the grant (whose reply may be lost).
+    let sent = k.ask(2, true);
+    assert_eq!((sent.lease_id, sent.keep), (7, 1));
+    assert_eq!(k.free(3), 0);
+    assert_eq!(k.acquire(3, 1), Err(AcquireError::Queued(2)));
+    // The grant keeps the one slot and moves the permit onto it.
+    k.on_grant(
+        4,
+        sent,
+        Granted {
+            lease_id: 8,
+            slots: 1,
+            kept: 1,
+            fence: 4,
+        },
+    );
+    assert_eq!(k.permits(5)[0].lease_id, 8);
+    assert!(k.release(5, p.id));
+    assert_eq!(k.serve_waiters(6).len(), 1);
+}
+
+#[test]
+fn permits_that_cannot_move_stay_on_their_lease_until_they_end() {
+    let long = PermitSettings {
+        permit_ttl_ns: 10_000 * MS,
+        max_hold_ns: 100_000 * MS,
+        ..settings()
+    };
+    let mut k = holding_with(long, 2, 0);
+    let p = k.acquire(1, 2).expect("free");
+    let sent = k.ask(2, false);
+    // The allocator did not know the lease (kept 0): a fresh lease of 1.
+    k.on_grant(
+        3,
+        sent,
+        Granted {
+            lease_id: 9,
+            slots: 1,
+            kept: 0,
+            fence: 6,
+        },
+    );
+    let held = k.permits(4).to_vec();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].lease_id, 7, "still on the old lease");
+    // New permits use the new lease's slot only.
+    assert_eq!(k.free(4), 1);
+    // The old permit renews only up to the old lease's use-by.
+    let use_by_old = use_by_ns(0, 2_000 * MS, 10 * MS);
+    let e = k.renew(1_950 * MS, p.id).expect("valid");
+    assert_eq!(e, use_by_old, "not the new lease's later use-by");
+}

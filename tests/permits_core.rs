@@ -1,0 +1,382 @@
+//! Permits end to end at the cores (issue 34, docs/permits.md): several
+//! agents' local semaphores (`quotalease_agent::permits`) against one
+//! slot ledger (`quotalease_allocator_core::slots`), messages delayed,
+//! lost and crossing, agent clocks drifting by up to rho, agents crashing
+//! (a crashed agent's permits still count until their expiry: the callers
+//! do not know it died). I4 is checked after every event: the slots of the
+//! permits valid at that true instant, over every agent, never exceed `N`.
+//! No processes or network: the real-process tests come with the driver.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use quotalease_agent::permits::{Granted, PermitKey, PermitSettings, SentAsk};
+use quotalease_allocator_core::slots::{SlotAsk, SlotLedger};
+use quotalease_model::protocol::RHO_PPM;
+
+const MS: u64 = 1_000_000;
+const N: u64 = 5;
+const AGENTS: usize = 3;
+
+fn settings() -> PermitSettings {
+    PermitSettings {
+        n: N,
+        permit_ttl_ns: 300 * MS,
+        max_hold_ns: 5_000 * MS,
+        lease_ttl_ns: 2_000 * MS,
+        epsilon_ns: 10 * MS,
+    }
+}
+
+/// What happens next (after `dt` of true time).
+#[derive(Clone, Debug)]
+enum Kind {
+    Acquire {
+        a: usize,
+        n: u64,
+    },
+    Renew {
+        a: usize,
+        pick: usize,
+    },
+    Release {
+        a: usize,
+        pick: usize,
+    },
+    Ask {
+        a: usize,
+        give_back: bool,
+        lost_request: bool,
+        lost_reply: bool,
+        d1: u64,
+        d2: u64,
+    },
+    Crash {
+        a: usize,
+    },
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    let a = 0..AGENTS;
+    prop_oneof![
+        4 => (a.clone(), 1..=3u64).prop_map(|(a, n)| Kind::Acquire { a, n }),
+        3 => (a.clone(), 0..8usize).prop_map(|(a, pick)| Kind::Renew { a, pick }),
+        3 => (a.clone(), 0..8usize).prop_map(|(a, pick)| Kind::Release { a, pick }),
+        4 => (a.clone(), any::<bool>(), proptest::bool::weighted(0.1), proptest::bool::weighted(0.15), 0..60u64, 0..60u64)
+            .prop_map(|(a, give_back, lost_request, lost_reply, d1, d2)| Kind::Ask {
+                a, give_back, lost_request, lost_reply, d1: d1 * MS, d2: d2 * MS,
+            }),
+        1 => a.prop_map(|a| Kind::Crash { a }),
+    ]
+}
+
+/// A message on its way.
+#[derive(Clone, Copy, Debug)]
+enum Msg {
+    /// An ask reaching the allocator; the reply comes `d2` later unless lost.
+    Arrive {
+        a: usize,
+        incarnation: u32,
+        sent: SentAsk,
+        d2: u64,
+        lost_reply: bool,
+    },
+    /// A grant reaching the agent.
+    Reply {
+        a: usize,
+        incarnation: u32,
+        sent: SentAsk,
+        g: Granted,
+    },
+}
+
+struct Agent {
+    key: PermitKey,
+    incarnation: u32,
+    /// Clock rate offset, ppm (within rho).
+    drift_ppm: i64,
+}
+
+impl Agent {
+    /// The agent's clock at true time `t`.
+    fn clock(&self, t: u64) -> u64 {
+        // An offset at 0 keeps readings positive; rate off by drift.
+        let skew = (t as i128 * self.drift_ppm as i128 / 1_000_000) as i64;
+        (1_000 * MS as i64 + t as i64 + skew) as u64
+    }
+}
+
+/// A world of agents, one ledger and the messages between them.
+struct World {
+    ledger: SlotLedger,
+    agents: Vec<Agent>,
+    /// Permits of crashed agents: (slots, expiry on that agent's clock,
+    /// the agent's drift): the callers still hold them.
+    orphans: Vec<(u64, u64, i64)>,
+    mail: BTreeMap<(u64, u64), Msg>,
+    seq: u64,
+    next_lease: u64,
+    granted: u64,
+}
+
+impl World {
+    fn new(drifts: [i64; AGENTS]) -> Self {
+        Self {
+            ledger: SlotLedger::new(N, 0),
+            agents: drifts
+                .iter()
+                .map(|&drift_ppm| Agent {
+                    key: PermitKey::new(settings()),
+                    incarnation: 0,
+                    drift_ppm,
+                })
+                .collect(),
+            orphans: Vec::new(),
+            mail: BTreeMap::new(),
+            seq: 0,
+            next_lease: 1,
+            granted: 0,
+        }
+    }
+
+    fn post(&mut self, at: u64, m: Msg) {
+        self.seq += 1;
+        self.mail.insert((at, self.seq), m);
+    }
+
+    fn holder(a: usize, incarnation: u32) -> u32 {
+        (incarnation << 4) | a as u32
+    }
+
+    /// Deliver every message due by `now`, in time order.
+    fn deliver(&mut self, now: u64) {
+        while let Some((&(at, s), _)) = self.mail.iter().next() {
+            if at > now {
+                break;
+            }
+            let m = self.mail.remove(&(at, s)).expect("due");
+            match m {
+                Msg::Arrive {
+                    a,
+                    incarnation,
+                    sent,
+                    d2,
+                    lost_reply,
+                } => {
+                    let id = self.next_lease;
+                    self.next_lease += 1;
+                    let g = self.ledger.ask(
+                        at,
+                        SlotAsk {
+                            holder: Self::holder(a, incarnation),
+                            lease_id: sent.lease_id,
+                            keep: sent.keep,
+                            want: sent.want,
+                            ttl_ns: settings().lease_ttl_ns,
+                            new_id: id,
+                        },
+                    );
+                    if !lost_reply {
+                        let g = Granted {
+                            lease_id: g.lease_id,
+                            slots: g.slots,
+                            kept: g.kept,
+                            fence: g.fence,
+                        };
+                        self.post(
+                            at + d2,
+                            Msg::Reply {
+                                a,
+                                incarnation,
+                                sent,
+                                g,
+                            },
+                        );
+                    }
+                }
+                Msg::Reply {
+                    a,
+                    incarnation,
+                    sent,
+                    g,
+                } => {
+                    let ag = &mut self.agents[a];
+                    if ag.incarnation == incarnation {
+                        let t = ag.clock(at);
+                        ag.key.on_grant(t, sent, g);
+                        self.granted += ag.key.serve_waiters(t).len() as u64;
+                    }
+                }
+            }
+            self.check(at);
+        }
+    }
+
+    fn apply(&mut self, now: u64, k: Kind) {
+        match k {
+            Kind::Acquire { a, n } => {
+                let ag = &mut self.agents[a];
+                if ag.key.acquire(ag.clock(now), n).is_ok() {
+                    self.granted += 1;
+                }
+            }
+            Kind::Renew { a, pick } => {
+                let ag = &mut self.agents[a];
+                let t = ag.clock(now);
+                let ids: Vec<u64> = ag.key.permits(t).iter().map(|p| p.id).collect();
+                if !ids.is_empty() {
+                    let _ = ag.key.renew(t, ids[pick % ids.len()]);
+                }
+            }
+            Kind::Release { a, pick } => {
+                let ag = &mut self.agents[a];
+                let t = ag.clock(now);
+                let ids: Vec<u64> = ag.key.permits(t).iter().map(|p| p.id).collect();
+                if !ids.is_empty() {
+                    ag.key.release(t, ids[pick % ids.len()]);
+                    self.granted += ag.key.serve_waiters(t).len() as u64;
+                }
+            }
+            Kind::Ask {
+                a,
+                give_back,
+                lost_request,
+                lost_reply,
+                d1,
+                d2,
+            } => {
+                let ag = &mut self.agents[a];
+                let sent = ag.key.ask(ag.clock(now), give_back);
+                let incarnation = ag.incarnation;
+                if !lost_request {
+                    self.post(
+                        now + d1,
+                        Msg::Arrive {
+                            a,
+                            incarnation,
+                            sent,
+                            d2,
+                            lost_reply,
+                        },
+                    );
+                }
+            }
+            Kind::Crash { a } => {
+                let ag = &mut self.agents[a];
+                let t = ag.clock(now);
+                let drift = ag.drift_ppm;
+                let held: Vec<(u64, u64, i64)> = ag
+                    .key
+                    .permits(t)
+                    .iter()
+                    .map(|p| (p.slots, p.expiry_ns, drift))
+                    .collect();
+                self.orphans.extend(held);
+                ag.key = PermitKey::new(settings());
+                ag.incarnation += 1;
+            }
+        }
+        self.check(now);
+    }
+
+    /// I4 at true time `t`.
+    fn check(&mut self, t: u64) {
+        let mut held = 0;
+        for ag in &mut self.agents {
+            let c = ag.clock(t);
+            held += ag.key.permits(c).iter().map(|p| p.slots).sum::<u64>();
+        }
+        for &(slots, expiry, drift) in &self.orphans {
+            let clock = Agent {
+                key: PermitKey::new(settings()),
+                incarnation: 0,
+                drift_ppm: drift,
+            };
+            if expiry > clock.clock(t) {
+                held += slots;
+            }
+        }
+        assert!(
+            held <= N,
+            "I4: {held} slots of valid permits at {t} > N = {N}"
+        );
+    }
+}
+
+fn run(drifts: [i64; AGENTS], steps: &[(u64, Kind)]) -> u64 {
+    let mut w = World::new(drifts);
+    let mut now = 0;
+    for (dt, k) in steps {
+        now += dt;
+        w.deliver(now);
+        w.apply(now, k.clone());
+    }
+    w.deliver(u64::MAX);
+    w.granted
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn permits_never_exceed_n_across_agents(
+        drifts in proptest::array::uniform3(-(RHO_PPM as i64)..=(RHO_PPM as i64)),
+        steps in proptest::collection::vec((0..200u64, kind()), 1..150),
+    ) {
+        let steps: Vec<(u64, Kind)> = steps.into_iter().map(|(dt, k)| (dt * MS, k)).collect();
+        run(drifts, &steps);
+    }
+}
+
+/// A long fixed schedule (a small LCG): I4 holds, and permits are granted
+/// at all (the property above is not vacuous).
+#[test]
+fn a_long_schedule_grants_permits_and_keeps_i4() {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = move |m: u64| {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) % m
+    };
+    let mut steps = Vec::new();
+    for _ in 0..20_000 {
+        let a = next(AGENTS as u64) as usize;
+        let k = match next(14) {
+            0..=3 => Kind::Acquire { a, n: 1 + next(2) },
+            4..=6 => Kind::Renew {
+                a,
+                pick: next(8) as usize,
+            },
+            7..=9 => Kind::Release {
+                a,
+                pick: next(8) as usize,
+            },
+            10..=12 => Kind::Ask {
+                a,
+                give_back: next(2) == 0,
+                lost_request: next(10) == 0,
+                lost_reply: next(8) == 0,
+                d1: next(40) * MS,
+                d2: next(40) * MS,
+            },
+            _ => {
+                if next(20) == 0 {
+                    Kind::Crash { a }
+                } else {
+                    Kind::Ask {
+                        a,
+                        give_back: false,
+                        lost_request: false,
+                        lost_reply: false,
+                        d1: MS,
+                        d2: MS,
+                    }
+                }
+            }
+        };
+        steps.push((next(50) * MS, k));
+    }
+    let granted = run([RHO_PPM as i64, -(RHO_PPM as i64), 0], &steps);
+    assert!(granted > 100, "only {granted} permits granted");
+}

@@ -316,7 +316,7 @@ fn run(drifts: [i64; AGENTS], steps: &[(u64, Kind)]) -> u64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(1024))]
 
     #[test]
     fn permits_never_exceed_n_across_agents(
@@ -379,4 +379,73 @@ fn a_long_schedule_grants_permits_and_keeps_i4() {
     }
     let granted = run([RHO_PPM as i64, -(RHO_PPM as i64), 0], &steps);
     assert!(granted > 100, "only {granted} permits granted");
+}
+
+/// The case the random schedules rarely reach: a reply is lost, the agent
+/// asks again naming its old lease (the allocator replaced it: it keeps
+/// nothing of it) and gets one fresh slot. Its 3-slot permit must stay on
+/// the old lease and end at that lease's use-by; renewed on the new one
+/// it would outlive the orphaned lease that counts it, and another agent
+/// would then be granted its slots.
+#[test]
+fn permits_stay_on_their_lease_after_a_lost_reply() {
+    let ask = |a: usize, lost_reply: bool| Kind::Ask {
+        a,
+        give_back: false,
+        lost_request: false,
+        lost_reply,
+        d1: MS,
+        d2: MS,
+    };
+    let mut steps = vec![
+        (0, Kind::Acquire { a: 0, n: 3 }),
+        (MS, ask(0, false)),     // L1: 3 slots, the permit on it
+        (10 * MS, ask(0, true)), // L2 replaces L1 (keeps 3); the reply is lost
+        (10 * MS, Kind::Acquire { a: 1, n: 1 }),
+        (MS, ask(1, false)),                     // agent 1: 1 slot
+        (10 * MS, Kind::Acquire { a: 0, n: 1 }), // waits: L1 is promised to its 3
+        (90 * MS, ask(0, false)),                // names L1: kept 0, 1 fresh (L4)
+    ];
+    // Renew every permit every 100 ms (their TTL is 300 ms), the last at
+    // 1.922 s (on the old lease the 3-slot permit ends at its use-by,
+    // 1.987 s; renewed on the new one it would run to 2.108 s).
+    for _ in 0..18 {
+        steps.push((100 * MS, Kind::Renew { a: 0, pick: 0 }));
+        steps.push((0, Kind::Renew { a: 0, pick: 1 }));
+        steps.push((0, Kind::Renew { a: 1, pick: 0 }));
+    }
+    // At 2.022 s L2 (the orphan counting the 3 slots, 0.011 + 2 s) has
+    // expired: agent 1 asks for 3 and gets them.
+    steps.push((100 * MS, Kind::Acquire { a: 1, n: 3 }));
+    steps.push((0, ask(1, false)));
+    steps.push((10 * MS, Kind::Renew { a: 1, pick: 0 }));
+    let granted = run([0; AGENTS], &steps);
+    assert!(granted >= 4, "{granted} granted");
+}
+
+/// Found by the property test (a bug in the first cut): a late grant for
+/// an older ask (naming no lease) arrived after a newer ask had renewed
+/// the current lease; the agent retired the current lease on it, then put
+/// the newer grant's kept slots to new permits while the old permits
+/// still stood on them (6 slots against `N = 5`).
+#[test]
+fn a_late_grant_for_an_older_ask_does_not_free_slots_in_use() {
+    let ask = |d1: u64, d2: u64| Kind::Ask {
+        a: 2,
+        give_back: false,
+        lost_request: false,
+        lost_reply: false,
+        d1: d1 * MS,
+        d2: d2 * MS,
+    };
+    let steps = vec![
+        (0, Kind::Acquire { a: 2, n: 1 }),
+        (0, Kind::Acquire { a: 2, n: 2 }),
+        (0, Kind::Acquire { a: 2, n: 3 }),
+        (0, ask(0, 26)),
+        (0, ask(43, 37)),
+        (4, Kind::Acquire { a: 0, n: 1 }),
+        (44, ask(31, 1)),
+    ];
+    run([0; AGENTS], &steps);
 }

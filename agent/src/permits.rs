@@ -88,6 +88,9 @@ struct Held {
 /// An ask sent and not answered yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SentAsk {
+    /// Its place among this key's asks (grants for older asks that arrive
+    /// after a newer one's are stale).
+    pub seq: u64,
     /// The lease it renews (0: none).
     pub lease_id: u64,
     /// Slots of it kept.
@@ -126,6 +129,9 @@ pub struct PermitKey {
     waiting: VecDeque<(u64, u64)>,
     next_id: u64,
     next_local_fence: u64,
+    next_seq: u64,
+    /// The newest ask whose grant was applied.
+    applied_seq: u64,
 }
 
 impl PermitKey {
@@ -140,6 +146,8 @@ impl PermitKey {
             waiting: VecDeque::new(),
             next_id: 1,
             next_local_fence: 0,
+            next_seq: 1,
+            applied_seq: 0,
         }
     }
 
@@ -298,21 +306,32 @@ impl PermitKey {
         let keep = if give_back { used } else { cap.max(used) };
         let want = self.waiting_slots().saturating_sub(keep - used);
         let sent = SentAsk {
+            seq: self.next_seq,
             lease_id,
             keep,
             want,
             first_send_ns: now_ns,
         };
+        self.next_seq += 1;
         self.sent = Some(sent);
         sent
     }
 
-    /// The grant for `sent` arrived: the new lease becomes current; the
-    /// permits of the renewed lease move to it when its kept slots cover
-    /// them, and otherwise stay on the old lease until they end.
+    /// The grant for `sent` arrived. The ledger replaced the lease the ask
+    /// named by the new one, keeping `kept` of its slots: its permits move
+    /// to the new lease when those cover them, and otherwise stay on it
+    /// until they end (then they are counted by whatever replaced it
+    /// earlier: an orphaned grant whose reply was lost, or the phantom).
+    /// The grant of the newest ask becomes the current lease; a stale
+    /// grant (an older ask answered late) carries only the permits that
+    /// moved onto it, and its other slots go unused until it expires.
     pub fn on_grant(&mut self, now_ns: u64, sent: SentAsk, g: Granted) {
         self.expire(now_ns);
-        if self.sent == Some(sent) {
+        let newest = sent.seq > self.applied_seq;
+        if newest {
+            self.applied_seq = sent.seq;
+        }
+        if self.sent.is_some_and(|s| s.seq <= sent.seq) {
             self.sent = None;
         }
         let use_by_ns = use_by_ns(
@@ -320,32 +339,47 @@ impl PermitKey {
             self.settings.lease_ttl_ns,
             self.settings.epsilon_ns,
         );
-        let old = self
-            .current
-            .filter(|c| c.id == sent.lease_id && sent.lease_id != 0);
-        if let Some(old) = old {
-            let used = self.used_on(old.id);
-            if g.lease_id != 0 && g.kept >= used {
-                for p in self.permits.iter_mut().filter(|p| p.lease_id == old.id) {
-                    p.lease_id = g.lease_id;
-                }
-            } else if used > 0 {
-                self.older.push(old);
-            }
-        } else if let Some(c) = self.current {
-            // A grant for an ask on another lease: the current one is
-            // superseded; its permits stay on it.
-            if self.used_on(c.id) > 0 {
-                self.older.push(c);
-            }
-        }
-        self.current = (g.lease_id != 0 && use_by_ns > now_ns).then_some(Held {
+        let new = (g.lease_id != 0 && use_by_ns > now_ns).then_some(Held {
             id: g.lease_id,
             slots: g.slots,
             use_by_ns,
             fence: g.fence,
         });
-        self.next_local_fence = 0;
+        if sent.lease_id != 0 {
+            let used = self.used_on(sent.lease_id);
+            if let Some(n) = new.filter(|_| used > 0 && g.kept >= used) {
+                for p in self
+                    .permits
+                    .iter_mut()
+                    .filter(|p| p.lease_id == sent.lease_id)
+                {
+                    p.lease_id = n.id;
+                }
+            }
+            // The named lease is gone at the ledger: nothing new goes on it.
+            if self.current.is_some_and(|c| c.id == sent.lease_id) {
+                self.retire_current();
+            }
+        }
+        match new {
+            Some(n) if newest => {
+                self.retire_current();
+                self.current = Some(n);
+                self.next_local_fence = 0;
+            }
+            Some(n) if self.used_on(n.id) > 0 => self.older.push(n),
+            _ => {}
+        }
+    }
+
+    /// The current lease stops taking new permits; it stays known while
+    /// permits stand on it.
+    fn retire_current(&mut self) {
+        if let Some(c) = self.current.take() {
+            if self.used_on(c.id) > 0 {
+                self.older.push(c);
+            }
+        }
     }
 }
 

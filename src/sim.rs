@@ -30,9 +30,11 @@ pub struct SimArgs {
     /// seed with the command that replays it.
     #[arg(long, value_parser = parse_seeds)]
     seeds: Option<(u64, u64)>,
-    /// Directory for report.md, CSV series and SVG plots.
-    #[arg(long, default_value = "sim-out")]
-    out: PathBuf,
+    /// Directory for report.md, CSV series and SVG plots [default:
+    /// sim-out]; with --seeds (not --swarm), the sweep's index: every
+    /// seed's quality figures and their spread (written only when given).
+    #[arg(long)]
+    out: Option<PathBuf>,
     /// Shrink agents, tenants and load by this factor (0 < F <= 1), e.g.
     /// for quick sweeps.
     #[arg(long, default_value_t = 1.0)]
@@ -41,6 +43,13 @@ pub struct SimArgs {
     /// core). The output is the same for any number.
     #[arg(long, default_value_t = 0)]
     jobs: usize,
+}
+
+impl SimArgs {
+    /// `--out`, or `sim-out`.
+    fn out_dir(&self) -> PathBuf {
+        self.out.clone().unwrap_or_else(|| PathBuf::from("sim-out"))
+    }
 }
 
 fn parse_seeds(s: &str) -> Result<(u64, u64), String> {
@@ -102,13 +111,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     match args.seeds {
         None => {
-            let failures =
-                runner::run_to_dir(&sc, args.seed, &args.out).map_err(|e| anyhow!("{e}"))?;
+            let out = args.out_dir();
+            let failures = runner::run_to_dir(&sc, args.seed, &out).map_err(|e| anyhow!("{e}"))?;
             println!(
                 "{}: seed {}: report in {} ({:.1} s wall)",
                 sc.name,
                 args.seed,
-                args.out.join("report.md").display(),
+                out.join("report.md").display(),
                 started.elapsed().as_secs_f64()
             );
             if !failures.is_empty() {
@@ -120,7 +129,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
         Some((a, b)) => {
-            let failed = runner::sweep(&sc, a, b, args.jobs).map_err(|e| anyhow!("{e}"))?;
+            let (failed, index) =
+                runner::sweep_indexed(&sc, a, b, args.jobs).map_err(|e| anyhow!("{e}"))?;
+            if let Some(out) = &args.out {
+                quotalease_sim::report::write(&index, out)
+                    .map_err(|e| anyhow!("--out {}: {e}", out.display()))?;
+                println!("index in {}", out.join("report.md").display());
+            }
             let total = b - a + 1;
             for f in &failed {
                 println!(
@@ -159,13 +174,13 @@ fn swarm(args: &SimArgs, base: Option<&Scenario>, flags: &str) -> anyhow::Result
         None => {
             let run = runner::swarm_run(base, args.seed).map_err(|e| anyhow!("{e}"))?;
             let report = runner::swarm_report(&run, &replay(args.seed));
-            std::fs::create_dir_all(&args.out)
-                .map_err(|e| anyhow!("--out {}: {e}", args.out.display()))?;
-            quotalease_sim::report::write(&report, &args.out)
-                .map_err(|e| anyhow!("--out {}: {e}", args.out.display()))?;
+            let out = args.out_dir();
+            std::fs::create_dir_all(&out).map_err(|e| anyhow!("--out {}: {e}", out.display()))?;
+            quotalease_sim::report::write(&report, &out)
+                .map_err(|e| anyhow!("--out {}: {e}", out.display()))?;
             print!("{}", run.plan.yaml);
             println!("{}", run.summary());
-            println!("report in {}", args.out.join("report.md").display());
+            println!("report in {}", out.join("report.md").display());
             let failures = run.failures();
             for f in &failures {
                 println!("  FAILED {f}");

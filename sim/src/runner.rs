@@ -95,22 +95,41 @@ pub struct Failure {
 /// ones, in seed order (the same for any number of jobs: every run is its
 /// own world).
 pub fn sweep(sc: &Scenario, from: u64, to: u64, jobs: usize) -> Result<Vec<Failure>, String> {
+    sweep_indexed(sc, from, to, jobs).map(|(failed, _)| failed)
+}
+
+/// [`sweep`], and the sweep's index: one row per seed, variant and
+/// tracked key with its quality figures, and their spread over the seeds
+/// (`quotalease sim --seeds A..B --out DIR` writes it as `DIR/report.md`).
+pub fn sweep_indexed(
+    sc: &Scenario,
+    from: u64,
+    to: u64,
+    jobs: usize,
+) -> Result<(Vec<Failure>, Report), String> {
     let mut failed = Vec::new();
+    let mut rows: Vec<SweepRow> = Vec::new();
     let mut error = None;
     for_seeds(
         from..=to,
         jobs,
         |seed| {
             run_all(sc, seed).map(|outcomes| {
-                outcomes
+                let what = outcomes
                     .iter()
                     .flat_map(|o| o.failures().into_iter().map(|f| format!("{}: {f}", o.name)))
-                    .collect::<Vec<String>>()
+                    .collect::<Vec<String>>();
+                let rows = outcomes.iter().flat_map(sweep_rows).collect::<Vec<_>>();
+                (what, rows)
             })
         },
-        |seed, what| match what {
-            Ok(what) if !what.is_empty() => failed.push(Failure { seed, what }),
-            Ok(_) => {}
+        |seed, result| match result {
+            Ok((what, r)) => {
+                rows.extend(r);
+                if !what.is_empty() {
+                    failed.push(Failure { seed, what });
+                }
+            }
             Err(e) => {
                 error.get_or_insert(e);
             }
@@ -118,7 +137,185 @@ pub fn sweep(sc: &Scenario, from: u64, to: u64, jobs: usize) -> Result<Vec<Failu
     );
     match error {
         Some(e) => Err(e),
-        None => Ok(failed),
+        None => {
+            let index = sweep_index(sc, from, to, &rows, &failed);
+            Ok((failed, index))
+        }
+    }
+}
+
+/// One seed's figures for one tracked key of one variant.
+#[derive(Clone, Debug)]
+struct SweepRow {
+    seed: u64,
+    variant: String,
+    key: String,
+    ok: bool,
+    /// Largest `admitted - (B + R*T)` over every window (<= 0: I1 held).
+    excess: i64,
+    /// `(name, value)` of each quality figure, in the index's column order.
+    figures: [f64; 6],
+}
+
+/// The index's quality columns: name, and how many decimals.
+const SWEEP_COLUMNS: [(&str, usize); 6] = [
+    ("util. min %", 1),
+    ("util. mean %", 1),
+    ("false rejects %", 3),
+    ("vs ideal %", 1),
+    ("checks/msg agent tier", 1),
+    ("region share p95/p5", 2),
+];
+
+fn sweep_rows(o: &Outcome) -> Vec<SweepRow> {
+    let ok = o.failures().is_empty();
+    shown(o)
+        .into_iter()
+        .filter(|k| k.quality.is_some())
+        .map(|k| {
+            let f = figures(o, k);
+            SweepRow {
+                seed: o.seed,
+                variant: o.name.clone(),
+                key: key_name(k),
+                ok,
+                excess: k.checker.worst().excess,
+                figures: [
+                    f.utilization_min * 100.0,
+                    f.utilization_mean * 100.0,
+                    f.false_reject_ratio * 100.0,
+                    f.versus_ideal * 100.0,
+                    f.checks_per_msg_agent,
+                    f.share_p95_p5,
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The sweep's report: the spread over seeds of each variant's tracked
+/// keys (min, median, max of every figure, and the seed of each extreme),
+/// then every seed's row.
+fn sweep_index(sc: &Scenario, from: u64, to: u64, rows: &[SweepRow], failed: &[Failure]) -> Report {
+    let mut groups: Vec<(String, String)> = Vec::new();
+    for r in rows {
+        let g = (r.variant.clone(), r.key.clone());
+        if !groups.contains(&g) {
+            groups.push(g);
+        }
+    }
+    let mut spread_rows = Vec::new();
+    for (variant, key) in &groups {
+        let of: Vec<&SweepRow> = rows
+            .iter()
+            .filter(|r| &r.variant == variant && &r.key == key)
+            .collect();
+        let worst = of.iter().max_by_key(|r| (r.excess, r.seed)).expect("a row");
+        let mut row = vec![
+            variant.clone(),
+            key.clone(),
+            of.len().to_string(),
+            format!("{} (seed {})", worst.excess, worst.seed),
+        ];
+        for (c, (_, digits)) in SWEEP_COLUMNS.iter().enumerate() {
+            let mut v: Vec<(f64, u64)> = of
+                .iter()
+                .map(|r| (r.figures[c], r.seed))
+                .filter(|(x, _)| x.is_finite())
+                .collect();
+            if v.is_empty() {
+                row.push("-".into());
+                continue;
+            }
+            v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let (lo, hi, mid) = (v[0], v[v.len() - 1], v[v.len() / 2].0);
+            row.push(format!(
+                "{} / {} / {} (seeds {}, {})",
+                fmt_f(lo.0, *digits),
+                fmt_f(mid, *digits),
+                fmt_f(hi.0, *digits),
+                lo.1,
+                hi.1
+            ));
+        }
+        spread_rows.push(row);
+    }
+    let mut headers: Vec<String> = [
+        "variant",
+        "key",
+        "seeds",
+        "largest window excess (worst seed)",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    headers.extend(
+        SWEEP_COLUMNS
+            .iter()
+            .map(|(n, _)| format!("{n}: min / median / max")),
+    );
+    let spread = Table {
+        title: "Spread over the seeds".into(),
+        headers,
+        rows: spread_rows,
+    };
+    let mut headers: Vec<String> = ["seed", "variant", "key", "verdict", "largest window excess"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    headers.extend(SWEEP_COLUMNS.iter().map(|(n, _)| n.to_string()));
+    let per_seed = Table {
+        title: "Every seed".into(),
+        headers,
+        rows: rows
+            .iter()
+            .map(|r| {
+                let mut row = vec![
+                    r.seed.to_string(),
+                    r.variant.clone(),
+                    r.key.clone(),
+                    if r.ok { "ok".into() } else { "FAILED".into() },
+                    r.excess.to_string(),
+                ];
+                row.extend(
+                    r.figures
+                        .iter()
+                        .zip(SWEEP_COLUMNS)
+                        .map(|(x, (_, d))| fmt_f(*x, d)),
+                );
+                row
+            })
+            .collect(),
+    };
+    let total = to - from + 1;
+    Report {
+        title: format!("{}: seeds {from}..{to}", sc.name),
+        preamble: vec![
+            format!(
+                "{} of {total} seeds passed (I1, I2, I3 and liveness checked in every run){}.",
+                total - failed.len() as u64,
+                if failed.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; failed: {}",
+                        failed
+                            .iter()
+                            .map(|f| f.seed.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            ),
+            "One row per seed, variant and tracked key; the figures are the ones of each run's report (its Keys table explains them): utilization is admitted / (R*T) over windows of 10 x TTL_max after warm-up, *vs ideal* the tokens admitted over those one ideal global bucket admits over the same arrivals, *region share p95/p5* the steadiness of the regions' shares (SPEC §2: <= 1.2). Replay a seed with `quotalease sim --scenario FILE --seed N` for its plots.".into(),
+        ],
+        sections: vec![Section {
+            title: "Quality over the seeds".into(),
+            paragraphs: Vec::new(),
+            tables: vec![spread, per_seed],
+            plots: Vec::new(),
+            csv: Vec::new(),
+        }],
     }
 }
 

@@ -63,3 +63,24 @@ fn same_seed_same_bytes_and_invariants_hold() {
     assert!(fc.is_empty(), "invariant broken with seed 12: {fc:?}");
     assert_ne!(a, c, "another seed must give another run");
 }
+
+#[test]
+fn a_sweep_index_is_the_same_for_any_number_of_jobs_and_names_every_seed() {
+    use quotalease_sim::runner::sweep_indexed;
+    let sc = Scenario::parse(SMALL, "small.yaml").expect("the test scenario is valid");
+    let (failed_1, index_1) = sweep_indexed(&sc, 3, 5, 1).expect("sweep");
+    let (failed_2, index_2) = sweep_indexed(&sc, 3, 5, 2).expect("sweep");
+    assert!(failed_1.is_empty(), "{failed_1:?}");
+    assert_eq!(failed_1.len(), failed_2.len());
+    let (md_1, md_2) = (markdown(&index_1), markdown(&index_2));
+    assert_eq!(md_1, md_2, "the index depends on --jobs");
+    assert!(md_1.contains("3 of 3 seeds passed"), "{md_1}");
+    // One row per seed for the hot key, and its spread over the three.
+    for seed in 3..=5 {
+        assert!(
+            md_1.contains(&format!("\n| {seed} | small | hot/t0//api | ok |")),
+            "seed {seed} missing:\n{md_1}"
+        );
+    }
+    assert!(md_1.contains("| small | hot/t0//api | 3 |"), "{md_1}");
+}

@@ -124,6 +124,12 @@ impl KeyQuality {
         self.false_rejects.per_second()
     }
 
+    /// Tokens admitted and tokens one ideal bucket admitted, per second
+    /// ([`FalseRejectStream::tokens_per_second`]).
+    pub fn tokens_per_second(&self) -> &[(u64, u64)] {
+        self.false_rejects.tokens_per_second()
+    }
+
     /// Utilization per window.
     pub fn utilization(&self) -> Vec<f64> {
         self.utilization.ratios(self.rate)
@@ -199,6 +205,9 @@ pub struct FalseRejectStream {
     /// those the false ones (the report's series of false rejects over
     /// time).
     per_second: Vec<(u64, u64)>,
+    /// Per whole second of request time: tokens we admitted, and tokens
+    /// the ideal bucket admitted (the report's shortfall over time).
+    tokens_per_second: Vec<(u64, u64)>,
 }
 
 impl FalseRejectStream {
@@ -225,6 +234,7 @@ impl FalseRejectStream {
             admitted_tokens: 0,
             ideal_tokens: 0,
             per_second: Vec::new(),
+            tokens_per_second: Vec::new(),
         }
     }
 
@@ -248,11 +258,17 @@ impl FalseRejectStream {
         } else {
             0
         };
+        let s = usize::try_from(t / 1_000_000_000).unwrap_or(usize::MAX);
+        if s >= self.tokens_per_second.len() {
+            self.tokens_per_second.resize(s + 1, (0, 0));
+        }
         if charge > 0 {
             self.ideal_tokens += cost;
+            self.tokens_per_second[s].1 += cost;
         }
         if admitted {
             self.admitted_tokens += cost;
+            self.tokens_per_second[s].0 += cost;
         }
         self.buf.push_back(Ideal {
             t,
@@ -292,6 +308,12 @@ impl FalseRejectStream {
     /// decided so far.
     pub fn per_second(&self) -> &[(u64, u64)] {
         &self.per_second
+    }
+
+    /// Per whole second of request time: tokens we admitted and tokens
+    /// the ideal bucket admitted.
+    pub fn tokens_per_second(&self) -> &[(u64, u64)] {
+        &self.tokens_per_second
     }
 
     fn count_denial(&mut self, t: u64, false_one: bool) {
@@ -830,6 +852,19 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn tokens_per_second_set_ours_beside_the_ideal_bucket_s() {
+        // 1/s, burst 2: the ideal bucket pays the first two, not a third
+        // 0.1 s later, and one more 1.1 s after that.
+        let mut st = FalseRejectStream::new(per_s(1), 2, 0);
+        st.push(0, 1, true);
+        st.push(500_000_000, 1, true);
+        st.push(600_000_000, 1, true);
+        st.push(1_700_000_000, 1, false);
+        assert_eq!(st.tokens_per_second(), &[(3, 2), (0, 1)]);
+        assert_eq!(st.versus_ideal(), (3, 3));
     }
 
     #[test]

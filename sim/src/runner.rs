@@ -727,12 +727,14 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                 .map(|q| q.denials_per_second())
                 .unwrap_or(&[]);
             let (mut denied_pts, mut false_pts) = (Vec::new(), Vec::new());
+            let mut headroom = Vec::new();
             for (s, per) in k.per_second.iter().enumerate() {
                 let total: u64 = per.iter().sum();
                 cum += total;
                 let x = (s + 1) as f64;
                 admitted.push((x, cum as f64));
                 bound.push((x, k.burst as f64 + r_per_s * x));
+                headroom.push((x, k.burst as f64 + r_per_s * x - cum as f64));
                 for (r, v) in per.iter().enumerate() {
                     per_region[r].push((x, *v as f64));
                 }
@@ -794,6 +796,46 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                     spans: spans.clone(),
                 });
             }
+            // The bound over [0, t] minus what was admitted in it: read in
+            // tokens, not millions (I1 checks every window; this is the
+            // windows that start at 0).
+            plots.push(LinePlot {
+                title: format!(
+                    "{}: headroom below the bound, B + R*t - admitted in [0, t]",
+                    key_name(k)
+                ),
+                x_label: "simulated s (faults shaded)".into(),
+                y_label: "tokens".into(),
+                series: vec![("headroom".into(), headroom)],
+                file: format!("{stem}-headroom.svg"),
+                spans: spans.clone(),
+            });
+            // Shortfall over time: what we admitted against one ideal
+            // global bucket over the same arrivals, per second.
+            let tokens = k
+                .quality
+                .as_ref()
+                .map(|q| q.tokens_per_second())
+                .unwrap_or(&[]);
+            let per_s = |pick: fn(&(u64, u64)) -> u64| -> Vec<(f64, f64)> {
+                tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(s, v)| ((s + 1) as f64, pick(v) as f64))
+                    .collect()
+            };
+            let (ours, ideal) = (per_s(|v| v.0), per_s(|v| v.1));
+            plots.push(LinePlot {
+                title: format!(
+                    "{}: admitted against one ideal global bucket, per second",
+                    key_name(k)
+                ),
+                x_label: "simulated s (faults shaded)".into(),
+                y_label: "tokens / s".into(),
+                series: vec![("admitted".into(), ours), ("ideal bucket".into(), ideal)],
+                file: format!("{stem}-versus-ideal.svg"),
+                spans: spans.clone(),
+            });
             plots.push(LinePlot {
                 title: format!("{}: denied and falsely denied per second", key_name(k)),
                 x_label: "simulated s".into(),

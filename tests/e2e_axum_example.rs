@@ -93,22 +93,12 @@ fn two_instances_of_the_axum_example_share_one_global_limit() {
     // SIGTERM: each instance stops, gives its leases back and flushes its
     // admission log.
     let logs: Vec<PathBuf> = instances.into_iter().map(Example::stop).collect();
-    let k = check_key_i1(&logs, ("orders", "acme", "/v1/orders"), 20, 40, oks);
-    eprintln!(
-        "{} admitted over {:.2} s by two instances (bound {:.1}, {:.1} %), {denials} denied",
-        k.admitted,
-        k.t_s,
-        k.bound,
-        100.0 * k.util
-    );
-    assert!(
-        denials > oks,
-        "demand far above the rule: {denials} denied, {oks} admitted"
-    );
-    // The burst and most of the refill reach the callers.
-    assert!(
-        k.util >= 0.8,
-        "{:.1} % of B + R*T delivered",
-        100.0 * k.util
+    check_shared_limit(
+        &logs,
+        ("orders", "acme", "/v1/orders"),
+        20,
+        40,
+        oks,
+        denials,
     );
 }

@@ -118,27 +118,12 @@ async fn two_instances_of_the_tonic_example_share_one_global_limit() {
     let (oks, denials) = (oks.load(Ordering::Relaxed), denials.load(Ordering::Relaxed));
     drop(clients);
     let logs: Vec<_> = instances.into_iter().map(Example::stop).collect();
-    let k = check_key_i1(
+    check_shared_limit(
         &logs,
         ("health", "acme", "/grpc.health.v1.Health/Check"),
         20,
         40,
         oks,
-    );
-    eprintln!(
-        "{} admitted over {:.2} s by two instances (bound {:.1}, {:.1} %), {denials} refused",
-        k.admitted,
-        k.t_s,
-        k.bound,
-        100.0 * k.util
-    );
-    assert!(
-        denials > oks,
-        "demand far above the rule: {denials} refused, {oks} admitted"
-    );
-    assert!(
-        k.util >= 0.8,
-        "{:.1} % of B + R*T delivered",
-        100.0 * k.util
+        denials,
     );
 }

@@ -723,3 +723,35 @@ impl Example {
         self.log
     }
 }
+
+/// Two example instances' admissions under demand far above a key's rule:
+/// I1 exact over every window of their logs (which must count `oks`), more
+/// refusals than admissions, and at least 80 % of `B + R*T` delivered.
+pub fn check_shared_limit(
+    logs: &[PathBuf],
+    key: (&str, &str, &str),
+    rate: u64,
+    burst: u64,
+    oks: u64,
+    refused: u64,
+) {
+    let k = check_key_i1(logs, key, rate, burst, oks);
+    eprintln!(
+        "{} admitted over {:.2} s by {} instances (bound {:.1}, {:.1} %), {refused} refused",
+        k.admitted,
+        k.t_s,
+        logs.len(),
+        k.bound,
+        100.0 * k.util
+    );
+    assert!(
+        refused > oks,
+        "demand far above the rule: {refused} refused, {oks} admitted"
+    );
+    // The burst and most of the refill reach the callers.
+    assert!(
+        k.util >= 0.8,
+        "{:.1} % of B + R*T delivered",
+        100.0 * k.util
+    );
+}

@@ -54,6 +54,17 @@ enum Kind {
     Crash {
         a: usize,
     },
+    /// The last ask agent `a` sent arrives again, `d` later (a duplicate
+    /// on the network).
+    Dup {
+        a: usize,
+        d: u64,
+    },
+    /// `N` changes; the check allows `max(N_old, n)` until `drain` later.
+    SetN {
+        n: u64,
+        drain: u64,
+    },
 }
 
 fn kind() -> impl Strategy<Value = Kind> {
@@ -66,7 +77,8 @@ fn kind() -> impl Strategy<Value = Kind> {
             .prop_map(|(a, give_back, lost_request, lost_reply, d1, d2)| Kind::Ask {
                 a, give_back, lost_request, lost_reply, d1: d1 * MS, d2: d2 * MS,
             }),
-        1 => a.prop_map(|a| Kind::Crash { a }),
+        1 => a.clone().prop_map(|a| Kind::Crash { a }),
+        1 => (a, 0..60u64).prop_map(|(a, d)| Kind::Dup { a, d: d * MS }),
     ]
 }
 
@@ -78,6 +90,7 @@ enum Msg {
         a: usize,
         incarnation: u32,
         sent: SentAsk,
+        new_id: u64,
         d2: u64,
         lost_reply: bool,
     },
@@ -117,6 +130,12 @@ struct World {
     seq: u64,
     next_lease: u64,
     granted: u64,
+    /// Each agent's last ask (for duplicates).
+    last_sent: [Option<Msg>; AGENTS],
+    /// What I4 allows now: `N`, or `max(N_old, N_new)` after a change
+    /// until `lowered` says from when the new `N` holds.
+    bound: u64,
+    lowered: Option<(u64, u64)>,
 }
 
 impl World {
@@ -136,6 +155,9 @@ impl World {
             seq: 0,
             next_lease: 1,
             granted: 0,
+            last_sent: [None; AGENTS],
+            bound: N,
+            lowered: None,
         }
     }
 
@@ -160,11 +182,10 @@ impl World {
                     a,
                     incarnation,
                     sent,
+                    new_id: id,
                     d2,
                     lost_reply,
                 } => {
-                    let id = self.next_lease;
-                    self.next_lease += 1;
                     let g = self.ledger.ask(
                         at,
                         SlotAsk {
@@ -182,6 +203,7 @@ impl World {
                             slots: g.slots,
                             kept: g.kept,
                             fence: g.fence,
+                            over: g.over,
                         };
                         self.post(
                             at + d2,
@@ -248,18 +270,30 @@ impl World {
                 let ag = &mut self.agents[a];
                 let sent = ag.key.ask(ag.clock(now), give_back);
                 let incarnation = ag.incarnation;
+                let new_id = self.next_lease;
+                self.next_lease += 1;
+                let m = Msg::Arrive {
+                    a,
+                    incarnation,
+                    sent,
+                    new_id,
+                    d2,
+                    lost_reply,
+                };
+                self.last_sent[a] = Some(m);
                 if !lost_request {
-                    self.post(
-                        now + d1,
-                        Msg::Arrive {
-                            a,
-                            incarnation,
-                            sent,
-                            d2,
-                            lost_reply,
-                        },
-                    );
+                    self.post(now + d1, m);
                 }
+            }
+            Kind::Dup { a, d } => {
+                if let Some(m) = self.last_sent[a] {
+                    self.post(now + d, m);
+                }
+            }
+            Kind::SetN { n, drain } => {
+                self.bound = self.bound.max(n);
+                self.ledger.set_n(n);
+                self.lowered = Some((now + drain, n));
             }
             Kind::Crash { a } => {
                 let ag = &mut self.agents[a];
@@ -281,6 +315,12 @@ impl World {
 
     /// I4 at true time `t`.
     fn check(&mut self, t: u64) {
+        if let Some((from, n)) = self.lowered {
+            if t >= from {
+                self.bound = n;
+                self.lowered = None;
+            }
+        }
         let mut held = 0;
         for ag in &mut self.agents {
             let c = ag.clock(t);
@@ -296,9 +336,10 @@ impl World {
                 held += slots;
             }
         }
+        let bound = self.bound;
         assert!(
-            held <= N,
-            "I4: {held} slots of valid permits at {t} > N = {N}"
+            held <= bound,
+            "I4: {held} slots of valid permits at {t} > N = {bound}"
         );
     }
 }
@@ -448,4 +489,123 @@ fn a_late_grant_for_an_older_ask_does_not_free_slots_in_use() {
         (44, ask(31, 1)),
     ];
     run([0; AGENTS], &steps);
+}
+
+/// Review finding (fixed): the same ask delivered twice made two leases
+/// with one id at the ledger; renewing "that id" then released the lease
+/// that counted permits still running (7 against `N = 5`).
+#[test]
+fn a_duplicated_ask_is_applied_once() {
+    let ttl = settings().lease_ttl_ns;
+    let mut l = SlotLedger::new(N, 0);
+    let mut a = PermitKey::new(settings());
+    let mut b = PermitKey::new(settings());
+    let g = |x: quotalease_allocator_core::slots::SlotGrant| Granted {
+        lease_id: x.lease_id,
+        slots: x.slots,
+        kept: x.kept,
+        fence: x.fence,
+        over: x.over,
+    };
+    let sa = |s: SentAsk, h: u32, id: u64| SlotAsk {
+        holder: h,
+        lease_id: s.lease_id,
+        keep: s.keep,
+        want: s.want,
+        ttl_ns: ttl,
+        new_id: id,
+    };
+    let t = 1_000 * MS;
+    // A: three permits on lease 1 of 3 slots.
+    for _ in 0..3 {
+        let _ = a.acquire(t, 1);
+    }
+    let s1 = a.ask(t, false);
+    let r1 = l.ask(t, sa(s1, 1, 1));
+    a.on_grant(t, s1, g(r1));
+    assert_eq!(a.serve_waiters(t).len(), 3);
+    // One more waiter; A asks keeping 3, wanting 1 (new id 2), and the
+    // ask arrives twice.
+    let _ = a.acquire(t + MS, 1);
+    let s2 = a.ask(t + MS, false);
+    let first = l.ask(t + 2 * MS, sa(s2, 1, 2));
+    let second = l.ask(t + 3 * MS, sa(s2, 1, 2));
+    assert_eq!(
+        (first.lease_id, first.slots),
+        (second.lease_id, second.slots)
+    );
+    // The duplicate's reply comes first, then A renews, then the late
+    // original reply; then B asks for 3.
+    a.on_grant(t + 4 * MS, s2, g(second));
+    a.serve_waiters(t + 4 * MS);
+    let s3 = a.ask(t + 5 * MS, false);
+    let r3 = l.ask(t + 5 * MS, sa(s3, 1, 3));
+    a.on_grant(t + 5 * MS, s3, g(r3));
+    a.on_grant(t + 6 * MS, s2, g(first));
+    let tb = t + 10 * MS;
+    for _ in 0..3 {
+        let _ = b.acquire(tb, 1);
+    }
+    let sb = b.ask(tb, false);
+    let rb = l.ask(tb, sa(sb, 2, 4));
+    b.on_grant(tb, sb, g(rb));
+    b.serve_waiters(tb);
+    let now = t + 20 * MS;
+    let held: u64 = a
+        .permits(now)
+        .iter()
+        .chain(b.permits(now).iter())
+        .map(|p| p.slots)
+        .sum();
+    assert!(
+        held <= N,
+        "I4: {held} permits valid > N = {N} (ledger held {})",
+        l.held()
+    );
+}
+
+/// Review finding (fixed): after `N` is lowered, an agent that keeps
+/// re-acquiring on its kept slots never drained to the new `N`. Grants
+/// now say `over`, and the agent starts nothing new on such a lease.
+#[test]
+fn a_lowered_n_drains_within_max_hold() {
+    let ask = |a: usize| Kind::Ask {
+        a,
+        give_back: false,
+        lost_request: false,
+        lost_reply: false,
+        d1: MS,
+        d2: MS,
+    };
+    let mut steps = Vec::new();
+    for _ in 0..5 {
+        steps.push((0, Kind::Acquire { a: 0, n: 1 }));
+    }
+    steps.push((0, ask(0)));
+    // Max hold 5 s: allow max(5, 2) for 5 s + a permit TTL + a renewal.
+    steps.push((
+        10 * MS,
+        Kind::SetN {
+            n: 2,
+            drain: 5_500 * MS,
+        },
+    ));
+    // 20 s of churn: every 100 ms renew all, ask, and release one and
+    // acquire one.
+    for i in 0..200u64 {
+        for pick in 0..5 {
+            steps.push((0, Kind::Renew { a: 0, pick }));
+        }
+        steps.push((0, ask(0)));
+        if i % 5 == 0 {
+            steps.push((0, Kind::Release { a: 0, pick: 0 }));
+            steps.push((0, Kind::Acquire { a: 0, n: 1 }));
+        }
+        steps.push((100 * MS, Kind::Renew { a: 0, pick: 0 }));
+    }
+    let granted = run([0; AGENTS], &steps);
+    assert!(
+        granted > 5,
+        "{granted} granted: permits go on after the drain"
+    );
 }

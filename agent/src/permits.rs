@@ -28,6 +28,14 @@ use quotalease_model::protocol::use_by_ns;
 /// Bits of a permit's fencing token taken by the local sequence number.
 pub const FENCE_LOCAL_BITS: u32 = 20;
 
+/// The largest grant fencing number a token holds (44 bits: the ledger's
+/// counter, whose base carries the allocator's run number, must stay
+/// below it; larger ones saturate rather than wrap).
+pub const MAX_GRANT_FENCE: u64 = (1 << (64 - FENCE_LOCAL_BITS)) - 1;
+
+/// The largest local sequence number of a token.
+const LOCAL_FENCE_MAX: u64 = (1 << FENCE_LOCAL_BITS) - 1;
+
 /// A key's permit settings (from its rule, and the agent's lease TTL).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PermitSettings {
@@ -83,6 +91,10 @@ struct Held {
     slots: u64,
     use_by_ns: u64,
     fence: u64,
+    /// The grant said `over`: no new permit on this lease (its slots
+    /// drain as its permits end, and the next ask gives the free ones
+    /// back).
+    over: bool,
 }
 
 /// An ask sent and not answered yet.
@@ -113,6 +125,10 @@ pub struct Granted {
     pub kept: u64,
     /// The grant's fencing number.
     pub fence: u64,
+    /// More slots are held than `N` (after a lowering): no new permit on
+    /// this lease beyond those already standing on it, so the holdings
+    /// drain to the new `N` as permits end.
+    pub over: bool,
 }
 
 /// One key's permits at one agent.
@@ -181,11 +197,23 @@ impl PermitKey {
         let Some(c) = self.current else {
             return 0;
         };
-        let cap = match self.sent {
-            Some(s) if s.lease_id == c.id => c.slots.min(s.keep),
-            _ => c.slots,
+        self.cap(c).saturating_sub(self.used_on(c.id))
+    }
+
+    /// What new permits may fill on `c`: its slots (only those in use
+    /// after a grant that said `over`), and at most the `keep` of an
+    /// unanswered ask on it
+    /// (its reply may yet arrive, or be lost: the promise stands).
+    fn cap(&self, c: Held) -> u64 {
+        let cap = if c.over {
+            self.used_on(c.id).min(c.slots)
+        } else {
+            c.slots
         };
-        cap.saturating_sub(self.used_on(c.id))
+        match self.sent {
+            Some(s) if s.lease_id == c.id => cap.min(s.keep),
+            _ => cap,
+        }
     }
 
     /// Acquire `slots` now, or queue behind earlier waiters.
@@ -213,9 +241,10 @@ impl PermitKey {
             .min(now_ns.saturating_add(s.max_hold_ns));
         let id = self.next_id;
         self.next_id += 1;
-        let fence =
-            (c.fence << FENCE_LOCAL_BITS) | (self.next_local_fence & ((1 << FENCE_LOCAL_BITS) - 1));
-        self.next_local_fence += 1;
+        let fence = (c.fence << FENCE_LOCAL_BITS) | self.next_local_fence;
+        // Saturates: past 2^20 permits on one lease the tokens repeat
+        // (they still never fall below the grant's).
+        self.next_local_fence = (self.next_local_fence + 1).min(LOCAL_FENCE_MAX);
         let p = Permit {
             id,
             slots,
@@ -292,15 +321,7 @@ impl PermitKey {
     pub fn ask(&mut self, now_ns: u64, give_back: bool) -> SentAsk {
         self.expire(now_ns);
         let (lease_id, used, cap) = match self.current {
-            Some(c) => {
-                let cap = match self.sent {
-                    // An earlier ask is unanswered (its reply may yet
-                    // arrive, or be lost): its promise stands.
-                    Some(s) if s.lease_id == c.id => c.slots.min(s.keep),
-                    _ => c.slots,
-                };
-                (c.id, self.used_on(c.id), cap)
-            }
+            Some(c) => (c.id, self.used_on(c.id), self.cap(c)),
             None => (0, 0, 0),
         };
         let keep = if give_back { used } else { cap.max(used) };
@@ -343,7 +364,8 @@ impl PermitKey {
             id: g.lease_id,
             slots: g.slots,
             use_by_ns,
-            fence: g.fence,
+            fence: g.fence.min(MAX_GRANT_FENCE),
+            over: g.over,
         });
         if sent.lease_id != 0 {
             let used = self.used_on(sent.lease_id);

@@ -16,6 +16,10 @@
 //!   demand, kept plus wanted, of the holders that asked within the last
 //!   second). The new lease replaces the old one in the same step, so kept
 //!   slots are counted continuously.
+//! * **Duplicates**: an ask is applied once per holder and new lease id (a
+//!   duplicate is answered with the lease it made; an older id changes
+//!   nothing), so two leases never share an id. A kept lease never
+//!   expires before the lease it came from.
 //! * **Release** frees a lease's slots at once (the holder sends it when no
 //!   permit stands on it); **expiry** frees them at the lease's expiry.
 //!   Unlike tokens, slots always come back.
@@ -44,6 +48,11 @@ pub struct SlotLease {
     pub slots: u64,
     /// Allocator-clock instant at which its slots are free again.
     pub expires_ns: u64,
+    /// What the grant that made it answered (a duplicate of its ask is
+    /// answered the same).
+    pub kept: u64,
+    /// See `kept`.
+    pub fence: u64,
 }
 
 /// A holder's ask for one key.
@@ -103,6 +112,10 @@ pub struct SlotLedger {
     leases: Vec<SlotLease>,
     demand: Vec<Demand>,
     next_fence: u64,
+    /// Per holder, the highest new lease id it asked for, and until when
+    /// that is remembered (an ask's TTL: a later duplicate could only make
+    /// an orphan lease, counted and never named).
+    seen: Vec<(HolderId, u64, u64)>,
 }
 
 impl SlotLedger {
@@ -113,6 +126,7 @@ impl SlotLedger {
             leases: Vec::new(),
             demand: Vec::new(),
             next_fence: fence_base,
+            seen: Vec::new(),
         }
     }
 
@@ -126,6 +140,8 @@ impl SlotLedger {
             holder: PHANTOM,
             slots: n,
             expires_ns: until_ns,
+            kept: 0,
+            fence: 0,
         });
         l
     }
@@ -158,11 +174,43 @@ impl SlotLedger {
         self.leases.retain(|l| l.expires_ns > now_ns);
         self.demand
             .retain(|d| d.at_ns.saturating_add(ACTIVE_WINDOW_NS) > now_ns);
+        self.seen.retain(|s| s.2 > now_ns);
     }
 
     /// Renew and/or ask for slots (see the module docs).
     pub fn ask(&mut self, now_ns: u64, ask: SlotAsk) -> SlotGrant {
         self.advance(now_ns);
+        // A duplicate of an ask already applied changes nothing: the lease
+        // it made is answered again (or, once renewed or released, nothing;
+        // two leases never share an id).
+        if let Some(l) = self
+            .leases
+            .iter()
+            .find(|l| l.holder == ask.holder && l.id == ask.new_id && ask.new_id != 0)
+        {
+            return SlotGrant {
+                lease_id: l.id,
+                slots: l.slots,
+                kept: l.kept,
+                fresh: l.slots - l.kept,
+                expires_ns: l.expires_ns,
+                fence: l.fence,
+                contended: self.demand.iter().any(|d| d.missing > 0),
+                over: self.held() > self.n,
+            };
+        }
+        let until = now_ns.saturating_add(ask.ttl_ns);
+        match self.seen.iter_mut().find(|s| s.0 == ask.holder) {
+            Some(s) if s.1 >= ask.new_id => {
+                return SlotGrant {
+                    contended: self.demand.iter().any(|d| d.missing > 0),
+                    over: self.held() > self.n,
+                    ..SlotGrant::default()
+                };
+            }
+            Some(s) => *s = (ask.holder, ask.new_id, s.2.max(until)),
+            None => self.seen.push((ask.holder, ask.new_id, until)),
+        }
         let old = (ask.lease_id != 0)
             .then(|| {
                 self.leases
@@ -171,7 +219,13 @@ impl SlotLedger {
             })
             .flatten();
         let kept = old.map_or(0, |i| ask.keep.min(self.leases[i].slots));
+        // Kept slots stay counted at least as long as the lease they come
+        // from was (permits on it may run until then).
+        let mut expires_ns = now_ns.saturating_add(ask.ttl_ns);
         if let Some(i) = old {
+            if kept > 0 {
+                expires_ns = expires_ns.max(self.leases[i].expires_ns);
+            }
             self.leases.swap_remove(i);
         }
         let held = self.held() + kept;
@@ -191,21 +245,22 @@ impl SlotLedger {
             at_ns: now_ns,
         });
         let slots = kept + fresh;
-        let expires_ns = now_ns.saturating_add(ask.ttl_ns);
+        let fence = if slots > 0 {
+            self.next_fence = self.next_fence.saturating_add(1);
+            self.next_fence
+        } else {
+            0
+        };
         let lease_id = if slots > 0 {
             self.leases.push(SlotLease {
                 id: ask.new_id,
                 holder: ask.holder,
                 slots,
                 expires_ns,
+                kept,
+                fence,
             });
             ask.new_id
-        } else {
-            0
-        };
-        let fence = if slots > 0 {
-            self.next_fence = self.next_fence.saturating_add(1);
-            self.next_fence
         } else {
             0
         };

@@ -360,10 +360,13 @@ impl Decision {
     }
 
     fn from_fast(f: FastAdmit, agent: &Agent) -> Self {
+        // The rule set read now is the one the charge used unless a reload
+        // came in between (then its version differs, and the decision
+        // names no rule rather than another set's rule at that index).
         let rule = f.rule_index.and_then(|i| {
             agent
                 .rules()
-                .filter(|set| i < set.rules.len())
+                .filter(|set| i < set.rules.len() && set.version == f.rule_version)
                 .map(|set| RuleRef::InSet(set, i))
         });
         Self {

@@ -81,8 +81,9 @@ impl Route {
     }
 }
 
-/// The tenant from a request header (its value, which must be visible
-/// ASCII), the route from the request path unless set; cost 1. A request
+/// The tenant from a request header (its value; one that is not visible
+/// ASCII is read with invalid bytes as U+FFFD and limited as that tenant),
+/// the route from the request path unless set; cost 1. A request
 /// without the header passes unlimited unless [`HeaderKey::default_tenant`]
 /// names a tenant for it.
 #[derive(Clone, Debug)]
@@ -134,7 +135,12 @@ impl HeaderKey {
 impl<B> KeyExtractor<B> for HeaderKey {
     fn extract(&self, req: &Request<B>) -> Option<(Key, u32)> {
         let tenant = match req.headers().get(&self.header) {
-            Some(v) => v.to_str().ok()?.to_owned(),
+            // Not visible ASCII: limited as the tenant it spells (invalid
+            // bytes as U+FFFD), never passed unlimited.
+            Some(v) => match v.to_str() {
+                Ok(t) => t.to_owned(),
+                Err(_) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            },
             None => self.default_tenant.clone()?,
         };
         Some((Key::new(tenant, self.route.of(req)), 1))

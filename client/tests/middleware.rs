@@ -348,3 +348,25 @@ async fn the_headers_follow_a_rules_change() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn a_tenant_header_that_is_not_ascii_is_limited_not_passed() {
+    // Review finding: such a header made the request pass unlimited.
+    let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
+    let c = alloc.client("svc-x").expect("client");
+    let svc = service(&RateLimitLayer::new(c, HeaderKey::new("x-tenant")));
+    let mut ok = 0;
+    for _ in 0..50 {
+        let req = Request::builder()
+            .uri("/strict")
+            .header(
+                "x-tenant",
+                http::HeaderValue::from_bytes(b"evil\xff").unwrap(),
+            )
+            .body(String::new())
+            .unwrap();
+        let resp = svc.clone().oneshot(req).await.expect("infallible");
+        ok += u32::from(resp.status() == StatusCode::OK);
+    }
+    assert_eq!(ok, 5, "{ok} of 50 admitted on a burst-5 rule");
+}

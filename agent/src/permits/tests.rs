@@ -31,6 +31,7 @@ fn holding_with(settings: PermitSettings, slots: u64, at: u64) -> PermitKey {
             slots,
             kept: 0,
             fence: 3,
+            over: false,
         },
     );
     k
@@ -53,6 +54,7 @@ fn waiters_are_served_in_arrival_order_once_slots_arrive() {
             slots: 2,
             kept: 0,
             fence: 5,
+            over: false,
         },
     );
     // Two slots: the first waiter (2) fits, the second must wait.
@@ -110,6 +112,7 @@ fn an_ask_in_flight_holds_the_agent_to_what_it_keeps() {
             slots: 1,
             kept: 1,
             fence: 4,
+            over: false,
         },
     );
     assert_eq!(k.permits(5)[0].lease_id, 8);
@@ -136,6 +139,7 @@ fn permits_that_cannot_move_stay_on_their_lease_until_they_end() {
             slots: 1,
             kept: 0,
             fence: 6,
+            over: false,
         },
     );
     let held = k.permits(4).to_vec();
@@ -147,4 +151,33 @@ fn permits_that_cannot_move_stay_on_their_lease_until_they_end() {
     let use_by_old = use_by_ns(0, 2_000 * MS, 10 * MS);
     let e = k.renew(1_950 * MS, p.id).expect("valid");
     assert_eq!(e, use_by_old, "not the new lease's later use-by");
+}
+
+#[test]
+fn fencing_tokens_grow_with_the_grant_and_never_wrap() {
+    // Review finding: `fence << 20` dropped the high bits of a large
+    // grant number (an allocator's run number), making a later token
+    // smaller than an earlier one.
+    let token = |fence: u64| {
+        let mut k = PermitKey::new(settings());
+        let sent = k.ask(0, false);
+        k.on_grant(
+            0,
+            sent,
+            Granted {
+                lease_id: 1,
+                slots: 4,
+                kept: 0,
+                fence,
+                over: false,
+            },
+        );
+        let a = k.acquire(1, 1).expect("free").fence;
+        let b = k.acquire(1, 1).expect("free").fence;
+        assert!(b > a, "tokens grow on a lease");
+        a
+    };
+    assert!(token(8) > token(7));
+    assert!(token((1 << 44) + 1) > token(7));
+    assert!(token(u64::MAX) >= token((1 << 44) + 1));
 }

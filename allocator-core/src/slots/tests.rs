@@ -247,3 +247,44 @@ proptest! {
         prop_assert_eq!(l.held(), 0);
     }
 }
+
+#[test]
+fn a_duplicated_ask_is_applied_once() {
+    // Review finding: the same ask twice made two leases with one id.
+    let mut l = SlotLedger::new(5, 0);
+    l.ask(0, ask(1, 0, 0, 3, 1));
+    let a = l.ask(10, ask(1, 1, 3, 1, 2));
+    let b = l.ask(20, ask(1, 1, 3, 1, 2));
+    assert_eq!(
+        a,
+        SlotGrant {
+            contended: b.contended,
+            over: b.over,
+            ..b
+        }
+    );
+    assert_eq!(l.leases().iter().filter(|x| x.id == 2).count(), 1);
+    assert_eq!(l.held(), 4);
+    // Once renewed, a late copy of the old ask changes nothing.
+    l.ask(30, ask(1, 2, 4, 0, 3));
+    let late = l.ask(40, ask(1, 1, 3, 1, 2));
+    assert_eq!((late.lease_id, late.slots), (0, 0));
+    assert_eq!(l.held(), 4);
+}
+
+#[test]
+fn kept_slots_outlive_a_shorter_ttl_until_their_old_lease_ends() {
+    // Review finding: a renewal with a shorter TTL cut the kept slots.
+    let mut l = SlotLedger::new(2, 0);
+    l.ask(0, ask(1, 0, 0, 2, 1));
+    let g = l.ask(
+        100,
+        SlotAsk {
+            ttl_ns: 500_000_000,
+            ..ask(1, 1, 2, 0, 2)
+        },
+    );
+    assert_eq!((g.kept, g.expires_ns), (2, TTL));
+    assert_eq!(l.ask(600_000_000, ask(2, 0, 0, 2, 3)).fresh, 0);
+    assert_eq!(l.ask(TTL, ask(2, 0, 0, 2, 4)).fresh, 2);
+}

@@ -18,6 +18,12 @@ const MS: u64 = 1_000_000;
 const N: u64 = 5;
 const AGENTS: usize = 3;
 
+/// How long after a change of `N` the old value may still be held: an
+/// agent hears `over` at its next grant, or its lease (TTL 2 s, after
+/// message delays of up to 120 ms) ends; a permit started before then
+/// lives at most `max_hold` (5 s), and one more permit TTL.
+const DRAIN: u64 = 2_000 * MS + 120 * MS + 5_000 * MS + 300 * MS;
+
 fn settings() -> PermitSettings {
     PermitSettings {
         n: N,
@@ -79,6 +85,7 @@ fn kind() -> impl Strategy<Value = Kind> {
             }),
         1 => a.clone().prop_map(|a| Kind::Crash { a }),
         1 => (a, 0..60u64).prop_map(|(a, d)| Kind::Dup { a, d: d * MS }),
+        1 => (1..=N + 2).prop_map(|n| Kind::SetN { n, drain: DRAIN }),
     ]
 }
 
@@ -132,10 +139,11 @@ struct World {
     granted: u64,
     /// Each agent's last ask (for duplicates).
     last_sent: [Option<Msg>; AGENTS],
-    /// What I4 allows now: `N`, or `max(N_old, N_new)` after a change
-    /// until `lowered` says from when the new `N` holds.
-    bound: u64,
-    lowered: Option<(u64, u64)>,
+    /// `N` in force, and earlier values still allowed: `(until, n)`, the
+    /// `N` before a change, until the change has drained (I4 holds
+    /// against `max(N_old, N_new)` until the old permits are gone).
+    n: u64,
+    olds: Vec<(u64, u64)>,
 }
 
 impl World {
@@ -156,8 +164,8 @@ impl World {
             next_lease: 1,
             granted: 0,
             last_sent: [None; AGENTS],
-            bound: N,
-            lowered: None,
+            n: N,
+            olds: Vec::new(),
         }
     }
 
@@ -291,9 +299,9 @@ impl World {
                 }
             }
             Kind::SetN { n, drain } => {
-                self.bound = self.bound.max(n);
+                self.olds.push((now + drain, self.n));
+                self.n = n;
                 self.ledger.set_n(n);
-                self.lowered = Some((now + drain, n));
             }
             Kind::Crash { a } => {
                 let ag = &mut self.agents[a];
@@ -315,12 +323,7 @@ impl World {
 
     /// I4 at true time `t`.
     fn check(&mut self, t: u64) {
-        if let Some((from, n)) = self.lowered {
-            if t >= from {
-                self.bound = n;
-                self.lowered = None;
-            }
-        }
+        self.olds.retain(|(until, _)| *until > t);
         let mut held = 0;
         for ag in &mut self.agents {
             let c = ag.clock(t);
@@ -336,7 +339,7 @@ impl World {
                 held += slots;
             }
         }
-        let bound = self.bound;
+        let bound = self.olds.iter().map(|o| o.1).fold(self.n, u64::max);
         assert!(
             held <= bound,
             "I4: {held} slots of valid permits at {t} > N = {bound}"

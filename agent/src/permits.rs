@@ -184,8 +184,9 @@ impl PermitKey {
 
     fn expire(&mut self, now_ns: u64) {
         self.permits.retain(|p| p.expiry_ns > now_ns);
-        let live: Vec<u64> = self.permits.iter().map(|p| p.lease_id).collect();
-        self.older.retain(|h| live.contains(&h.id));
+        let permits = &self.permits;
+        self.older
+            .retain(|h| permits.iter().any(|p| p.lease_id == h.id));
         if self.current.is_some_and(|c| c.use_by_ns <= now_ns) {
             self.current = None;
         }

@@ -120,11 +120,9 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     let f: f64 = s
         .parse()
         .map_err(|_| format!("{s:?}: expected a number in (0, 1], like 0.25"))?;
-    if f > 0.0 && f <= 1.0 {
-        Ok(f)
-    } else {
-        Err(format!("{s:?}: must be greater than 0 and at most 1"))
-    }
+    quotalease_agent::agent::check_fraction(f)
+        .map(|()| f)
+        .map_err(|_| format!("{s:?}: must be greater than 0 and at most 1"))
 }
 
 #[derive(Args, Debug)]

@@ -906,5 +906,5 @@ mod request;
 mod tests;
 
 pub use crate::handle::ChargePlan;
-pub use config::{AgentConfig, ConfigError, MAX_SETTING};
+pub use config::{check_fraction, AgentConfig, ConfigError, MAX_SETTING};
 pub use request::{Parked, Request, Step, Wait};

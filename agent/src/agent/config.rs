@@ -82,6 +82,16 @@ impl Default for AgentConfig {
 /// overflow deadlines computed from them).
 pub const MAX_SETTING: Duration = Duration::from_secs(24 * 3600);
 
+/// An emergency-bucket fraction must be in (0, 1] (the one rule the
+/// sidecar's flags and the client crate's builder share).
+pub fn check_fraction(f: f64) -> Result<(), String> {
+    if f > 0.0 && f <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!("{f}: must be greater than 0 and at most 1"))
+    }
+}
+
 /// An agent setting out of range, naming it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{setting}: {reason}")]
@@ -150,12 +160,7 @@ impl AgentConfig {
         ];
         for (setting, f) in fractions {
             if let Some(f) = f {
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(ConfigError {
-                        setting,
-                        reason: format!("{f} is not a fraction in (0, 1]"),
-                    });
-                }
+                check_fraction(f).map_err(|reason| ConfigError { setting, reason })?;
             }
         }
         Ok(())

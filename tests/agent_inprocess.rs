@@ -974,3 +974,57 @@ async fn a_fresh_keys_whole_burst_passes_in_a_quick_sequence() {
     assert_eq!(shadow, 0);
     assert!(seen.iter().all(|&x| x), "{seen:?}");
 }
+
+/// SPEC §4: `Check` on a rule that limits requests in flight only is
+/// invalid (a permit is acquired, not checked), naming the rule; a rule
+/// with both a rate and a concurrency charges its rate through a check;
+/// requests no rule selects still pass as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_on_a_concurrency_only_rule_is_invalid() {
+    let yaml = r#"
+rules:
+  - id: rate
+    match: { tenant: "*", route: /rate }
+    rate: 1/m
+    burst: 2
+  - id: model-calls
+    match: { tenant: "*", route: /gen }
+    concurrency: 4
+  - id: both
+    match: { tenant: "*", route: /both }
+    rate: 1/m
+    burst: 1
+    concurrency: 2
+"#;
+    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
+    let core = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(core, rules, None);
+    let a = Agent::start(AgentConfig::default(), Arc::new(in_process(&shared)), None)
+        .expect("agent starts");
+    wait_ready(&a).await;
+    for _ in 0..2 {
+        match a.check(input("t", "/gen")).await {
+            Err(CheckError::Invalid { field, reason }) => {
+                assert_eq!(field, "route_id");
+                assert!(reason.contains("rule model-calls"), "{reason}");
+                assert!(reason.contains("acquire a permit"), "{reason}");
+            }
+            other => panic!("expected invalid, got {other:?}"),
+        }
+        assert!(a.check_fast(&input("t", "/gen")).is_none());
+    }
+    let r = a.check(input("t", "/both")).await.unwrap();
+    assert!(r.allowed && r.rule_id == "both", "{r:?}");
+    let r = a.check(input("t", "/both")).await.unwrap();
+    assert!(
+        !r.allowed,
+        "the rate of a rule with both still limits: {r:?}"
+    );
+    let r = a.check(input("t", "/none")).await.unwrap();
+    assert!(r.allowed && r.rule_id.is_empty(), "{r:?}");
+    let r = a.check(input("t", "/rate")).await.unwrap();
+    assert!(r.allowed && r.rule_id == "rate", "{r:?}");
+}

@@ -40,6 +40,58 @@ impl Setup {
     }
 }
 
+impl Drop for Setup {
+    /// A failed test says what the replicas and etcd members logged about
+    /// leadership (CI shows a test's output only): terms begun and ended,
+    /// sessions, etcd elections.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Some(dir) = self.logs.first().and_then(|l| l.parent()) else {
+            return;
+        };
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .filter(|p| {
+                !p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("adm-"))
+            })
+            .collect();
+        files.sort();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| {
+                    [
+                        "lead",
+                        "session",
+                        "campaign",
+                        "candidate",
+                        "too long",
+                        "slow",
+                    ]
+                    .iter()
+                    .any(|w| l.contains(w))
+                })
+                .collect();
+            eprintln!(
+                "--- {} (leadership lines, last 40 of {}):",
+                f.display(),
+                lines.len()
+            );
+            for l in &lines[lines.len().saturating_sub(40)..] {
+                eprintln!("  {}", &l[..l.len().min(300)]);
+            }
+        }
+    }
+}
+
 fn setup(name: &str) -> Option<Setup> {
     let bin = etcd_bin()?;
     let dir = tempdir(name);

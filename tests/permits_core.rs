@@ -212,6 +212,7 @@ impl World {
                             kept: g.kept,
                             fence: g.fence,
                             over: g.over,
+                            ttl_ns: 2_000 * MS,
                         };
                         self.post(
                             at + d2,
@@ -509,6 +510,7 @@ fn a_duplicated_ask_is_applied_once() {
         kept: x.kept,
         fence: x.fence,
         over: x.over,
+        ttl_ns: 2_000 * MS,
     };
     let sa = |s: SentAsk, h: u32, id: u64| SlotAsk {
         holder: h,

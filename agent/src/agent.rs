@@ -120,7 +120,9 @@ pub struct CheckInput<'a> {
 // Keys and slots
 
 /// The rules a request matched (the one matcher, [`RuleSet::match_rules`]);
-/// too many is an invalid `tenant_id`.
+/// too many is an invalid `tenant_id`. A check that matches no rate rule
+/// but a rule limiting requests in flight is invalid too (SPEC §4: such a
+/// rule is served by acquiring a permit, never by a check).
 #[inline]
 fn match_rules(
     rules: &RuleSet,
@@ -128,12 +130,41 @@ fn match_rules(
     tenant: &str,
     route: &str,
 ) -> Result<Matched, CheckError> {
-    rules
+    let m = rules
         .match_rules(domain, tenant, route)
         .map_err(|e: TooManyMatches| CheckError::Invalid {
             field: TooManyMatches::FIELD,
             reason: e.to_string(),
-        })
+        })?;
+    if m.is_empty() && !rules.permit_rules.is_empty() {
+        concurrency_only(rules, domain, tenant, route)?;
+    }
+    Ok(m)
+}
+
+/// The error for a check whose request only rules limiting requests in
+/// flight select; `Ok` when none does.
+#[cold]
+fn concurrency_only(
+    rules: &RuleSet,
+    domain: Option<&str>,
+    tenant: &str,
+    route: &str,
+) -> Result<(), CheckError> {
+    let first = rules
+        .permit_rules
+        .iter()
+        .find(|p| p.applies(domain, tenant, route));
+    match first {
+        None => Ok(()),
+        Some(p) => Err(CheckError::Invalid {
+            field: "route_id",
+            reason: format!(
+                "rule {} limits requests in flight only (concurrency): acquire a permit; a check charges rates",
+                p.id
+            ),
+        }),
+    }
 }
 
 /// The rule (by index) whose lease could not pay, and its slot if the
@@ -264,6 +295,8 @@ struct Inner {
     emergency_log: Mutex<Vec<EmergencyOpened>>,
     replays: ReplayCache<Result<CheckResponse, CheckError>>,
     admission_log: Option<Mutex<BufWriter<File>>>,
+    /// The permits of concurrency rules (started with the tokio driver).
+    permits: std::sync::OnceLock<crate::permit_driver::Permits>,
 }
 
 /// Wakers for parked requests (see `Inner::parked`).
@@ -342,6 +375,9 @@ impl Agent {
         bootstrap: Option<RuleSet>,
     ) -> std::io::Result<Agent> {
         let agent = Self::new(cfg, Some(transport.clone()), bootstrap)?;
+        let permits =
+            crate::permit_driver::Permits::start(agent.permits_config(), transport.clone());
+        let _ = agent.inner.permits.set(permits);
         let bg = agent.clone();
         let task = tokio::spawn(async move { crate::driver::run(bg, transport).await });
         // A driver that dies (a panic is a bug) must not leave an agent that
@@ -419,6 +455,7 @@ impl Agent {
             stopped: Notify::new(),
             emergency_log: Mutex::new(Vec::new()),
             admission_log,
+            permits: std::sync::OnceLock::new(),
         });
         Ok(Agent { inner })
     }
@@ -875,6 +912,9 @@ impl Agent {
     /// to the allocator (bounded by `fetch_timeout`).
     pub async fn shutdown(&self) {
         let inner = &*self.inner;
+        if let Some(p) = inner.permits.get() {
+            p.stop();
+        }
         inner.stop.store(true, Ordering::Release);
         inner.stopped.notify_waiters();
         let batch = inner.core.lock().shutdown(self.now());
@@ -901,10 +941,12 @@ impl Agent {
 }
 
 mod config;
+mod permits;
 mod request;
 #[cfg(test)]
 mod tests;
 
 pub use crate::handle::ChargePlan;
 pub use config::{check_fraction, AgentConfig, ConfigError, MAX_SETTING};
+pub use permits::{AcquireInput, Acquired};
 pub use request::{Parked, Request, Step, Wait};

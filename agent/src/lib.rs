@@ -16,6 +16,7 @@ pub(crate) mod handle;
 pub mod idempotency;
 pub mod lease_table;
 pub mod metrics;
+pub mod permit_driver;
 pub mod permits;
 pub mod renewal;
 pub(crate) mod shapes;

@@ -129,6 +129,10 @@ pub struct Granted {
     /// this lease beyond those already standing on it, so the holdings
     /// drain to the new `N` as permits end.
     pub over: bool,
+    /// The lease's TTL as granted (an allocator grants at most its
+    /// `TTL_max`): its use-by counts the shorter of this and the TTL
+    /// asked for.
+    pub ttl_ns: u64,
 }
 
 /// One key's permits at one agent.
@@ -277,6 +281,34 @@ impl PermitKey {
         self.waiting.retain(|(id, _)| *id != waiter);
     }
 
+    /// The current lease, if any: (id, slots, use-by).
+    pub fn current(&self) -> Option<(u64, u64, u64)> {
+        self.current.map(|c| (c.id, c.slots, c.use_by_ns))
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> PermitSettings {
+        self.settings
+    }
+
+    /// New settings (a rule change): a lowered `N` refuses larger
+    /// acquires from now on; held permits keep their expiries.
+    pub fn set_settings(&mut self, settings: PermitSettings) {
+        self.settings = settings;
+    }
+
+    /// No permit held, nobody waiting and no lease: the key may be
+    /// forgotten. (An ask whose reply is still out may be answered after:
+    /// its lease, if it made one, is one the allocator counts, safe to use
+    /// by a key made anew.)
+    pub fn is_idle(&mut self, now_ns: u64) -> bool {
+        self.expire(now_ns);
+        self.permits.is_empty()
+            && self.waiting.is_empty()
+            && self.current.is_none()
+            && self.older.is_empty()
+    }
+
     /// Slots the waiters want beyond what is free.
     pub fn waiting_slots(&self) -> u64 {
         self.waiting.iter().map(|(_, n)| n).sum()
@@ -358,7 +390,7 @@ impl PermitKey {
         }
         let use_by_ns = use_by_ns(
             sent.first_send_ns,
-            self.settings.lease_ttl_ns,
+            self.settings.lease_ttl_ns.min(g.ttl_ns),
             self.settings.epsilon_ns,
         );
         let new = (g.lease_id != 0 && use_by_ns > now_ns).then_some(Held {

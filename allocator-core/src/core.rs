@@ -36,7 +36,10 @@ use crate::reservations::{Reservation, Reservations};
 mod batch;
 mod resume;
 mod runs;
+mod slot_items;
 mod sweep;
+
+pub use slot_items::SlotView;
 
 /// Least gap between two sweeps of one key.
 const SWEEP_MIN_GAP_NS: u64 = 100_000_000;
@@ -135,6 +138,10 @@ const LOG_EVERY_NS: u64 = 10_000_000_000;
 /// lost ledger's leases may still be out, whatever it was run with.
 pub const TTL_MAX_CAP_NS: u64 = 60_000_000_000;
 
+// A permit lives on one slot lease: the longest `permit_ttl` a rule file
+// may give stays within the cap (SPEC §4).
+const _: () = assert!(quotalease_model::rules::MAX_PERMIT_TTL_MS * 1_000_000 <= TTL_MAX_CAP_NS);
+
 impl Default for CoreConfig {
     fn default() -> Self {
         Self {
@@ -225,6 +232,12 @@ pub struct Stats {
     pub foreign_seen_ns: u64,
     /// Tokens of leases that expired unspent (as far as reported).
     pub tokens_expired_unused: u64,
+    /// Slot leases granted with fresh slots.
+    pub slot_grants: u64,
+    /// Fresh slots lent.
+    pub slots_granted: u64,
+    /// Slot leases given back.
+    pub slot_releases: u64,
 }
 
 /// A read-only view of one key's ledger (for `GET /v1/keys`).
@@ -299,6 +312,19 @@ pub struct AllocatorCore {
     grace_until_ns: u64,
     /// Write-ahead reservations (global allocators with a state directory).
     reservations: Option<Reservations>,
+    /// The slot ledgers of the keys of rules with `concurrency`
+    /// (docs/permits.md).
+    slot_keys: HashMap<KeyId, crate::slots::SlotLedger>,
+    /// Slot ledgers per rule id (for `max_keys`).
+    slot_keys_per_rule: HashMap<String, u64>,
+    /// Until when a new slot ledger's phantom holds all its slots: every
+    /// slot lease a predecessor could have granted has expired then
+    /// (`restart_wait_ns` after the start; slot ledgers are neither
+    /// checkpointed nor reserved). `None`: no predecessor.
+    slots_phantom_until_ns: Option<u64>,
+    /// (lease id base, start instant): the wall clock the fencing numbers
+    /// of new slot ledgers start from ([`slot_items`]).
+    fence_clock: (u64, u64),
 }
 
 /// State of a core in pooled mode (regional allocator).
@@ -353,6 +379,10 @@ impl AllocatorCore {
             closed: false,
             grace_until_ns,
             reservations: cfg_reservations.then(Reservations::default),
+            slot_keys: HashMap::default(),
+            slot_keys_per_rule: HashMap::default(),
+            slots_phantom_until_ns: ready_at_ns,
+            fence_clock: (lease_id_base, now_ns),
         }
     }
 
@@ -482,6 +512,13 @@ impl AllocatorCore {
                         rule.burst,
                     );
                 }
+            }
+        }
+        for (key, ledger) in self.slot_keys.iter_mut() {
+            if let Some(rule) = rules.permit_rule(&key.rule) {
+                // Kept slots stay: I4 against max(N_old, N_new) until the
+                // old permits are gone.
+                ledger.set_n(rule.concurrency);
             }
         }
         self.versions.push(rules.version);

@@ -2,8 +2,9 @@
 //! `concurrency`; docs/permits.md): `N` slots lent to holders as slot
 //! leases. Sans-IO like the token ledger: time is an argument.
 //!
-//! Not wired in yet: no rule kind, message or agent uses it (issue 34 is
-//! being built in steps; docs/permits.md says which are done).
+//! Served by the allocator core (`core/slot_items.rs`, items `SLOTS` and
+//! `SLOTS_RELEASE`); no agent asks for slots yet (issue 34 is being built
+//! in steps; docs/permits.md says which are done).
 //!
 //! * **Held** is the slots of the unexpired leases. A grant never takes it
 //!   above `max(N, held before the grant)`: kept slots are never cut, and
@@ -36,6 +37,11 @@ use crate::ledger::{water_level, HolderId, PHANTOM};
 
 /// How long a holder's demand counts for max-min shares after it asked.
 pub const ACTIVE_WINDOW_NS: u64 = 1_000_000_000;
+
+/// The largest fencing base a ledger starts from: fencing numbers stay
+/// below 2^44 (a permit's token keeps 20 bits for its own sequence
+/// number), with room for 2^32 grants above the base.
+pub const MAX_FENCE_BASE: u64 = (1 << 44) - (1 << 32);
 
 /// One unexpired slot lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,6 +167,12 @@ impl SlotLedger {
     /// The unexpired leases (as of the last [`SlotLedger::advance`]).
     pub fn leases(&self) -> &[SlotLease] {
         &self.leases
+    }
+
+    /// Nothing lent and no demand within the window (as of the last
+    /// [`SlotLedger::advance`]): the ledger may be dropped.
+    pub fn is_idle(&self) -> bool {
+        self.leases.is_empty() && self.demand.is_empty()
     }
 
     /// Slots held (as of the last [`SlotLedger::advance`]).

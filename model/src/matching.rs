@@ -61,13 +61,35 @@ impl Rule {
     /// (if any) is the request's and its tenant and route patterns match.
     #[inline]
     pub fn applies(&self, domain: Option<&str>, tenant: &str, route: &str) -> bool {
-        let domain_ok = match (&self.domain, domain) {
-            (None, _) => true,
-            (Some(d), Some(q)) => d == q,
-            (Some(_), None) => false,
-        };
-        domain_ok && self.tenant.matches(tenant) && self.route.matches(route)
+        selects(
+            self.domain.as_deref(),
+            &self.tenant,
+            &self.route,
+            domain,
+            tenant,
+            route,
+        )
     }
+}
+
+/// Whether a rule's domain and patterns select a request: the rule's
+/// domain (if any) is the request's and its tenant and route patterns
+/// match. The one test of both rule kinds.
+#[inline]
+pub(crate) fn selects(
+    rule_domain: Option<&str>,
+    rule_tenant: &Pattern,
+    rule_route: &Pattern,
+    domain: Option<&str>,
+    tenant: &str,
+    route: &str,
+) -> bool {
+    let domain_ok = match (rule_domain, domain) {
+        (None, _) => true,
+        (Some(d), Some(q)) => d == q,
+        (Some(_), None) => false,
+    };
+    domain_ok && rule_tenant.matches(tenant) && rule_route.matches(route)
 }
 
 impl RuleSet {
@@ -120,6 +142,34 @@ impl RuleSet {
                 }
             }
             m.n = kept;
+        }
+        Ok(m)
+    }
+
+    /// The permit rules (rules with `concurrency`) applying to a request,
+    /// as indices into [`RuleSet::permit_rules`] in file order. Permit rules
+    /// have no overrides and no shadow mode.
+    ///
+    /// Errs when more than [`MAX_MATCHED`] permit rules match.
+    pub fn match_permit_rules(
+        &self,
+        domain: Option<&str>,
+        tenant: &str,
+        route: &str,
+    ) -> Result<Matched, TooManyMatches> {
+        let mut m = Matched {
+            idx: [0; MAX_MATCHED],
+            n: 0,
+            any_shadow: false,
+        };
+        for (i, r) in self.permit_rules.iter().enumerate() {
+            if r.applies(domain, tenant, route) {
+                if m.n == MAX_MATCHED {
+                    return Err(TooManyMatches);
+                }
+                m.idx[m.n] = i as u32;
+                m.n += 1;
+            }
         }
         Ok(m)
     }
@@ -416,6 +466,7 @@ mod tests {
                 rule("orders", Pattern::PerValue, exact("/orders")),
                 rule("acme", exact("acme"), Pattern::Any),
             ],
+            ..Default::default()
         };
         assert_eq!(
             ids(&rs, None, "acme", "/orders"),
@@ -437,6 +488,7 @@ mod tests {
         let rs = RuleSet {
             version: 1,
             rules: vec![rule("base", Pattern::PerValue, Pattern::Any), mid, top],
+            ..Default::default()
         };
         assert_eq!(ids(&rs, None, "acme", "/vip"), ["top"]);
         assert_eq!(ids(&rs, None, "acme", "/x"), ["mid"]);
@@ -455,6 +507,7 @@ mod tests {
         let rs = RuleSet {
             version: 1,
             rules: vec![rule("all", Pattern::Any, exact("/r")), edge],
+            ..Default::default()
         };
         assert_eq!(ids(&rs, Some("edge"), "t", "/r"), ["all", "edge-only"]);
         assert_eq!(ids(&rs, Some("other"), "t", "/r"), ["all"]);
@@ -471,6 +524,7 @@ mod tests {
         let rs = RuleSet {
             version: 1,
             rules: vec![rule("base", Pattern::PerValue, Pattern::Any), watch, vip],
+            ..Default::default()
         };
         let m = rs.match_rules(None, "t", "/w").unwrap();
         assert!(m.any_shadow());
@@ -510,7 +564,11 @@ mod tests {
             .map(|i| rule(&format!("t{i}"), exact("acme"), Pattern::Any))
             .collect();
         rules.extend((0..9).map(|i| rule(&format!("r{i}"), Pattern::PerValue, exact("/x"))));
-        let rs = RuleSet { version: 1, rules };
+        let rs = RuleSet {
+            version: 1,
+            rules,
+            ..Default::default()
+        };
         let found = overfull_requests(&rs.rules);
         assert_eq!(found.len(), 1, "{found:?}");
         let o = &found[0];
@@ -593,7 +651,7 @@ mod tests {
         /// matcher, and each request it reports is refused.
         #[test]
         fn overfull_requests_agrees_with_the_matcher(rules in arb_rules()) {
-            let rs = RuleSet { version: 1, rules };
+            let rs = RuleSet { version: 1, rules, ..Default::default() };
             let mut refused = false;
             for d in [None, Some("e1"), Some("e2"), Some("other")] {
                 for t in ["a", "b", "c", "t"] {

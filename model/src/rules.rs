@@ -24,13 +24,21 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use quotalease_proto::lease::{FailPolicy as PbFailPolicy, Rule as PbRule, RuleSet as PbRuleSet};
+use quotalease_proto::lease::{
+    FailPolicy as PbFailPolicy, PermitRule as PbPermitRule, Rule as PbRule, RuleSet as PbRuleSet,
+};
 
 use crate::matching::{overfull_requests, MAX_MATCHED};
 use crate::protocol::MAX_ID_BYTES;
 
+mod concurrency;
 #[cfg(feature = "yaml")]
 pub mod yaml;
+
+pub use concurrency::{
+    duration_text, parse_duration_ms, PermitRule, DEFAULT_MAX_HOLD_MS, DEFAULT_PERMIT_TTL_MS,
+    MAX_CONCURRENCY, MAX_HOLD_MS, MAX_PERMIT_TTL_MS, MIN_PERMIT_TTL_MS, PERMITS_SERVED,
+};
 
 /// Largest accepted `burst` (bucket capacity); `burst` is `1..=MAX_BURST`.
 pub const MAX_BURST: u64 = 1_000_000_000;
@@ -377,7 +385,7 @@ impl std::error::Error for RuleError {}
 
 /// Splits `rules[3].rate` into `("rules[3]", "rate")`.
 fn split_indexed_field(field: &str) -> Option<(&str, &str)> {
-    if !field.starts_with("rules[") {
+    if !field.starts_with("rules[") && !field.starts_with("permit_rules[") {
         return None;
     }
     let close = field.find("].")?;
@@ -386,6 +394,9 @@ fn split_indexed_field(field: &str) -> Option<(&str, &str)> {
 
 /// Where a rule sits in the file and how errors name it.
 struct RuleLoc {
+    /// The list the entry is in, for errors naming it by index: `rules`,
+    /// or `permit_rules` in a protobuf rule set.
+    list: &'static str,
     index: usize,
     /// The id errors are reported under: `Some` only for a valid id at its
     /// first occurrence; otherwise errors name the rule by index.
@@ -424,8 +435,8 @@ impl<'f> Errors<'f> {
     fn rule(&mut self, at: &RuleLoc, field: &str, reason: impl Into<String>) {
         let (rule_id, field) = match &at.id {
             Some(id) => (Some(id.clone()), field.to_string()),
-            None if field.is_empty() => (None, format!("rules[{}]", at.index)),
-            None => (None, format!("rules[{}].{field}", at.index)),
+            None if field.is_empty() => (None, format!("{}[{}]", at.list, at.index)),
+            None => (None, format!("{}[{}].{field}", at.list, at.index)),
         };
         self.list.push(RuleError {
             file: self.file.to_string(),
@@ -515,7 +526,10 @@ fn check_overrides(
 /// Decides how each rule is named in errors. `ids[i]` is rule `i`'s id when
 /// it is a valid id. Returns the locations and the map from id to the index
 /// of its first use. Later uses of an id are named by index.
-fn locate<'a>(ids: &[Option<&'a str>]) -> (Vec<RuleLoc>, HashMap<&'a str, usize>) {
+fn locate<'a>(
+    list: &'static str,
+    ids: &[Option<&'a str>],
+) -> (Vec<RuleLoc>, HashMap<&'a str, usize>) {
     let mut first: HashMap<&'a str, usize> = HashMap::new();
     let mut locs = Vec::with_capacity(ids.len());
     for (index, id) in ids.iter().enumerate() {
@@ -526,7 +540,7 @@ fn locate<'a>(ids: &[Option<&'a str>]) -> (Vec<RuleLoc>, HashMap<&'a str, usize>
             }
             _ => None,
         };
-        locs.push(RuleLoc { index, id });
+        locs.push(RuleLoc { list, index, id });
     }
     (locs, first)
 }
@@ -558,8 +572,15 @@ fn check_id_at(
 /// What one rule entry produced: the rule when it has no error, and what the
 /// cross-rule checks need even when it has errors.
 struct Draft {
-    rule: Option<Rule>,
+    /// `None` when the entry has an error.
+    made: Option<Made>,
     overrides: Vec<String>,
+}
+
+/// What a valid rule entry is: a rate rule, a permit rule or both.
+struct Made {
+    rate: Option<Rule>,
+    permit: Option<PermitRule>,
 }
 
 /// Reports override cycles among rules with usable ids.
@@ -695,20 +716,23 @@ fn rule_from_proto(
     };
     let max_keys = (pb.max_keys != 0).then_some(pb.max_keys);
 
-    let rule = (errs.len() == before).then(|| Rule {
-        id: pb.id.clone(),
-        tenant,
-        route,
-        rate,
-        burst,
-        fail_policy,
-        overrides: pb.overrides.clone(),
-        shadow: pb.shadow,
-        domain,
-        max_keys,
+    let made = (errs.len() == before).then(|| Made {
+        rate: Some(Rule {
+            id: pb.id.clone(),
+            tenant,
+            route,
+            rate,
+            burst,
+            fail_policy,
+            overrides: pb.overrides.clone(),
+            shadow: pb.shadow,
+            domain,
+            max_keys,
+        }),
+        permit: None,
     });
     Draft {
-        rule,
+        made,
         overrides: pb.overrides.clone(),
     }
 }
@@ -716,7 +740,7 @@ fn rule_from_proto(
 /// Reports each request that would match more than [`MAX_MATCHED`] rules
 /// (the matcher refuses such a request, so every one would be answered as
 /// invalid), on the first rule past the limit, naming all the rules.
-fn check_match_limit(locs: &[RuleLoc], rules: &[Rule], errs: &mut Errors<'_>) {
+fn check_match_limit(locs: &[&RuleLoc], rules: &[Rule], errs: &mut Errors<'_>) {
     for o in overfull_requests(rules) {
         let named: Vec<String> = [
             ("tenant", o.tenant),
@@ -733,7 +757,7 @@ fn check_match_limit(locs: &[RuleLoc], rules: &[Rule], errs: &mut Errors<'_>) {
         };
         let ids: Vec<&str> = o.rules.iter().map(|&i| rules[i].id.as_str()).collect();
         errs.rule(
-            &locs[o.rules[MAX_MATCHED]],
+            locs[o.rules[MAX_MATCHED]],
             "match",
             format!(
                 "{which} matches {} rules, more than the {MAX_MATCHED} one request may match (each such request would be refused): {}",
@@ -745,35 +769,74 @@ fn check_match_limit(locs: &[RuleLoc], rules: &[Rule], errs: &mut Errors<'_>) {
 }
 
 /// Cross-rule checks, then the rule set if no error was found anywhere.
+/// `permits` are the permit rules of a protobuf rule set (YAML entries
+/// carry theirs in their drafts), with where each is.
 fn finish(
     version: u64,
     locs: &[RuleLoc],
     drafts: Vec<Draft>,
     first: &HashMap<&str, usize>,
+    permits: Vec<(&RuleLoc, PermitRule)>,
     mut errs: Errors<'_>,
 ) -> Result<RuleSet, Vec<RuleError>> {
     check_cycles(locs, &drafts, first, &mut errs);
     if !errs.list.is_empty() {
         return Err(errs.list);
     }
-    let rules: Option<Vec<Rule>> = drafts.into_iter().map(|d| d.rule).collect();
-    match rules {
-        Some(rules) => {
-            check_match_limit(locs, &rules, &mut errs);
-            if errs.list.is_empty() {
-                Ok(RuleSet { version, rules })
-            } else {
-                Err(errs.list)
+    let Some(made) = drafts
+        .into_iter()
+        .map(|d| d.made)
+        .collect::<Option<Vec<Made>>>()
+    else {
+        // Unreachable: a draft without a rule always recorded an error.
+        errs.root(
+            "rules",
+            "internal error: a rule failed validation without a reason",
+        );
+        return Err(errs.list);
+    };
+    let mut rules = Vec::new();
+    let mut rate_locs = Vec::new();
+    let mut permit_rules = Vec::new();
+    let mut permit_locs = Vec::new();
+    for (m, at) in made.into_iter().zip(locs) {
+        if let Some(r) = m.rate {
+            rules.push(r);
+            rate_locs.push(at);
+        }
+        if let Some(p) = m.permit {
+            permit_rules.push(p);
+            permit_locs.push(at);
+        }
+    }
+    for (at, p) in permits {
+        permit_rules.push(p);
+        permit_locs.push(at);
+    }
+    // Overrides replace one rate limit with another: they name rules with
+    // a rate.
+    for (r, at) in rules.iter().zip(&rate_locs) {
+        for o in &r.overrides {
+            if !rules.iter().any(|t| &t.id == o) {
+                errs.rule(
+                    at,
+                    "overrides",
+                    format!("{o:?} has no rate (a concurrency-only rule): overrides name rules with a rate"),
+                );
             }
         }
-        // Unreachable: a draft without a rule always recorded an error.
-        None => {
-            errs.root(
-                "rules",
-                "internal error: a rule failed validation without a reason",
-            );
-            Err(errs.list)
-        }
+    }
+    check_match_limit(&rate_locs, &rules, &mut errs);
+    let selectors: Vec<Rule> = permit_rules.iter().map(PermitRule::as_selector).collect();
+    check_match_limit(&permit_locs, &selectors, &mut errs);
+    if errs.list.is_empty() {
+        Ok(RuleSet {
+            version,
+            rules,
+            permit_rules,
+        })
+    } else {
+        Err(errs.list)
     }
 }
 
@@ -785,8 +848,11 @@ fn finish(
 pub struct RuleSet {
     /// Publish version (monotonically increasing).
     pub version: u64,
-    /// The rules, in file order.
+    /// The rate rules (entries with `rate` and `burst`), in file order.
     pub rules: Vec<Rule>,
+    /// The permit rules (entries with `concurrency`), in file order; an
+    /// entry with both is in both lists under one id.
+    pub permit_rules: Vec<PermitRule>,
 }
 
 impl RuleSet {
@@ -800,7 +866,13 @@ impl RuleSet {
         PbRuleSet {
             version: self.version,
             rules: self.rules.iter().map(Rule::to_proto).collect(),
+            permit_rules: self.permit_rules.iter().map(PermitRule::to_proto).collect(),
         }
+    }
+
+    /// The permit rule with this id.
+    pub fn permit_rule(&self, id: &str) -> Option<&PermitRule> {
+        self.permit_rules.iter().find(|r| r.id == id)
     }
 
     /// Decodes and validates a protobuf rule set (errors name the file
@@ -813,55 +885,139 @@ impl RuleSet {
             .iter()
             .map(|r| Some(r.id.as_str()).filter(|id| check_id(id).is_ok()))
             .collect();
-        let (locs, first) = locate(&ids);
+        let (locs, first) = locate("rules", &ids);
         let drafts: Vec<Draft> = pb
             .rules
             .iter()
             .zip(&locs)
             .map(|(r, at)| rule_from_proto(r, at, &first, &mut errs))
             .collect();
-        finish(pb.version, &locs, drafts, &first, errs)
+        let permit_ids: Vec<Option<&str>> = pb
+            .permit_rules
+            .iter()
+            .map(|r| Some(r.id.as_str()).filter(|id| check_id(id).is_ok()))
+            .collect();
+        let (permit_locs, permit_first) = locate("permit_rules", &permit_ids);
+        let rates: Vec<Rule> = drafts
+            .iter()
+            .filter_map(|d| d.made.as_ref()?.rate.clone())
+            .collect();
+        let permits: Vec<(&RuleLoc, PermitRule)> = pb
+            .permit_rules
+            .iter()
+            .zip(&permit_locs)
+            .filter_map(|(r, at)| {
+                concurrency::permit_rule_from_proto(r, at, &permit_first, &rates, &mut errs)
+                    .map(|p| (at, p))
+            })
+            .collect();
+        finish(pb.version, &locs, drafts, &first, permits, errs)
     }
 
     /// Human summary for `rules validate`: one line per rule with id, match,
     /// rate, burst, fail policy and flags (shadow, domain, max_keys,
-    /// overrides); `(no rules)` for an empty set.
+    /// overrides), then `concurrency=N permit_ttl=.. max_hold=..` for a
+    /// rule that limits requests in flight (concurrency-only rules after the
+    /// rate rules); `(no rules)` for an empty set.
     pub fn summary(&self) -> String {
-        if self.rules.is_empty() {
+        if self.rules.is_empty() && self.permit_rules.is_empty() {
             return "(no rules)\n".to_string();
         }
-        let matches: Vec<String> = self.rules.iter().map(match_text).collect();
-        let id_w = self.rules.iter().map(|r| r.id.len()).max().unwrap_or(0);
-        let m_w = matches.iter().map(|m| m.chars().count()).max().unwrap_or(0);
+        let lines = self.rule_lines();
+        let id_w = lines.iter().map(|l| l.id.len()).max().unwrap_or(0);
+        let m_w = lines
+            .iter()
+            .map(|l| l.matched.chars().count())
+            .max()
+            .unwrap_or(0);
         let mut out = String::new();
-        for (r, m) in self.rules.iter().zip(&matches) {
-            let mut line = format!(
-                "{:<id_w$}  {:<m_w$}  rate={} burst={} fail_policy={}",
-                r.id, m, r.rate, r.burst, r.fail_policy
-            );
-            if r.shadow {
-                line.push_str(" shadow");
-            }
-            if let Some(d) = &r.domain {
-                line.push_str(&format!(" domain={}", shown(d)));
-            }
-            if let Some(n) = r.max_keys {
-                line.push_str(&format!(" max_keys={n}"));
-            }
-            if !r.overrides.is_empty() {
-                line.push_str(&format!(" overrides={}", r.overrides.join(",")));
-            }
+        for l in lines {
+            let line = format!("{:<id_w$}  {:<m_w$}  {}", l.id, l.matched, l.fields);
             out.push_str(line.trim_end());
             out.push('\n');
         }
         out
     }
+
+    /// One line per rule entry (both parts of a rule with a rate and a
+    /// concurrency on one line), as [`RuleSet::summary`] shows them.
+    pub fn rule_lines(&self) -> Vec<RuleLine<'_>> {
+        let permit_text = |p: &PermitRule| {
+            format!(
+                "concurrency={} permit_ttl={} max_hold={}",
+                p.concurrency,
+                duration_text(p.permit_ttl_ms),
+                duration_text(p.max_hold_ms)
+            )
+        };
+        let flags = |domain: &Option<String>, max_keys: Option<u64>, line: &mut String| {
+            if let Some(d) = domain {
+                line.push_str(&format!(" domain={}", shown(d)));
+            }
+            if let Some(n) = max_keys {
+                line.push_str(&format!(" max_keys={n}"));
+            }
+        };
+        let mut lines = Vec::new();
+        for r in &self.rules {
+            let mut fields = format!("rate={} burst={}", r.rate, r.burst);
+            if let Some(p) = self.permit_rule(&r.id) {
+                fields.push(' ');
+                fields.push_str(&permit_text(p));
+            }
+            fields.push_str(&format!(" fail_policy={}", r.fail_policy));
+            if r.shadow {
+                fields.push_str(" shadow");
+            }
+            flags(&r.domain, r.max_keys, &mut fields);
+            if !r.overrides.is_empty() {
+                fields.push_str(&format!(" overrides={}", r.overrides.join(",")));
+            }
+            lines.push(RuleLine {
+                id: &r.id,
+                matched: match_text(&r.tenant, &r.route),
+                fields,
+            });
+        }
+        for p in &self.permit_rules {
+            if self.get(&p.id).is_some() {
+                continue;
+            }
+            let mut fields = format!("{} fail_policy={}", permit_text(p), p.fail_policy);
+            flags(&p.domain, p.max_keys, &mut fields);
+            lines.push(RuleLine {
+                id: &p.id,
+                matched: match_text(&p.tenant, &p.route),
+                fields,
+            });
+        }
+        lines
+    }
+}
+
+/// A rule entry as [`RuleSet::summary`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleLine<'a> {
+    /// The rule's id.
+    pub id: &'a str,
+    /// What it matches: `tenant=* route=/api/orders`.
+    pub matched: String,
+    /// Its limits and flags: `rate=60/m burst=20 fail_policy=open`.
+    pub fields: String,
+}
+
+impl fmt::Display for RuleLine<'_> {
+    /// `ID  MATCH  FIELDS`, unpadded.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let line = format!("{}  {}  {}", self.id, self.matched, self.fields);
+        f.write_str(line.trim_end())
+    }
 }
 
 /// `tenant=* route=/api/orders` (fields matched on only).
-fn match_text(r: &Rule) -> String {
+fn match_text(tenant: &Pattern, route: &Pattern) -> String {
     let mut parts = Vec::new();
-    for (name, p) in [("tenant", &r.tenant), ("route", &r.route)] {
+    for (name, p) in [("tenant", tenant), ("route", route)] {
         match p {
             Pattern::Any => {}
             Pattern::PerValue => parts.push(format!("{name}=*")),
@@ -1089,7 +1245,8 @@ rules:
                 rs,
                 RuleSet {
                     version: 3,
-                    rules: vec![]
+                    rules: vec![],
+                    ..Default::default()
                 },
                 "{text:?}"
             );
@@ -1735,6 +1892,7 @@ rules:
         let rs = RuleSet {
             version: 1,
             rules: vec![edge, all],
+            ..Default::default()
         };
         assert_eq!(
             ids(rs.matching(Some("edge"), "t", "/r")),
@@ -1761,6 +1919,7 @@ rules:
         let rs = RuleSet {
             version: 1,
             rules: vec![base, mid, top],
+            ..Default::default()
         };
         assert_eq!(ids(rs.matching(Some("edge"), "acme", "/vip")), ["top"]);
         assert_eq!(ids(rs.matching(None, "acme", "/vip")), ["mid"]);
@@ -1961,6 +2120,7 @@ rules:
         let s = RuleSet {
             version: 1,
             rules: vec![r],
+            ..Default::default()
         }
         .summary();
         assert_eq!(s.lines().count(), 1, "{s}");
@@ -2085,6 +2245,7 @@ rules:
                     id, tenant, route, rate_tokens: tokens, rate_period_s: period, burst,
                     fail_policy: fp, overrides: over, ..Default::default()
                 }],
+                ..Default::default()
             };
             if let Ok(rs) = RuleSet::from_proto(&pb) {
                 prop_assert_eq!(rs.to_proto(), pb);

@@ -151,11 +151,13 @@ fn rules_for_term(r: &Replica, version: u64) -> anyhow::Result<RuleSet> {
                     RuleSet {
                         version,
                         rules: Vec::new(),
+                        ..Default::default()
                     }
                 }),
                 None => RuleSet {
                     version,
                     rules: Vec::new(),
+                    ..Default::default()
                 },
             }
         }

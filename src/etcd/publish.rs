@@ -4,28 +4,26 @@
 use super::*;
 
 /// One line per rule that differs between `old` and `new` (by id):
-/// `+ rule`, `- rule`, `~ rule: old -> new`.
+/// `+ rule`, `- rule`, `~ rule: old -> new` (a rule's rate and
+/// concurrency parts together).
 pub(super) fn diff(old: &RuleSet, new: &RuleSet) -> Vec<String> {
-    let line = |r: &quotalease_model::rules::Rule| {
-        RuleSet {
-            version: 0,
-            rules: vec![r.clone()],
-        }
-        .summary()
-        .trim()
-        .to_string()
+    let old_lines = old.rule_lines();
+    let new_lines = new.rule_lines();
+    let find = |lines: &[quotalease_model::rules::RuleLine<'_>], id: &str| {
+        lines.iter().find(|l| l.id == id).map(|l| l.to_string())
     };
     let mut out = Vec::new();
-    for r in &old.rules {
-        match new.get(&r.id) {
-            None => out.push(format!("- {}", line(r))),
-            Some(n) if n != r => out.push(format!("~ {}\n    now {}", line(r), line(n))),
+    for l in &old_lines {
+        let was = l.to_string();
+        match find(&new_lines, l.id) {
+            None => out.push(format!("- {was}")),
+            Some(now) if now != was => out.push(format!("~ {was}\n    now {now}")),
             Some(_) => {}
         }
     }
-    for r in &new.rules {
-        if old.get(&r.id).is_none() {
-            out.push(format!("+ {}", line(r)));
+    for l in &new_lines {
+        if find(&old_lines, l.id).is_none() {
+            out.push(format!("+ {l}"));
         }
     }
     out

@@ -21,6 +21,7 @@ fn rules() -> RuleSet {
             fail_policy: PbFailPolicy::LeaseOnly as i32,
             ..PbRule::default()
         }],
+        ..Default::default()
     })
     .expect("valid rules")
 }

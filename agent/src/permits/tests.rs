@@ -32,6 +32,7 @@ fn holding_with(settings: PermitSettings, slots: u64, at: u64) -> PermitKey {
             kept: 0,
             fence: 3,
             over: false,
+            ttl_ns: 2_000 * MS,
         },
     );
     k
@@ -55,6 +56,7 @@ fn waiters_are_served_in_arrival_order_once_slots_arrive() {
             kept: 0,
             fence: 5,
             over: false,
+            ttl_ns: 2_000 * MS,
         },
     );
     // Two slots: the first waiter (2) fits, the second must wait.
@@ -113,6 +115,7 @@ fn an_ask_in_flight_holds_the_agent_to_what_it_keeps() {
             kept: 1,
             fence: 4,
             over: false,
+            ttl_ns: 2_000 * MS,
         },
     );
     assert_eq!(k.permits(5)[0].lease_id, 8);
@@ -140,6 +143,7 @@ fn permits_that_cannot_move_stay_on_their_lease_until_they_end() {
             kept: 0,
             fence: 6,
             over: false,
+            ttl_ns: 2_000 * MS,
         },
     );
     let held = k.permits(4).to_vec();
@@ -170,6 +174,7 @@ fn fencing_tokens_grow_with_the_grant_and_never_wrap() {
                 kept: 0,
                 fence,
                 over: false,
+                ttl_ns: 2_000 * MS,
             },
         );
         let a = k.acquire(1, 1).expect("free").fence;

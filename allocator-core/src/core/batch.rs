@@ -234,6 +234,12 @@ impl AllocatorCore {
                 ..Grant::default()
             };
         }
+        if matches!(
+            ItemKind::try_from(item.kind),
+            Ok(ItemKind::Slots | ItemKind::SlotsRelease)
+        ) {
+            return self.slot_item(now_ns, holder, item, ttl_ns);
+        }
         let Some(rule) = self.rules.get(&item.rule_id) else {
             // A release for a rule that is gone still frees its lease.
             if item.kind == ItemKind::Release as i32 {
@@ -256,6 +262,10 @@ impl AllocatorCore {
         match kind {
             Ok(ItemKind::Release) => self.release(now_ns, holder, item),
             Ok(ItemKind::Renew) => self.renew(now_ns, holder, item, ttl_ns),
+            // Answered above (before the rate rule is looked up).
+            Ok(ItemKind::Slots | ItemKind::SlotsRelease) => {
+                self.slot_item(now_ns, holder, item, ttl_ns)
+            }
             Err(_) => bad(format!("kind: unknown value {}", item.kind)),
         }
     }
@@ -441,6 +451,7 @@ impl AllocatorCore {
             starting: self.pooled.is_none()
                 && g.lease_id == 0
                 && self.ready_at_ns.is_some_and(|r| now_ns < r),
+            ..Grant::default()
         }
     }
 }

@@ -67,6 +67,7 @@ impl AllocatorCore {
                 None => ledger.sweep_due_ns = 0,
             }
         }
+        self.sweep_slot_keys(now_ns);
         let idle = self.cfg.holder_idle_ns;
         let names = &mut self.holder_names;
         self.holders.retain(|_, h| {

@@ -986,3 +986,5 @@ fn another_live_ledger_keeps_the_alarm_on_for_as_long_as_it_is_seen() {
         "off 10 s after the last sighting"
     );
 }
+
+mod slot_items;

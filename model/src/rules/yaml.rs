@@ -23,11 +23,14 @@ use super::*;
 /// [`RuleSet::load`] refuses files larger than this.
 const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
 /// Fields a rule entry may have.
-const RULE_FIELDS: [&str; 9] = [
+const RULE_FIELDS: [&str; 12] = [
     "id",
     "match",
     "rate",
     "burst",
+    "concurrency",
+    "permit_ttl",
+    "max_hold",
     "fail_policy",
     "overrides",
     "shadow",
@@ -357,11 +360,12 @@ fn rule_from_yaml(
     entry: &Value,
     at: &RuleLoc,
     first: &HashMap<&str, usize>,
+    permits_served: bool,
     errs: &mut Errors<'_>,
 ) -> Draft {
     let before = errs.len();
     let mut draft = Draft {
-        rule: None,
+        made: None,
         overrides: Vec::new(),
     };
     let Value::Mapping(map) = entry else {
@@ -401,32 +405,43 @@ fn rule_from_yaml(
     // match
     let (tenant, route) = match_from_yaml(map.get("match"), at, errs);
 
-    // rate
+    // concurrency, permit_ttl, max_hold (concurrency.rs)
+    let limits_in_flight = map.get("concurrency").is_some();
+    let permit = concurrency_from_yaml(map, at, permits_served, errs);
+
+    // rate and burst: required unless the rule limits requests in flight
+    // only (then both are left out).
+    let has_rate = !limits_in_flight || map.get("rate").is_some() || map.get("burst").is_some();
     let mut rate = Rate {
         tokens: 1,
         period_s: 1,
     };
-    match map.get("rate") {
-        None => errs.rule(at, "rate", "required (N/s, N/m, N/h or N/d, e.g. 60/m)"),
-        Some(Value::String(s)) => match Rate::parse(s) {
-            Ok(r) => rate = r,
-            Err(e) => errs.rule(at, "rate", e),
-        },
-        Some(other) => errs.rule(
-            at,
-            "rate",
-            format!("must be text like 60/m, got {}", kind(other)),
-        ),
-    }
-
-    // burst
     let mut burst = 1;
-    match map.get("burst") {
-        None => errs.rule(at, "burst", format!("required (1 to {MAX_BURST})")),
-        Some(v) => match yaml_uint(v).and_then(check_burst) {
-            Ok(b) => burst = b,
-            Err(e) => errs.rule(at, "burst", e),
-        },
+    if has_rate {
+        match map.get("rate") {
+            None if limits_in_flight => errs.rule(
+                at,
+                "rate",
+                "required with burst (or leave both out for a rule with concurrency only)",
+            ),
+            None => errs.rule(at, "rate", "required (N/s, N/m, N/h or N/d, e.g. 60/m)"),
+            Some(Value::String(s)) => match Rate::parse(s) {
+                Ok(r) => rate = r,
+                Err(e) => errs.rule(at, "rate", e),
+            },
+            Some(other) => errs.rule(
+                at,
+                "rate",
+                format!("must be text like 60/m, got {}", kind(other)),
+            ),
+        }
+        match map.get("burst") {
+            None => errs.rule(at, "burst", format!("required (1 to {MAX_BURST})")),
+            Some(v) => match yaml_uint(v).and_then(check_burst) {
+                Ok(b) => burst = b,
+                Err(e) => errs.rule(at, "burst", e),
+            },
+        }
     }
 
     // fail_policy
@@ -449,7 +464,9 @@ fn rule_from_yaml(
                     }
                 }
                 let own = (!id.is_empty()).then_some(id.as_str());
-                check_overrides(at, own, &draft.overrides, first, errs);
+                if !limits_in_flight {
+                    check_overrides(at, own, &draft.overrides, first, errs);
+                }
             }
             Value::String(s) => errs.rule(
                 at,
@@ -495,21 +512,105 @@ fn rule_from_yaml(
         }
     }
 
-    if errs.len() == before {
-        draft.rule = Some(Rule {
-            id,
-            tenant,
-            route,
-            rate,
-            burst,
+    // Overrides and shadow mode are the rate part's: a rule limiting
+    // requests in flight does not take them (yet; docs/permits.md).
+    if limits_in_flight {
+        for (name, given) in [
+            ("overrides", map.get("overrides").is_some()),
+            ("shadow", shadow),
+        ] {
+            if given {
+                errs.rule(
+                    at,
+                    name,
+                    "not supported on a rule with concurrency (give the rate limit a rule of its own)",
+                );
+            }
+        }
+    }
+    let permit = permit.and_then(|p| {
+        p.finish(
+            at,
+            &id,
+            &tenant,
+            &route,
             fail_policy,
-            overrides: draft.overrides.clone(),
-            shadow,
-            domain,
+            &domain,
             max_keys,
+            errs,
+        )
+    });
+
+    if errs.len() == before {
+        draft.made = Some(Made {
+            rate: has_rate.then(|| Rule {
+                id,
+                tenant,
+                route,
+                rate,
+                burst,
+                fail_policy,
+                overrides: draft.overrides.clone(),
+                shadow,
+                domain,
+                max_keys,
+            }),
+            permit,
         });
     }
     draft
+}
+
+/// Reads an entry's `concurrency`, `permit_ttl` and `max_hold`; `None`
+/// when one of them has an error (recorded).
+fn concurrency_from_yaml(
+    map: &Mapping,
+    at: &RuleLoc,
+    permits_served: bool,
+    errs: &mut Errors<'_>,
+) -> Option<concurrency::ConcurrencyFields> {
+    let before = errs.len();
+    let concurrency = map.get("concurrency").and_then(|v| {
+        if !permits_served {
+            errs.rule(
+                at,
+                "concurrency",
+                "in-flight limits are not served by this release yet (docs/permits.md)",
+            );
+            return None;
+        }
+        yaml_uint(v)
+            .and_then(concurrency::check_concurrency)
+            .map_err(|e| errs.rule(at, "concurrency", e))
+            .ok()
+    });
+    let mut duration = |name: &str| -> Option<u64> {
+        let v = map.get(name)?;
+        let ms = match v {
+            Value::String(s) => parse_duration_ms(s),
+            Value::Number(_) => Err(format!(
+                "must be a duration with a unit, like 10s or 500ms, got the number {}",
+                match v {
+                    Value::Number(n) => n.to_string(),
+                    _ => String::new(),
+                }
+            )),
+            other => Err(format!("must be a duration like 10s, got {}", kind(other))),
+        };
+        ms.map_err(|e| errs.rule(at, name, e)).ok()
+    };
+    let permit_ttl_ms = duration("permit_ttl");
+    let max_hold_ms = duration("max_hold");
+    let permit_ttl_ms = permit_ttl_ms.and_then(|ms| {
+        concurrency::check_permit_ttl(ms)
+            .map_err(|e| errs.rule(at, "permit_ttl", e))
+            .ok()
+    });
+    (errs.len() == before).then_some(concurrency::ConcurrencyFields {
+        concurrency,
+        permit_ttl_ms,
+        max_hold_ms,
+    })
 }
 
 /// Checks a rule's `match` mapping; returns (tenant, route).
@@ -572,6 +673,27 @@ impl RuleSet {
     /// valid empty set; an empty file is an error). YAML merge keys (`<<`)
     /// are applied; the dialect is YAML 1.2 (see the module doc).
     pub fn parse(text: &str, file: &str, version: u64) -> Result<RuleSet, Vec<RuleError>> {
+        Self::parse_as(text, file, version, PERMITS_SERVED)
+    }
+
+    /// [`RuleSet::parse`] with rules that limit requests in flight
+    /// (`concurrency`) read as rules, whether or not this release serves
+    /// them ([`PERMITS_SERVED`]): for the code that is being built to
+    /// serve them and its tests.
+    pub fn parse_with_permits(
+        text: &str,
+        file: &str,
+        version: u64,
+    ) -> Result<RuleSet, Vec<RuleError>> {
+        Self::parse_as(text, file, version, true)
+    }
+
+    fn parse_as(
+        text: &str,
+        file: &str,
+        version: u64,
+        permits_served: bool,
+    ) -> Result<RuleSet, Vec<RuleError>> {
         let mut errs = Errors::new(file);
         let root: Value = match serde_saphyr::from_str_with_options(text, options()) {
             Ok(v) => v,
@@ -641,13 +763,13 @@ impl RuleSet {
                     .filter(|id| check_id(id).is_ok())
             })
             .collect();
-        let (locs, first) = locate(&ids);
+        let (locs, first) = locate("rules", &ids);
         let drafts: Vec<Draft> = entries
             .iter()
             .zip(&locs)
-            .map(|(entry, at)| rule_from_yaml(entry, at, &first, &mut errs))
+            .map(|(entry, at)| rule_from_yaml(entry, at, &first, permits_served, &mut errs))
             .collect();
-        finish(version, &locs, drafts, &first, errs)
+        finish(version, &locs, drafts, &first, Vec::new(), errs)
     }
 
     /// Reads and parses a rule file. An unreadable file (missing, not UTF-8,

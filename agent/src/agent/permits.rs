@@ -1,0 +1,146 @@
+//! Permits through the agent (SPEC §5 "Permits", docs/permits.md): an
+//! acquire on the keys of every rule with `concurrency` that selects the
+//! request, all or none, then the charge of its rate rules; renew and
+//! release by key and permit id.
+
+use std::time::Duration;
+
+use quotalease_model::key::KeyId;
+
+use super::*;
+use crate::permit_driver::{permit_rules_for, HeldPermit, PermitError, Permits, PermitsConfig};
+
+/// An acquire.
+#[derive(Clone, Copy, Debug)]
+pub struct AcquireInput<'a> {
+    /// Tenant id.
+    pub tenant: &'a str,
+    /// Route id.
+    pub route: &'a str,
+    /// Rule namespace (Envoy domain), if any.
+    pub domain: Option<&'a str>,
+    /// Slots to take (0 means 1); at most each rule's `N`.
+    pub slots: u64,
+    /// How long to wait for free slots.
+    pub wait: Duration,
+}
+
+/// What an acquire got: one permit per rule with `concurrency` that
+/// selects the request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Acquired {
+    /// The permits, in the rules' file order.
+    pub permits: Vec<HeldPermit>,
+}
+
+impl Agent {
+    pub(super) fn permits_config(&self) -> PermitsConfig {
+        let cfg = &self.inner.cfg;
+        PermitsConfig {
+            agent_id: cfg.agent_id.clone(),
+            // A holder of its own at the allocator (see the driver's docs).
+            instance: self.inner.instance ^ 0x5045_524d_4954_5321,
+            incarnation: self.incarnation(),
+            cluster: cfg.cluster.clone(),
+            lease_ttl: cfg.lease_ttl,
+            epsilon: cfg.epsilon,
+            fetch_timeout: cfg.fetch_timeout,
+            clock: cfg.clock.clone(),
+        }
+    }
+
+    fn permits(&self) -> Result<&Permits, PermitError> {
+        self.inner.permits.get().ok_or_else(|| {
+            PermitError::Check("this agent has no permit driver (Agent::start starts one)".into())
+        })
+    }
+
+    /// Take a permit on the key of every rule with `concurrency` that
+    /// selects the request, waiting up to `input.wait` for free slots in
+    /// arrival order; then charge its rate rules, if any. All or none: a
+    /// timeout or a rate denial releases what was taken.
+    pub async fn acquire(&self, input: AcquireInput<'_>) -> Result<Acquired, PermitError> {
+        let permits = self.permits()?;
+        let Some(rules) = self.rules() else {
+            return Err(PermitError::Check("no rules known yet".into()));
+        };
+        let selected = permit_rules_for(&rules, input.domain, input.tenant, input.route);
+        if selected.is_empty() {
+            return Err(PermitError::NoRule);
+        }
+        let slots = input.slots.max(1);
+        let deadline = tokio::time::Instant::now() + input.wait;
+        let mut taken: Vec<HeldPermit> = Vec::with_capacity(selected.len());
+        for rule in selected {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match permits
+                .acquire(rule, input.tenant, input.route, slots, left)
+                .await
+            {
+                Ok(p) => taken.push(p),
+                Err(e) => {
+                    self.release_all(&taken);
+                    return Err(e);
+                }
+            }
+        }
+        let rates = rules
+            .match_rules(input.domain, input.tenant, input.route)
+            .map_err(|e| PermitError::Check(e.to_string()))?;
+        if !rates.is_empty() {
+            let checked = self
+                .check(CheckInput {
+                    tenant: input.tenant,
+                    route: input.route,
+                    cost: 1,
+                    request_id: "",
+                    domain: input.domain,
+                })
+                .await;
+            match checked {
+                Ok(r) if r.allowed => {}
+                Ok(r) => {
+                    self.release_all(&taken);
+                    return Err(PermitError::RateLimited {
+                        rule_id: r.rule_id,
+                        retry_after_ms: r.retry_after_ms,
+                    });
+                }
+                Err(e) => {
+                    self.release_all(&taken);
+                    return Err(PermitError::Check(match e {
+                        CheckError::Invalid { field, reason } => format!("{field}: {reason}"),
+                        CheckError::Unavailable(why) => why,
+                    }));
+                }
+            }
+        }
+        Ok(Acquired { permits: taken })
+    }
+
+    fn release_all(&self, taken: &[HeldPermit]) {
+        if let Ok(p) = self.permits() {
+            for h in taken {
+                p.release(&h.key, h.permit.id);
+            }
+        }
+    }
+
+    /// Extend a permit by its rule's permit TTL (within its lease's use-by
+    /// and `max_hold`): its new expiry (agent clock, ns). A permit past its
+    /// expiry or released answers [`PermitError::Expired`] and is never
+    /// revived.
+    pub fn renew_permit(&self, key: &KeyId, id: u64) -> Result<u64, PermitError> {
+        self.permits()?.renew(key, id)
+    }
+
+    /// Release a permit (idempotent): whether it was held here.
+    pub fn release_permit(&self, key: &KeyId, id: u64) -> bool {
+        self.permits().is_ok_and(|p| p.release(key, id))
+    }
+
+    /// The permits of `key` held here now.
+    pub fn permits_held(&self, key: &KeyId) -> Vec<crate::permits::Permit> {
+        self.permits().map(|p| p.held(key)).unwrap_or_default()
+    }
+}

@@ -1,0 +1,564 @@
+//! The agent's permits, driven (issue 34, docs/permits.md "The agent's
+//! driver"): one [`PermitKey`] per concurrency key behind one mutex,
+//! acquires that wait in arrival order up to a deadline, and a tokio task
+//! that carries the keys' asks to the allocator as `SLOTS` items and the
+//! grants back.
+//!
+//! * **Its own holder.** The driver sends its batches under the agent's
+//!   id with an instance nonce of its own: the allocator keeps its
+//!   sequence numbers, reply cache and leases apart from the token
+//!   side's, so the two never wait on each other's messages.
+//! * **When it asks**: a key whose waiters miss slots and that has no ask
+//!   out; a lease within half its TTL of its use-by while permits stand on
+//!   it or acquires wait; a lease with free slots while the allocator says
+//!   another holder misses some (`contended`: give back what no permit
+//!   uses) or while nothing uses it at renewal time (give it all back).
+//! * **A lost reply** is safe: the ask's promise stands (at most `keep`
+//!   permits on the lease it named) and the next ask goes out on the next
+//!   tick under a new sequence number; permits never outlive their
+//!   lease's use-by, which falls before the allocator's expiry of it.
+//! * **A waiter that goes away** (its future dropped, or its deadline
+//!   passed) is cancelled; a permit that reached it in the race is
+//!   released at once.
+//! * Not yet: fail policies while the allocator is unreachable (today an
+//!   acquire waits for slots up to its deadline under every policy),
+//!   forwarded releases, sharded allocators beyond shard routing of the
+//!   batch (a `WRONG_SHARD` answer is asked again), SIGTERM keeping the
+//!   slots that back permits (a stop gives nothing back: the leases run
+//!   out).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use quotalease_model::clock::ClockSource;
+use quotalease_model::key::KeyId;
+use quotalease_model::rules::{PermitRule, RuleSet};
+use quotalease_proto::lease::{
+    GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+};
+use quotalease_proto::PROTOCOL_VERSION;
+use tokio::sync::{oneshot, Notify};
+
+use crate::permits::{
+    AcquireError, Granted, Permit, PermitKey, PermitSettings, RenewError, SentAsk,
+};
+use crate::transport::Transport;
+
+/// How often the driver looks at its keys when nothing wakes it.
+const TICK: Duration = Duration::from_millis(50);
+
+/// One shard's asks: the items, what each asked, the batch TTL (ns).
+type ShardAsks = (Vec<LeaseItem>, Vec<(KeyId, SentAsk)>, u64);
+
+/// A permit as the driver hands it out: its key and the permit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldPermit {
+    /// The concurrency key it counts against.
+    pub key: KeyId,
+    /// The permit (its id, slots, expiry and fencing token).
+    pub permit: Permit,
+}
+
+/// Why an acquire got no permit.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PermitError {
+    /// No rule with `concurrency` selects the request.
+    #[error("no rule with concurrency matches the request")]
+    NoRule,
+    /// More slots than the rule's `N` (or 0).
+    #[error("slots: {0}")]
+    Invalid(String),
+    /// The deadline passed before slots were free: nothing is held.
+    #[error("no slot was free before the deadline")]
+    Timeout,
+    /// The permit is past its expiry or was released: never revived.
+    #[error("the permit expired or was released")]
+    Expired,
+    /// The agent is stopping.
+    #[error("the agent is stopping")]
+    Stopping,
+    /// A rate rule of the request denied it: the permits taken were
+    /// released.
+    #[error("a rate rule denied the request (rule {rule_id}); retry after {retry_after_ms} ms")]
+    RateLimited {
+        /// The denying rule.
+        rule_id: String,
+        /// When to try again.
+        retry_after_ms: u64,
+    },
+    /// The request is invalid for a rate rule beside it, or rules are not
+    /// known yet.
+    #[error("{0}")]
+    Check(String),
+}
+
+/// Settings the driver needs of its agent.
+#[derive(Clone, Debug)]
+pub struct PermitsConfig {
+    /// The agent id sent in headers.
+    pub agent_id: String,
+    /// The instance nonce of this holder (not the token side's).
+    pub instance: u64,
+    /// The incarnation sent.
+    pub incarnation: u64,
+    /// `--cluster` ("" when not set).
+    pub cluster: String,
+    /// Slot lease TTL asked for.
+    pub lease_ttl: Duration,
+    /// Stall allowance (`epsilon`).
+    pub epsilon: Duration,
+    /// Bound on one allocator call.
+    pub fetch_timeout: Duration,
+    /// The agent's clock.
+    pub clock: ClockSource,
+}
+
+struct KeyEntry {
+    pk: PermitKey,
+    /// Acquires waiting, by the key's waiter id.
+    waiters: HashMap<u64, oneshot::Sender<Permit>>,
+    /// The last grant said another holder misses slots.
+    contended: bool,
+    /// An ask of this key is in a batch whose reply has not come back
+    /// (the driver sends no second one meanwhile; after a failed call it
+    /// asks again: the first ask's promise stands, and the new one keeps
+    /// no more).
+    in_flight: bool,
+}
+
+#[derive(Default)]
+struct State {
+    keys: HashMap<KeyId, KeyEntry>,
+    next_seq: u64,
+    /// Shards the allocator last said it has (1 before any reply).
+    shard_count: u32,
+}
+
+struct Inner {
+    cfg: PermitsConfig,
+    transport: Arc<dyn Transport>,
+    state: Mutex<State>,
+    wake: Notify,
+    stop: AtomicBool,
+}
+
+/// The agent's permits (cheap to clone).
+#[derive(Clone)]
+pub struct Permits {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Permits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permits")
+            .field("keys", &self.inner.state.lock().keys.len())
+            .finish()
+    }
+}
+
+/// Cancels a waiter whose acquire future is dropped or timed out.
+struct Waiting<'a> {
+    permits: &'a Permits,
+    key: KeyId,
+    waiter: u64,
+    rx: Option<oneshot::Receiver<Permit>>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let mut st = self.permits.inner.state.lock();
+        if let Some(e) = st.keys.get_mut(&self.key) {
+            e.pk.cancel(self.waiter);
+            e.waiters.remove(&self.waiter);
+            // A permit that reached it in the race goes back at once.
+            if let Ok(p) = rx.try_recv() {
+                let now = self.permits.inner.cfg.clock.now();
+                e.pk.release(now, p.id);
+            }
+        }
+        drop(st);
+        self.permits.inner.wake.notify_one();
+    }
+}
+
+impl Permits {
+    /// Permits over `transport`, with the driver task spawned on the
+    /// current runtime.
+    pub fn start(cfg: PermitsConfig, transport: Arc<dyn Transport>) -> Permits {
+        let p = Permits {
+            inner: Arc::new(Inner {
+                cfg,
+                transport,
+                state: Mutex::new(State {
+                    next_seq: 1,
+                    shard_count: 1,
+                    ..State::default()
+                }),
+                wake: Notify::new(),
+                stop: AtomicBool::new(false),
+            }),
+        };
+        let bg = p.clone();
+        tokio::spawn(async move { bg.run().await });
+        p
+    }
+
+    /// Stop the driver (leases held run out on their own).
+    pub fn stop(&self) {
+        self.inner.stop.store(true, Ordering::Release);
+        self.inner.wake.notify_one();
+    }
+
+    /// Acquire `slots` of the key `rule` selects for (tenant, route),
+    /// waiting in arrival order up to `wait`.
+    pub async fn acquire(
+        &self,
+        rule: &PermitRule,
+        tenant: &str,
+        route: &str,
+        slots: u64,
+        wait: Duration,
+    ) -> Result<HeldPermit, PermitError> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Err(PermitError::Stopping);
+        }
+        let key = KeyId {
+            rule: rule.id.clone(),
+            tenant: rule.tenant.key_part(tenant).to_string(),
+            route: rule.route.key_part(route).to_string(),
+        };
+        let settings = PermitSettings {
+            n: rule.concurrency,
+            permit_ttl_ns: rule.permit_ttl_ms.saturating_mul(1_000_000),
+            max_hold_ns: rule.max_hold_ms.saturating_mul(1_000_000),
+            // A permit lives on one slot lease: ask for leases as long as
+            // the permit TTL (the allocator grants at most its TTL_max).
+            lease_ttl_ns: (self.inner.cfg.lease_ttl.as_nanos() as u64)
+                .max(rule.permit_ttl_ms.saturating_mul(1_000_000)),
+            epsilon_ns: self.inner.cfg.epsilon.as_nanos() as u64,
+        };
+        let now = self.inner.cfg.clock.now();
+        let (waiter, rx) = {
+            let mut st = self.inner.state.lock();
+            let e = st.keys.entry(key.clone()).or_insert_with(|| KeyEntry {
+                pk: PermitKey::new(settings),
+                waiters: HashMap::new(),
+                contended: false,
+                in_flight: false,
+            });
+            if e.pk.settings() != settings {
+                e.pk.set_settings(settings);
+            }
+            match e.pk.acquire(now, slots) {
+                Ok(permit) => return Ok(HeldPermit { key, permit }),
+                Err(AcquireError::Invalid) => {
+                    return Err(PermitError::Invalid(format!(
+                        "{slots} is not within 1..={} (the concurrency of rule {})",
+                        rule.concurrency, rule.id
+                    )))
+                }
+                Err(AcquireError::Queued(w)) => {
+                    let (tx, rx) = oneshot::channel();
+                    e.waiters.insert(w, tx);
+                    (w, rx)
+                }
+            }
+        };
+        self.inner.wake.notify_one();
+        let mut waiting = Waiting {
+            permits: self,
+            key: key.clone(),
+            waiter,
+            rx: Some(rx),
+        };
+        let rx = waiting.rx.as_mut().expect("set above");
+        match tokio::time::timeout(wait, rx).await {
+            Ok(Ok(permit)) => {
+                waiting.rx = None;
+                Ok(HeldPermit { key, permit })
+            }
+            // The driver stopped (its sender dropped).
+            Ok(Err(_)) => Err(PermitError::Stopping),
+            // Dropping `waiting` cancels the waiter (and releases a permit
+            // that reached it in the race).
+            Err(_) => Err(PermitError::Timeout),
+        }
+    }
+
+    /// Extend permit `id` of `key` by its rule's permit TTL (within its
+    /// lease's use-by and `max_hold`): its new expiry, agent clock.
+    pub fn renew(&self, key: &KeyId, id: u64) -> Result<u64, PermitError> {
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        let Some(e) = st.keys.get_mut(key) else {
+            return Err(PermitError::Expired);
+        };
+        e.pk.renew(now, id)
+            .map_err(|RenewError::Expired| PermitError::Expired)
+    }
+
+    /// Release permit `id` of `key` (idempotent): whether it was held.
+    /// Waiters behind it are served at once.
+    pub fn release(&self, key: &KeyId, id: u64) -> bool {
+        let now = self.inner.cfg.clock.now();
+        let released = {
+            let mut st = self.inner.state.lock();
+            let Some(e) = st.keys.get_mut(key) else {
+                return false;
+            };
+            let released = e.pk.release(now, id);
+            if released {
+                serve(e, now);
+            }
+            released
+        };
+        if released {
+            self.inner.wake.notify_one();
+        }
+        released
+    }
+
+    /// The permits of `key` valid now.
+    pub fn held(&self, key: &KeyId) -> Vec<Permit> {
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        st.keys
+            .get_mut(key)
+            .map(|e| e.pk.permits(now).to_vec())
+            .unwrap_or_default()
+    }
+
+    /// The driver: ask, send, apply; until stopped.
+    async fn run(self) {
+        while !self.inner.stop.load(Ordering::Acquire) {
+            let _ = tokio::time::timeout(TICK, self.inner.wake.notified()).await;
+            if self.inner.stop.load(Ordering::Acquire) {
+                break;
+            }
+            for (batch, asked) in self.batches() {
+                let sent_at = self.inner.cfg.clock.now();
+                let reply = tokio::time::timeout(
+                    self.inner.cfg.fetch_timeout,
+                    self.inner.transport.lease(batch),
+                )
+                .await;
+                match reply {
+                    Ok(Ok(reply)) if reply.grants.len() == asked.len() => self.apply(reply, asked),
+                    Ok(Ok(reply)) => {
+                        // A replica without a leader answers with no grants.
+                        tracing::debug!(
+                            not_leader = reply.not_leader,
+                            "permits: slot asks not applied; asked again on the next tick"
+                        );
+                        self.not_answered(&asked);
+                    }
+                    Ok(Err(why)) => {
+                        tracing::debug!(%why, "permits: slot asks not answered; asked again on the next tick");
+                        self.not_answered(&asked);
+                    }
+                    Err(_) => {
+                        tracing::debug!(
+                            waited_ms =
+                                (self.inner.cfg.clock.now().saturating_sub(sent_at)) / 1_000_000,
+                            "permits: slot asks timed out; asked again on the next tick"
+                        );
+                        self.not_answered(&asked);
+                    }
+                }
+            }
+            self.forget_idle();
+        }
+        // Waiters learn the driver is gone (their receivers see the
+        // senders dropped).
+        self.inner.state.lock().keys.clear();
+    }
+
+    /// The asks due now, one batch per shard.
+    fn batches(&self) -> Vec<(LeaseBatch, Vec<(KeyId, SentAsk)>)> {
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        let shards = st.shard_count.max(1);
+        let mut by_shard: HashMap<u32, ShardAsks> = HashMap::new();
+        for (key, e) in st.keys.iter_mut() {
+            let ttl_ns = e.pk.settings().lease_ttl_ns;
+            let half_ttl = ttl_ns / 2;
+            let free = e.pk.free(now);
+            let used = !e.pk.permits(now).is_empty();
+            let waiting = e.pk.waiting_slots() > 0;
+            let renew_due =
+                e.pk.current()
+                    .is_some_and(|(_, _, use_by)| use_by.saturating_sub(now) <= half_ttl);
+            let (ask, give_back) = if e.in_flight {
+                (false, false)
+            } else if waiting && free < e.pk.waiting_slots() {
+                (true, false)
+            } else if e.contended && free > 0 && !waiting {
+                (true, true)
+            } else if renew_due {
+                (true, !used && !waiting)
+            } else {
+                (false, false)
+            };
+            if !ask {
+                continue;
+            }
+            e.contended = false;
+            e.in_flight = true;
+            let sent = e.pk.ask(now, give_back);
+            let item = LeaseItem {
+                rule_id: key.rule.clone(),
+                tenant: key.tenant.clone(),
+                route: key.route.clone(),
+                kind: ItemKind::Slots as i32,
+                lease_id: sent.lease_id,
+                keep: sent.keep,
+                want: sent.want,
+                ..LeaseItem::default()
+            };
+            let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+            let b = by_shard.entry(shard).or_default();
+            b.0.push(item);
+            b.1.push((key.clone(), sent));
+            // One TTL per batch: the longest its keys ask for (a key that
+            // asked for less counts its use-by from its own).
+            b.2 = b.2.max(ttl_ns);
+        }
+        let mut out = Vec::new();
+        for (shard, (items, asked, ttl_ns)) in by_shard {
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            let cfg = &self.inner.cfg;
+            let batch = LeaseBatch {
+                header: Some(RequestHeader {
+                    agent_id: cfg.agent_id.clone(),
+                    incarnation: cfg.incarnation,
+                    seq,
+                    protocol_version: PROTOCOL_VERSION,
+                    instance: cfg.instance,
+                    cluster: cfg.cluster.clone(),
+                    // The rules come to the agent through its token side.
+                    rules_version: u64::MAX,
+                    ..RequestHeader::default()
+                }),
+                items,
+                ttl_ms: ttl_ns.div_ceil(1_000_000),
+                shard,
+            };
+            out.push((batch, asked));
+        }
+        out
+    }
+
+    /// A reply: each grant to its key, then the waiters served.
+    fn apply(&self, reply: LeaseReply, asked: Vec<(KeyId, SentAsk)>) {
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        if reply.shard_count > 0 {
+            st.shard_count = reply.shard_count;
+        }
+        for ((key, sent), g) in asked.into_iter().zip(reply.grants) {
+            let Some(e) = st.keys.get_mut(&key) else {
+                continue;
+            };
+            let granted = if g.status == GrantStatus::Granted as i32 {
+                Granted {
+                    lease_id: g.lease_id,
+                    slots: g.tokens,
+                    kept: g.carried,
+                    fence: g.fence,
+                    over: g.over,
+                    ttl_ns: g.ttl_ms.saturating_mul(1_000_000),
+                }
+            } else {
+                // Refused (a rule change, a wrong shard, a key limit):
+                // nothing was applied. Taken as an empty grant: the lease
+                // the ask named takes no new permit (its standing ones run
+                // to their expiries, which its use-by bounds), and the
+                // next ask names no lease: never more than is held.
+                tracing::debug!(status = g.status, detail = %g.detail, rule = %key.rule, "permits: slot ask refused");
+                Granted {
+                    lease_id: 0,
+                    slots: 0,
+                    kept: 0,
+                    fence: 0,
+                    over: false,
+                    ttl_ns: 0,
+                }
+            };
+            e.contended = g.contended;
+            e.in_flight = false;
+            e.pk.on_grant(now, sent, granted);
+            serve(e, now);
+        }
+    }
+
+    /// A batch got no usable reply: its keys may ask again.
+    fn not_answered(&self, asked: &[(KeyId, SentAsk)]) {
+        let mut st = self.inner.state.lock();
+        for (key, _) in asked {
+            if let Some(e) = st.keys.get_mut(key) {
+                e.in_flight = false;
+            }
+        }
+    }
+
+    /// Keys with nothing held, waiting or asked are forgotten.
+    fn forget_idle(&self) {
+        let now = self.inner.cfg.clock.now();
+        self.inner
+            .state
+            .lock()
+            .keys
+            .retain(|_, e| e.in_flight || !e.pk.is_idle(now));
+    }
+}
+
+/// Grant a key's waiters in arrival order; a permit whose waiter went
+/// away is released at once.
+fn serve(e: &mut KeyEntry, now: u64) {
+    loop {
+        let served = e.pk.serve_waiters(now);
+        if served.is_empty() {
+            return;
+        }
+        let mut gave_back = false;
+        for (w, p) in served {
+            match e.waiters.remove(&w) {
+                Some(tx) => {
+                    if let Err(p) = tx.send(p) {
+                        e.pk.release(now, p.id);
+                        gave_back = true;
+                    }
+                }
+                None => {
+                    e.pk.release(now, p.id);
+                    gave_back = true;
+                }
+            }
+        }
+        if !gave_back {
+            return;
+        }
+    }
+}
+
+/// The permit rules of `rules` selecting (domain, tenant, route), in file
+/// order.
+pub fn permit_rules_for<'a>(
+    rules: &'a RuleSet,
+    domain: Option<&str>,
+    tenant: &str,
+    route: &str,
+) -> Vec<&'a PermitRule> {
+    rules
+        .permit_rules
+        .iter()
+        .filter(|p| p.applies(domain, tenant, route))
+        .collect()
+}

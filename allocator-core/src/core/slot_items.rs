@@ -1,0 +1,249 @@
+//! Items of keys of rules with `concurrency` (SPEC §4, docs/permits.md):
+//! slot leases asked for, renewed and given back, one [`SlotLedger`] per
+//! key.
+//!
+//! * A key's ledger is made at its first ask. While a predecessor's slot
+//!   leases may still be out (a restart's wait, or a new term's: slot
+//!   ledgers are neither checkpointed nor reserved), its phantom holds all
+//!   `N` slots until that wait is over.
+//! * Each ask gets a new lease id of this core's (ids grow across
+//!   restarts and terms); duplicates never reach the ledger (the reply
+//!   cache answers them, older sequence numbers are stale).
+//! * **Fencing**: a new ledger's counter starts at
+//!   `(wall clock ns >> 30) << 12` as this core reckons it from its lease
+//!   id base (wall-clock ns at its start, and with `--etcd` at least
+//!   2^42 above the predecessor's): the numbers of a key grow across
+//!   restarts, failovers and a dropped-and-remade ledger while a key gets
+//!   fewer than 4 096 grants per 2^30 ns (~3 800 a second) on average and
+//!   the wall clock does not step back between starts. They stay below
+//!   2^44 (the permits' tokens keep 20 bits of their own) until 2116.
+//! * Regional allocators do not serve slot leases yet: such an item is
+//!   `BAD_ITEM` there (permits are acquired at agents of the global
+//!   allocator).
+
+use quotalease_proto::lease::ItemKind;
+
+use super::*;
+use crate::slots::{SlotAsk, SlotLedger};
+
+impl AllocatorCore {
+    /// A `SLOTS` or `SLOTS_RELEASE` item.
+    pub(super) fn slot_item(
+        &mut self,
+        now_ns: u64,
+        holder: HolderId,
+        item: &LeaseItem,
+        ttl_ns: u64,
+    ) -> Grant {
+        let version = self.rules.version;
+        let bad = |detail: String| Grant {
+            status: GrantStatus::BadItem as i32,
+            rule_version: version,
+            detail,
+            ..Grant::default()
+        };
+        if self.pooled.is_some() {
+            return bad(
+                "kind: a regional allocator does not serve slot leases (yet): acquire permits at agents of the global allocator"
+                    .into(),
+            );
+        }
+        let release = item.kind == ItemKind::SlotsRelease as i32;
+        let key = Self::key_of(item);
+        let Some(rule) = self.rules.permit_rule(&item.rule_id) else {
+            // A release for a rule that is gone still frees its slots.
+            if release {
+                return self.slot_release(now_ns, holder, &key, item.lease_id);
+            }
+            return Grant {
+                status: GrantStatus::UnknownRule as i32,
+                rule_version: version,
+                detail: format!(
+                    "rule_id: no rule with concurrency has id {:?}",
+                    item.rule_id
+                ),
+                ..Grant::default()
+            };
+        };
+        if let Err(why) = key_part_ok(&rule.tenant, &item.tenant) {
+            return bad(format!("tenant: {why}"));
+        }
+        if let Err(why) = key_part_ok(&rule.route, &item.route) {
+            return bad(format!("route: {why}"));
+        }
+        if release {
+            return self.slot_release(now_ns, holder, &key, item.lease_id);
+        }
+        if now_ns < self.grace_until_ns {
+            // A new ledger's grace: nothing yet, come back when it ends.
+            return Grant {
+                status: GrantStatus::Granted as i32,
+                rule_version: version,
+                retry_after_ms: (self.grace_until_ns - now_ns).div_ceil(1_000_000),
+                starting: true,
+                ..Grant::default()
+            };
+        }
+        let (n, max_keys) = (rule.concurrency, rule.max_keys);
+        if !self.slot_keys.contains_key(&key) {
+            let count = self
+                .slot_keys_per_rule
+                .get(&item.rule_id)
+                .copied()
+                .unwrap_or(0);
+            if max_keys.is_some_and(|m| count >= m) {
+                self.stats.key_limit_refusals += 1;
+                return Grant {
+                    status: GrantStatus::KeyLimit as i32,
+                    rule_version: version,
+                    detail: format!("rule {}: max_keys {} reached", item.rule_id, count),
+                    ..Grant::default()
+                };
+            }
+            *self
+                .slot_keys_per_rule
+                .entry(item.rule_id.clone())
+                .or_insert(0) += 1;
+            let base = self.fence_base(now_ns);
+            let ledger = match self.slots_phantom_until_ns {
+                Some(until) if now_ns < until => SlotLedger::after_restart(n, base, until),
+                _ => SlotLedger::new(n, base),
+            };
+            self.slot_keys.insert(key.clone(), ledger);
+        }
+        let new_id = self.next_lease_id;
+        self.next_lease_id += 1;
+        let ledger = self.slot_keys.get_mut(&key).expect("inserted above");
+        let g = ledger.ask(
+            now_ns,
+            SlotAsk {
+                holder,
+                lease_id: item.lease_id,
+                keep: item.keep,
+                want: item.want.min(n),
+                ttl_ns,
+                new_id,
+            },
+        );
+        if g.fresh > 0 {
+            self.stats.slot_grants += 1;
+            self.stats.slots_granted += g.fresh;
+        }
+        let phantom_ms = self
+            .slots_phantom_until_ns
+            .filter(|&u| now_ns < u)
+            .map(|u| (u - now_ns).div_ceil(1_000_000));
+        Grant {
+            status: GrantStatus::Granted as i32,
+            lease_id: g.lease_id,
+            tokens: g.slots,
+            carried: g.kept,
+            ttl_ms: g.expires_ns.saturating_sub(now_ns) / 1_000_000,
+            rule_version: version,
+            // While a predecessor's leases may be out, nothing is free
+            // before they have expired; otherwise slots come back when a
+            // holder releases, at no time known here.
+            retry_after_ms: if g.fresh < item.want.min(n) {
+                phantom_ms.unwrap_or(0)
+            } else {
+                0
+            },
+            fence: g.fence,
+            contended: g.contended,
+            over: g.over,
+            starting: g.lease_id == 0 && phantom_ms.is_some(),
+            ..Grant::default()
+        }
+    }
+
+    fn slot_release(&mut self, now_ns: u64, holder: HolderId, key: &KeyId, lease_id: u64) -> Grant {
+        if let Some(ledger) = self.slot_keys.get_mut(key) {
+            if ledger.release(now_ns, holder, lease_id) {
+                self.stats.slot_releases += 1;
+            }
+            if ledger.is_idle() {
+                self.drop_slot_key(key);
+            }
+        }
+        Grant {
+            status: GrantStatus::Released as i32,
+            rule_version: self.rules.version,
+            ..Grant::default()
+        }
+    }
+
+    fn drop_slot_key(&mut self, key: &KeyId) {
+        if self.slot_keys.remove(key).is_some() {
+            if let Some(c) = self.slot_keys_per_rule.get_mut(&key.rule) {
+                *c = c.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Drop the slot ledgers with nothing lent and no recent demand at
+    /// `now_ns` (their next ask makes a new one, its fencing numbers above
+    /// this one's).
+    pub(super) fn sweep_slot_keys(&mut self, now_ns: u64) {
+        let idle: Vec<KeyId> = self
+            .slot_keys
+            .iter_mut()
+            .filter_map(|(k, l)| {
+                l.advance(now_ns);
+                l.is_idle().then(|| k.clone())
+            })
+            .collect();
+        for k in idle {
+            self.drop_slot_key(&k);
+        }
+    }
+
+    /// The fencing base of a slot ledger made at `now_ns` (module docs).
+    fn fence_base(&self, now_ns: u64) -> u64 {
+        let (id_base, start_ns) = self.fence_clock;
+        let wall = id_base.saturating_add(now_ns.saturating_sub(start_ns));
+        ((wall >> 30) << 12).min(crate::slots::MAX_FENCE_BASE)
+    }
+
+    /// A read-only view of one concurrency key's slots (for `GET
+    /// /v1/keys`): `N`, slots held, and the leases by holder.
+    pub fn slot_view(&mut self, now_ns: u64, key: &KeyId) -> Option<SlotView> {
+        let ledger = self.slot_keys.get_mut(key)?;
+        ledger.advance(now_ns);
+        let leases = ledger
+            .leases()
+            .iter()
+            .map(|l| {
+                let name = self
+                    .holder_names
+                    .get(&l.holder)
+                    .cloned()
+                    .unwrap_or_else(|| HolderName {
+                        agent_id: "(predecessor)".into(),
+                        ..HolderName::default()
+                    });
+                (name, *l)
+            })
+            .collect();
+        Some(SlotView {
+            n: ledger.n(),
+            held: ledger.held(),
+            leases,
+        })
+    }
+
+    /// Keys with a slot ledger.
+    pub fn slot_key_count(&self) -> usize {
+        self.slot_keys.len()
+    }
+}
+
+/// One concurrency key's slots, as [`AllocatorCore::slot_view`] shows them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotView {
+    /// The rule's `N`.
+    pub n: u64,
+    /// Slots held by unexpired leases (the phantom's included).
+    pub held: u64,
+    /// The leases, by holder.
+    pub leases: Vec<(HolderName, crate::slots::SlotLease)>,
+}

@@ -1,0 +1,328 @@
+//! Slot leases through the core's batches (`SLOTS`, `SLOTS_RELEASE`).
+
+use super::*;
+
+const PERMIT_RULES: &str = r#"
+rules:
+  - id: gen
+    match: { tenant: "*", route: /gen }
+    concurrency: 4
+  - id: both
+    match: { tenant: "*", route: /both }
+    rate: 10/s
+    burst: 10
+    concurrency: 2
+  - id: capped
+    match: { tenant: "*" }
+    concurrency: 1
+    max_keys: 1
+  - id: rate-only
+    match: { tenant: "*", route: /rate }
+    rate: 10/s
+    burst: 10
+"#;
+
+fn rules(version: u64) -> RuleSet {
+    RuleSet::parse_with_permits(PERMIT_RULES, "test.yaml", version).expect("valid rules")
+}
+
+fn core(now: u64, ready: bool) -> AllocatorCore {
+    let mut c = AllocatorCore::new(CoreConfig::default(), rules(7), 1, 1000, now);
+    if ready {
+        c.ready_at_ns = None;
+        c.slots_phantom_until_ns = None;
+    }
+    c
+}
+
+fn slots(rule: &str, tenant: &str, route: &str, lease_id: u64, keep: u64, want: u64) -> LeaseItem {
+    LeaseItem {
+        rule_id: rule.into(),
+        tenant: tenant.into(),
+        route: route.into(),
+        kind: ItemKind::Slots as i32,
+        lease_id,
+        keep,
+        want,
+        ..LeaseItem::default()
+    }
+}
+
+fn give_back(rule: &str, tenant: &str, route: &str, lease_id: u64) -> LeaseItem {
+    LeaseItem {
+        kind: ItemKind::SlotsRelease as i32,
+        ..slots(rule, tenant, route, lease_id, 0, 0)
+    }
+}
+
+/// One item from `agent` (sequence `seq`): its grant.
+fn ask(c: &mut AllocatorCore, now: u64, agent: &str, seq: u64, item: LeaseItem) -> Grant {
+    c.handle(now, &batch(agent, 1, seq, vec![item]))
+        .grants
+        .remove(0)
+}
+
+fn key(rule: &str, tenant: &str, route: &str) -> KeyId {
+    KeyId {
+        rule: rule.into(),
+        tenant: tenant.into(),
+        route: route.into(),
+    }
+}
+
+#[test]
+fn slots_are_lent_within_n_and_come_back_on_release() {
+    let mut c = core(T, true);
+    let a = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 3));
+    assert_eq!(a.status, GrantStatus::Granted as i32, "{a:?}");
+    assert_eq!((a.tokens, a.carried), (3, 0));
+    assert!(a.lease_id != 0 && a.fence != 0 && a.ttl_ms == 1000, "{a:?}");
+    // b wants 3 as well: 1 is left, and b is told the key is contended.
+    let b = ask(&mut c, T, "b", 1, slots("gen", "t", "/gen", 0, 0, 3));
+    assert_eq!(b.tokens, 1);
+    assert!(b.contended && !b.over, "{b:?}");
+    assert!(b.fence > a.fence);
+    // Another tenant's key has its own 4.
+    let other = ask(&mut c, T, "b", 2, slots("gen", "u", "/gen", 0, 0, 4));
+    assert_eq!(other.tokens, 4);
+    let v = c.slot_view(T, &key("gen", "t", "/gen")).unwrap();
+    assert_eq!((v.n, v.held, v.leases.len()), (4, 4, 2));
+    // a renews keeping 1 of its 3 (2 permits ended): b gets them.
+    let a2 = ask(
+        &mut c,
+        T + 10 * MS,
+        "a",
+        2,
+        slots("gen", "t", "/gen", a.lease_id, 1, 0),
+    );
+    assert_eq!((a2.tokens, a2.carried), (1, 1));
+    let b2 = ask(
+        &mut c,
+        T + 20 * MS,
+        "b",
+        3,
+        slots("gen", "t", "/gen", b.lease_id, 1, 2),
+    );
+    assert_eq!((b2.tokens, b2.carried), (3, 1));
+    // a gives its lease back; a release of someone else's lease frees nothing.
+    let r = ask(
+        &mut c,
+        T + 30 * MS,
+        "b",
+        4,
+        give_back("gen", "t", "/gen", a2.lease_id),
+    );
+    assert_eq!(r.status, GrantStatus::Released as i32);
+    assert_eq!(
+        c.slot_view(T + 30 * MS, &key("gen", "t", "/gen"))
+            .unwrap()
+            .held,
+        4
+    );
+    ask(
+        &mut c,
+        T + 40 * MS,
+        "a",
+        3,
+        give_back("gen", "t", "/gen", a2.lease_id),
+    );
+    assert_eq!(
+        c.slot_view(T + 40 * MS, &key("gen", "t", "/gen"))
+            .unwrap()
+            .held,
+        3
+    );
+    assert_eq!(c.stats().slot_releases, 1);
+    // Leases expire: everything is free after the TTL.
+    let late = T + 2 * SEC;
+    assert_eq!(c.slot_view(late, &key("gen", "t", "/gen")).unwrap().held, 0);
+}
+
+#[test]
+fn a_duplicate_batch_is_answered_the_same_and_counted_once() {
+    let mut c = core(T, true);
+    let b = batch("a", 1, 1, vec![slots("gen", "t", "/gen", 0, 0, 2)]);
+    let r1 = c.handle(T, &b);
+    let r2 = c.handle(T + MS, &b);
+    assert_eq!(r1, r2);
+    assert_eq!(
+        c.slot_view(T + MS, &key("gen", "t", "/gen")).unwrap().held,
+        2
+    );
+}
+
+#[test]
+fn after_a_restart_the_phantom_holds_every_slot_until_the_wait_is_over() {
+    let start = T;
+    let mut c = core(start, false);
+    let wait = c.config().restart_wait_ns();
+    let g = ask(
+        &mut c,
+        start + SEC,
+        "a",
+        1,
+        slots("gen", "t", "/gen", 0, 0, 2),
+    );
+    assert_eq!((g.lease_id, g.tokens), (0, 0), "{g:?}");
+    assert!(g.starting, "{g:?}");
+    let left_ms = (start + wait - (start + SEC)).div_ceil(MS);
+    assert_eq!(g.retry_after_ms, left_ms);
+    // A holder that says it keeps slots of a lease this core never made
+    // gets nothing either: its old lease counts in the phantom.
+    let g = ask(
+        &mut c,
+        start + 2 * SEC,
+        "b",
+        1,
+        slots("gen", "t", "/gen", 77, 2, 0),
+    );
+    assert_eq!(g.tokens, 0);
+    let after = start + wait + MS;
+    let g = ask(&mut c, after, "a", 2, slots("gen", "t", "/gen", 0, 0, 2));
+    assert_eq!(g.tokens, 2, "{g:?}");
+    assert!(!g.starting);
+    // A key first asked for after the wait has no phantom at all.
+    let g = ask(&mut c, after, "a", 3, slots("gen", "u", "/gen", 0, 0, 4));
+    assert_eq!(g.tokens, 4);
+}
+
+#[test]
+fn a_lowered_n_keeps_the_kept_slots_and_grants_nothing_fresh_until_below_it() {
+    let mut c = core(T, true);
+    let a = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 4));
+    assert_eq!(a.tokens, 4);
+    let lowered = PERMIT_RULES.replace("concurrency: 4", "concurrency: 2");
+    c.set_rules(
+        RuleSet::parse_with_permits(&lowered, "test.yaml", 8).unwrap(),
+        T + MS,
+    );
+    let a2 = ask(
+        &mut c,
+        T + 2 * MS,
+        "a",
+        2,
+        slots("gen", "t", "/gen", a.lease_id, 4, 1),
+    );
+    assert_eq!((a2.tokens, a2.carried), (4, 4), "{a2:?}");
+    assert!(a2.over, "{a2:?}");
+    let b = ask(
+        &mut c,
+        T + 3 * MS,
+        "b",
+        1,
+        slots("gen", "t", "/gen", 0, 0, 1),
+    );
+    assert_eq!(b.tokens, 0);
+    // Permits end: a keeps 1, and b gets the one slot left below N = 2.
+    let a3 = ask(
+        &mut c,
+        T + 4 * MS,
+        "a",
+        3,
+        slots("gen", "t", "/gen", a2.lease_id, 1, 0),
+    );
+    assert!(!a3.over && a3.tokens == 1, "{a3:?}");
+    let b2 = ask(
+        &mut c,
+        T + 5 * MS,
+        "b",
+        2,
+        slots("gen", "t", "/gen", 0, 0, 2),
+    );
+    assert_eq!(b2.tokens, 1);
+}
+
+#[test]
+fn items_of_the_wrong_kind_or_key_are_refused_naming_what() {
+    let mut c = core(T, true);
+    // Slots of a rule without concurrency, tokens of one without a rate.
+    let g = ask(&mut c, T, "a", 1, slots("rate-only", "t", "/rate", 0, 0, 1));
+    assert_eq!(g.status, GrantStatus::UnknownRule as i32);
+    assert!(g.detail.contains("no rule with concurrency"), "{g:?}");
+    let g = ask(&mut c, T, "a", 2, renew("gen", "t", "/gen", 0, 0, 1));
+    assert_eq!(g.status, GrantStatus::UnknownRule as i32, "{g:?}");
+    // A rule with both: tokens and slots, each from its own ledger.
+    let g = ask(&mut c, T, "a", 3, renew("both", "t", "/both", 0, 0, 5));
+    assert_eq!(g.tokens, 5);
+    let g = ask(&mut c, T, "a", 4, slots("both", "t", "/both", 0, 0, 5));
+    assert_eq!(g.tokens, 2, "want is capped at N: {g:?}");
+    let g = ask(&mut c, T, "a", 5, slots("gen", "", "/gen", 0, 0, 1));
+    assert_eq!(g.status, GrantStatus::BadItem as i32);
+    assert!(g.detail.starts_with("tenant:"), "{g:?}");
+    let g = ask(&mut c, T, "a", 6, slots("gen", "t", "/other", 0, 0, 1));
+    assert!(g.detail.starts_with("route:"), "{g:?}");
+    // max_keys counts slot keys.
+    let g = ask(&mut c, T, "a", 7, slots("capped", "t", "", 0, 0, 1));
+    assert_eq!(g.tokens, 1);
+    let g = ask(&mut c, T, "a", 8, slots("capped", "u", "", 0, 0, 1));
+    assert_eq!(g.status, GrantStatus::KeyLimit as i32, "{g:?}");
+    // A release for a rule that is gone is still answered.
+    let g = ask(&mut c, T, "a", 9, give_back("gone", "t", "", 5));
+    assert_eq!(g.status, GrantStatus::Released as i32);
+}
+
+#[test]
+fn idle_slot_keys_are_dropped_and_a_remade_ledger_fences_above_the_old_one() {
+    let mut c = core(T, true);
+    let a = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
+    let a2 = ask(
+        &mut c,
+        T + MS,
+        "a",
+        2,
+        slots("gen", "t", "/gen", a.lease_id, 1, 0),
+    );
+    assert!(a2.fence > a.fence);
+    c.sweep(T + 500 * MS);
+    assert_eq!(c.slot_key_count(), 1, "a lease is out");
+    // Its lease expired and its demand is older than the window.
+    c.sweep(T + 3 * SEC);
+    assert_eq!(c.slot_key_count(), 0);
+    let b = ask(
+        &mut c,
+        T + 3 * SEC,
+        "b",
+        1,
+        slots("gen", "t", "/gen", 0, 0, 1),
+    );
+    assert!(b.fence > a2.fence, "{} after {}", b.fence, a2.fence);
+    // A release that leaves a ledger idle drops it at once.
+    let r = ask(
+        &mut c,
+        T + 5 * SEC,
+        "b",
+        2,
+        give_back("gen", "t", "/gen", b.lease_id),
+    );
+    assert_eq!(r.status, GrantStatus::Released as i32);
+    assert_eq!(c.slot_key_count(), 0);
+}
+
+#[test]
+fn fencing_numbers_grow_across_a_restart_and_fit_a_permit_token() {
+    let mut c = core(T, true);
+    let a = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
+    // The successor starts later with a larger lease id base (its wall
+    // clock at start): its fencing numbers start above.
+    let base = 1000 + 2_000_000_000;
+    let mut d = AllocatorCore::new(CoreConfig::default(), rules(7), 2, base, T);
+    d.ready_at_ns = None;
+    d.slots_phantom_until_ns = None;
+    let b = ask(&mut d, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
+    assert!(b.fence > a.fence, "{} after {}", b.fence, a.fence);
+    // Today's wall clock (ns) as a base stays below 2^44.
+    let today = 1_796_000_000_000_000_000;
+    let mut e = AllocatorCore::new(CoreConfig::default(), rules(7), 3, today, T);
+    e.ready_at_ns = None;
+    e.slots_phantom_until_ns = None;
+    let g = ask(&mut e, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
+    assert!(g.fence > b.fence && g.fence < 1 << 44, "{}", g.fence);
+}
+
+#[test]
+fn a_regional_allocator_refuses_slot_items() {
+    let mut c = AllocatorCore::new_pooled(CoreConfig::default(), rules(7), 1, 1000, T);
+    let g = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
+    assert_eq!(g.status, GrantStatus::BadItem as i32);
+    assert!(g.detail.contains("regional"), "{g:?}");
+}

@@ -1,0 +1,279 @@
+//! Permits through the agent library (issue 34, docs/permits.md): two
+//! agents against a real in-process allocator core, acquires at several
+//! times `N` from many tasks, I4 checked at the clients (what each was
+//! told, counted from the acquire's answer to the release), waiters served
+//! in turn, deadlines, cancelled waiters, renewals, the rate part of a rule
+//! with both.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quotalease_agent::agent::{AcquireInput, Agent, AgentConfig, CheckInput};
+use quotalease_agent::permit_driver::PermitError;
+use quotalease_agent::transport::InProcess;
+use quotalease_allocator::core::CoreConfig;
+use quotalease_allocator::server::Shared;
+use quotalease_model::key::KeyId;
+use quotalease_model::rules::RuleSet;
+
+const RULES: &str = r#"
+rules:
+  - id: gen
+    match: { tenant: "*", route: /gen }
+    concurrency: 5
+    permit_ttl: 10s
+  - id: both
+    match: { tenant: "*", route: /both }
+    rate: 1/m
+    burst: 2
+    concurrency: 3
+"#;
+
+fn allocator() -> Arc<Shared> {
+    let rules = RuleSet::parse_with_permits(RULES, "test", 1).expect("valid rules");
+    let core = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    Shared::new(core, rules, None)
+}
+
+fn agent(shared: &Arc<Shared>, id: &str) -> Agent {
+    let shared = shared.clone();
+    let cfg = AgentConfig {
+        agent_id: id.into(),
+        ..AgentConfig::default()
+    };
+    Agent::start(
+        cfg,
+        Arc::new(InProcess::new(move |b| shared.handle(b))),
+        None,
+    )
+    .expect("agent starts")
+}
+
+async fn ready(a: &Agent) {
+    for _ in 0..300 {
+        if a.is_ready() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("agent not ready");
+}
+
+fn input<'a>(tenant: &'a str, route: &'a str, wait: Duration) -> AcquireInput<'a> {
+    AcquireInput {
+        tenant,
+        route,
+        domain: None,
+        slots: 1,
+        wait,
+    }
+}
+
+fn gen_key(tenant: &str) -> KeyId {
+    KeyId {
+        rule: "gen".into(),
+        tenant: tenant.into(),
+        route: "/gen".into(),
+    }
+}
+
+/// 40 acquires (8 x N) from 40 tasks over two agents, each holding 20-80
+/// ms: never more than N held at once as the clients count, every acquire
+/// served in the end, and the allocator never lends more than N.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forty_acquires_over_two_agents_hold_at_most_n_at_once() {
+    let shared = allocator();
+    let agents = [agent(&shared, "a"), agent(&shared, "b")];
+    for a in &agents {
+        ready(a).await;
+    }
+    let held = Arc::new(AtomicU64::new(0));
+    let most = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..40u64 {
+        let a = agents[(i % 2) as usize].clone();
+        let (held, most) = (held.clone(), most.clone());
+        tasks.push(tokio::spawn(async move {
+            let got = a
+                .acquire(input("t", "/gen", Duration::from_secs(30)))
+                .await
+                .expect("served before the deadline");
+            assert_eq!(got.permits.len(), 1);
+            let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20 + (i * 37) % 60)).await;
+            held.fetch_sub(1, Ordering::SeqCst);
+            let p = &got.permits[0];
+            assert!(a.release_permit(&p.key, p.permit.id));
+            // Idempotent.
+            assert!(!a.release_permit(&p.key, p.permit.id));
+            p.permit.fence
+        }));
+    }
+    let mut lent = 0;
+    let mut fences = Vec::new();
+    for t in tasks {
+        while !t.is_finished() {
+            let now = shared.now();
+            let v = shared.with_core(|c| c.slot_view(now, &gen_key("t")));
+            if let Some(v) = v {
+                lent = lent.max(v.held);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        fences.push(t.await.expect("task"));
+    }
+    let most = most.load(Ordering::SeqCst);
+    eprintln!("permits: at most {most} held at once of N = 5; the allocator lent at most {lent}");
+    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(
+        most >= 2,
+        "the two agents never held permits together: {most}"
+    );
+    assert!(lent <= 5, "the allocator lent {lent} slots, N = 5");
+    assert!(fences.iter().all(|&f| f > 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_past_its_deadline_or_gone_holds_nothing() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    let b = agent(&shared, "b");
+    ready(&a).await;
+    ready(&b).await;
+    let mut kept = Vec::new();
+    for _ in 0..5 {
+        kept.push(
+            a.acquire(input("t", "/gen", Duration::from_secs(5)))
+                .await
+                .unwrap(),
+        );
+    }
+    // Full: b's acquire times out, holding nothing.
+    let t = std::time::Instant::now();
+    let r = b
+        .acquire(input("t", "/gen", Duration::from_millis(300)))
+        .await;
+    assert_eq!(r.unwrap_err(), PermitError::Timeout);
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    // A waiter whose future is dropped is cancelled.
+    let gone = tokio::time::timeout(
+        Duration::from_millis(100),
+        b.acquire(input("t", "/gen", Duration::from_secs(30))),
+    )
+    .await;
+    assert!(gone.is_err(), "nothing was free");
+    // A release at a serves the next waiter at b (slots move between
+    // agents), within a few of the driver's ticks and round trips.
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let t = std::time::Instant::now();
+            let r = b.acquire(input("t", "/gen", Duration::from_secs(10))).await;
+            (r, t.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let p = kept.pop().unwrap();
+    assert!(a.release_permit(&p.permits[0].key, p.permits[0].permit.id));
+    let (r, waited) = waiter.await.unwrap();
+    let got = r.expect("served after the release");
+    eprintln!(
+        "permits: a waiter at another agent served {waited:?} after asking (released at 200 ms)"
+    );
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+    // Nothing leaked: b holds exactly the one permit, a holds four.
+    assert_eq!(b.permits_held(&gen_key("t")).len(), 1);
+    assert_eq!(a.permits_held(&gen_key("t")).len(), 4);
+    assert!(got.permits[0].permit.fence > p.permits[0].permit.fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_extend_and_a_released_permit_is_never_revived() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let got = a
+        .acquire(input("t", "/gen", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let p = &got.permits[0];
+    let first = p.permit.expiry_ns;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let renewed = a.renew_permit(&p.key, p.permit.id).unwrap();
+    // The lease's use-by bounds it (2 s TTL), never before its old expiry.
+    assert!(renewed >= first, "{renewed} < {first}");
+    assert!(a.release_permit(&p.key, p.permit.id));
+    assert_eq!(
+        a.renew_permit(&p.key, p.permit.id),
+        Err(PermitError::Expired)
+    );
+    // Invalid sizes and requests no concurrency rule selects.
+    let r = a
+        .acquire(AcquireInput {
+            slots: 6,
+            ..input("t", "/gen", Duration::from_millis(10))
+        })
+        .await;
+    assert!(matches!(r, Err(PermitError::Invalid(_))), "{r:?}");
+    let r = a
+        .acquire(input("t", "/nothing", Duration::from_millis(10)))
+        .await;
+    assert_eq!(r.unwrap_err(), PermitError::NoRule);
+}
+
+/// SPEC §4: a request on a key with both takes the permit, then charges;
+/// a denial of the rate releases the permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_with_both_takes_the_permit_then_charges_and_a_denial_undoes_it() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let key = KeyId {
+        rule: "both".into(),
+        tenant: "t".into(),
+        route: "/both".into(),
+    };
+    let one = a
+        .acquire(input("t", "/both", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let two = a
+        .acquire(input("t", "/both", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(a.permits_held(&key).len(), 2);
+    // The burst of 2 is spent: the third gets a free slot, then the rate
+    // denies it and the slot goes back.
+    let three = a.acquire(input("t", "/both", Duration::from_secs(5))).await;
+    match three {
+        Err(PermitError::RateLimited {
+            rule_id,
+            retry_after_ms,
+        }) => {
+            assert_eq!(rule_id, "both");
+            assert!(retry_after_ms > 0);
+        }
+        other => panic!("expected a rate denial, got {other:?}"),
+    }
+    assert_eq!(a.permits_held(&key).len(), 2);
+    // A check on the key charges the rate (also denied now).
+    let r = a
+        .check(CheckInput {
+            tenant: "t",
+            route: "/both",
+            cost: 1,
+            request_id: "",
+            domain: None,
+        })
+        .await
+        .unwrap();
+    assert!(!r.allowed);
+    for g in [one, two] {
+        assert!(a.release_permit(&g.permits[0].key, g.permits[0].permit.id));
+    }
+}

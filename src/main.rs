@@ -18,6 +18,11 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "quotalease", version, about)]
 struct Cli {
+    /// Serve rules with `concurrency` (in-flight limits, issue 34): read
+    /// them in rule files and answer permits. Off by default until the
+    /// capability is complete (docs/permits.md says what is missing).
+    #[arg(long, global = true)]
+    experimental_permits: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -320,6 +325,9 @@ pub struct AgentArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.experimental_permits {
+        quotalease_model::rules::serve_permits_in_this_process();
+    }
     // The demo prints its own progress; keep its log to warnings unless asked.
     let is_sim = matches!(cli.command, Command::Sim(_));
     let default_level = if is_sim {

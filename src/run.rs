@@ -17,6 +17,7 @@ use quotalease_allocator::server::{self as alloc_server, Shared};
 use quotalease_allocator::term;
 use quotalease_allocator::upstream;
 use quotalease_gateway::envoy::EnvoyService;
+use quotalease_gateway::permits::PermitService;
 use quotalease_gateway::service::{self, CheckService};
 use quotalease_model::key::KeyId;
 use quotalease_tls::ClientTls;
@@ -551,6 +552,7 @@ pub async fn agent(args: AgentArgs) -> anyhow::Result<()> {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(CheckService::new(agent.clone()).into_server())
+            .add_service(PermitService::new(agent.clone()).into_server())
             .add_service(
                 EnvoyService::new(agent.clone(), &args.envoy_tenant_key, &args.envoy_route_key)
                     .into_server(),

@@ -41,7 +41,7 @@ pub fn validate(path: &Path) -> anyhow::Result<()> {
         out,
         "{}: {} rule(s), valid",
         path.display(),
-        rules.rules.len()
+        rules.rule_lines().len()
     )
     .and_then(|()| writeln!(out, "{}", rules.summary()))
     .and_then(|()| out.flush());

@@ -562,3 +562,186 @@ pub fn permit_rules_for<'a>(
         .filter(|p| p.applies(domain, tenant, route))
         .collect()
 }
+
+/// What a permit's id names: the holder (its permit instance and
+/// incarnation), the key and the permit. Its text form
+/// ([`PermitRef::encode`]) is path-safe: `p1.` then the fields separated
+/// by `.`, every byte of the key's parts other than ASCII letters, digits,
+/// `-` and `_` written `%XX`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PermitRef {
+    /// The holder's permit instance nonce.
+    pub instance: u64,
+    /// The holder's incarnation.
+    pub incarnation: u64,
+    /// The key.
+    pub key: KeyId,
+    /// The permit's id at its holder.
+    pub id: u64,
+}
+
+impl PermitRef {
+    /// The text form.
+    pub fn encode(&self) -> String {
+        format!(
+            "p1.{:x}.{:x}.{:x}.{}.{}.{}",
+            self.instance,
+            self.incarnation,
+            self.id,
+            pct(&self.key.rule),
+            pct(&self.key.tenant),
+            pct(&self.key.route)
+        )
+    }
+
+    /// Reads the text form; the error says what is wrong.
+    pub fn decode(s: &str) -> Result<PermitRef, String> {
+        if s.len() > 4 * 1024 {
+            return Err("too long to be a permit id".into());
+        }
+        let parts: Vec<&str> = s.split('.').collect();
+        let [p1, instance, incarnation, id, rule, tenant, route] = parts[..] else {
+            return Err("not a permit id (expected p1. and six fields)".into());
+        };
+        if p1 != "p1" {
+            return Err("not a permit id of this release (expected p1.)".into());
+        }
+        let hex = |f: &str, what: &str| {
+            u64::from_str_radix(f, 16).map_err(|_| format!("not a permit id ({what})"))
+        };
+        Ok(PermitRef {
+            instance: hex(instance, "instance")?,
+            incarnation: hex(incarnation, "incarnation")?,
+            id: hex(id, "id")?,
+            key: KeyId {
+                rule: unpct(rule)?,
+                tenant: unpct(tenant)?,
+                route: unpct(route)?,
+            },
+        })
+    }
+}
+
+fn pct(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn unpct(s: &str) -> Result<String, String> {
+    let bad = || "not a permit id (a key part is not encoded as it should be)".to_string();
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let h = b.get(i + 1..i + 3).ok_or_else(bad)?;
+            let h = std::str::from_utf8(h).map_err(|_| bad())?;
+            out.push(u8::from_str_radix(h, 16).map_err(|_| bad())?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad())
+}
+
+/// Where a permit stands, as renew and release by id answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PermitStatus {
+    /// Held here until this instant (agent clock, ns).
+    Held(u64),
+    /// Past its expiry or released: never revived.
+    Expired,
+    /// Held by another agent, or an earlier run of this one.
+    NotHere,
+}
+
+impl Permits {
+    /// The holder identity permit ids name: (instance, incarnation).
+    pub fn identity(&self) -> (u64, u64) {
+        (self.inner.cfg.instance, self.inner.cfg.incarnation)
+    }
+
+    /// The id a client is given for `p`.
+    pub fn permit_ref(&self, p: &HeldPermit) -> PermitRef {
+        let (instance, incarnation) = self.identity();
+        PermitRef {
+            instance,
+            incarnation,
+            key: p.key.clone(),
+            id: p.permit.id,
+        }
+    }
+
+    fn is_mine(&self, r: &PermitRef) -> bool {
+        self.identity() == (r.instance, r.incarnation)
+    }
+
+    /// Renew by id.
+    pub fn renew_ref(&self, r: &PermitRef) -> PermitStatus {
+        if !self.is_mine(r) {
+            return PermitStatus::NotHere;
+        }
+        match self.renew(&r.key, r.id) {
+            Ok(expiry) => PermitStatus::Held(expiry),
+            Err(_) => PermitStatus::Expired,
+        }
+    }
+
+    /// Release by id: `Held(now)` when it was held and is released now.
+    pub fn release_ref(&self, r: &PermitRef) -> PermitStatus {
+        if !self.is_mine(r) {
+            return PermitStatus::NotHere;
+        }
+        match self.release(&r.key, r.id) {
+            true => PermitStatus::Held(self.inner.cfg.clock.now()),
+            false => PermitStatus::Expired,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permit_ids_round_trip_and_bad_ones_say_why() {
+        let r = PermitRef {
+            instance: u64::MAX,
+            incarnation: 1_796_000_000_000_000_000,
+            id: 42,
+            key: KeyId {
+                rule: "model-calls".into(),
+                tenant: "a.b/c d%é".into(),
+                route: String::new(),
+            },
+        };
+        let s = r.encode();
+        assert!(
+            s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.%".contains(&b)),
+            "{s}"
+        );
+        assert_eq!(PermitRef::decode(&s), Ok(r));
+        for bad in [
+            "",
+            "p1",
+            "p2.1.1.1.r.t.u",
+            "p1.x.1.1.r.t.u",
+            "p1.1.1.1.r.t.u.v",
+            "p1.1.1.1.r.%4.u",
+            "p1.1.1.1.r.%FF.u",
+        ] {
+            assert!(PermitRef::decode(bad).is_err(), "{bad:?}");
+        }
+        assert!(PermitRef::decode(&"p".repeat(5000)).is_err());
+    }
+}

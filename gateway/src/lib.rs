@@ -14,6 +14,7 @@ pub mod envoy;
 /// with the client crate).
 pub use quotalease_model::headers;
 pub mod http_api;
+pub mod permits;
 pub mod service;
 
 pub use quotalease_agent::Agent;

@@ -95,7 +95,8 @@ pub fn admin_router(agent: Agent) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(agent.clone())
-        .merge(crate::http_api::router(agent))
+        .merge(crate::http_api::router(agent.clone()))
+        .merge(crate::permits::router(agent))
 }
 
 /// Serve the admin router on `addr` until `shutdown` resolves.

@@ -330,15 +330,40 @@ pub fn http_get_sending(
     path: &str,
     headers: &[(&str, &str)],
 ) -> (u16, Vec<(String, String)>, String) {
+    http_send(addr, "GET", path, headers, None)
+}
+
+/// `method path` with a JSON `body` (if any): (status, body).
+pub fn http_json(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let (status, _, body) = http_send(addr, method, path, &[], body);
+    (status, body)
+}
+
+/// Minimal HTTP/1.1 request: (status, response headers as (lower-case
+/// name, value), body).
+pub fn http_send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> (u16, Vec<(String, String)>, String) {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect http");
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-    let extra: String = headers
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let mut extra: String = headers
         .iter()
         .map(|(k, v)| format!("{k}: {v}\r\n"))
         .collect();
+    if let Some(b) = body {
+        extra.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: test\r\n{extra}Connection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: test\r\n{extra}Connection: close\r\n\r\n{}",
+        body.unwrap_or("")
     )
     .expect("send");
     let mut buf = String::new();

@@ -8,7 +8,9 @@ use std::time::Duration;
 use quotalease_model::key::KeyId;
 
 use super::*;
-use crate::permit_driver::{permit_rules_for, HeldPermit, PermitError, Permits, PermitsConfig};
+use crate::permit_driver::{
+    permit_rules_for, HeldPermit, PermitError, PermitRef, PermitStatus, Permits, PermitsConfig,
+};
 
 /// An acquire.
 #[derive(Clone, Copy, Debug)]
@@ -137,6 +139,31 @@ impl Agent {
     /// Release a permit (idempotent): whether it was held here.
     pub fn release_permit(&self, key: &KeyId, id: u64) -> bool {
         self.permits().is_ok_and(|p| p.release(key, id))
+    }
+
+    /// The id a client is given for a permit of this agent's (its text
+    /// form names this agent's permit holder, the key and the permit).
+    pub fn permit_id(&self, p: &HeldPermit) -> String {
+        match self.permits() {
+            Ok(permits) => permits.permit_ref(p).encode(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Renew a permit by its id: where it stands. `Err` names what is
+    /// wrong with the id.
+    pub fn renew_permit_id(&self, id: &str) -> Result<PermitStatus, String> {
+        let r = PermitRef::decode(id)?;
+        let permits = self.permits().map_err(|e| e.to_string())?;
+        Ok(permits.renew_ref(&r))
+    }
+
+    /// Release a permit by its id (idempotent): `Held` when it was held
+    /// here and is released now. `Err` names what is wrong with the id.
+    pub fn release_permit_id(&self, id: &str) -> Result<PermitStatus, String> {
+        let r = PermitRef::decode(id)?;
+        let permits = self.permits().map_err(|e| e.to_string())?;
+        Ok(permits.release_ref(&r))
     }
 
     /// The permits of `key` held here now.

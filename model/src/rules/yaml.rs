@@ -673,12 +673,12 @@ impl RuleSet {
     /// valid empty set; an empty file is an error). YAML merge keys (`<<`)
     /// are applied; the dialect is YAML 1.2 (see the module doc).
     pub fn parse(text: &str, file: &str, version: u64) -> Result<RuleSet, Vec<RuleError>> {
-        Self::parse_as(text, file, version, PERMITS_SERVED)
+        Self::parse_as(text, file, version, permits_served())
     }
 
     /// [`RuleSet::parse`] with rules that limit requests in flight
     /// (`concurrency`) read as rules, whether or not this release serves
-    /// them ([`PERMITS_SERVED`]): for the code that is being built to
+    /// them ([`permits_served`]): for the code that is being built to
     /// serve them and its tests.
     pub fn parse_with_permits(
         text: &str,

@@ -60,7 +60,7 @@ fn the_spec_example_is_a_permit_rule_without_a_rate() {
 #[test]
 fn a_release_that_does_not_serve_permits_refuses_them_naming_the_field() {
     let parsed = RuleSet::parse(MODEL_CALLS, "f.yaml", 1);
-    assert_eq!(parsed.is_ok(), PERMITS_SERVED, "{parsed:?}");
+    assert_eq!(parsed.is_ok(), permits_served(), "{parsed:?}");
     let Err(errs) = parsed else { return };
     assert_eq!(errs.len(), 1, "{errs:#?}");
     assert_eq!(errs[0].rule_id.as_deref(), Some("model-calls"));

@@ -1,0 +1,338 @@
+//! End to end, permits (issue 34, SPEC §2 I4, §5 "Permits"): a real
+//! allocator with `--experimental-permits` and real agent processes; the
+//! clients acquire over gRPC and HTTP at several times `N`, and I4 is
+//! checked at the clients: each permit counts from the moment its acquire
+//! was answered until the release was sent or the expiry it was told (a
+//! killed agent's permits count until then), and at no instant may more
+//! than `N` count.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use parking_lot::Mutex;
+use quotalease_proto::v1::permits_client::PermitsClient;
+use quotalease_proto::v1::{
+    AcquireOutcome, AcquireRequest, PermitStatus, ReleaseRequest, RenewRequest,
+};
+use tonic::transport::Channel;
+
+const RULES: &str = r#"
+rules:
+  - id: jobs
+    match: { tenant: "*", route: /jobs }
+    concurrency: 5
+    permit_ttl: 10s
+"#;
+
+/// When each permit counted: [from, to).
+type Spans = Arc<Mutex<Vec<(Instant, Instant)>>>;
+
+/// The most spans that overlap at one instant.
+fn most_at_once(spans: &[(Instant, Instant)]) -> usize {
+    let mut edges: Vec<(Instant, i32)> =
+        spans.iter().flat_map(|&(a, b)| [(a, 1), (b, -1)]).collect();
+    // Ends before starts at the same instant: [a, b) spans.
+    edges.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(&y.1)));
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, d) in edges {
+        now += d;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+async fn permits_client(p: &Proc) -> PermitsClient<Channel> {
+    PermitsClient::connect(p.url())
+        .await
+        .expect("connect agent")
+}
+
+fn acquire_req(wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        tenant_id: "acme".into(),
+        route_id: "/jobs".into(),
+        slots: 1,
+        wait_ms,
+    }
+}
+
+fn start(name: &str, agents: usize) -> (Proc, Vec<Proc>) {
+    let dir = tempdir(name);
+    let rules = write_rules(&dir, RULES);
+    let a = allocator_with(
+        &rules,
+        &dir.join("state"),
+        None,
+        "2s",
+        &["--experimental-permits"],
+    );
+    let agents: Vec<Proc> = (0..agents)
+        .map(|i| agent(&format!("{name}-{i}"), &a.url(), None, &[]))
+        .collect();
+    for ag in &agents {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(20));
+    }
+    (a, agents)
+}
+
+/// 60 acquires (12 x N) from 60 tasks over three agents, holds of
+/// 30-150 ms: at most N at once, each further one only after a release,
+/// every one served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
+    let (_alloc, agents) = start("permits-many", 3);
+    let spans: Spans = Arc::default();
+    let mut tasks = Vec::new();
+    for i in 0..60u64 {
+        let mut c = permits_client(&agents[(i % 3) as usize]).await;
+        let spans = spans.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .acquire(acquire_req(30_000))
+                .await
+                .expect("acquire")
+                .into_inner();
+            let from = Instant::now();
+            assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+            let p = &r.permits[0];
+            assert!(p.expires_in_ms > 0 && p.fencing_token > 0, "{p:?}");
+            tokio::time::sleep(Duration::from_millis(30 + (i * 41) % 120)).await;
+            let to = Instant::now();
+            let rel = c
+                .release(ReleaseRequest {
+                    permit_id: p.permit_id.clone(),
+                })
+                .await
+                .expect("release")
+                .into_inner();
+            assert!(rel.released, "{rel:?}");
+            spans.lock().push((from, to));
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let spans = spans.lock().clone();
+    let most = most_at_once(&spans);
+    eprintln!(
+        "e2e permits: {} permits over three agents, at most {most} held at once (N = 5)",
+        spans.len()
+    );
+    assert_eq!(spans.len(), 60);
+    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(most >= 3, "the agents hardly overlapped: {most}");
+}
+
+/// An agent SIGKILLed while its clients hold permits: those count until
+/// the expiry each was told; the others' acquires never exceed N meanwhile
+/// and get the slots once the dead agent's leases are gone. A waiter that
+/// disconnects is cancelled; renew and release answer as documented,
+/// through HTTP too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_agents_permits_count_until_their_expiry_then_free() {
+    let (_alloc, mut agents) = start("permits-kill", 2);
+    let victim = agents.remove(0);
+    let survivor = agents.remove(0);
+    let spans: Spans = Arc::default();
+    // The victim's clients take 3 permits and never release them.
+    let mut vc = permits_client(&victim).await;
+    let mut doomed = Vec::new();
+    for _ in 0..3 {
+        let r = vc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        let at = Instant::now();
+        doomed.push((at, at + Duration::from_millis(r.permits[0].expires_in_ms)));
+    }
+    let told_until = doomed.iter().map(|d| d.1).max().unwrap();
+    spans.lock().extend(doomed.iter().copied());
+    victim.kill9();
+    let killed = Instant::now();
+    // The survivor's clients: 8 of them loop acquire/hold/release for 4 s.
+    let mut tasks = Vec::new();
+    for i in 0..8u64 {
+        let mut c = permits_client(&survivor).await;
+        let spans = spans.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut got = 0;
+            while killed.elapsed() < Duration::from_secs(4) {
+                let r = c.acquire(acquire_req(1_000)).await.unwrap().into_inner();
+                if r.outcome != AcquireOutcome::Acquired as i32 {
+                    continue;
+                }
+                let from = Instant::now();
+                tokio::time::sleep(Duration::from_millis(20 + (i * 13) % 40)).await;
+                let to = Instant::now();
+                c.release(ReleaseRequest {
+                    permit_id: r.permits[0].permit_id.clone(),
+                })
+                .await
+                .unwrap();
+                spans.lock().push((from, to));
+                got += 1;
+            }
+            got
+        }));
+    }
+    let mut served = 0;
+    for t in tasks {
+        served += t.await.unwrap();
+    }
+    let spans = spans.lock().clone();
+    let most = most_at_once(&spans);
+    let first_after_told = spans
+        .iter()
+        .filter(|s| s.0 >= killed)
+        .map(|s| s.0)
+        .filter(|&a| a >= told_until)
+        .count();
+    eprintln!(
+        "e2e permits: agent killed holding 3 (told to last {:?} more); the survivor served {served}, at most {most} held at once (N = 5); {first_after_told} acquires after the dead agent's permits expired",
+        told_until.saturating_duration_since(killed)
+    );
+    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(
+        first_after_told > 0,
+        "no permit after the dead agent's expired"
+    );
+
+    // A waiter that goes away is cancelled: all five slots can be taken
+    // afterwards.
+    let mut c = permits_client(&survivor).await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        let r = c.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        held.push(r.permits[0].permit_id.clone());
+    }
+    let mut gone = permits_client(&survivor).await;
+    let waited = tokio::time::timeout(
+        Duration::from_millis(200),
+        gone.acquire(acquire_req(20_000)),
+    )
+    .await;
+    assert!(waited.is_err(), "a slot was free: {waited:?}");
+    drop(gone);
+    let r = c.acquire(acquire_req(0)).await.unwrap().into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Timeout as i32, "full: {r:?}");
+    // Renew, release, renew after release, over gRPC and HTTP.
+    let rn = c
+        .renew(RenewRequest {
+            permit_id: held[0].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rn.status, PermitStatus::Held as i32);
+    assert!(rn.expires_in_ms > 0);
+    let (code, body) = http_json(
+        survivor.http,
+        "PUT",
+        &format!("/v1/permits/{}", held[1]),
+        None,
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("expires_in_ms"), "{body}");
+    let (code, body) = http_json(
+        survivor.http,
+        "DELETE",
+        &format!("/v1/permits/{}", held[1]),
+        None,
+    );
+    assert_eq!((code, body.as_str()), (200, r#"{"released":true}"#));
+    let (code, body) = http_json(
+        survivor.http,
+        "DELETE",
+        &format!("/v1/permits/{}", held[1]),
+        None,
+    );
+    assert_eq!((code, body.as_str()), (200, r#"{"released":false}"#));
+    let (code, _) = http_json(
+        survivor.http,
+        "PUT",
+        &format!("/v1/permits/{}", held[1]),
+        None,
+    );
+    assert_eq!(code, 410);
+    // The freed slot is taken over HTTP, with the waiter's slot long gone.
+    let (code, body) = http_json(
+        survivor.http,
+        "POST",
+        "/v1/permits",
+        Some(r#"{"tenant_id":"acme","route_id":"/jobs","wait_ms":2000}"#),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("permit_id") && body.contains("fencing_token"),
+        "{body}"
+    );
+    // A permit id of another agent: not here.
+    let (code, body) = http_json(
+        survivor.http,
+        "DELETE",
+        "/v1/permits/p1.1.1.1.jobs.acme.%2Fjobs",
+        None,
+    );
+    assert_eq!(code, 421, "{body}");
+    // Bad input names the field.
+    let (code, body) = http_json(
+        survivor.http,
+        "POST",
+        "/v1/permits",
+        Some(r#"{"tenant_id":"acme","route_id":"/jobs","slots":6}"#),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("slots"), "{body}");
+    let (code, body) = http_json(
+        survivor.http,
+        "POST",
+        "/v1/permits",
+        Some(r#"{"tenant_id":"acme","route":"/jobs"}"#),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("\"route\""), "{body}");
+    let (code, body) = http_json(
+        survivor.http,
+        "POST",
+        "/v1/permits",
+        Some(r#"{"tenant_id":"acme","route_id":"/nothing"}"#),
+    );
+    assert_eq!(code, 404, "{body}");
+    let (code, body) = http_json(survivor.http, "PUT", "/v1/permits/nonsense", None);
+    assert_eq!(code, 400, "{body}");
+    let r = c
+        .acquire(AcquireRequest {
+            slots: 6,
+            ..acquire_req(0)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::InvalidRequest as i32, "{r:?}");
+}
+
+/// Without `--experimental-permits` a rules file with `concurrency` is
+/// refused, naming the field.
+#[test]
+fn without_the_flag_a_concurrency_rule_is_refused_naming_the_field() {
+    let dir = tempdir("permits-off");
+    let rules = write_rules(&dir, RULES);
+    let (ok, out) = run_to_end(&dir, &["rules", "validate", &rules.display().to_string()]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("field concurrency"), "{out}");
+    assert!(out.contains("not served by this release"), "{out}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_quotalease"))
+        .args(["--experimental-permits", "rules", "validate"])
+        .arg(&rules)
+        .output()
+        .expect("run quotalease");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("1 rule(s), valid"), "{stdout}");
+    assert!(
+        stdout.contains("jobs  tenant=* route=/jobs  concurrency=5 permit_ttl=10s max_hold=30m fail_policy=open"),
+        "{stdout}"
+    );
+}

@@ -202,7 +202,18 @@ async fn renewals_extend_and_a_released_permit_is_never_revived() {
         .await
         .unwrap();
     let p = &got.permits[0];
-    let first = p.permit.expiry_ns;
+    // A held permit's lease is renewed about twice per lease TTL (2 s),
+    // not on every tick of the driver; the client renews the permit.
+    let before = shared.with_core(|c| c.stats().items);
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        a.renew_permit(&p.key, p.permit.id)
+            .expect("renewed in time");
+    }
+    let items = shared.with_core(|c| c.stats().items) - before;
+    eprintln!("permits: {items} lease items in 2 s while one permit was held");
+    assert!(items <= 8, "{items} items in 2 s");
+    let first = a.permits_held(&p.key)[0].expiry_ns;
     tokio::time::sleep(Duration::from_millis(50)).await;
     let renewed = a.renew_permit(&p.key, p.permit.id).unwrap();
     // The lease's use-by bounds it (2 s TTL), never before its old expiry.
@@ -276,4 +287,40 @@ async fn a_rule_with_both_takes_the_permit_then_charges_and_a_denial_undoes_it()
     for g in [one, two] {
         assert!(a.release_permit(&g.permits[0].key, g.permits[0].permit.id));
     }
+}
+
+/// SPEC §5 / issue 34: on shutdown (SIGTERM) an agent keeps the slots
+/// that back permits still held and gives the unused ones back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_keeps_the_slots_of_held_permits_and_gives_back_the_rest() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        got.push(
+            a.acquire(input("t", "/gen", Duration::from_secs(5)))
+                .await
+                .unwrap(),
+        );
+    }
+    for g in got.drain(2..) {
+        assert!(a.release_permit(&g.permits[0].key, g.permits[0].permit.id));
+    }
+    let held = || {
+        let now = shared.now();
+        shared.with_core(|c| c.slot_view(now, &gen_key("t")).map_or(0, |v| v.held))
+    };
+    assert_eq!(held(), 5, "the lease still has the released slots");
+    a.shutdown().await;
+    assert_eq!(held(), 2, "only the slots of the two held permits stay");
+    // A waiter elsewhere gets the three at once.
+    let b = agent(&shared, "b");
+    ready(&b).await;
+    for _ in 0..3 {
+        b.acquire(input("t", "/gen", Duration::from_millis(500)))
+            .await
+            .expect("a slot given back");
+    }
+    drop(got);
 }

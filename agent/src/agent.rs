@@ -913,7 +913,7 @@ impl Agent {
     pub async fn shutdown(&self) {
         let inner = &*self.inner;
         if let Some(p) = inner.permits.get() {
-            p.stop();
+            p.shutdown().await;
         }
         inner.stop.store(true, Ordering::Release);
         inner.stopped.notify_waiters();

@@ -122,6 +122,9 @@ struct KeyEntry {
     waiters: HashMap<u64, oneshot::Sender<Permit>>,
     /// The last grant said another holder misses slots.
     contended: bool,
+    /// The TTL of the last slot lease granted (the allocator's cap may
+    /// make it shorter than asked): renewals come due at half of it.
+    granted_ttl_ns: u64,
     /// An ask of this key is in a batch whose reply has not come back
     /// (the driver sends no second one meanwhile; after a failed call it
     /// asks again: the first ask's promise stands, and the new one keeps
@@ -138,6 +141,8 @@ struct State {
 }
 
 struct Inner {
+    /// The driver task (awaited by [`Permits::shutdown`]).
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     cfg: PermitsConfig,
     transport: Arc<dyn Transport>,
     state: Mutex<State>,
@@ -193,6 +198,7 @@ impl Permits {
     pub fn start(cfg: PermitsConfig, transport: Arc<dyn Transport>) -> Permits {
         let p = Permits {
             inner: Arc::new(Inner {
+                task: Mutex::new(None),
                 cfg,
                 transport,
                 state: Mutex::new(State {
@@ -205,7 +211,7 @@ impl Permits {
             }),
         };
         let bg = p.clone();
-        tokio::spawn(async move { bg.run().await });
+        *p.inner.task.lock() = Some(tokio::spawn(async move { bg.run().await }));
         p
     }
 
@@ -213,6 +219,101 @@ impl Permits {
     pub fn stop(&self) {
         self.inner.stop.store(true, Ordering::Release);
         self.inner.wake.notify_one();
+    }
+
+    /// Stop (SIGTERM): waiters are answered [`PermitError::Stopping`], and
+    /// every key's slot lease is renewed keeping only the slots that back
+    /// permits still held (they run to their expiries; the allocator
+    /// counts their slots until then) while the unused ones go back at
+    /// once. Bounded by the fetch timeout; what cannot be given back
+    /// expires on its own.
+    pub async fn shutdown(&self) {
+        self.stop();
+        // The driver's batch in flight first: the last word on each key is
+        // this one.
+        let task = self.inner.task.lock().take();
+        if let Some(t) = task {
+            let _ = tokio::time::timeout(self.inner.cfg.fetch_timeout, t).await;
+        }
+        let now = self.inner.cfg.clock.now();
+        let asked: Vec<(KeyId, SentAsk, LeaseItem)> = {
+            let mut st = self.inner.state.lock();
+            let mut out = Vec::new();
+            for (key, e) in st.keys.iter_mut() {
+                for (w, _) in e.waiters.drain() {
+                    e.pk.cancel(w);
+                }
+                if e.pk.current().is_none() {
+                    continue;
+                }
+                let sent = e.pk.ask(now, true);
+                let item = LeaseItem {
+                    rule_id: key.rule.clone(),
+                    tenant: key.tenant.clone(),
+                    route: key.route.clone(),
+                    kind: ItemKind::Slots as i32,
+                    lease_id: sent.lease_id,
+                    keep: sent.keep,
+                    want: 0,
+                    ..LeaseItem::default()
+                };
+                out.push((key.clone(), sent, item));
+            }
+            out
+        };
+        if asked.is_empty() {
+            return;
+        }
+        let shards = self.inner.state.lock().shard_count.max(1);
+        let mut by_shard: HashMap<u32, Vec<LeaseItem>> = HashMap::new();
+        for (key, _, item) in asked {
+            let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+            by_shard.entry(shard).or_default().push(item);
+        }
+        for (shard, items) in by_shard {
+            let n = items.len();
+            let batch = self.batch(shard, items, self.inner.cfg.lease_ttl.as_nanos() as u64);
+            match tokio::time::timeout(
+                self.inner.cfg.fetch_timeout,
+                self.inner.transport.lease(batch),
+            )
+            .await
+            {
+                Ok(Ok(_)) => {
+                    tracing::info!(keys = n, "permits: unused slots given back on shutdown")
+                }
+                _ => tracing::warn!(
+                    "permits: could not give slots back on shutdown; they expire on their own"
+                ),
+            }
+        }
+    }
+
+    /// A batch of `items` for `shard` under the next sequence number.
+    fn batch(&self, shard: u32, items: Vec<LeaseItem>, ttl_ns: u64) -> LeaseBatch {
+        let seq = {
+            let mut st = self.inner.state.lock();
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            seq
+        };
+        let cfg = &self.inner.cfg;
+        LeaseBatch {
+            header: Some(RequestHeader {
+                agent_id: cfg.agent_id.clone(),
+                incarnation: cfg.incarnation,
+                seq,
+                protocol_version: PROTOCOL_VERSION,
+                instance: cfg.instance,
+                cluster: cfg.cluster.clone(),
+                // The rules come to the agent through its token side.
+                rules_version: u64::MAX,
+                ..RequestHeader::default()
+            }),
+            items,
+            ttl_ms: ttl_ns.div_ceil(1_000_000),
+            shard,
+        }
     }
 
     /// Acquire `slots` of the key `rule` selects for (tenant, route),
@@ -250,6 +351,7 @@ impl Permits {
                 pk: PermitKey::new(settings),
                 waiters: HashMap::new(),
                 contended: false,
+                granted_ttl_ns: settings.lease_ttl_ns,
                 in_flight: false,
             });
             if e.pk.settings() != settings {
@@ -375,8 +477,12 @@ impl Permits {
             self.forget_idle();
         }
         // Waiters learn the driver is gone (their receivers see the
-        // senders dropped).
-        self.inner.state.lock().keys.clear();
+        // senders dropped); the leases stay for `shutdown`.
+        for e in self.inner.state.lock().keys.values_mut() {
+            for (w, _) in e.waiters.drain() {
+                e.pk.cancel(w);
+            }
+        }
     }
 
     /// The asks due now, one batch per shard.
@@ -387,7 +493,7 @@ impl Permits {
         let mut by_shard: HashMap<u32, ShardAsks> = HashMap::new();
         for (key, e) in st.keys.iter_mut() {
             let ttl_ns = e.pk.settings().lease_ttl_ns;
-            let half_ttl = ttl_ns / 2;
+            let half_ttl = ttl_ns.min(e.granted_ttl_ns) / 2;
             let free = e.pk.free(now);
             let used = !e.pk.permits(now).is_empty();
             let waiting = e.pk.waiting_slots() > 0;
@@ -429,30 +535,11 @@ impl Permits {
             // asked for less counts its use-by from its own).
             b.2 = b.2.max(ttl_ns);
         }
-        let mut out = Vec::new();
-        for (shard, (items, asked, ttl_ns)) in by_shard {
-            let seq = st.next_seq;
-            st.next_seq += 1;
-            let cfg = &self.inner.cfg;
-            let batch = LeaseBatch {
-                header: Some(RequestHeader {
-                    agent_id: cfg.agent_id.clone(),
-                    incarnation: cfg.incarnation,
-                    seq,
-                    protocol_version: PROTOCOL_VERSION,
-                    instance: cfg.instance,
-                    cluster: cfg.cluster.clone(),
-                    // The rules come to the agent through its token side.
-                    rules_version: u64::MAX,
-                    ..RequestHeader::default()
-                }),
-                items,
-                ttl_ms: ttl_ns.div_ceil(1_000_000),
-                shard,
-            };
-            out.push((batch, asked));
-        }
-        out
+        drop(st);
+        by_shard
+            .into_iter()
+            .map(|(shard, (items, asked, ttl_ns))| (self.batch(shard, items, ttl_ns), asked))
+            .collect()
     }
 
     /// A reply: each grant to its key, then the waiters served.
@@ -493,6 +580,9 @@ impl Permits {
             };
             e.contended = g.contended;
             e.in_flight = false;
+            if granted.lease_id != 0 && granted.ttl_ns > 0 {
+                e.granted_ttl_ns = granted.ttl_ns;
+            }
             e.pk.on_grant(now, sent, granted);
             serve(e, now);
         }

@@ -247,16 +247,7 @@ impl Permits {
                     continue;
                 }
                 let sent = e.pk.ask(now, true);
-                let item = LeaseItem {
-                    rule_id: key.rule.clone(),
-                    tenant: key.tenant.clone(),
-                    route: key.route.clone(),
-                    kind: ItemKind::Slots as i32,
-                    lease_id: sent.lease_id,
-                    keep: sent.keep,
-                    want: 0,
-                    ..LeaseItem::default()
-                };
+                let item = slots_item(key, &sent);
                 out.push((key.clone(), sent, item));
             }
             out
@@ -517,16 +508,7 @@ impl Permits {
             e.contended = false;
             e.in_flight = true;
             let sent = e.pk.ask(now, give_back);
-            let item = LeaseItem {
-                rule_id: key.rule.clone(),
-                tenant: key.tenant.clone(),
-                route: key.route.clone(),
-                kind: ItemKind::Slots as i32,
-                lease_id: sent.lease_id,
-                keep: sent.keep,
-                want: sent.want,
-                ..LeaseItem::default()
-            };
+            let item = slots_item(key, &sent);
             let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
             let b = by_shard.entry(shard).or_default();
             b.0.push(item);
@@ -606,6 +588,20 @@ impl Permits {
             .lock()
             .keys
             .retain(|_, e| e.in_flight || !e.pk.is_idle(now));
+    }
+}
+
+/// The `SLOTS` item of an ask.
+fn slots_item(key: &KeyId, sent: &SentAsk) -> LeaseItem {
+    LeaseItem {
+        rule_id: key.rule.clone(),
+        tenant: key.tenant.clone(),
+        route: key.route.clone(),
+        kind: ItemKind::Slots as i32,
+        lease_id: sent.lease_id,
+        keep: sent.keep,
+        want: sent.want,
+        ..LeaseItem::default()
     }
 }
 

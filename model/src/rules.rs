@@ -659,15 +659,14 @@ fn check_cycles(
     }
 }
 
-/// Checks one protobuf rule.
-fn rule_from_proto(
-    pb: &PbRule,
+/// A protobuf rule's match patterns (an empty field: not matched on),
+/// checked as the YAML path checks them.
+fn match_from_proto(
+    tenant: &str,
+    route: &str,
     at: &RuleLoc,
-    first: &HashMap<&str, usize>,
     errs: &mut Errors<'_>,
-) -> Draft {
-    let before = errs.len();
-    check_id_at(at, &pb.id, first, errs);
+) -> (Pattern, Pattern) {
     let mut pattern = |field: &str, s: &str| -> Pattern {
         if s.is_empty() {
             return Pattern::Any;
@@ -677,11 +676,24 @@ fn rule_from_proto(
             Pattern::PerValue
         })
     };
-    let tenant = pattern("match.tenant", &pb.tenant);
-    let route = pattern("match.route", &pb.route);
+    let tenant = pattern("match.tenant", tenant);
+    let route = pattern("match.route", route);
     if tenant == Pattern::Any && route == Pattern::Any {
         errs.rule(at, "match", MATCHES_EVERYTHING);
     }
+    (tenant, route)
+}
+
+/// Checks one protobuf rule.
+fn rule_from_proto(
+    pb: &PbRule,
+    at: &RuleLoc,
+    first: &HashMap<&str, usize>,
+    errs: &mut Errors<'_>,
+) -> Draft {
+    let before = errs.len();
+    check_id_at(at, &pb.id, first, errs);
+    let (tenant, route) = match_from_proto(&pb.tenant, &pb.route, at, errs);
     let rate = Rate {
         tokens: pb.rate_tokens,
         period_s: pb.rate_period_s,

@@ -217,12 +217,7 @@ impl AllocatorCore {
         ttl_ns: u64,
     ) -> Grant {
         let version = self.rules.version;
-        let bad = |detail: String| Grant {
-            status: GrantStatus::BadItem as i32,
-            rule_version: version,
-            detail,
-            ..Grant::default()
-        };
+        let bad = |detail: String| bad_item(version, detail);
         let (shard, shards) = self.cfg.shard;
         if shards > 1
             && quotalease_proto::shard_of(&item.rule_id, &item.tenant, &item.route, shards) != shard
@@ -453,5 +448,15 @@ impl AllocatorCore {
                 && self.ready_at_ns.is_some_and(|r| now_ns < r),
             ..Grant::default()
         }
+    }
+}
+
+/// A `BAD_ITEM` answer naming the field in `detail`.
+pub(super) fn bad_item(rule_version: u64, detail: String) -> Grant {
+    Grant {
+        status: GrantStatus::BadItem as i32,
+        rule_version,
+        detail,
+        ..Grant::default()
     }
 }

@@ -36,12 +36,7 @@ impl AllocatorCore {
         ttl_ns: u64,
     ) -> Grant {
         let version = self.rules.version;
-        let bad = |detail: String| Grant {
-            status: GrantStatus::BadItem as i32,
-            rule_version: version,
-            detail,
-            ..Grant::default()
-        };
+        let bad = |detail: String| super::batch::bad_item(version, detail);
         if self.pooled.is_some() {
             return bad(
                 "kind: a regional allocator does not serve slot leases (yet): acquire permits at agents of the global allocator"

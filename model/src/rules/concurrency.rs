@@ -224,20 +224,7 @@ pub(super) fn permit_rule_from_proto(
 ) -> Option<PermitRule> {
     let before = errs.len();
     check_id_at(at, &pb.id, first, errs);
-    let mut pattern = |field: &str, s: &str| -> Pattern {
-        if s.is_empty() {
-            return Pattern::Any;
-        }
-        Pattern::from_text(s).unwrap_or_else(|e| {
-            errs.rule(at, field, e);
-            Pattern::PerValue
-        })
-    };
-    let tenant = pattern("match.tenant", &pb.tenant);
-    let route = pattern("match.route", &pb.route);
-    if tenant == Pattern::Any && route == Pattern::Any {
-        errs.rule(at, "match", MATCHES_EVERYTHING);
-    }
+    let (tenant, route) = match_from_proto(&pb.tenant, &pb.route, at, errs);
     let field = |errs: &mut Errors<'_>, name: &str, r: Result<u64, String>| match r {
         Ok(v) => Some(v),
         Err(e) => {

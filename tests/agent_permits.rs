@@ -324,3 +324,178 @@ async fn shutdown_keeps_the_slots_of_held_permits_and_gives_back_the_rest() {
     }
     drop(got);
 }
+
+/// An in-process transport that can be cut.
+struct Cut {
+    to: InProcess,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl quotalease_agent::transport::Transport for Cut {
+    fn lease(
+        &self,
+        batch: quotalease_proto::lease::LeaseBatch,
+    ) -> quotalease_agent::transport::LeaseFuture<'_> {
+        if self.down.load(Ordering::SeqCst) {
+            Box::pin(async { Err("cut".to_string()) })
+        } else {
+            self.to.lease(batch)
+        }
+    }
+}
+
+/// SPEC §4: fail policies apply to permits as to rates while the
+/// allocator is unreachable: `closed` answers at once (unavailable),
+/// `lease_only` serves only from the slots held, `open` adds a per-agent
+/// emergency semaphore of `max(1, N / holders)`, marked failure-mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_policies_while_the_allocator_is_unreachable() {
+    let yaml = r#"
+rules:
+  - id: c
+    match: { tenant: "*", route: /c }
+    concurrency: 4
+    fail_policy: closed
+  - id: l
+    match: { tenant: "*", route: /l }
+    concurrency: 4
+    fail_policy: lease_only
+  - id: o
+    match: { tenant: "*", route: /o }
+    concurrency: 4
+    fail_policy: open
+"#;
+    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
+    let core = CoreConfig {
+        no_predecessor: true,
+        ..CoreConfig::default()
+    };
+    let shared = Shared::new(core, rules, None);
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let to = {
+        let shared = shared.clone();
+        InProcess::new(move |b| shared.handle(b))
+    };
+    let a = Agent::start(
+        AgentConfig {
+            agent_id: "a".into(),
+            ..AgentConfig::default()
+        },
+        Arc::new(Cut {
+            to,
+            down: down.clone(),
+        }),
+        None,
+    )
+    .expect("agent starts");
+    ready(&a).await;
+    let wait = Duration::from_secs(3);
+    let mut held = Vec::new();
+    for route in ["/c", "/l", "/o"] {
+        let g = a.acquire(input("t", route, wait)).await.unwrap();
+        assert!(!g.permits[0].failure_mode);
+        held.push(g);
+    }
+    down.store(true, Ordering::SeqCst);
+    // closed: unavailable after the first failed call, not at the deadline.
+    let t = std::time::Instant::now();
+    let r = a.acquire(input("t", "/c", wait)).await;
+    assert!(
+        matches!(r, Err(PermitError::Unavailable(ref why)) if why.contains("rule c")),
+        "{r:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // Known unreachable now: the next is answered at once.
+    let r = a.acquire(input("t", "/c", wait)).await;
+    assert!(matches!(r, Err(PermitError::Unavailable(_))), "{r:?}");
+    // lease_only: only the slots held (all in use): its wait runs out.
+    let r = a
+        .acquire(input("t", "/l", Duration::from_millis(300)))
+        .await;
+    assert_eq!(r.unwrap_err(), PermitError::Timeout);
+    // open: the emergency semaphore, max(1, 4 / 1 holder) = 4 permits.
+    let mut emergency = Vec::new();
+    for _ in 0..4 {
+        let g = a.acquire(input("t", "/o", wait)).await.unwrap();
+        assert!(g.permits[0].failure_mode, "{g:?}");
+        emergency.push(g);
+    }
+    let r = a
+        .acquire(input("t", "/o", Duration::from_millis(300)))
+        .await;
+    assert_eq!(
+        r.unwrap_err(),
+        PermitError::Timeout,
+        "the semaphore is full"
+    );
+    // Emergency permits renew and release like the others.
+    let e0 = &emergency[0].permits[0];
+    assert!(a.renew_permit(&e0.key, e0.permit.id).is_ok());
+    assert!(a.release_permit(&e0.key, e0.permit.id));
+    assert!(!a.release_permit(&e0.key, e0.permit.id));
+    let g = a.acquire(input("t", "/o", wait)).await.unwrap();
+    assert!(g.permits[0].failure_mode);
+    // Back: the driver's probe (every 250 ms while unreachable) finds it,
+    // and permits come from slots again.
+    down.store(false, Ordering::SeqCst);
+    let back = std::time::Instant::now();
+    let g = loop {
+        match a.acquire(input("t", "/c", wait)).await {
+            Ok(g) => break g,
+            Err(PermitError::Unavailable(_)) if back.elapsed() < Duration::from_secs(2) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("not back after {:?}: {e:?}", back.elapsed()),
+        }
+    };
+    eprintln!(
+        "permits: fail-closed key usable {:?} after the allocator was back",
+        back.elapsed()
+    );
+    assert!(!g.permits[0].failure_mode);
+
+    // An agent whose only key holds nothing (no lease to renew): while
+    // cut, its acquires are answered at once, and only its probe learns
+    // that the allocator is back.
+    let down_b = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let to = {
+        let shared = shared.clone();
+        InProcess::new(move |b| shared.handle(b))
+    };
+    let b = Agent::start(
+        AgentConfig {
+            agent_id: "b".into(),
+            ..AgentConfig::default()
+        },
+        Arc::new(Cut {
+            to,
+            down: down_b.clone(),
+        }),
+        None,
+    )
+    .expect("agent starts");
+    ready(&b).await;
+    let g = b.acquire(input("u", "/c", wait)).await.unwrap();
+    assert!(b.release_permit(&g.permits[0].key, g.permits[0].permit.id));
+    // Its unused slot goes back after 100 ms idle: no lease left.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    down_b.store(true, Ordering::SeqCst);
+    let r = b.acquire(input("u", "/c", wait)).await;
+    assert!(matches!(r, Err(PermitError::Unavailable(_))), "{r:?}");
+    for _ in 0..5 {
+        let r = b.acquire(input("u", "/c", wait)).await;
+        assert!(matches!(r, Err(PermitError::Unavailable(_))), "{r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    down_b.store(false, Ordering::SeqCst);
+    let back = std::time::Instant::now();
+    loop {
+        match b.acquire(input("u", "/c", wait)).await {
+            Ok(_) => break,
+            Err(PermitError::Unavailable(_)) if back.elapsed() < Duration::from_secs(2) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("not back after {:?}: {e:?}", back.elapsed()),
+        }
+    }
+}

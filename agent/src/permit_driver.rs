@@ -35,7 +35,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use quotalease_model::clock::ClockSource;
 use quotalease_model::key::KeyId;
-use quotalease_model::rules::{PermitRule, RuleSet};
+use quotalease_model::rules::{FailPolicy, PermitRule, RuleSet};
 use quotalease_proto::lease::{
     GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };
@@ -50,6 +50,23 @@ use crate::transport::Transport;
 /// How often the driver looks at its keys when nothing wakes it.
 const TICK: Duration = Duration::from_millis(50);
 
+/// Free slots no acquire here waits for go back to the allocator after
+/// this long (another agent's waiters may need them; the allocator can
+/// only say so in a reply to this agent): a slot released at one agent
+/// serves a waiter at another within this, a tick and two round trips.
+const IDLE_GIVE_BACK_NS: u64 = 100_000_000;
+
+/// While the allocator is unreachable, a batch goes out at least this
+/// often (a probe: the fail policies stop applying once it is answered).
+const PROBE_EVERY_NS: u64 = 250_000_000;
+
+/// Ids of emergency permits (fail-open, below) start here: never those of
+/// a key's semaphore.
+const EMERGENCY_IDS: u64 = 1 << 62;
+
+/// What a waiter is sent: a permit, or why it gets none.
+type Answer = Result<Permit, PermitError>;
+
 /// One shard's asks: the items, what each asked, the batch TTL (ns).
 type ShardAsks = (Vec<LeaseItem>, Vec<(KeyId, SentAsk)>, u64);
 
@@ -60,6 +77,9 @@ pub struct HeldPermit {
     pub key: KeyId,
     /// The permit (its id, slots, expiry and fencing token).
     pub permit: Permit,
+    /// Granted by the fail-open emergency semaphore while the allocator
+    /// was unreachable: outside I4 (counted as failure-mode allowed).
+    pub failure_mode: bool,
 }
 
 /// Why an acquire got no permit.
@@ -80,6 +100,9 @@ pub enum PermitError {
     /// The agent is stopping.
     #[error("the agent is stopping")]
     Stopping,
+    /// The allocator is unreachable and the rule is fail-closed.
+    #[error("{0}")]
+    Unavailable(String),
     /// A rate rule of the request denied it: the permits taken were
     /// released.
     #[error("a rate rule denied the request (rule {rule_id}); retry after {retry_after_ms} ms")]
@@ -119,7 +142,20 @@ pub struct PermitsConfig {
 struct KeyEntry {
     pk: PermitKey,
     /// Acquires waiting, by the key's waiter id.
-    waiters: HashMap<u64, oneshot::Sender<Permit>>,
+    waiters: HashMap<u64, oneshot::Sender<Answer>>,
+    /// The rule's id and fail policy (SPEC §4: `closed` answers at once
+    /// while the allocator is unreachable, `lease_only` waits on the
+    /// slots held, `open` adds an emergency semaphore).
+    rule_id: String,
+    policy: FailPolicy,
+    /// Holders of the key at the allocator's last grant (0: none heard):
+    /// the emergency semaphore is `max(1, N / holders)` (1 while unknown).
+    holders: u32,
+    /// Permits of the emergency semaphore, held.
+    emergency: Vec<Permit>,
+    /// Since when the current lease has had free slots and no waiter
+    /// here (given back after [`IDLE_GIVE_BACK_NS`]).
+    free_since: Option<u64>,
     /// The last grant said another holder misses slots.
     contended: bool,
     /// The TTL of the last slot lease granted (the allocator's cap may
@@ -138,6 +174,25 @@ struct State {
     next_seq: u64,
     /// Shards the allocator last said it has (1 before any reply).
     shard_count: u32,
+    /// Since when calls fail (an error or a timeout; cleared by a reply).
+    failing_since: Option<u64>,
+    /// Since when replicas answer without a leader (cleared by a grant).
+    no_leader_since: Option<u64>,
+    next_emergency_id: u64,
+    /// When the last batch went out (for the probe while unreachable).
+    last_probe_ns: u64,
+}
+
+impl State {
+    /// The allocator is taken for unreachable (its fail policies apply):
+    /// the last call failed, or replicas have had no leader for longer
+    /// than an election takes (the token side's grace).
+    fn unreachable(&self, now: u64) -> bool {
+        self.failing_since.is_some()
+            || self.no_leader_since.is_some_and(|t| {
+                now.saturating_sub(t) > crate::core::NO_LEADER_GRACE.as_nanos() as u64
+            })
+    }
 }
 
 struct Inner {
@@ -169,7 +224,7 @@ struct Waiting<'a> {
     permits: &'a Permits,
     key: KeyId,
     waiter: u64,
-    rx: Option<oneshot::Receiver<Permit>>,
+    rx: Option<oneshot::Receiver<Answer>>,
 }
 
 impl Drop for Waiting<'_> {
@@ -182,9 +237,11 @@ impl Drop for Waiting<'_> {
             e.pk.cancel(self.waiter);
             e.waiters.remove(&self.waiter);
             // A permit that reached it in the race goes back at once.
-            if let Ok(p) = rx.try_recv() {
+            if let Ok(Ok(p)) = rx.try_recv() {
                 let now = self.permits.inner.cfg.clock.now();
-                e.pk.release(now, p.id);
+                if !take_emergency(e, p.id) {
+                    e.pk.release(now, p.id);
+                }
             }
         }
         drop(st);
@@ -204,6 +261,7 @@ impl Permits {
                 state: Mutex::new(State {
                     next_seq: 1,
                     shard_count: 1,
+                    next_emergency_id: EMERGENCY_IDS,
                     ..State::default()
                 }),
                 wake: Notify::new(),
@@ -338,9 +396,16 @@ impl Permits {
         let now = self.inner.cfg.clock.now();
         let (waiter, rx) = {
             let mut st = self.inner.state.lock();
+            let unreachable = st.unreachable(now);
+            let emergency_id = st.next_emergency_id;
             let e = st.keys.entry(key.clone()).or_insert_with(|| KeyEntry {
                 pk: PermitKey::new(settings),
                 waiters: HashMap::new(),
+                rule_id: rule.id.clone(),
+                policy: rule.fail_policy,
+                holders: 0,
+                emergency: Vec::new(),
+                free_since: None,
                 contended: false,
                 granted_ttl_ns: settings.lease_ttl_ns,
                 in_flight: false,
@@ -348,8 +413,15 @@ impl Permits {
             if e.pk.settings() != settings {
                 e.pk.set_settings(settings);
             }
+            e.policy = rule.fail_policy;
             match e.pk.acquire(now, slots) {
-                Ok(permit) => return Ok(HeldPermit { key, permit }),
+                Ok(permit) => {
+                    return Ok(HeldPermit {
+                        key,
+                        permit,
+                        failure_mode: false,
+                    })
+                }
                 Err(AcquireError::Invalid) => {
                     return Err(PermitError::Invalid(format!(
                         "{slots} is not within 1..={} (the concurrency of rule {})",
@@ -357,9 +429,29 @@ impl Permits {
                     )))
                 }
                 Err(AcquireError::Queued(w)) => {
-                    let (tx, rx) = oneshot::channel();
-                    e.waiters.insert(w, tx);
-                    (w, rx)
+                    match unreachable
+                        .then(|| fail_policy(e, now, slots, emergency_id))
+                        .flatten()
+                    {
+                        Some(answer) => {
+                            e.pk.cancel(w);
+                            if answer.is_ok() {
+                                st.next_emergency_id += 1;
+                            }
+                            return answer.map(|permit| HeldPermit {
+                                key,
+                                permit,
+                                failure_mode: true,
+                            });
+                        }
+                        // Reachable, `lease_only`, or the emergency
+                        // semaphore is full: wait for slots.
+                        None => {
+                            let (tx, rx) = oneshot::channel();
+                            e.waiters.insert(w, tx);
+                            (w, rx)
+                        }
+                    }
                 }
             }
         };
@@ -372,9 +464,18 @@ impl Permits {
         };
         let rx = waiting.rx.as_mut().expect("set above");
         match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(permit)) => {
+            Ok(Ok(Ok(permit))) => {
                 waiting.rx = None;
-                Ok(HeldPermit { key, permit })
+                let failure_mode = permit.id >= EMERGENCY_IDS;
+                Ok(HeldPermit {
+                    key,
+                    permit,
+                    failure_mode,
+                })
+            }
+            Ok(Ok(Err(e))) => {
+                waiting.rx = None;
+                Err(e)
             }
             // The driver stopped (its sender dropped).
             Ok(Err(_)) => Err(PermitError::Stopping),
@@ -392,6 +493,9 @@ impl Permits {
         let Some(e) = st.keys.get_mut(key) else {
             return Err(PermitError::Expired);
         };
+        if id >= EMERGENCY_IDS {
+            return renew_emergency(e, now, id);
+        }
         e.pk.renew(now, id)
             .map_err(|RenewError::Expired| PermitError::Expired)
     }
@@ -405,6 +509,10 @@ impl Permits {
             let Some(e) = st.keys.get_mut(key) else {
                 return false;
             };
+            if id >= EMERGENCY_IDS {
+                expire_emergency(e, now);
+                return take_emergency(e, id);
+            }
             let released = e.pk.release(now, id);
             if released {
                 serve(e, now);
@@ -423,7 +531,12 @@ impl Permits {
         let mut st = self.inner.state.lock();
         st.keys
             .get_mut(key)
-            .map(|e| e.pk.permits(now).to_vec())
+            .map(|e| {
+                expire_emergency(e, now);
+                let mut all = e.pk.permits(now).to_vec();
+                all.extend(e.emergency.iter().copied());
+                all
+            })
             .unwrap_or_default()
     }
 
@@ -442,17 +555,30 @@ impl Permits {
                 )
                 .await;
                 match reply {
-                    Ok(Ok(reply)) if reply.grants.len() == asked.len() => self.apply(reply, asked),
+                    Ok(Ok(reply)) if reply.grants.len() == asked.len() => {
+                        {
+                            let mut st = self.inner.state.lock();
+                            st.failing_since = None;
+                            st.no_leader_since = None;
+                        }
+                        self.apply(reply, asked)
+                    }
                     Ok(Ok(reply)) => {
                         // A replica without a leader answers with no grants.
                         tracing::debug!(
                             not_leader = reply.not_leader,
                             "permits: slot asks not applied; asked again on the next tick"
                         );
+                        {
+                            let mut st = self.inner.state.lock();
+                            st.failing_since = None;
+                            st.no_leader_since.get_or_insert(sent_at);
+                        }
                         self.not_answered(&asked);
                     }
                     Ok(Err(why)) => {
                         tracing::debug!(%why, "permits: slot asks not answered; asked again on the next tick");
+                        self.inner.state.lock().failing_since.get_or_insert(sent_at);
                         self.not_answered(&asked);
                     }
                     Err(_) => {
@@ -461,10 +587,12 @@ impl Permits {
                                 (self.inner.cfg.clock.now().saturating_sub(sent_at)) / 1_000_000,
                             "permits: slot asks timed out; asked again on the next tick"
                         );
+                        self.inner.state.lock().failing_since.get_or_insert(sent_at);
                         self.not_answered(&asked);
                     }
                 }
             }
+            self.apply_fail_policies();
             self.forget_idle();
         }
         // Waiters learn the driver is gone (their receivers see the
@@ -491,11 +619,20 @@ impl Permits {
             let renew_due =
                 e.pk.current()
                     .is_some_and(|(_, _, use_by)| use_by.saturating_sub(now) <= half_ttl);
+            // Free slots nobody here waits for: since when.
+            if free > 0 && !waiting {
+                e.free_since.get_or_insert(now);
+            } else {
+                e.free_since = None;
+            }
+            let idle_free = e
+                .free_since
+                .is_some_and(|t| now.saturating_sub(t) >= IDLE_GIVE_BACK_NS);
             let (ask, give_back) = if e.in_flight {
                 (false, false)
             } else if waiting && free < e.pk.waiting_slots() {
                 (true, false)
-            } else if e.contended && free > 0 && !waiting {
+            } else if (e.contended || idle_free) && free > 0 && !waiting {
                 (true, true)
             } else if renew_due {
                 (true, !used && !waiting)
@@ -506,6 +643,7 @@ impl Permits {
                 continue;
             }
             e.contended = false;
+            e.free_since = None;
             e.in_flight = true;
             let sent = e.pk.ask(now, give_back);
             let item = slots_item(key, &sent);
@@ -516,6 +654,31 @@ impl Permits {
             // One TTL per batch: the longest its keys ask for (a key that
             // asked for less counts its use-by from its own).
             b.2 = b.2.max(ttl_ns);
+        }
+        // While unreachable, one key asks every PROBE_EVERY_NS even with
+        // nothing to ask for: fail policies answer acquires at once, so
+        // without a probe nothing would learn that the allocator is back.
+        if by_shard.is_empty()
+            && st.unreachable(now)
+            && now.saturating_sub(st.last_probe_ns) >= PROBE_EVERY_NS
+        {
+            if let Some((key, e)) = st.keys.iter_mut().find(|(_, e)| !e.in_flight) {
+                e.in_flight = true;
+                let sent = e.pk.ask(now, false);
+                let ttl_ns = e.pk.settings().lease_ttl_ns;
+                let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+                by_shard.insert(
+                    shard,
+                    (
+                        vec![slots_item(key, &sent)],
+                        vec![(key.clone(), sent)],
+                        ttl_ns,
+                    ),
+                );
+            }
+        }
+        if !by_shard.is_empty() {
+            st.last_probe_ns = now;
         }
         drop(st);
         by_shard
@@ -562,6 +725,9 @@ impl Permits {
             };
             e.contended = g.contended;
             e.in_flight = false;
+            if g.holders > 0 {
+                e.holders = g.holders;
+            }
             if granted.lease_id != 0 && granted.ttl_ns > 0 {
                 e.granted_ttl_ns = granted.ttl_ns;
             }
@@ -580,15 +746,113 @@ impl Permits {
         }
     }
 
+    /// While the allocator is unreachable, waiters are answered by their
+    /// rules' fail policies: `closed` at once, `open` from the emergency
+    /// semaphore while it has room; `lease_only` waiters (and `open` ones
+    /// beyond the semaphore) wait on the slots held until their deadline.
+    fn apply_fail_policies(&self) {
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        if !st.unreachable(now) {
+            return;
+        }
+        let mut next_id = st.next_emergency_id;
+        for e in st.keys.values_mut() {
+            if e.waiters.is_empty() || e.policy == FailPolicy::LeaseOnly {
+                continue;
+            }
+            for (w, slots) in e.pk.waiters() {
+                let Some(answer) = fail_policy(e, now, slots, next_id) else {
+                    break;
+                };
+                if answer.is_ok() {
+                    next_id += 1;
+                }
+                e.pk.cancel(w);
+                if let Some(tx) = e.waiters.remove(&w) {
+                    if let Err(Ok(p)) = tx.send(answer) {
+                        // Its acquire went away meanwhile.
+                        take_emergency(e, p.id);
+                    }
+                }
+            }
+        }
+        st.next_emergency_id = next_id;
+    }
+
     /// Keys with nothing held, waiting or asked are forgotten.
     fn forget_idle(&self) {
         let now = self.inner.cfg.clock.now();
-        self.inner
-            .state
-            .lock()
-            .keys
-            .retain(|_, e| e.in_flight || !e.pk.is_idle(now));
+        self.inner.state.lock().keys.retain(|_, e| {
+            expire_emergency(e, now);
+            e.in_flight || !e.pk.is_idle(now) || !e.emergency.is_empty()
+        });
     }
+}
+
+/// A waiter's answer under its rule's fail policy while the allocator is
+/// unreachable: `closed` refuses, `open` takes `slots` of the emergency
+/// semaphore (`max(1, N / holders)`, 1 while no grant said how many
+/// holders the key has) as permit `id` when they fit; `None`: wait.
+fn fail_policy(e: &mut KeyEntry, now: u64, slots: u64, id: u64) -> Option<Answer> {
+    match e.policy {
+        FailPolicy::Closed => Some(Err(PermitError::Unavailable(format!(
+            "the allocator is unreachable and rule {} is fail-closed",
+            e.rule_id
+        )))),
+        FailPolicy::LeaseOnly => None,
+        FailPolicy::Open => {
+            expire_emergency(e, now);
+            let s = e.pk.settings();
+            let cap = match e.holders {
+                0 => 1,
+                h => (s.n / u64::from(h)).max(1),
+            };
+            let used: u64 = e.emergency.iter().map(|p| p.slots).sum();
+            if used + slots > cap {
+                return None;
+            }
+            let p = Permit {
+                id,
+                slots,
+                acquired_ns: now,
+                expiry_ns: now
+                    .saturating_add(s.permit_ttl_ns)
+                    .min(now.saturating_add(s.max_hold_ns)),
+                // Not backed by a grant: no fencing number.
+                fence: 0,
+                lease_id: 0,
+            };
+            e.emergency.push(p);
+            Some(Ok(p))
+        }
+    }
+}
+
+fn expire_emergency(e: &mut KeyEntry, now: u64) {
+    e.emergency.retain(|p| p.expiry_ns > now);
+}
+
+/// Give emergency permit `id` back: whether it was held.
+fn take_emergency(e: &mut KeyEntry, id: u64) -> bool {
+    let before = e.emergency.len();
+    e.emergency.retain(|p| p.id != id);
+    e.emergency.len() < before
+}
+
+fn renew_emergency(e: &mut KeyEntry, now: u64, id: u64) -> Result<u64, PermitError> {
+    expire_emergency(e, now);
+    let s = e.pk.settings();
+    let p = e
+        .emergency
+        .iter_mut()
+        .find(|p| p.id == id)
+        .ok_or(PermitError::Expired)?;
+    p.expiry_ns = now
+        .saturating_add(s.permit_ttl_ns)
+        .min(p.acquired_ns.saturating_add(s.max_hold_ns))
+        .max(p.expiry_ns);
+    Ok(p.expiry_ns)
 }
 
 /// The `SLOTS` item of an ask.
@@ -617,7 +881,7 @@ fn serve(e: &mut KeyEntry, now: u64) {
         for (w, p) in served {
             match e.waiters.remove(&w) {
                 Some(tx) => {
-                    if let Err(p) = tx.send(p) {
+                    if let Err(Ok(p)) = tx.send(Ok(p)) {
                         e.pk.release(now, p.id);
                         gave_back = true;
                     }

@@ -309,6 +309,11 @@ impl PermitKey {
             && self.older.is_empty()
     }
 
+    /// The waiters in arrival order: (waiter id, slots).
+    pub fn waiters(&self) -> Vec<(u64, u64)> {
+        self.waiting.iter().copied().collect()
+    }
+
     /// Slots the waiters want beyond what is free.
     pub fn waiting_slots(&self) -> u64 {
         self.waiting.iter().map(|(_, n)| n).sum()

@@ -175,6 +175,22 @@ impl SlotLedger {
         self.leases.is_empty() && self.demand.is_empty()
     }
 
+    /// Holders with a lease or a recent ask (as of the last
+    /// [`SlotLedger::advance`]; the phantom not counted), at least 1: an
+    /// agent sizes its fail-open emergency semaphore `max(1, N / this)`.
+    pub fn holders(&self) -> u32 {
+        let mut ids: Vec<HolderId> = self
+            .leases
+            .iter()
+            .map(|l| l.holder)
+            .chain(self.demand.iter().map(|d| d.holder))
+            .filter(|&h| h != PHANTOM)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1)
+    }
+
     /// Slots held (as of the last [`SlotLedger::advance`]).
     pub fn held(&self) -> u64 {
         self.leases.iter().map(|l| l.slots).sum()

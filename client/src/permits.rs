@@ -90,6 +90,12 @@ impl Permit {
         self.held.first().map_or(0, |h| h.permit.fence)
     }
 
+    /// Granted by a fail-open rule's emergency semaphore while the
+    /// allocator was unreachable: not counted against `N`.
+    pub fn is_failure_mode(&self) -> bool {
+        self.held.iter().any(|h| h.failure_mode)
+    }
+
     /// How long it is held unless renewed (0 once expired).
     pub fn expires_in(&self) -> Duration {
         let now = self.client.agent.now();

@@ -69,11 +69,14 @@ async fn permits_across_two_clients_never_exceed_n_and_drop_releases() {
     .await
     .expect("expiring resolves before the expiry");
     assert!(p.renew().unwrap() > Duration::ZERO);
-    // Released by hand, then by dropping: the slots serve the next ones.
+    // Released by hand, then by dropping: the slots serve the next ones,
+    // at the other client once the holder's next renewal (half a lease
+    // TTL at most: about a second) gives them back.
     assert!(p.release());
     drop(four.pop());
-    let a = clients[1].acquire(&key).await.unwrap();
-    let b = clients[1].acquire(&key).await.unwrap();
+    let wait = Duration::from_secs(5);
+    let a = clients[1].acquire_with(&key, 1, wait).await.unwrap();
+    let b = clients[1].acquire_with(&key, 1, wait).await.unwrap();
     assert!(a.fencing_token() > 0 && b.fencing_token() > 0);
     // More slots than N, and a key no concurrency rule selects.
     let r = c.acquire_with(&key, 5, Duration::from_millis(10)).await;

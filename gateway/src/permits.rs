@@ -113,6 +113,11 @@ async fn acquire(
             ..AcquireResponse::default()
         },
         Err(e @ PermitError::Invalid(_)) => invalid(e.to_string()),
+        Err(PermitError::Unavailable(why)) => AcquireResponse {
+            outcome: AcquireOutcome::Unavailable as i32,
+            detail: why,
+            ..AcquireResponse::default()
+        },
         Err(e) => AcquireResponse {
             // Stopping, or the rate side cannot decide: not a limit.
             outcome: AcquireOutcome::Timeout as i32,
@@ -132,6 +137,7 @@ fn permits_of(agent: &Agent, got: &Acquired) -> Vec<Permit> {
             slots: h.permit.slots,
             expires_in_ms: h.permit.expiry_ns.saturating_sub(now) / 1_000_000,
             fencing_token: h.permit.fence,
+            failure_mode: h.failure_mode,
         })
         .collect()
 }
@@ -238,6 +244,7 @@ async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
                 "slots": p.slots,
                 "expires_in_ms": p.expires_in_ms,
                 "fencing_token": p.fencing_token,
+                "failure_mode": p.failure_mode,
             })
         })
         .collect();
@@ -266,6 +273,11 @@ async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
         )
             .into_response(),
         Ok(AcquireOutcome::NoRule) => error(StatusCode::NOT_FOUND, "route_id", &resp.detail),
+        Ok(AcquireOutcome::Unavailable) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "error": "limiter_unavailable", "reason": resp.detail })),
+        )
+            .into_response(),
         _ => {
             let (field, reason) = resp
                 .detail

@@ -120,6 +120,7 @@ impl AllocatorCore {
                 new_id,
             },
         );
+        let ledger_holders = ledger.holders();
         if g.fresh > 0 {
             self.stats.slot_grants += 1;
             self.stats.slots_granted += g.fresh;
@@ -146,6 +147,7 @@ impl AllocatorCore {
             fence: g.fence,
             contended: g.contended,
             over: g.over,
+            holders: ledger_holders,
             starting: g.lease_id == 0 && phantom_ms.is_some(),
             ..Grant::default()
         }

@@ -223,6 +223,21 @@ async fn renewals_extend_and_a_released_permit_is_never_revived() {
         a.renew_permit(&p.key, p.permit.id),
         Err(PermitError::Expired)
     );
+    // A permit nobody renews reaches its expiry (its lease's use-by,
+    // under 2 s here): counted as expired, no longer held.
+    let lapsed = a
+        .acquire(input("t", "/gen", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let left = lapsed.permits[0].permit.expiry_ns.saturating_sub(a.now());
+    tokio::time::sleep(Duration::from_nanos(left) + Duration::from_millis(150)).await;
+    let m = &a.metrics().permits;
+    assert_eq!(m.expired.get(), 1);
+    assert_eq!(m.held.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        a.renew_permit(&lapsed.permits[0].key, lapsed.permits[0].permit.id),
+        Err(PermitError::Expired)
+    );
     // Invalid sizes and requests no concurrency rule selects.
     let r = a
         .acquire(AcquireInput {
@@ -435,6 +450,21 @@ rules:
     assert!(!a.release_permit(&e0.key, e0.permit.id));
     let g = a.acquire(input("t", "/o", wait)).await.unwrap();
     assert!(g.permits[0].failure_mode);
+    // Counted: 3 from slots, 5 emergency, 2 timeouts, 2 unavailable, 1
+    // emergency permit released; 4 emergency and 3 slot permits held.
+    let m = &a.metrics().permits;
+    assert_eq!(
+        (
+            m.acquired.get(),
+            m.failure_mode.get(),
+            m.timeouts.get(),
+            m.unavailable.get(),
+            m.released.get()
+        ),
+        (3, 5, 2, 2, 1)
+    );
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(m.held.load(Ordering::Relaxed), 7);
     // Back: the driver's probe (every 250 ms while unreachable) finds it,
     // and permits come from slots again.
     down.store(false, Ordering::SeqCst);

@@ -224,6 +224,38 @@ pub struct AgentMetrics {
     messages_by_rule: Mutex<std::collections::BTreeMap<String, u64>>,
     /// Per rule: checks by result.
     pub by_rule: arc_swap::ArcSwap<RuleCounterSet>,
+    /// Permits (issue 34): acquires answered, by result.
+    pub permits: PermitMetrics,
+}
+
+/// The permit driver's counters and gauges.
+#[derive(Debug, Default)]
+pub struct PermitMetrics {
+    /// Acquires that got permits from slots.
+    pub acquired: Counter,
+    /// Acquires that got emergency permits (fail-open, unreachable).
+    pub failure_mode: Counter,
+    /// Acquires whose wait ran out.
+    pub timeouts: Counter,
+    /// Acquires answered unavailable (fail-closed, unreachable).
+    pub unavailable: Counter,
+    /// Permits released.
+    pub released: Counter,
+    /// Permits that reached their expiry unreleased.
+    pub expired: Counter,
+    /// Permits held here, as the driver last counted (every tick).
+    pub held: std::sync::atomic::AtomicU64,
+    /// Acquires waiting here, as the driver last counted.
+    pub waiting: std::sync::atomic::AtomicU64,
+    /// How long acquires that got a permit waited.
+    wait: RenewalLatency,
+}
+
+impl PermitMetrics {
+    /// Record how long an acquire that got a permit waited.
+    pub fn record_wait(&self, d: Duration) {
+        self.wait.0.observe(d.as_secs_f64());
+    }
 }
 
 impl AgentMetrics {
@@ -380,6 +412,17 @@ impl AgentMetrics {
             rule_version,
             ready,
             renewal: self.renewal.0.clone(),
+            permit_acquires: [
+                ("acquired", g(&self.permits.acquired)),
+                ("failure_mode", g(&self.permits.failure_mode)),
+                ("timeout", g(&self.permits.timeouts)),
+                ("unavailable", g(&self.permits.unavailable)),
+            ],
+            permits_released: g(&self.permits.released),
+            permits_expired: g(&self.permits.expired),
+            permits_held: self.permits.held.load(std::sync::atomic::Ordering::Relaxed),
+            permits_waiting: self.permits.waiting.load(std::sync::atomic::Ordering::Relaxed),
+            permit_wait: self.permits.wait.0.clone(),
         };
         exposition::render(snapshot)
     }
@@ -397,6 +440,12 @@ struct Snapshot {
     rule_version: u64,
     ready: bool,
     renewal: Histogram,
+    permit_acquires: [(&'static str, u64); 4],
+    permits_released: u64,
+    permits_expired: u64,
+    permits_held: u64,
+    permits_waiting: u64,
+    permit_wait: Histogram,
 }
 
 impl Collector for Snapshot {
@@ -452,6 +501,44 @@ impl Collector for Snapshot {
             "quotalease_agent_renewal_latency_seconds",
             "Round trip of a lease batch to the allocator, from its first send to the reply (retries included).",
             &self.renewal,
+        )?;
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_permit_acquires_total",
+            "Permit acquires answered, by result (failure_mode: an emergency permit of a fail-open rule).",
+            self.permit_acquires
+                .iter()
+                .map(|&(result, v)| ([("result", result)], v)),
+        )?;
+        exposition::counter(
+            &mut enc,
+            "quotalease_agent_permits_released_total",
+            "Permits released.",
+            self.permits_released,
+        )?;
+        exposition::counter(
+            &mut enc,
+            "quotalease_agent_permits_expired_total",
+            "Permits that reached their expiry unreleased.",
+            self.permits_expired,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_agent_permits_held",
+            "Permits held at this agent.",
+            self.permits_held,
+        )?;
+        exposition::gauge(
+            &mut enc,
+            "quotalease_agent_permits_waiting",
+            "Permit acquires waiting at this agent.",
+            self.permits_waiting,
+        )?;
+        exposition::histogram(
+            &mut enc,
+            "quotalease_agent_permit_wait_seconds",
+            "How long acquires that got a permit waited.",
+            &self.permit_wait,
         )
     }
 }

@@ -137,6 +137,8 @@ pub struct PermitsConfig {
     pub fetch_timeout: Duration,
     /// The agent's clock.
     pub clock: ClockSource,
+    /// The agent's metrics (the permit counters are `metrics.permits`).
+    pub metrics: Arc<crate::metrics::AgentMetrics>,
 }
 
 struct KeyEntry {
@@ -366,8 +368,33 @@ impl Permits {
     }
 
     /// Acquire `slots` of the key `rule` selects for (tenant, route),
-    /// waiting in arrival order up to `wait`.
+    /// waiting in arrival order up to `wait`. Counted in the agent's
+    /// metrics by result.
     pub async fn acquire(
+        &self,
+        rule: &PermitRule,
+        tenant: &str,
+        route: &str,
+        slots: u64,
+        wait: Duration,
+    ) -> Result<HeldPermit, PermitError> {
+        let start = tokio::time::Instant::now();
+        let r = self.acquire_inner(rule, tenant, route, slots, wait).await;
+        let m = &self.inner.cfg.metrics.permits;
+        match &r {
+            Ok(h) if h.failure_mode => m.failure_mode.add(1),
+            Ok(_) => {
+                m.acquired.add(1);
+                m.record_wait(start.elapsed());
+            }
+            Err(PermitError::Timeout) => m.timeouts.add(1),
+            Err(PermitError::Unavailable(_)) => m.unavailable.add(1),
+            Err(_) => {}
+        }
+        r
+    }
+
+    async fn acquire_inner(
         &self,
         rule: &PermitRule,
         tenant: &str,
@@ -511,7 +538,11 @@ impl Permits {
             };
             if id >= EMERGENCY_IDS {
                 expire_emergency(e, now);
-                return take_emergency(e, id);
+                let released = take_emergency(e, id);
+                if released {
+                    self.inner.cfg.metrics.permits.released.add(1);
+                }
+                return released;
             }
             let released = e.pk.release(now, id);
             if released {
@@ -520,6 +551,7 @@ impl Permits {
             released
         };
         if released {
+            self.inner.cfg.metrics.permits.released.add(1);
             self.inner.wake.notify_one();
         }
         released
@@ -780,13 +812,22 @@ impl Permits {
         st.next_emergency_id = next_id;
     }
 
-    /// Keys with nothing held, waiting or asked are forgotten.
+    /// Keys with nothing held, waiting or asked are forgotten; the
+    /// permit gauges and the expired count are brought up to date.
     fn forget_idle(&self) {
         let now = self.inner.cfg.clock.now();
+        let (mut held, mut waiting, mut expired) = (0u64, 0u64, 0u64);
         self.inner.state.lock().keys.retain(|_, e| {
-            expire_emergency(e, now);
+            expired += expire_emergency(e, now) + e.pk.take_expired();
+            held += (e.pk.permits(now).len() + e.emergency.len()) as u64;
+            expired += e.pk.take_expired();
+            waiting += e.waiters.len() as u64;
             e.in_flight || !e.pk.is_idle(now) || !e.emergency.is_empty()
         });
+        let m = &self.inner.cfg.metrics.permits;
+        m.expired.add(expired);
+        m.held.store(held, Ordering::Relaxed);
+        m.waiting.store(waiting, Ordering::Relaxed);
     }
 }
 
@@ -829,8 +870,11 @@ fn fail_policy(e: &mut KeyEntry, now: u64, slots: u64, id: u64) -> Option<Answer
     }
 }
 
-fn expire_emergency(e: &mut KeyEntry, now: u64) {
+/// Drops the expired emergency permits: how many.
+fn expire_emergency(e: &mut KeyEntry, now: u64) -> u64 {
+    let before = e.emergency.len();
     e.emergency.retain(|p| p.expiry_ns > now);
+    (before - e.emergency.len()) as u64
 }
 
 /// Give emergency permit `id` back: whether it was held.

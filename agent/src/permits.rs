@@ -152,6 +152,9 @@ pub struct PermitKey {
     next_seq: u64,
     /// The newest ask whose grant was applied.
     applied_seq: u64,
+    /// Permits that reached their expiry unreleased (see
+    /// [`PermitKey::take_expired`]).
+    expired: u64,
 }
 
 impl PermitKey {
@@ -168,6 +171,7 @@ impl PermitKey {
             next_local_fence: 0,
             next_seq: 1,
             applied_seq: 0,
+            expired: 0,
         }
     }
 
@@ -187,7 +191,9 @@ impl PermitKey {
     }
 
     fn expire(&mut self, now_ns: u64) {
+        let before = self.permits.len();
         self.permits.retain(|p| p.expiry_ns > now_ns);
+        self.expired += (before - self.permits.len()) as u64;
         let permits = &self.permits;
         self.older
             .retain(|h| permits.iter().any(|p| p.lease_id == h.id));
@@ -307,6 +313,11 @@ impl PermitKey {
             && self.waiting.is_empty()
             && self.current.is_none()
             && self.older.is_empty()
+    }
+
+    /// Permits that reached their expiry unreleased since the last call.
+    pub fn take_expired(&mut self) -> u64 {
+        std::mem::take(&mut self.expired)
     }
 
     /// The waiters in arrival order: (waiter id, slots).

@@ -48,6 +48,7 @@ impl Agent {
             epsilon: cfg.epsilon,
             fetch_timeout: cfg.fetch_timeout,
             clock: cfg.clock.clone(),
+            metrics: self.inner.metrics.clone(),
         }
     }
 

@@ -83,8 +83,25 @@ fn start(name: &str, agents: usize) -> (Proc, Vec<Proc>) {
 /// every one served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
-    let (_alloc, agents) = start("permits-many", 3);
+    let (alloc, agents) = start("permits-many", 3);
     let spans: Spans = Arc::default();
+    // The allocator's view of the key while permits are held.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (http, done) = (alloc.http, done.clone());
+        std::thread::spawn(move || {
+            let mut most = 0u64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let (code, body) = http_get(http, "/v1/keys?rule=jobs&tenant=acme&route=/jobs");
+                assert_eq!(code, 200, "{body}");
+                let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+                assert_eq!(v["slots"]["concurrency"], 5, "{body}");
+                most = most.max(v["slots"]["held"].as_u64().unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        })
+    };
     let mut tasks = Vec::new();
     for i in 0..60u64 {
         let mut c = permits_client(&agents[(i % 3) as usize]).await;
@@ -115,12 +132,15 @@ async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
     for t in tasks {
         t.await.expect("client");
     }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
     let spans = spans.lock().clone();
     let most = most_at_once(&spans);
+    let lent = watcher.join().expect("watcher");
     eprintln!(
-        "e2e permits: {} permits over three agents, at most {most} held at once (N = 5)",
+        "e2e permits: {} permits over three agents, at most {most} held at once (N = 5); /v1/keys showed at most {lent} slots lent",
         spans.len()
     );
+    assert!((1..=5).contains(&lent), "/v1/keys: {lent} slots lent");
     assert_eq!(spans.len(), 60);
     assert!(most <= 5, "{most} permits held at once, N = 5");
     assert!(most >= 3, "the agents hardly overlapped: {most}");

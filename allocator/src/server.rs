@@ -451,6 +451,34 @@ struct KeyQuery {
     route: Option<String>,
 }
 
+/// The slots of the key of a rule with `concurrency` (docs/permits.md),
+/// with the key as that rule spells it; `None` when the rule has none.
+fn slots_json(
+    core: &mut AllocatorCore,
+    now: u64,
+    key: &KeyId,
+) -> Option<(KeyId, serde_json::Value)> {
+    let p = core.rules().permit_rule(&key.rule)?.clone();
+    let key = KeyId {
+        tenant: p.tenant.key_part(&key.tenant).to_string(),
+        route: p.route.key_part(&key.route).to_string(),
+        rule: key.rule.clone(),
+    };
+    let view = core.slot_view(now, &key);
+    let json = serde_json::json!({
+        "known": view.is_some(),
+        "concurrency": p.concurrency,
+        "held": view.as_ref().map_or(0, |v| v.held),
+        "leases": view.map(|v| v.leases.iter().map(|(name, l)| serde_json::json!({
+            "holder": name.agent_id, "principal": name.principal,
+            "instance": format!("{:016x}", name.instance), "lease_id": l.id,
+            "slots": l.slots, "fence": l.fence,
+            "expires_in_ms": l.expires_ns.saturating_sub(now) / 1_000_000,
+        })).collect::<Vec<_>>()).unwrap_or_default(),
+    });
+    Some((key, json))
+}
+
 async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> HttpResponse {
     let Some(rule) = q.rule else {
         return (
@@ -478,7 +506,16 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
         })
         .flatten();
     shared.with_core(|core| {
+        let slots = slots_json(core, now, &key);
         let Some(rule) = core.rules().get(&key.rule).cloned() else {
+            // A rule with concurrency only: its slots.
+            if let Some((key, slots)) = slots {
+                return Json(serde_json::json!({
+                    "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                    "known": slots["known"], "slots": slots,
+                }))
+                .into_response();
+            }
             return (
                 StatusCode::NOT_FOUND,
                 Json(serde_json::json!({"error": "unknown rule", "field": "rule"})),
@@ -509,6 +546,8 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 "rate": rule.rate.to_string(), "holders": [],
             }),
         };
+        // A rule with a rate and a concurrency: its slots too.
+        body["slots"] = slots.map_or(serde_json::Value::Null, |(_, s)| s);
         // The key's durable promise (write-ahead reservations): what a
         // crash now would resume it at. Null: at rest, or no reservations.
         body["reservation"] = match core.reservations_mut().and_then(|r| r.get(&key)) {

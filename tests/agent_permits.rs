@@ -70,6 +70,7 @@ fn input<'a>(tenant: &'a str, route: &'a str, wait: Duration) -> AcquireInput<'a
         domain: None,
         slots: 1,
         wait,
+        request_id: "",
     }
 }
 
@@ -528,4 +529,40 @@ rules:
             Err(e) => panic!("not back after {:?}: {e:?}", back.elapsed()),
         }
     }
+}
+
+/// SPEC §5: an acquire's request id is remembered while its permit
+/// lives: a retry gets the same permit, not a second one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_acquire_with_its_request_id_gets_the_same_permit() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let with_id = |tenant, id| AcquireInput {
+        request_id: id,
+        ..input(tenant, "/gen", Duration::from_secs(5))
+    };
+    let first = a.acquire(with_id("t", "r1")).await.unwrap();
+    let again = a.acquire(with_id("t", "r1")).await.unwrap();
+    assert_eq!(first.permits[0].permit.id, again.permits[0].permit.id);
+    assert_eq!(a.permits_held(&gen_key("t")).len(), 1);
+    // Another tenant's request with the same id is another request.
+    let other = a.acquire(with_id("u", "r1")).await.unwrap();
+    assert_eq!(a.permits_held(&gen_key("u")).len(), 1);
+    assert_eq!(other.permits[0].key, gen_key("u"));
+    // Released: the id no longer names a live permit; a retry takes a new one.
+    let p = &first.permits[0];
+    assert!(a.release_permit(&p.key, p.permit.id));
+    let after = a.acquire(with_id("t", "r1")).await.unwrap();
+    assert_ne!(after.permits[0].permit.id, p.permit.id);
+    // Without an id, every acquire is a new permit.
+    let x = a
+        .acquire(input("t", "/gen", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let y = a
+        .acquire(input("t", "/gen", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_ne!(x.permits[0].permit.id, y.permits[0].permit.id);
 }

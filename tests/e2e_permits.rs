@@ -56,6 +56,7 @@ fn acquire_req(wait_ms: u64) -> AcquireRequest {
         route_id: "/jobs".into(),
         slots: 1,
         wait_ms,
+        request_id: String::new(),
     }
 }
 
@@ -288,6 +289,29 @@ async fn a_killed_agents_permits_count_until_their_expiry_then_free() {
         body.contains("permit_id") && body.contains("fencing_token"),
         "{body}"
     );
+    // Given back, then taken with a request id and retried: the same
+    // permit, not a second one.
+    let id = |b: &str| -> String {
+        let v: serde_json::Value = serde_json::from_str(b).expect("json");
+        v["permits"][0]["permit_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (code, _) = http_json(
+        survivor.http,
+        "DELETE",
+        &format!("/v1/permits/{}", id(&body)),
+        None,
+    );
+    assert_eq!(code, 200);
+    let with_id = r#"{"tenant_id":"acme","route_id":"/jobs","wait_ms":2000,"request_id":"job-7"}"#;
+    let (code, body) = http_json(survivor.http, "POST", "/v1/permits", Some(with_id));
+    assert_eq!(code, 200, "{body}");
+    let (code, again) = http_json(survivor.http, "POST", "/v1/permits", Some(with_id));
+    assert_eq!(code, 200, "{again}");
+    assert!(!id(&body).is_empty());
+    assert_eq!(id(&body), id(&again));
     // A permit id of another agent: not here.
     let (code, body) = http_json(
         survivor.http,

@@ -56,6 +56,9 @@ const TICK: Duration = Duration::from_millis(50);
 /// serves a waiter at another within this, a tick and two round trips.
 const IDLE_GIVE_BACK_NS: u64 = 100_000_000;
 
+/// Acquires' request ids remembered at most (see [`Permits::remember`]).
+pub const MAX_REMEMBERED: usize = 100_000;
+
 /// While the allocator is unreachable, a batch goes out at least this
 /// often (a probe: the fail policies stop applying once it is answered).
 const PROBE_EVERY_NS: u64 = 250_000_000;
@@ -198,6 +201,9 @@ impl State {
 }
 
 struct Inner {
+    /// Acquires' request ids (with tenant, route and slots) and the
+    /// permits they got, while those live ([`Permits::remembered`]).
+    requests: Mutex<HashMap<String, Vec<(KeyId, u64)>>>,
     /// The driver task (awaited by [`Permits::shutdown`]).
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     cfg: PermitsConfig,
@@ -257,6 +263,7 @@ impl Permits {
     pub fn start(cfg: PermitsConfig, transport: Arc<dyn Transport>) -> Permits {
         let p = Permits {
             inner: Arc::new(Inner {
+                requests: Mutex::new(HashMap::new()),
                 task: Mutex::new(None),
                 cfg,
                 transport,
@@ -555,6 +562,55 @@ impl Permits {
             self.inner.wake.notify_one();
         }
         released
+    }
+
+    /// The permits an earlier acquire under `request` got, when every one
+    /// of them is still held (a retried acquire gets the same permits).
+    pub fn remembered(&self, request: &str) -> Option<Vec<HeldPermit>> {
+        let ids = self.inner.requests.lock().get(request)?.clone();
+        let now = self.inner.cfg.clock.now();
+        let mut st = self.inner.state.lock();
+        let mut out = Vec::with_capacity(ids.len());
+        for (key, id) in ids {
+            let e = st.keys.get_mut(&key)?;
+            expire_emergency(e, now);
+            let permit =
+                e.pk.permits(now)
+                    .iter()
+                    .chain(e.emergency.iter())
+                    .find(|p| p.id == id)
+                    .copied()?;
+            out.push(HeldPermit {
+                key,
+                permit,
+                failure_mode: id >= EMERGENCY_IDS,
+            });
+        }
+        Some(out)
+    }
+
+    /// Remember what an acquire under `request` got. At most
+    /// [`MAX_REMEMBERED`] requests: past that, those whose permits are
+    /// all gone are forgotten first, then the map is cleared (a retry then
+    /// takes a new permit, as a retry without an id does).
+    pub fn remember(&self, request: String, got: &[HeldPermit]) {
+        let ids: Vec<(KeyId, u64)> = got.iter().map(|h| (h.key.clone(), h.permit.id)).collect();
+        let full = self.inner.requests.lock().len() >= MAX_REMEMBERED;
+        if full {
+            let all: Vec<String> = self.inner.requests.lock().keys().cloned().collect();
+            let gone: Vec<String> = all
+                .into_iter()
+                .filter(|r| self.remembered(r).is_none())
+                .collect();
+            let mut requests = self.inner.requests.lock();
+            for r in gone {
+                requests.remove(&r);
+            }
+            if requests.len() >= MAX_REMEMBERED {
+                requests.clear();
+            }
+        }
+        self.inner.requests.lock().insert(request, ids);
     }
 
     /// The permits of `key` valid now.

@@ -179,6 +179,7 @@ impl Client {
                 domain: key.domain.as_deref(),
                 slots,
                 wait,
+                request_id: "",
             })
             .await?;
         Ok(Permit {

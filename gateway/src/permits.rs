@@ -76,7 +76,10 @@ async fn acquire(
             ));
         }
     }
-    let mut wait = Duration::from_millis(req.wait_ms);
+    let mut wait = match req.wait_ms {
+        0 => agent.default_permit_wait(),
+        ms => Duration::from_millis(ms),
+    };
     if let Some(d) = deadline {
         wait = wait.min(d.saturating_duration_since(tokio::time::Instant::now()));
     }
@@ -86,6 +89,7 @@ async fn acquire(
         domain: None,
         slots: req.slots,
         wait,
+        request_id: &req.request_id,
     };
     match agent.acquire(input).await {
         Ok(got) => AcquireResponse {
@@ -227,7 +231,8 @@ fn error(status: StatusCode, field: &str, reason: &str) -> Response {
         .into_response()
 }
 
-/// `POST /v1/permits` with `{"tenant_id", "route_id", "slots", "wait_ms"}`.
+/// `POST /v1/permits` with `{"tenant_id", "route_id", "slots", "wait_ms",
+/// "request_id"}`.
 async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
     let req = match parse_acquire(&body) {
         Ok(r) => r,
@@ -299,14 +304,16 @@ fn parse_acquire(body: &[u8]) -> Result<AcquireRequest, (String, String)> {
             "must be a JSON object with tenant_id, route_id, slots and wait_ms".into(),
         ));
     };
-    if let Some(k) = map
-        .keys()
-        .find(|k| !matches!(k.as_str(), "tenant_id" | "route_id" | "slots" | "wait_ms"))
-    {
+    if let Some(k) = map.keys().find(|k| {
+        !matches!(
+            k.as_str(),
+            "tenant_id" | "route_id" | "slots" | "wait_ms" | "request_id"
+        )
+    }) {
         let shown: String = k.chars().take(64).collect();
         return Err(bad(
             &shown,
-            "unknown field (expected tenant_id, route_id, slots, wait_ms)".into(),
+            "unknown field (expected tenant_id, route_id, slots, wait_ms, request_id)".into(),
         ));
     }
     let string = |f: &str| match map.get(f) {
@@ -326,6 +333,11 @@ fn parse_acquire(body: &[u8]) -> Result<AcquireRequest, (String, String)> {
         route_id: string("route_id")?,
         slots: number("slots")?,
         wait_ms: number("wait_ms")?,
+        request_id: match map.get("request_id") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(bad("request_id", "must be a string".into())),
+        },
     })
 }
 

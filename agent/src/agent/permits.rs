@@ -25,6 +25,10 @@ pub struct AcquireInput<'a> {
     pub slots: u64,
     /// How long to wait for free slots.
     pub wait: Duration,
+    /// The caller's id for this acquire ("" = none): a retry with the same
+    /// id (tenant, route and slots) gets the same permits while they are
+    /// held, instead of new ones.
+    pub request_id: &'a str,
 }
 
 /// What an acquire got: one permit per rule with `concurrency` that
@@ -52,6 +56,12 @@ impl Agent {
         }
     }
 
+    /// How long an acquire that names no wait waits: the agent's fetch
+    /// timeout (a key's first acquire at an agent needs a round trip).
+    pub fn default_permit_wait(&self) -> Duration {
+        self.inner.cfg.fetch_timeout
+    }
+
     fn permits(&self) -> Result<&Permits, PermitError> {
         self.inner.permits.get().ok_or_else(|| {
             PermitError::Check("this agent has no permit driver (Agent::start starts one)".into())
@@ -64,6 +74,15 @@ impl Agent {
     /// timeout or a rate denial releases what was taken.
     pub async fn acquire(&self, input: AcquireInput<'_>) -> Result<Acquired, PermitError> {
         let permits = self.permits()?;
+        let request = (!input.request_id.is_empty()).then(|| {
+            format!(
+                "{}\u{0}{}\u{0}{}\u{0}{}",
+                input.request_id, input.tenant, input.route, input.slots
+            )
+        });
+        if let Some(got) = request.as_deref().and_then(|r| permits.remembered(r)) {
+            return Ok(Acquired { permits: got });
+        }
         let Some(rules) = self.rules() else {
             return Err(PermitError::Check("no rules known yet".into()));
         };
@@ -117,6 +136,9 @@ impl Agent {
                     }));
                 }
             }
+        }
+        if let Some(r) = request {
+            permits.remember(r, &taken);
         }
         Ok(Acquired { permits: taken })
     }

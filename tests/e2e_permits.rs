@@ -357,6 +357,147 @@ async fn a_killed_agents_permits_count_until_their_expiry_then_free() {
     assert_eq!(r.outcome, AcquireOutcome::InvalidRequest as i32, "{r:?}");
 }
 
+/// The allocator SIGKILLed and restarted (same state directory, same
+/// address) while a client holds 2 permits and renews them: the agent's
+/// renewal names its lease of the dead allocator, the new one adopts the
+/// kept slots out of its phantom, and the permits are renewed on, past
+/// anything the old lease allowed. Meanwhile another agent's clients
+/// (`fail_policy: closed`: no emergency permits; its own slots adopted
+/// the same way serve them through the restart wait) never see more than
+/// `N` with the held 2 counted, and are served after the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn permits_held_across_an_allocator_kill_are_renewed_on() {
+    const TTL_MAX: Duration = Duration::from_secs(3);
+    let dir = tempdir("permits-restart");
+    let rules = write_rules(
+        &dir,
+        &RULES.replace(
+            "permit_ttl: 10s",
+            "permit_ttl: 10s\n    fail_policy: closed",
+        ),
+    );
+    let state = dir.join("state");
+    let flags = ["--experimental-permits"];
+    let alloc = allocator_with(&rules, &state, None, "3s", &flags);
+    let addr = alloc.grpc;
+    let (holder, other) = (
+        agent("permits-restart-0", &alloc.url(), None, &[]),
+        agent("permits-restart-1", &alloc.url(), None, &[]),
+    );
+    for ag in [&holder, &other] {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(20));
+    }
+    let spans: Spans = Arc::default();
+    let mut hc = permits_client(&holder).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let r = hc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        held.push((Instant::now(), r.permits[0].permit_id.clone()));
+    }
+    let start = Instant::now();
+    let end = start + Duration::from_secs(1) + 2 * TTL_MAX + Duration::from_secs(2);
+    // The other agent's clients loop acquire/hold/release throughout.
+    let mut tasks = Vec::new();
+    for i in 0..6u64 {
+        let mut c = permits_client(&other).await;
+        let spans = spans.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            while Instant::now() < end {
+                let Ok(r) = c.acquire(acquire_req(500)).await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let r = r.into_inner();
+                if r.outcome != AcquireOutcome::Acquired as i32 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                let from = Instant::now();
+                tokio::time::sleep(Duration::from_millis(20 + (i * 13) % 40)).await;
+                let to = Instant::now();
+                let _ = c
+                    .release(ReleaseRequest {
+                        permit_id: r.permits[0].permit_id.clone(),
+                    })
+                    .await;
+                spans.lock().push((from, to));
+                got.push(from);
+            }
+            got
+        }));
+    }
+    // The holder renews both permits every 200 ms; the allocator dies at
+    // 1 s and is back on the same address and state at once.
+    let mut alloc = Some(alloc);
+    let mut restarted = None;
+    let mut last_expiry = [Instant::now(); 2];
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if restarted.is_none() && start.elapsed() >= Duration::from_secs(1) {
+            alloc.take().expect("running").kill9();
+            alloc = Some(allocator_with(&rules, &state, Some(addr), "3s", &flags));
+            restarted = Some(Instant::now());
+        }
+        for (i, (_, id)) in held.iter().enumerate() {
+            let asked = Instant::now();
+            let r = hc
+                .renew(RenewRequest {
+                    permit_id: id.clone(),
+                })
+                .await
+                .expect("renew")
+                .into_inner();
+            assert_eq!(
+                r.status,
+                PermitStatus::Held as i32,
+                "permit {i} lost {:?} after the restart: {r:?}",
+                restarted.map(|r| r.elapsed())
+            );
+            last_expiry[i] = asked + Duration::from_millis(r.expires_in_ms);
+        }
+    }
+    let restarted = restarted.expect("restarted");
+    for (i, (from, id)) in held.iter().enumerate() {
+        let to = Instant::now().min(last_expiry[i]);
+        let rel = hc
+            .release(ReleaseRequest {
+                permit_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(rel.released, "{rel:?}");
+        spans.lock().push((*from, to));
+    }
+    let mut others = Vec::new();
+    for t in tasks {
+        others.extend(t.await.unwrap());
+    }
+    let spans = spans.lock().clone();
+    let most = most_at_once(&spans);
+    let phantom_end = restarted + TTL_MAX + Duration::from_millis(100);
+    let during = others
+        .iter()
+        .filter(|&&a| a > restarted && a < phantom_end)
+        .count();
+    let after = others
+        .iter()
+        .filter(|&&a| a >= phantom_end + Duration::from_millis(200))
+        .count();
+    eprintln!(
+        "e2e permits: 2 permits held and renewed across an allocator SIGKILL and restart ({:?} of renewals after it); the other agent served {} acquires ({during} in the restart wait, {after} after it), at most {most} held at once (N = 5)",
+        end.saturating_duration_since(restarted),
+        others.len()
+    );
+    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(
+        after > 0,
+        "the other agent was not served after the restart wait"
+    );
+}
+
 /// Without `--experimental-permits` a rules file with `concurrency` is
 /// refused, naming the field.
 #[test]

@@ -71,6 +71,11 @@ enum Kind {
         n: u64,
         drain: u64,
     },
+    /// The allocator crashes and restarts at once: a new ledger whose
+    /// phantom holds all `N` for the restart wait, adopting the
+    /// predecessor's leases that asks name. Asks already on their way
+    /// reach the new one.
+    Restart,
 }
 
 fn kind() -> impl Strategy<Value = Kind> {
@@ -86,6 +91,7 @@ fn kind() -> impl Strategy<Value = Kind> {
         1 => a.clone().prop_map(|a| Kind::Crash { a }),
         1 => (a, 0..60u64).prop_map(|(a, d)| Kind::Dup { a, d: d * MS }),
         1 => (1..=N + 2).prop_map(|n| Kind::SetN { n, drain: DRAIN }),
+        1 => Just(Kind::Restart),
     ]
 }
 
@@ -126,6 +132,15 @@ impl Agent {
     }
 }
 
+impl World {
+    /// Slots of agent `a`'s valid permits at true time `t`.
+    fn held_at(&mut self, a: usize, t: u64) -> u64 {
+        let ag = &mut self.agents[a];
+        let c = ag.clock(t);
+        ag.key.permits(c).iter().map(|p| p.slots).sum()
+    }
+}
+
 /// A world of agents, one ledger and the messages between them.
 struct World {
     ledger: SlotLedger,
@@ -144,6 +159,18 @@ struct World {
     /// against `max(N_old, N_new)` until the old permits are gone).
     n: u64,
     olds: Vec<(u64, u64)>,
+    /// Lease ids below this were given by a crashed ledger: an ask sent
+    /// to it that reaches the new one gets an id of the new one's.
+    own_ids_from: u64,
+    restarts: u64,
+}
+
+/// How long a restarted ledger's phantom stands: the longest lease a
+/// predecessor could have granted, with the clock margin and epsilon
+/// (`CoreConfig::restart_wait_ns`).
+fn restart_wait() -> u64 {
+    let ttl = settings().lease_ttl_ns;
+    ttl + ttl * 2 * RHO_PPM / 1_000_000 + settings().epsilon_ns + 1
 }
 
 impl World {
@@ -166,6 +193,8 @@ impl World {
             last_sent: [None; AGENTS],
             n: N,
             olds: Vec::new(),
+            own_ids_from: 0,
+            restarts: 0,
         }
     }
 
@@ -194,6 +223,12 @@ impl World {
                     d2,
                     lost_reply,
                 } => {
+                    let id = if id < self.own_ids_from {
+                        self.next_lease += 1;
+                        self.next_lease - 1
+                    } else {
+                        id
+                    };
                     let g = self.ledger.ask(
                         at,
                         SlotAsk {
@@ -298,6 +333,16 @@ impl World {
                 if let Some(m) = self.last_sent[a] {
                     self.post(now + d, m);
                 }
+            }
+            Kind::Restart => {
+                self.restarts += 1;
+                self.own_ids_from = self.next_lease;
+                self.ledger = SlotLedger::after_restart(
+                    self.n,
+                    self.restarts << 32,
+                    now + restart_wait(),
+                    self.own_ids_from,
+                );
             }
             Kind::SetN { n, drain } => {
                 self.olds.push((now + drain, self.n));
@@ -406,8 +451,11 @@ fn a_long_schedule_grants_permits_and_keeps_i4() {
                 d2: next(40) * MS,
             },
             _ => {
-                if next(20) == 0 {
+                let r = next(40);
+                if r < 2 {
                     Kind::Crash { a }
+                } else if r == 2 {
+                    Kind::Restart
                 } else {
                     Kind::Ask {
                         a,
@@ -612,5 +660,90 @@ fn a_lowered_n_drains_within_max_hold() {
     assert!(
         granted > 5,
         "{granted} granted: permits go on after the drain"
+    );
+}
+
+/// Permits held across an allocator restart live on: the agent's renewal
+/// names its lease of the crashed ledger, the new ledger adopts the kept
+/// slots out of its phantom, and the permits are renewed past the old
+/// lease's use-by. Meanwhile nothing is granted to another agent until
+/// the phantom's end, and then only `N` minus the adopted slots. Without
+/// adoption the permits end at the old lease's use-by (the renewals stop
+/// extending them).
+#[test]
+fn permits_held_across_an_allocator_restart_are_renewed_on() {
+    let mut w = World::new([0, 0, 0]);
+    let ask = |a: usize| Kind::Ask {
+        a,
+        give_back: false,
+        lost_request: false,
+        lost_reply: false,
+        d1: MS,
+        d2: MS,
+    };
+    let mut now = 0;
+    let step = |w: &mut World, now: &mut u64, dt: u64, k: Kind| {
+        *now += dt;
+        w.deliver(*now);
+        w.apply(*now, k);
+    };
+    // Agent 0 takes 2 permits (N = 5).
+    step(&mut w, &mut now, 0, Kind::Acquire { a: 0, n: 1 });
+    step(&mut w, &mut now, 0, Kind::Acquire { a: 0, n: 1 });
+    step(&mut w, &mut now, 0, ask(0));
+    step(&mut w, &mut now, 10 * MS, Kind::Release { a: 0, pick: 99 });
+    assert_eq!(w.held_at(0, now), 1);
+    let old_use_by = w.agents[0].key.current().expect("a lease").2;
+    step(&mut w, &mut now, 10 * MS, Kind::Acquire { a: 0, n: 1 });
+    step(&mut w, &mut now, 100 * MS, Kind::Restart);
+    let restarted = now;
+    // Agent 0 renews its lease (keeping the 2 in use, giving the rest
+    // back); agent 1 wants 5.
+    let give_back = Kind::Ask {
+        a: 0,
+        give_back: true,
+        lost_request: false,
+        lost_reply: false,
+        d1: MS,
+        d2: MS,
+    };
+    step(&mut w, &mut now, 10 * MS, give_back);
+    step(&mut w, &mut now, 0, Kind::Acquire { a: 1, n: 3 });
+    step(&mut w, &mut now, 0, ask(1));
+    step(&mut w, &mut now, 10 * MS, Kind::Renew { a: 0, pick: 0 });
+    let t = w.agents[0].clock(now);
+    let (id, slots, use_by) = w.agents[0].key.current().expect("the adopted lease");
+    assert_eq!(slots, 2, "the 2 slots in use adopted (lease {id})");
+    assert!(
+        use_by > old_use_by,
+        "the adopted lease's use-by {use_by} is past the old one's {old_use_by}"
+    );
+    assert_eq!(w.held_at(1, now), 0, "nothing fresh during the phantom");
+    // Keep renewing through the phantom's time and past the old use-by.
+    let end = now + restart_wait() + 1_500 * MS;
+    while now < end {
+        step(&mut w, &mut now, 100 * MS, Kind::Renew { a: 0, pick: 0 });
+        step(&mut w, &mut now, 0, Kind::Renew { a: 0, pick: 1 });
+        step(&mut w, &mut now, 0, Kind::Renew { a: 1, pick: 0 });
+        step(&mut w, &mut now, 0, ask(0));
+        step(&mut w, &mut now, 0, ask(1));
+        if now < restarted + restart_wait() {
+            assert_eq!(w.held_at(1, now), 0, "nothing fresh during the phantom");
+        }
+    }
+    let t2 = w.agents[0].clock(now);
+    assert!(
+        t2 > old_use_by + 1_000 * MS,
+        "past the old use-by ({t} .. {t2})"
+    );
+    assert_eq!(
+        w.agents[0].key.permits(t2).len(),
+        2,
+        "both permits still held"
+    );
+    assert_eq!(
+        w.held_at(1, now),
+        3,
+        "agent 1 got its 3 after the phantom (5 - 2 adopted)"
     );
 }

@@ -63,6 +63,14 @@ pub struct CoreConfig {
     /// ever granted a lease for its keys (the in-process demo). Never set
     /// for a real deployment: a restart would break I1.
     pub no_predecessor: bool,
+    /// An earlier term of this ledger may have lent slot leases
+    /// (docs/permits.md): slot ledgers are neither checkpointed nor
+    /// reserved, so a start that resumes tokens from its reservations
+    /// (`no_predecessor`) must still wait out those leases before lending
+    /// slots. Set by [`crate::term::config`] for every start but a new
+    /// ledger's first; ignored when `no_predecessor` is false (then every
+    /// kind waits).
+    pub slot_leases_may_be_out: bool,
     /// The longest `TTL_max` a predecessor may have granted leases under
     /// (recorded in the state directory; 0: this one's): a restart waits
     /// for the larger.
@@ -151,6 +159,7 @@ impl Default for CoreConfig {
             active_window_ns: 1_000_000_000,
             holder_idle_ns: 3_600_000_000_000,
             no_predecessor: false,
+            slot_leases_may_be_out: false,
             predecessor_ttl_max_ns: 0,
             first_start_grace_ns: 0,
             ledger_id: 0,
@@ -356,6 +365,13 @@ impl AllocatorCore {
             Some(now_ns.saturating_add(cfg.restart_wait_ns()))
         };
         let cfg_reservations = cfg.reservations;
+        // Slot ledgers have no durable state: while a predecessor's slot
+        // leases may be out, and through a start's grace, a new slot
+        // ledger's phantom holds all its slots.
+        let slot_wait = (!cfg.no_predecessor || cfg.slot_leases_may_be_out)
+            .then(|| now_ns.saturating_add(cfg.restart_wait_ns()));
+        let slot_grace = (grace_until_ns > 0).then_some(grace_until_ns);
+        let slots_phantom_until_ns = slot_wait.max(slot_grace);
         Self {
             versions: vec![rules.version],
             cfg,
@@ -381,7 +397,7 @@ impl AllocatorCore {
             reservations: cfg_reservations.then(Reservations::default),
             slot_keys: HashMap::default(),
             slot_keys_per_rule: HashMap::default(),
-            slots_phantom_until_ns: ready_at_ns,
+            slots_phantom_until_ns,
             fence_clock: (lease_id_base, now_ns),
         }
     }

@@ -26,6 +26,13 @@
 //!   Unlike tokens, slots always come back.
 //! * **After a restart** the phantom holds all `N` until every lease a
 //!   predecessor could have granted has expired ([`SlotLedger::after_restart`]).
+//!   A holder's ask naming a predecessor's lease (an id below the ones
+//!   this ledger gives) **adopts** it: the slots it keeps (at most what the
+//!   phantom still holds) become a known lease out of the phantom, expiring
+//!   no earlier than the phantom, each predecessor id once. No fresh slot
+//!   is granted while the phantom stands, so the slots counted then never
+//!   fall below what the predecessor could have lent; the adopted leases
+//!   just let their permits be renewed across the restart.
 //! * **Fencing**: each grant of slots takes the next number of a per-key
 //!   counter (`fence`); the holder stamps its permits on that lease with
 //!   `fence << 20 | a local sequence number`, so a permit stamped on a
@@ -122,6 +129,18 @@ pub struct SlotLedger {
     /// that is remembered (an ask's TTL: a later duplicate could only make
     /// an orphan lease, counted and never named).
     seen: Vec<(HolderId, u64, u64)>,
+    /// While a predecessor's leases may be out: the phantom's end, the
+    /// first lease id of this ledger's own (lower ids are predecessors'),
+    /// and the predecessor ids adopted so far.
+    predecessor: Option<Predecessor>,
+}
+
+/// See [`SlotLedger::after_restart`].
+#[derive(Clone, Debug)]
+struct Predecessor {
+    until_ns: u64,
+    own_ids_from: u64,
+    adopted: Vec<u64>,
 }
 
 impl SlotLedger {
@@ -133,23 +152,40 @@ impl SlotLedger {
             demand: Vec::new(),
             next_fence: fence_base,
             seen: Vec::new(),
+            predecessor: None,
         }
     }
 
     /// A ledger that cannot know what a predecessor lent: the phantom
     /// holds all `n` slots until `until_ns` (when every lease it could
-    /// have granted has expired).
-    pub fn after_restart(n: u64, fence_base: u64, until_ns: u64) -> Self {
+    /// have granted has expired). Lease ids below `own_ids_from` are the
+    /// predecessor's: an ask naming one adopts it (module docs).
+    pub fn after_restart(n: u64, fence_base: u64, until_ns: u64, own_ids_from: u64) -> Self {
         let mut l = Self::new(n, fence_base);
-        l.leases.push(SlotLease {
+        l.predecessor_lost(until_ns, own_ids_from);
+        l
+    }
+
+    /// A predecessor's leases may be out after all (the allocator learned
+    /// its state was lost or older than what holders saw): the phantom
+    /// holds all `N` slots, beside the leases this ledger knows, until
+    /// `until_ns`; asks naming ids below `own_ids_from` adopt.
+    pub fn predecessor_lost(&mut self, until_ns: u64, own_ids_from: u64) {
+        self.leases.retain(|l| l.holder != PHANTOM);
+        self.leases.push(SlotLease {
             id: 0,
             holder: PHANTOM,
-            slots: n,
+            slots: self.n,
             expires_ns: until_ns,
             kept: 0,
             fence: 0,
         });
-        l
+        let adopted = self.predecessor.take().map_or(Vec::new(), |p| p.adopted);
+        self.predecessor = Some(Predecessor {
+            until_ns,
+            own_ids_from,
+            adopted,
+        });
     }
 
     /// `N` in force.
@@ -203,6 +239,34 @@ impl SlotLedger {
         self.demand
             .retain(|d| d.at_ns.saturating_add(ACTIVE_WINDOW_NS) > now_ns);
         self.seen.retain(|s| s.2 > now_ns);
+        if self
+            .predecessor
+            .as_ref()
+            .is_some_and(|p| p.until_ns <= now_ns)
+        {
+            self.predecessor = None;
+        }
+    }
+
+    /// The slots `ask` adopts from the phantom (0 unless it names a
+    /// predecessor's lease not adopted yet, while the phantom stands).
+    fn adopt(&mut self, ask: &SlotAsk) -> u64 {
+        let Some(p) = self.predecessor.as_mut() else {
+            return 0;
+        };
+        if ask.lease_id == 0 || ask.lease_id >= p.own_ids_from || p.adopted.contains(&ask.lease_id)
+        {
+            return 0;
+        }
+        let Some(phantom) = self.leases.iter_mut().find(|l| l.holder == PHANTOM) else {
+            return 0;
+        };
+        let kept = ask.keep.min(phantom.slots);
+        if kept > 0 {
+            phantom.slots -= kept;
+            p.adopted.push(ask.lease_id);
+        }
+        kept
     }
 
     /// Renew and/or ask for slots (see the module docs).
@@ -246,7 +310,7 @@ impl SlotLedger {
                     .position(|l| l.id == ask.lease_id && l.holder == ask.holder)
             })
             .flatten();
-        let kept = old.map_or(0, |i| ask.keep.min(self.leases[i].slots));
+        let mut kept = old.map_or(0, |i| ask.keep.min(self.leases[i].slots));
         // Kept slots stay counted at least as long as the lease they come
         // from was (permits on it may run until then).
         let mut expires_ns = now_ns.saturating_add(ask.ttl_ns);
@@ -255,9 +319,23 @@ impl SlotLedger {
                 expires_ns = expires_ns.max(self.leases[i].expires_ns);
             }
             self.leases.swap_remove(i);
+        } else {
+            let adopted = self.adopt(&ask);
+            if adopted > 0 {
+                // The predecessor's lease may be counted nowhere else
+                // until the phantom's end.
+                kept = adopted;
+                let until = self.predecessor.as_ref().map_or(0, |p| p.until_ns);
+                expires_ns = expires_ns.max(until);
+            }
         }
         let held = self.held() + kept;
-        let room = self.n.saturating_sub(held);
+        // Nothing fresh while the phantom stands (module docs).
+        let room = if self.predecessor.is_some() {
+            0
+        } else {
+            self.n.saturating_sub(held)
+        };
         // Max-min over demand: this holder's demand is what it keeps and
         // wants; the others' is what they had at their last ask.
         let demand = kept.saturating_add(ask.want);

@@ -152,6 +152,9 @@ pub fn config(base: CoreConfig, d: &Durable, grace: Grace, new_ledger: bool) -> 
         // The reservations (or the checkpoint) bound what any predecessor
         // granted; without them every key waits (a lost ledger).
         no_predecessor: !d.lost,
+        // Slot leases are not in the reservations: any earlier term's may
+        // still be out.
+        slot_leases_may_be_out: !d.first,
         reservations: true,
         ledger_id: d.ledger_id,
         first_start_grace_ns: match (new_ledger, d.first) {

@@ -65,6 +65,7 @@ impl AllocatorCore {
         .restart_wait_ns();
         let ready = now_ns.saturating_add(wait);
         self.ready_at_ns = Some(self.ready_at_ns.map_or(ready, |r| r.max(ready)));
+        self.slots_predecessor_lost(ready);
         self.keys.clear();
         self.keys_per_rule.clear();
         self.sweep_due.clear();

@@ -4,8 +4,12 @@
 //!
 //! * A key's ledger is made at its first ask. While a predecessor's slot
 //!   leases may still be out (a restart's wait, or a new term's: slot
-//!   ledgers are neither checkpointed nor reserved), its phantom holds all
-//!   `N` slots until that wait is over.
+//!   ledgers are neither checkpointed nor reserved; or the wait after our
+//!   state turned out lost or older than what holders saw), its phantom
+//!   holds all `N` slots until that wait is over, and holders' asks
+//!   naming a predecessor's lease adopt its kept slots out of the phantom
+//!   (`SlotLedger::after_restart`): permits held across a restart or
+//!   failover are renewed on, not lost.
 //! * Each ask gets a new lease id of this core's (ids grow across
 //!   restarts and terms); duplicates never reach the ledger (the reply
 //!   cache answers them, older sequence numbers are stale).
@@ -69,16 +73,8 @@ impl AllocatorCore {
         if release {
             return self.slot_release(now_ns, holder, &key, item.lease_id);
         }
-        if now_ns < self.grace_until_ns {
-            // A new ledger's grace: nothing yet, come back when it ends.
-            return Grant {
-                status: GrantStatus::Granted as i32,
-                rule_version: version,
-                retry_after_ms: (self.grace_until_ns - now_ns).div_ceil(1_000_000),
-                starting: true,
-                ..Grant::default()
-            };
-        }
+        // A start's grace is part of the phantom's time (`slots_phantom_until_ns`):
+        // nothing fresh, and predecessors' leases are adopted.
         let (n, max_keys) = (rule.concurrency, rule.max_keys);
         if !self.slot_keys.contains_key(&key) {
             let count = self
@@ -101,7 +97,9 @@ impl AllocatorCore {
                 .or_insert(0) += 1;
             let base = self.fence_base(now_ns);
             let ledger = match self.slots_phantom_until_ns {
-                Some(until) if now_ns < until => SlotLedger::after_restart(n, base, until),
+                Some(until) if now_ns < until => {
+                    SlotLedger::after_restart(n, base, until, self.fence_clock.0)
+                }
                 _ => SlotLedger::new(n, base),
             };
             self.slot_keys.insert(key.clone(), ledger);
@@ -191,6 +189,21 @@ impl AllocatorCore {
             .collect();
         for k in idle {
             self.drop_slot_key(&k);
+        }
+    }
+
+    /// A predecessor's slot leases may be out until `until_ns` after all
+    /// (our state was lost or is older than what holders saw): every slot
+    /// ledger's phantom holds all `N` beside what it knows, and ledgers
+    /// made before then start with one.
+    pub(super) fn slots_predecessor_lost(&mut self, until_ns: u64) {
+        let until = self
+            .slots_phantom_until_ns
+            .map_or(until_ns, |u| u.max(until_ns));
+        self.slots_phantom_until_ns = Some(until);
+        let own_ids_from = self.fence_clock.0;
+        for ledger in self.slot_keys.values_mut() {
+            ledger.predecessor_lost(until, own_ids_from);
         }
     }
 

@@ -83,11 +83,84 @@ fn a_lowered_n_keeps_kept_slots_and_grants_nothing_fresh_until_under_it() {
 
 #[test]
 fn the_phantom_holds_every_slot_until_its_end() {
-    let mut l = SlotLedger::after_restart(3, 1 << 40, 1_000);
+    let mut l = SlotLedger::after_restart(3, 1 << 40, 1_000, 1);
     assert_eq!(l.ask(999, ask(1, 0, 0, 1, 1)).fresh, 0);
     let g = l.ask(1_000, ask(1, 0, 0, 1, 2));
     assert_eq!(g.fresh, 1);
     assert_eq!(g.fence, (1 << 40) + 1, "fencing starts above the base");
+}
+
+#[test]
+fn a_predecessors_lease_is_adopted_once_out_of_the_phantom() {
+    // N = 5; the predecessor's ids are below 100, ours from 100.
+    let mut l = SlotLedger::after_restart(5, 0, 1_000, 100);
+    // Holder 1 renews its predecessor lease 7 keeping 2 (permits on it)
+    // and wants 1 more: the 2 are adopted, nothing fresh yet.
+    let g = l.ask(10, ask(1, 7, 2, 1, 100));
+    assert_eq!((g.lease_id, g.slots, g.kept, g.fresh), (100, 2, 2, 0));
+    assert!(
+        g.expires_ns >= 1_000,
+        "an adopted lease outlives the phantom"
+    );
+    assert_eq!(l.held(), 5, "adopted 2 + phantom 3");
+    // The same predecessor lease again (a duplicate from another path):
+    // nothing more out of the phantom.
+    let g = l.ask(20, ask(2, 7, 2, 0, 101));
+    assert_eq!((g.lease_id, g.kept), (0, 0));
+    // Our own id (expired or never ours) is not adopted.
+    let g = l.ask(30, ask(2, 150, 2, 0, 102));
+    assert_eq!(g.kept, 0);
+    // Keeping more than the phantom holds adopts only what it holds.
+    let g = l.ask(40, ask(3, 8, 9, 0, 103));
+    assert_eq!(g.kept, 3);
+    assert_eq!(l.held(), 5);
+    // A release during the phantom's time frees nothing for others.
+    assert!(l.release(50, 3, 103));
+    assert_eq!(l.ask(60, ask(2, 0, 0, 3, 104)).fresh, 0);
+    // The adopted lease renews like any other, past the phantom's end.
+    let g = l.ask(900, ask(1, 100, 2, 0, 105));
+    assert_eq!((g.kept, g.slots), (2, 2));
+    // At the phantom's end the rest is free; the adopted 2 stay held.
+    l.advance(1_000);
+    assert_eq!(l.held(), 2, "the phantom is gone, the adopted lease stays");
+    let g = l.ask(1_000, ask(2, 0, 0, 5, 106));
+    assert!(g.fresh > 0, "fresh slots once the phantom has ended");
+    assert!(l.held() <= 5);
+    // Predecessor ids are no longer adopted once its leases are gone.
+    let g = l.ask(1_100, ask(4, 9, 1, 0, 107));
+    assert_eq!(g.kept, 0);
+}
+
+/// An adopted lease may name a lease the predecessor had already replaced
+/// (a duplicated ask): the holder then runs its permits on the
+/// replacement, which only the phantom counts. So the adopted slots stay
+/// out of the phantom until its end, whatever TTL was asked, and nothing
+/// fresh is granted before it.
+#[test]
+fn adopted_slots_stay_counted_until_the_phantoms_end() {
+    let until = 3 * TTL;
+    let mut l = SlotLedger::after_restart(5, 0, until, 100);
+    let g = l.ask(0, ask(1, 7, 2, 0, 100));
+    assert_eq!(g.kept, 2);
+    assert_eq!(g.expires_ns, until, "a TTL shorter than the phantom's time");
+    l.advance(TTL + 1);
+    assert_eq!(l.held(), 5);
+    assert!(l.release(TTL + 2, 1, 100));
+    assert_eq!(l.ask(TTL + 3, ask(2, 0, 0, 5, 101)).fresh, 0);
+    assert_eq!(l.ask(until, ask(2, 0, 0, 5, 102)).fresh, 5);
+}
+
+#[test]
+fn a_lost_state_adds_a_phantom_beside_the_known_leases() {
+    let mut l = SlotLedger::new(4, 0);
+    l.ask(0, ask(1, 0, 0, 2, 100));
+    l.predecessor_lost(1_000, 100);
+    assert_eq!(l.held(), 6, "2 known + N phantom");
+    assert_eq!(l.ask(10, ask(2, 0, 0, 1, 101)).fresh, 0);
+    // A lease of the lost predecessor adopts out of the phantom.
+    assert_eq!(l.ask(20, ask(3, 5, 1, 0, 102)).kept, 1);
+    l.advance(1_000);
+    assert_eq!(l.held(), 3);
 }
 
 #[test]

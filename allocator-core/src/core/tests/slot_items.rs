@@ -167,19 +167,34 @@ fn after_a_restart_the_phantom_holds_every_slot_until_the_wait_is_over() {
     assert!(g.starting, "{g:?}");
     let left_ms = (start + wait - (start + SEC)).div_ceil(MS);
     assert_eq!(g.retry_after_ms, left_ms);
-    // A holder that says it keeps slots of a lease this core never made
-    // gets nothing either: its old lease counts in the phantom.
+    // A holder that keeps slots of a predecessor's lease (an id below this
+    // core's) adopts them out of the phantom: its permits are renewed on,
+    // to at least the phantom's end; nothing fresh meanwhile.
     let g = ask(
         &mut c,
         start + 2 * SEC,
         "b",
         1,
+        slots("gen", "t", "/gen", 77, 2, 1),
+    );
+    assert_eq!((g.tokens, g.carried), (2, 2), "{g:?}");
+    assert!(g.lease_id >= 1000 && !g.starting, "{g:?}");
+    assert!(
+        start + 2 * SEC + g.ttl_ms * MS + MS >= start + wait,
+        "{g:?}"
+    );
+    // The same predecessor lease named again adopts nothing more.
+    let g = ask(
+        &mut c,
+        start + 2 * SEC,
+        "c",
+        1,
         slots("gen", "t", "/gen", 77, 2, 0),
     );
-    assert_eq!(g.tokens, 0);
+    assert_eq!(g.tokens, 0, "{g:?}");
     let after = start + wait + MS;
-    let g = ask(&mut c, after, "a", 2, slots("gen", "t", "/gen", 0, 0, 2));
-    assert_eq!(g.tokens, 2, "{g:?}");
+    let g = ask(&mut c, after, "a", 2, slots("gen", "t", "/gen", 0, 0, 4));
+    assert_eq!(g.tokens, 2, "N = 4 less the 2 adopted: {g:?}");
     assert!(!g.starting);
     // A key first asked for after the wait has no phantom at all.
     let g = ask(&mut c, after, "a", 3, slots("gen", "u", "/gen", 0, 0, 4));
@@ -325,4 +340,64 @@ fn a_regional_allocator_refuses_slot_items() {
     let g = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
     assert_eq!(g.status, GrantStatus::BadItem as i32);
     assert!(g.detail.contains("regional"), "{g:?}");
+}
+
+/// A start that resumes its tokens from the reservations (`no_predecessor`
+/// for tokens) still waits out an earlier term's slot leases: slot
+/// ledgers are not in the reservations. A new ledger's first start waits
+/// only its grace. Found in session 26: a restart with a state directory
+/// lent all `N` slots once the start's grace (shorter than `TTL_max` when
+/// `--ttl-max` is above 3 s) was over, beside the predecessor's.
+#[test]
+fn a_start_from_reservations_still_waits_out_slot_leases() {
+    let base = CoreConfig {
+        ttl_max_ns: 10 * SEC,
+        ..CoreConfig::default()
+    };
+    let durable = |first: bool| crate::term::Durable {
+        first,
+        lost: false,
+        predecessor_ttl_max_ns: 0,
+        ledger_id: 9,
+        reservations: Vec::new(),
+        checkpoint: None,
+    };
+    let grace = crate::term::Grace {
+        first_ns: 3 * SEC,
+        later_ns: 3 * SEC,
+    };
+    // A restart: tokens resume at once (no_predecessor), slots wait the
+    // whole restart wait (10 s and the margins), beyond the 3 s grace.
+    let cfg = crate::term::config(base.clone(), &durable(false), grace, false);
+    assert!(cfg.no_predecessor && cfg.slot_leases_may_be_out);
+    let wait = cfg.restart_wait_ns();
+    let mut c = AllocatorCore::new(cfg, rules(7), 1, 1000, T);
+    let g = ask(
+        &mut c,
+        T + 4 * SEC,
+        "a",
+        1,
+        slots("gen", "t", "/gen", 0, 0, 2),
+    );
+    assert_eq!(
+        g.tokens, 0,
+        "fresh slots after the grace, within the wait: {g:?}"
+    );
+    assert!(g.starting && g.retry_after_ms > 0, "{g:?}");
+    let g = ask(&mut c, T + wait, "a", 2, slots("gen", "t", "/gen", 0, 0, 2));
+    assert_eq!(g.tokens, 2, "{g:?}");
+    // A new ledger's first start: only the grace.
+    let cfg = crate::term::config(base, &durable(true), grace, false);
+    assert!(!cfg.slot_leases_may_be_out);
+    let mut c = AllocatorCore::new(cfg, rules(7), 1, 1000, T);
+    let g = ask(&mut c, T + SEC, "a", 1, slots("gen", "t", "/gen", 0, 0, 2));
+    assert_eq!(g.tokens, 0, "{g:?}");
+    let g = ask(
+        &mut c,
+        T + 3 * SEC,
+        "a",
+        2,
+        slots("gen", "t", "/gen", 0, 0, 2),
+    );
+    assert_eq!(g.tokens, 2, "{g:?}");
 }

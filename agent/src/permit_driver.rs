@@ -171,6 +171,10 @@ struct KeyEntry {
     /// asks again: the first ask's promise stands, and the new one keeps
     /// no more).
     in_flight: bool,
+    /// When a grant last left this key's wanted fresh slots unmet (the
+    /// ledger was full): its waiters ask again only a tick after, not on
+    /// every local acquire and release (those free no slot elsewhere).
+    unmet_at: Option<u64>,
 }
 
 #[derive(Default)]
@@ -443,6 +447,7 @@ impl Permits {
                 contended: false,
                 granted_ttl_ns: settings.lease_ttl_ns,
                 in_flight: false,
+                unmet_at: None,
             });
             if e.pk.settings() != settings {
                 e.pk.set_settings(settings);
@@ -716,9 +721,12 @@ impl Permits {
             let idle_free = e
                 .free_since
                 .is_some_and(|t| now.saturating_sub(t) >= IDLE_GIVE_BACK_NS);
+            let unmet_recently = e
+                .unmet_at
+                .is_some_and(|t| now.saturating_sub(t) < TICK.as_nanos() as u64);
             let (ask, give_back) = if e.in_flight {
                 (false, false)
-            } else if waiting && free < e.pk.waiting_slots() {
+            } else if waiting && free < e.pk.waiting_slots() && !unmet_recently {
                 (true, false)
             } else if (e.contended || idle_free) && free > 0 && !waiting {
                 (true, true)
@@ -813,6 +821,8 @@ impl Permits {
             };
             e.contended = g.contended;
             e.in_flight = false;
+            let fresh = granted.slots.saturating_sub(granted.kept);
+            e.unmet_at = (fresh < sent.want).then_some(now);
             if g.holders > 0 {
                 e.holders = g.holders;
             }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quotalease_agent::agent::{AcquireInput, Agent, AgentConfig, CheckInput};
-use quotalease_agent::permit_driver::PermitError;
+use quotalease_agent::permit_driver::{PermitError, PermitRef, PermitStatus};
 use quotalease_agent::transport::InProcess;
 use quotalease_allocator::core::CoreConfig;
 use quotalease_allocator::server::Shared;
@@ -626,4 +626,64 @@ async fn a_full_key_is_asked_for_at_most_once_per_tick() {
     // 20 ticks, a's and b's renewals, and room for a late tick.
     assert!(items <= 40, "{items} lease items in 1 s");
     assert_eq!(a.permits_held(&gen_key("t")).len(), 2);
+}
+
+/// A permit released through another agent (the dispatcher acquires, the
+/// worker releases): the release goes through the allocator to the
+/// holder in its next reply, the holder releases the permit once, and
+/// its slot serves a waiter elsewhere. Counted on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_through_another_agent_reaches_the_holder() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    let b = agent(&shared, "b");
+    ready(&a).await;
+    ready(&b).await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(
+            a.acquire(input("t", "/gen", Duration::from_secs(5)))
+                .await
+                .unwrap(),
+        );
+    }
+    let id = a.permit_id(&held[0].permits[0]);
+    // b waits for a slot; b releases a's permit by its id.
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let t = std::time::Instant::now();
+            let r = b.acquire(input("t", "/gen", Duration::from_secs(10))).await;
+            (r, t.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let sent = std::time::Instant::now();
+    let s = b.release_permit_id(&id).await.expect("a valid id");
+    assert_eq!(s, Ok(PermitStatus::Forwarded));
+    // The same release again: forwarded again, applied at most once.
+    assert_eq!(
+        b.release_permit_id(&id).await.unwrap(),
+        Ok(PermitStatus::Forwarded)
+    );
+    let (r, _) = waiter.await.unwrap();
+    r.expect("the released slot reached b's waiter");
+    let moved = sent.elapsed();
+    eprintln!("permits: a release through another agent freed the slot for a waiter there {moved:?} after it was sent");
+    assert_eq!(a.permits_held(&gen_key("t")).len(), 4);
+    assert_eq!(a.metrics().permits.forwarded_applied.get(), 1);
+    assert_eq!(b.metrics().permits.forwarded_sent.get(), 2);
+    // Released: the holder answers for it like any released permit.
+    assert_eq!(
+        a.release_permit_id(&id).await.unwrap(),
+        Ok(PermitStatus::Expired)
+    );
+    // An id of a holder the allocator does not know: not here.
+    let mut r = PermitRef::decode(&id).unwrap();
+    r.instance ^= 1;
+    let unknown = r.encode();
+    assert_eq!(
+        b.release_permit_id(&unknown).await.unwrap(),
+        Ok(PermitStatus::NotHere)
+    );
 }

@@ -498,6 +498,73 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
     );
 }
 
+/// A release through another agent (SPEC §5: the dispatcher acquires, the
+/// worker releases), over HTTP between real processes: `202` forwarded;
+/// the holder gets it in its next reply from the allocator and releases
+/// the permit, and the slot serves a waiter at the forwarding agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_through_another_agent_frees_the_slot() {
+    let (_alloc, agents) = start("permits-forward", 2);
+    let mut holder = permits_client(&agents[0]).await;
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        let r = holder
+            .acquire(acquire_req(5_000))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        ids.push(r.permits[0].permit_id.clone());
+    }
+    let mut other = permits_client(&agents[1]).await;
+    let waiter = tokio::spawn(async move {
+        let r = other
+            .acquire(acquire_req(10_000))
+            .await
+            .unwrap()
+            .into_inner();
+        (r, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = Instant::now();
+    let (code, body) = http_json(
+        agents[1].http,
+        "DELETE",
+        &format!("/v1/permits/{}", ids[0]),
+        None,
+    );
+    assert_eq!(
+        (code, body.as_str()),
+        (202, r#"{"forwarded":true,"released":false}"#)
+    );
+    let (r, served) = waiter.await.unwrap();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    eprintln!(
+        "e2e permits: a release through another agent served a waiter there {:?} after it was sent",
+        served - sent
+    );
+    // The holder released it: renewing it there answers expired.
+    let rn = holder
+        .renew(RenewRequest {
+            permit_id: ids[0].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rn.status, PermitStatus::Expired as i32, "{rn:?}");
+    let (_, metrics) = http_get(agents[0].http, "/metrics");
+    assert!(
+        metrics
+            .contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="applied"} 1"#),
+        "{metrics}"
+    );
+    let (_, metrics) = http_get(agents[1].http, "/metrics");
+    assert!(
+        metrics.contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="sent"} 1"#),
+        "{metrics}"
+    );
+}
+
 /// Without `--experimental-permits` a rules file with `concurrency` is
 /// refused, naming the field.
 #[test]

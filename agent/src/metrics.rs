@@ -243,6 +243,11 @@ pub struct PermitMetrics {
     pub released: Counter,
     /// Permits that reached their expiry unreleased.
     pub expired: Counter,
+    /// Releases of other agents' permits forwarded through the allocator.
+    pub forwarded_sent: Counter,
+    /// Releases of this agent's permits that came through the allocator
+    /// from another agent and released a permit held here.
+    pub forwarded_applied: Counter,
     /// Permits held here, as the driver last counted (every tick).
     pub held: std::sync::atomic::AtomicU64,
     /// Acquires waiting here, as the driver last counted.
@@ -419,6 +424,10 @@ impl AgentMetrics {
                 ("unavailable", g(&self.permits.unavailable)),
             ],
             permits_released: g(&self.permits.released),
+            permits_forwarded: [
+                ("sent", g(&self.permits.forwarded_sent)),
+                ("applied", g(&self.permits.forwarded_applied)),
+            ],
             permits_expired: g(&self.permits.expired),
             permits_held: self.permits.held.load(std::sync::atomic::Ordering::Relaxed),
             permits_waiting: self.permits.waiting.load(std::sync::atomic::Ordering::Relaxed),
@@ -442,6 +451,7 @@ struct Snapshot {
     renewal: Histogram,
     permit_acquires: [(&'static str, u64); 4],
     permits_released: u64,
+    permits_forwarded: [(&'static str, u64); 2],
     permits_expired: u64,
     permits_held: u64,
     permits_waiting: u64,
@@ -515,6 +525,14 @@ impl Collector for Snapshot {
             "quotalease_agent_permits_released_total",
             "Permits released.",
             self.permits_released,
+        )?;
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_permit_forwarded_releases_total",
+            "Permit releases forwarded through the allocator: sent (another agent's permit released here) and applied (a permit held here released through another agent).",
+            self.permits_forwarded
+                .iter()
+                .map(|&(direction, v)| ([("direction", direction)], v)),
         )?;
         exposition::counter(
             &mut enc,

@@ -37,7 +37,7 @@ use quotalease_model::clock::ClockSource;
 use quotalease_model::key::KeyId;
 use quotalease_model::rules::{FailPolicy, PermitRule, RuleSet};
 use quotalease_proto::lease::{
-    GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+    ForwardedRelease, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
 };
 use quotalease_proto::PROTOCOL_VERSION;
 use tokio::sync::{oneshot, Notify};
@@ -784,7 +784,8 @@ impl Permits {
     }
 
     /// A reply: each grant to its key, then the waiters served.
-    fn apply(&self, reply: LeaseReply, asked: Vec<(KeyId, SentAsk)>) {
+    fn apply(&self, mut reply: LeaseReply, asked: Vec<(KeyId, SentAsk)>) {
+        self.apply_forwarded(std::mem::take(&mut reply.released_permits));
         let now = self.inner.cfg.clock.now();
         let mut st = self.inner.state.lock();
         if reply.shard_count > 0 {
@@ -831,6 +832,75 @@ impl Permits {
             }
             e.pk.on_grant(now, sent, granted);
             serve(e, now);
+        }
+    }
+
+    /// Releases of permits held here that came through another agent
+    /// (docs/permits.md "Forwarded releases"): each releases its permit
+    /// if this incarnation still holds it (idempotent, so one handed over
+    /// twice changes nothing).
+    fn apply_forwarded(&self, releases: Vec<ForwardedRelease>) {
+        for f in releases {
+            if f.incarnation != self.inner.cfg.incarnation {
+                continue;
+            }
+            let key = KeyId {
+                rule: f.rule_id,
+                tenant: f.tenant,
+                route: f.route,
+            };
+            if self.release(&key, f.permit) {
+                self.inner.cfg.metrics.permits.forwarded_applied.add(1);
+            }
+        }
+    }
+
+    /// Release a permit another agent holds (its id names that agent's
+    /// permit holder): forwarded through the allocator, which hands it to
+    /// the holder in its next reply when both are of one principal.
+    /// `Forwarded` then; `NotHere` when the allocator knows no such
+    /// holder (it stopped, or the allocator restarted: the permit frees at
+    /// its expiry).
+    pub async fn forward_release(&self, r: &PermitRef) -> Result<PermitStatus, PermitError> {
+        let shards = self.inner.state.lock().shard_count.max(1);
+        let shard = quotalease_proto::shard_of(&r.key.rule, &r.key.tenant, &r.key.route, shards);
+        let item = LeaseItem {
+            rule_id: r.key.rule.clone(),
+            tenant: r.key.tenant.clone(),
+            route: r.key.route.clone(),
+            kind: ItemKind::PermitRelease as i32,
+            holder_instance: r.instance,
+            holder_incarnation: r.incarnation,
+            permit: r.id,
+            ..LeaseItem::default()
+        };
+        let batch = self.batch(shard, vec![item], 0);
+        let unavailable = |why: String| {
+            PermitError::Unavailable(format!(
+                "the release could not be forwarded to the permit's holder ({why}); the permit frees at its expiry"
+            ))
+        };
+        let reply = tokio::time::timeout(
+            self.inner.cfg.fetch_timeout,
+            self.inner.transport.lease(batch),
+        )
+        .await
+        .map_err(|_| unavailable("the allocator did not answer in time".into()))?
+        .map_err(|e| unavailable(e.to_string()))?;
+        let LeaseReply {
+            grants,
+            released_permits,
+            ..
+        } = reply;
+        self.apply_forwarded(released_permits);
+        match grants.first() {
+            Some(g) if g.status == GrantStatus::Released as i32 => {
+                self.inner.cfg.metrics.permits.forwarded_sent.add(1);
+                Ok(PermitStatus::Forwarded)
+            }
+            Some(g) if g.status == GrantStatus::UnknownHolder as i32 => Ok(PermitStatus::NotHere),
+            Some(g) => Err(unavailable(g.detail.clone())),
+            None => Err(unavailable("no allocator leader".into())),
         }
     }
 
@@ -1120,8 +1190,13 @@ pub enum PermitStatus {
     Held(u64),
     /// Past its expiry or released: never revived.
     Expired,
-    /// Held by another agent, or an earlier run of this one.
+    /// Held by another agent, or an earlier run of this one (on a
+    /// release: no such holder of this agent's principal is known to the
+    /// allocator).
     NotHere,
+    /// Release only: held by another agent; the release went to the
+    /// allocator, which hands it to that agent in its next reply.
+    Forwarded,
 }
 
 impl Permits {

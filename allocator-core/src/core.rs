@@ -247,6 +247,12 @@ pub struct Stats {
     pub slots_granted: u64,
     /// Slot leases given back.
     pub slot_releases: u64,
+    /// Permit releases forwarded to their holder (PERMIT_RELEASE items
+    /// queued for it; handed over in its next reply).
+    pub forwarded_releases: u64,
+    /// PERMIT_RELEASE items naming no holder of the requester's
+    /// principal here.
+    pub forwarded_unknown: u64,
 }
 
 /// A read-only view of one key's ledger (for `GET /v1/keys`).
@@ -334,7 +340,14 @@ pub struct AllocatorCore {
     /// (lease id base, start instant): the wall clock the fencing numbers
     /// of new slot ledgers start from ([`slot_items`]).
     fence_clock: (u64, u64),
+    /// Permit releases forwarded to each holder, handed over in its next
+    /// reply ([`slot_items`]); at most [`MAX_FORWARDED`] per holder.
+    forwarded: HashMap<HolderId, Vec<quotalease_proto::lease::ForwardedRelease>>,
 }
+
+/// The most permit releases waiting for one holder's next reply: beyond
+/// it a forwarded release is refused (the permit frees at its expiry).
+pub const MAX_FORWARDED: usize = 10_000;
 
 /// State of a core in pooled mode (regional allocator).
 #[derive(Clone, Copy, Debug, Default)]
@@ -399,6 +412,7 @@ impl AllocatorCore {
             slot_keys_per_rule: HashMap::default(),
             slots_phantom_until_ns,
             fence_clock: (lease_id_base, now_ns),
+            forwarded: HashMap::default(),
         }
     }
 

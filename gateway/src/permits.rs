@@ -155,6 +155,7 @@ fn status_of(agent: &Agent, s: Status) -> (PermitStatus, u64) {
         ),
         Status::Expired => (PermitStatus::Expired, 0),
         Status::NotHere => (PermitStatus::NotHere, 0),
+        Status::Forwarded => (PermitStatus::Forwarded, 0),
     }
 }
 
@@ -195,12 +196,15 @@ impl Permits for PermitService {
         let s = self
             .agent
             .release_permit_id(&id)
-            .map_err(|why| tonic::Status::invalid_argument(format!("permit_id: {why}")))?;
+            .await
+            .map_err(|why| tonic::Status::invalid_argument(format!("permit_id: {why}")))?
+            .map_err(|why| tonic::Status::unavailable(why.to_string()))?;
         let released = matches!(s, Status::Held(_));
         let status = match s {
             // Released now: it is no longer held.
             Status::Held(_) | Status::Expired => PermitStatus::Expired,
             Status::NotHere => PermitStatus::NotHere,
+            Status::Forwarded => PermitStatus::Forwarded,
         };
         Ok(tonic::Response::new(ReleaseResponse {
             released,
@@ -354,7 +358,7 @@ async fn http_renew(State(agent): State<Agent>, Path(id): Path<String>) -> Respo
                 "permit_id",
                 "expired or released: never revived",
             ),
-            (PermitStatus::NotHere, _) => error(
+            (PermitStatus::NotHere | PermitStatus::Forwarded, _) => error(
                 StatusCode::MISDIRECTED_REQUEST,
                 "permit_id",
                 "held by another agent (or an earlier run of this one): renew it where it was acquired",
@@ -365,14 +369,20 @@ async fn http_renew(State(agent): State<Agent>, Path(id): Path<String>) -> Respo
 
 /// `DELETE /v1/permits/{id}`: release (idempotent).
 async fn http_release(State(agent): State<Agent>, Path(id): Path<String>) -> Response {
-    match agent.release_permit_id(&id) {
+    match agent.release_permit_id(&id).await {
         Err(why) => error(StatusCode::BAD_REQUEST, "permit_id", &why),
-        Ok(Status::NotHere) => error(
+        Ok(Err(why)) => error(StatusCode::SERVICE_UNAVAILABLE, "permit_id", &why.to_string()),
+        Ok(Ok(Status::NotHere)) => error(
             StatusCode::MISDIRECTED_REQUEST,
             "permit_id",
-            "held by another agent (or an earlier run of this one): release it there",
+            "held by another agent that the allocator does not know for this agent's principal (it stopped, or the allocator restarted): the permit frees at its expiry",
         ),
-        Ok(s) => (
+        Ok(Ok(Status::Forwarded)) => (
+            StatusCode::ACCEPTED,
+            Json(json!({ "released": false, "forwarded": true })),
+        )
+            .into_response(),
+        Ok(Ok(s)) => (
             StatusCode::OK,
             Json(json!({ "released": matches!(s, Status::Held(_)) })),
         )

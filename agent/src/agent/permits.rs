@@ -182,11 +182,22 @@ impl Agent {
     }
 
     /// Release a permit by its id (idempotent): `Held` when it was held
-    /// here and is released now. `Err` names what is wrong with the id.
-    pub fn release_permit_id(&self, id: &str) -> Result<PermitStatus, String> {
+    /// here and is released now; a permit of another agent's is forwarded
+    /// through the allocator (`Forwarded`; `NotHere` when the allocator
+    /// knows no such holder of this agent's principal). `Err` names what
+    /// is wrong with the id; the inner `Err` why the release could not
+    /// be forwarded (the allocator unreachable: the permit frees at its
+    /// expiry).
+    pub async fn release_permit_id(
+        &self,
+        id: &str,
+    ) -> Result<Result<PermitStatus, PermitError>, String> {
         let r = PermitRef::decode(id)?;
         let permits = self.permits().map_err(|e| e.to_string())?;
-        Ok(permits.release_ref(&r))
+        Ok(match permits.release_ref(&r) {
+            PermitStatus::NotHere => permits.forward_release(&r).await,
+            status => Ok(status),
+        })
     }
 
     /// The permits of `key` held here now.

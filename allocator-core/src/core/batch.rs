@@ -104,7 +104,15 @@ impl AllocatorCore {
             holder.incarnation = header.incarnation;
             holder.replies.clear();
             holder.floor = 0;
+            // Releases forwarded to the old incarnation's permits: gone
+            // with them.
+            let id = holder.id;
+            self.forwarded.remove(&id);
         }
+        let holder = self
+            .holders
+            .get_mut(&holder_key)
+            .expect("found or inserted above");
         holder.last_seen_ns = holder.last_seen_ns.max(now_ns);
         holder.rules_version = holder.rules_version.max(header.rules_version);
         if let Some((cached_digest, cached)) = holder.replies.get(&seq) {
@@ -154,7 +162,9 @@ impl AllocatorCore {
             .iter()
             .map(|item| self.handle_item(now_ns, holder_id, item, ttl_ns))
             .collect();
+        let released_permits = self.forwarded.remove(&holder_id).unwrap_or_default();
         let reply = LeaseReply {
+            released_permits,
             seq,
             epoch: self.epoch,
             protocol_version: PROTOCOL_VERSION,
@@ -231,7 +241,7 @@ impl AllocatorCore {
         }
         if matches!(
             ItemKind::try_from(item.kind),
-            Ok(ItemKind::Slots | ItemKind::SlotsRelease)
+            Ok(ItemKind::Slots | ItemKind::SlotsRelease | ItemKind::PermitRelease)
         ) {
             return self.slot_item(now_ns, holder, item, ttl_ns);
         }
@@ -258,7 +268,7 @@ impl AllocatorCore {
             Ok(ItemKind::Release) => self.release(now_ns, holder, item),
             Ok(ItemKind::Renew) => self.renew(now_ns, holder, item, ttl_ns),
             // Answered above (before the rate rule is looked up).
-            Ok(ItemKind::Slots | ItemKind::SlotsRelease) => {
+            Ok(ItemKind::Slots | ItemKind::SlotsRelease | ItemKind::PermitRelease) => {
                 self.slot_item(now_ns, holder, item, ttl_ns)
             }
             Err(_) => bad(format!("kind: unknown value {}", item.kind)),

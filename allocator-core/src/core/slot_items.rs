@@ -48,6 +48,21 @@ impl AllocatorCore {
             );
         }
         let release = item.kind == ItemKind::SlotsRelease as i32;
+        if item.kind == ItemKind::PermitRelease as i32 {
+            for (field, v) in [
+                ("rule_id", &item.rule_id),
+                ("tenant", &item.tenant),
+                ("route", &item.route),
+            ] {
+                if v.len() > MAX_ID_BYTES {
+                    return bad(format!(
+                        "{field}: {} bytes, at most {MAX_ID_BYTES}",
+                        v.len()
+                    ));
+                }
+            }
+            return self.forward_release(holder, item);
+        }
         let key = Self::key_of(item);
         let Some(rule) = self.rules.permit_rule(&item.rule_id) else {
             // A release for a rule that is gone still frees its slots.
@@ -163,6 +178,59 @@ impl AllocatorCore {
         Grant {
             status: GrantStatus::Released as i32,
             rule_version: self.rules.version,
+            ..Grant::default()
+        }
+    }
+
+    /// A `PERMIT_RELEASE` from `from`: queued for the holder it names when
+    /// that holder has `from`'s principal and the named incarnation (SPEC
+    /// §8: a principal acts only on leases of its own identities).
+    fn forward_release(&mut self, from: HolderId, item: &LeaseItem) -> Grant {
+        let version = self.rules.version;
+        let principal = self.holder_names.get(&from).map(|n| n.principal.clone());
+        let target = principal.and_then(|principal| {
+            self.holders
+                .iter()
+                .find(|(name, h)| {
+                    name.principal == principal
+                        && name.instance == item.holder_instance
+                        && h.incarnation == item.holder_incarnation
+                })
+                .map(|(_, h)| h.id)
+        });
+        let Some(target) = target else {
+            self.stats.forwarded_unknown += 1;
+            return Grant {
+                status: GrantStatus::UnknownHolder as i32,
+                rule_version: version,
+                detail: "holder_instance: no holder of this principal with that instance and incarnation here (it stopped, or the allocator restarted): the permit frees at its expiry".into(),
+                ..Grant::default()
+            };
+        };
+        let queue = self.forwarded.entry(target).or_default();
+        let release = quotalease_proto::lease::ForwardedRelease {
+            rule_id: item.rule_id.clone(),
+            tenant: item.tenant.clone(),
+            route: item.route.clone(),
+            incarnation: item.holder_incarnation,
+            permit: item.permit,
+        };
+        if !queue.contains(&release) {
+            if queue.len() >= crate::core::MAX_FORWARDED {
+                return super::batch::bad_item(
+                    version,
+                    format!(
+                        "permit: {} releases already wait for that holder's next reply; the permit frees at its expiry",
+                        crate::core::MAX_FORWARDED
+                    ),
+                );
+            }
+            queue.push(release);
+            self.stats.forwarded_releases += 1;
+        }
+        Grant {
+            status: GrantStatus::Released as i32,
+            rule_version: version,
             ..Grant::default()
         }
     }

@@ -70,10 +70,12 @@ impl AllocatorCore {
         self.sweep_slot_keys(now_ns);
         let idle = self.cfg.holder_idle_ns;
         let names = &mut self.holder_names;
+        let forwarded = &mut self.forwarded;
         self.holders.retain(|_, h| {
             let keep = h.last_seen_ns.saturating_add(idle) > now_ns;
             if !keep {
                 names.remove(&h.id);
+                forwarded.remove(&h.id);
             }
             keep
         });

@@ -401,3 +401,129 @@ fn a_start_from_reservations_still_waits_out_slot_leases() {
     );
     assert_eq!(g.tokens, 2, "{g:?}");
 }
+
+/// A batch from `agent` with instance nonce `instance`, by `principal`.
+fn from(
+    c: &mut AllocatorCore,
+    now: u64,
+    principal: &str,
+    agent: &str,
+    instance: u64,
+    seq: u64,
+    items: Vec<LeaseItem>,
+) -> LeaseReply {
+    let mut b = batch(agent, 1, seq, items);
+    b.header.as_mut().unwrap().instance = instance;
+    c.handle_from(now, &b, principal)
+}
+
+fn forward(holder_instance: u64, holder_incarnation: u64, permit: u64) -> LeaseItem {
+    LeaseItem {
+        kind: ItemKind::PermitRelease as i32,
+        holder_instance,
+        holder_incarnation,
+        permit,
+        ..slots("gen", "t", "/gen", 0, 0, 0)
+    }
+}
+
+/// A release through another holder reaches the permit's holder once, in
+/// its next reply, only when both are of one principal and the holder's
+/// incarnation is the one named (SPEC §8).
+#[test]
+fn a_forwarded_release_reaches_its_holder_once_within_its_principal() {
+    let mut c = core(T, true);
+    // Holder a (instance 11) takes slots; b (instance 22) and a stranger
+    // of another principal (instance 33) are known too.
+    let r = from(
+        &mut c,
+        T,
+        "svc",
+        "a",
+        11,
+        1,
+        vec![slots("gen", "t", "/gen", 0, 0, 2)],
+    );
+    assert_eq!(r.grants[0].tokens, 2);
+    from(
+        &mut c,
+        T,
+        "svc",
+        "b",
+        22,
+        1,
+        vec![slots("gen", "t", "/gen", 0, 0, 0)],
+    );
+    from(
+        &mut c,
+        T,
+        "other",
+        "x",
+        33,
+        1,
+        vec![slots("gen", "t", "/gen", 0, 0, 0)],
+    );
+    // b releases a's permit 5: queued for a.
+    let r = from(&mut c, T + 1, "svc", "b", 22, 2, vec![forward(11, 1, 5)]);
+    assert_eq!(r.grants[0].status, GrantStatus::Released as i32, "{r:?}");
+    assert!(r.released_permits.is_empty(), "not b's to apply");
+    // The same release twice is queued once.
+    from(&mut c, T + 2, "svc", "b", 22, 3, vec![forward(11, 1, 5)]);
+    // Another principal cannot reach a, whatever it names; nor can a
+    // wrong incarnation.
+    let r = from(&mut c, T + 3, "other", "x", 33, 2, vec![forward(11, 1, 6)]);
+    assert_eq!(
+        r.grants[0].status,
+        GrantStatus::UnknownHolder as i32,
+        "{r:?}"
+    );
+    let r = from(&mut c, T + 3, "svc", "b", 22, 4, vec![forward(11, 2, 7)]);
+    assert_eq!(
+        r.grants[0].status,
+        GrantStatus::UnknownHolder as i32,
+        "{r:?}"
+    );
+    // a's next reply carries permit 5, once.
+    let r = from(&mut c, T + 4, "svc", "a", 11, 2, vec![]);
+    assert_eq!(r.released_permits.len(), 1, "{r:?}");
+    let f = &r.released_permits[0];
+    assert_eq!(
+        (f.rule_id.as_str(), f.tenant.as_str(), f.route.as_str()),
+        ("gen", "t", "/gen")
+    );
+    assert_eq!((f.incarnation, f.permit), (1, 5));
+    let r = from(&mut c, T + 5, "svc", "a", 11, 3, vec![]);
+    assert!(r.released_permits.is_empty());
+    assert_eq!(c.stats().forwarded_releases, 1);
+    assert_eq!(c.stats().forwarded_unknown, 2);
+    // Bounded: past MAX_FORWARDED waiting for a, refused naming the field.
+    for i in 0..crate::core::MAX_FORWARDED as u64 {
+        from(
+            &mut c,
+            T + 6,
+            "svc",
+            "b",
+            22,
+            10 + i,
+            vec![forward(11, 1, 100 + i)],
+        );
+    }
+    let r = from(
+        &mut c,
+        T + 7,
+        "svc",
+        "b",
+        22,
+        1_000_000,
+        vec![forward(11, 1, 1)],
+    );
+    assert_eq!(r.grants[0].status, GrantStatus::BadItem as i32);
+    assert!(r.grants[0].detail.starts_with("permit:"), "{r:?}");
+    // A regional allocator does not forward.
+    let mut regional = AllocatorCore::new_pooled(CoreConfig::default(), rules(7), 1, 1000, T);
+    let g = regional
+        .handle(T, &batch("b", 1, 1, vec![forward(11, 1, 5)]))
+        .grants
+        .remove(0);
+    assert_eq!(g.status, GrantStatus::BadItem as i32);
+}

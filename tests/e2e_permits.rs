@@ -565,6 +565,95 @@ async fn a_release_through_another_agent_frees_the_slot() {
     );
 }
 
+/// An operator frees a dead agent's slot lease (`POST /v1/slots/release`,
+/// audited) instead of waiting out a long lease: with `--ttl-max 20s`
+/// the killed agent's 3 slots would stay counted for up to 20 s; after the
+/// forced release the survivor takes all 5 at once. Bad bodies name the
+/// field; an unknown lease is `404`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_frees_a_dead_agents_slots() {
+    let dir = tempdir("permits-force");
+    let rules = write_rules(&dir, &RULES.replace("permit_ttl: 10s", "permit_ttl: 20s"));
+    let alloc = allocator_with(
+        &rules,
+        &dir.join("state"),
+        None,
+        "20s",
+        &["--experimental-permits"],
+    );
+    let victim = agent("permits-force-0", &alloc.url(), None, &[]);
+    let survivor = agent("permits-force-1", &alloc.url(), None, &[]);
+    for ag in [&victim, &survivor] {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
+    }
+    let mut vc = permits_client(&victim).await;
+    for _ in 0..3 {
+        let r = vc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        assert!(r.permits[0].expires_in_ms > 5_000, "{r:?}");
+    }
+    victim.kill9();
+    // The survivor gets the 2 free slots, not the dead agent's 3.
+    let mut sc = permits_client(&survivor).await;
+    for _ in 0..2 {
+        let r = sc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    }
+    let r = sc.acquire(acquire_req(300)).await.unwrap().into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Timeout as i32, "{r:?}");
+    // The operator finds the dead agent's lease and frees it.
+    let (_, body) = http_get(alloc.http, "/v1/keys?rule=jobs&tenant=acme&route=/jobs");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let lease = v["slots"]["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["holder"] == "permits-force-0")
+        .unwrap_or_else(|| panic!("the dead agent's lease: {body}"))
+        .clone();
+    let lease_id = lease["lease_id"].as_u64().unwrap();
+    let post = |body: String| http_json(alloc.http, "POST", "/v1/slots/release", Some(&body));
+    let (code, resp) = post(format!(
+        r#"{{"rule":"jobs","tenant":"acme","route":"/jobs","lease_id":{lease_id}}}"#
+    ));
+    assert_eq!(code, 400, "{resp}");
+    assert!(resp.contains(r#""field":"reason""#), "{resp}");
+    let (code, resp) =
+        post(r#"{"rule":"jobs","tenant":"acme","route":"/jobs","lease_id":1,"reason":"x"}"#.into());
+    assert_eq!(code, 404, "{resp}");
+    let (code, resp) = post(r#"{"rule":"jobs","lease":1}"#.into());
+    assert_eq!(code, 400, "{resp}");
+    assert!(resp.contains(r#""field":"lease""#), "{resp}");
+    let freed_at = Instant::now();
+    let (code, resp) = post(format!(
+        r#"{{"rule":"jobs","tenant":"acme","route":"/jobs","lease_id":{lease_id},"reason":"node drained, sidecar gone"}}"#
+    ));
+    assert_eq!(code, 200, "{resp}");
+    assert!(
+        resp.contains(r#""holder":"permits-force-0""#) && resp.contains(r#""slots":3"#),
+        "{resp}"
+    );
+    // The survivor now takes the other 3, long before the lease would
+    // have expired.
+    for _ in 0..3 {
+        let r = sc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    }
+    let took = freed_at.elapsed();
+    eprintln!("e2e permits: a dead agent's 3 slots force-released; the survivor held all 5 {took:?} after");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let (_, metrics) = http_get(alloc.http, "/metrics");
+    assert!(
+        metrics.contains("quotalease_allocator_slot_force_releases_total 1"),
+        "{metrics}"
+    );
+    // Freed once: a second time it is gone.
+    let (code, _) = post(format!(
+        r#"{{"rule":"jobs","tenant":"acme","route":"/jobs","lease_id":{lease_id},"reason":"again"}}"#
+    ));
+    assert_eq!(code, 404);
+}
+
 /// Without `--experimental-permits` a rules file with `concurrency` is
 /// refused, naming the field.
 #[test]

@@ -253,6 +253,8 @@ pub struct Stats {
     /// PERMIT_RELEASE items naming no holder of the requester's
     /// principal here.
     pub forwarded_unknown: u64,
+    /// Slot leases an operator freed ([`AllocatorCore::force_release_slots`]).
+    pub slot_force_releases: u64,
 }
 
 /// A read-only view of one key's ledger (for `GET /v1/keys`).

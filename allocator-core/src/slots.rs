@@ -382,6 +382,20 @@ impl SlotLedger {
         }
     }
 
+    /// An operator frees lease `lease_id` at once, whoever holds it (a
+    /// holder known to be dead, docs/operations.md "In-flight limits"):
+    /// the lease as it was, or `None` when no such lease is held (the
+    /// phantom, id 0, is never one). I4 rests on the operator's word that
+    /// no permit still runs on it.
+    pub fn force_release(&mut self, now_ns: u64, lease_id: u64) -> Option<SlotLease> {
+        self.advance(now_ns);
+        let i = self
+            .leases
+            .iter()
+            .position(|l| l.id == lease_id && l.holder != PHANTOM && lease_id != 0)?;
+        Some(self.leases.swap_remove(i))
+    }
+
     /// `holder` gives lease `lease_id` back: its slots are free at once.
     /// Whether it was held (a duplicate or late release changes nothing).
     pub fn release(&mut self, now_ns: u64, holder: HolderId, lease_id: u64) -> bool {

@@ -182,6 +182,26 @@ impl Collector for Snapshot {
                 "Rules files that failed to load; the last good rules keep serving.",
                 self.reload_failures,
             ),
+            (
+                "quotalease_allocator_slots_granted_total",
+                "Fresh slots lent on slot leases (in-flight limits).",
+                st.slots_granted,
+            ),
+            (
+                "quotalease_allocator_slot_releases_total",
+                "Slot leases given back by their holders.",
+                st.slot_releases,
+            ),
+            (
+                "quotalease_allocator_permit_releases_forwarded_total",
+                "Permit releases forwarded to their holder through this allocator.",
+                st.forwarded_releases,
+            ),
+            (
+                "quotalease_allocator_slot_force_releases_total",
+                "Slot leases an operator freed (POST /v1/slots/release; audited in the log).",
+                st.slot_force_releases,
+            ),
         ] {
             exposition::counter(&mut enc, name, help, v)?;
         }

@@ -663,6 +663,120 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> (StatusCode, String) {
     }
 }
 
+/// `POST /v1/slots/release`: an operator frees a slot lease of a holder
+/// known to be dead (docs/operations.md "In-flight limits"). Body:
+/// `{"rule", "tenant", "route", "lease_id", "reason"}` (the key as
+/// `/v1/keys` takes it, the lease id `/v1/keys` shows, and why: required,
+/// it goes into the audit line). Audited: a warning on target
+/// `quotalease::audit` with the lease, its holder and the reason, and a
+/// counter. Only the leader (or a lone allocator) does it; a regional
+/// allocator has no slots.
+async fn force_release_slots(
+    State(shared): State<Arc<Shared>>,
+    body: axum::body::Bytes,
+) -> HttpResponse {
+    let bad = |field: &str, why: &str| {
+        (
+            StatusCode::BAD_REQUEST,
+            Json(serde_json::json!({"error": why, "field": field})),
+        )
+            .into_response()
+    };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return bad("body", "not a JSON object");
+    };
+    let Some(obj) = v.as_object() else {
+        return bad("body", "not a JSON object");
+    };
+    for field in obj.keys() {
+        if !["rule", "tenant", "route", "lease_id", "reason"].contains(&field.as_str()) {
+            return bad(field, "unknown field");
+        }
+    }
+    let text = |field: &str| obj.get(field).map(|v| v.as_str().map(str::to_string));
+    let Some(Some(rule)) = text("rule") else {
+        return bad("rule", "required, a string");
+    };
+    let (Some(tenant), Some(route)) = (
+        text("tenant").unwrap_or(Some(String::new())),
+        text("route").unwrap_or(Some(String::new())),
+    ) else {
+        return bad("tenant", "tenant and route must be strings");
+    };
+    let Some(lease_id) = obj
+        .get("lease_id")
+        .and_then(|v| v.as_u64())
+        .filter(|&id| id > 0)
+    else {
+        return bad("lease_id", "required, a lease id /v1/keys shows (not 0)");
+    };
+    let Some(Some(reason)) =
+        text("reason").filter(|r| r.as_ref().is_some_and(|r| !r.trim().is_empty()))
+    else {
+        return bad(
+            "reason",
+            "required: why the holder is known to be dead (it is audited)",
+        );
+    };
+    if shared.is_regional() {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "a regional allocator holds no slot leases", "field": "rule"})),
+        )
+            .into_response();
+    }
+    let boot = quotalease_model::clock::BootClock::now();
+    if shared.leadership.get().is_some_and(|l| !l.serving(boot)) {
+        return (
+            StatusCode::MISDIRECTED_REQUEST,
+            Json(serde_json::json!({"error": "not the leader: ask the replica that leads (its /readyz says so)", "field": "rule"})),
+        )
+            .into_response();
+    }
+    let now = shared.now();
+    let freed = shared.with_core(|core| {
+        let p = core.rules().permit_rule(&rule)?.clone();
+        let key = KeyId {
+            tenant: p.tenant.key_part(&tenant).to_string(),
+            route: p.route.key_part(&route).to_string(),
+            rule: rule.clone(),
+        };
+        core.force_release_slots(now, &key, lease_id)
+            .map(|f| (key, f))
+    });
+    let Some((key, (holder, lease))) = freed else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "no such slot lease held (expired, released, or another key's)", "field": "lease_id"})),
+        )
+            .into_response();
+    };
+    tracing::warn!(
+        target: "quotalease::audit",
+        rule = %key.rule,
+        tenant = %key.tenant,
+        route = %key.route,
+        lease_id,
+        slots = lease.slots,
+        holder = %holder.agent_id,
+        principal = %holder.principal,
+        instance = format_args!("{:016x}", holder.instance),
+        expires_in_ms = lease.expires_ns.saturating_sub(now) / 1_000_000,
+        reason = %reason,
+        "slot lease force-released by an operator: its slots are free now (I4 rests on the holder being dead)"
+    );
+    Json(serde_json::json!({
+        "released": {
+            "rule": key.rule, "tenant": key.tenant, "route": key.route,
+            "lease_id": lease_id, "slots": lease.slots,
+            "holder": holder.agent_id, "principal": holder.principal,
+            "instance": format!("{:016x}", holder.instance),
+            "expires_in_ms": lease.expires_ns.saturating_sub(now) / 1_000_000,
+        }
+    }))
+    .into_response()
+}
+
 /// The allocator's HTTP admin router.
 pub fn admin_router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -670,5 +784,9 @@ pub fn admin_router(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/keys", get(keys))
+        .route(
+            "/v1/slots/release",
+            axum::routing::post(force_release_slots),
+        )
         .with_state(shared)
 }

@@ -309,6 +309,32 @@ impl AllocatorCore {
         })
     }
 
+    /// An operator's forced release of slot lease `lease_id` of `key`
+    /// (its holder is dead and its lease's TTL long): the lease freed,
+    /// with its holder, or `None` when the key holds no such lease. The
+    /// holder, should it be alive after all, keeps its permits only to
+    /// their expiries (its asks naming the lease keep nothing of it), and
+    /// the next grants carry larger fencing tokens.
+    pub fn force_release_slots(
+        &mut self,
+        now_ns: u64,
+        key: &KeyId,
+        lease_id: u64,
+    ) -> Option<(HolderName, crate::slots::SlotLease)> {
+        let ledger = self.slot_keys.get_mut(key)?;
+        let lease = ledger.force_release(now_ns, lease_id)?;
+        self.stats.slot_force_releases += 1;
+        let name = self
+            .holder_names
+            .get(&lease.holder)
+            .cloned()
+            .unwrap_or_default();
+        if ledger.is_idle() {
+            self.drop_slot_key(key);
+        }
+        Some((name, lease))
+    }
+
     /// Keys with a slot ledger.
     pub fn slot_key_count(&self) -> usize {
         self.slot_keys.len()

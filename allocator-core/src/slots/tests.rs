@@ -361,3 +361,21 @@ fn kept_slots_outlive_a_shorter_ttl_until_their_old_lease_ends() {
     assert_eq!(l.ask(600_000_000, ask(2, 0, 0, 2, 3)).fresh, 0);
     assert_eq!(l.ask(TTL, ask(2, 0, 0, 2, 4)).fresh, 2);
 }
+
+#[test]
+fn a_forced_release_frees_any_holders_lease_but_never_the_phantom() {
+    let mut l = SlotLedger::after_restart(4, 0, 1_000, 100);
+    assert_eq!(
+        l.force_release(0, 0),
+        None,
+        "the phantom is not a lease to free"
+    );
+    l.advance(1_000);
+    l.ask(1_000, ask(1, 0, 0, 3, 100));
+    let freed = l.force_release(1_001, 100).expect("held");
+    assert_eq!((freed.holder, freed.slots), (1, 3));
+    assert_eq!(l.held(), 0);
+    assert_eq!(l.force_release(1_002, 100), None, "once");
+    // The holder's next ask naming it keeps nothing.
+    assert_eq!(l.ask(1_003, ask(1, 100, 3, 0, 101)).kept, 0);
+}

@@ -24,6 +24,8 @@ use quotalease_sim::checker::worst_window;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
+mod permits;
+
 const DEMO_RULES: &str = r#"
 rules:
   - id: orders
@@ -77,7 +79,14 @@ struct Counts {
 }
 
 pub async fn run(duration: Duration) -> anyhow::Result<()> {
-    let rules = RuleSet::parse(DEMO_RULES, "<demo>", 1).map_err(|e| anyhow::anyhow!("{}", e[0]))?;
+    // With --experimental-permits, a concurrency rule too (src/demo/permits.rs).
+    let with_permits = quotalease_model::rules::permits_served();
+    let text = if with_permits {
+        format!("{DEMO_RULES}{}", permits::RULE)
+    } else {
+        DEMO_RULES.to_string()
+    };
+    let rules = RuleSet::parse(&text, "<demo>", 1).map_err(|e| anyhow::anyhow!("{}", e[0]))?;
     // Short TTL_max so the start-up wait (SPEC §2 "Restarts") is brief.
     // This process is the first and only allocator of these keys, so it
     // may skip the start-up wait that a restarted allocator must honour.
@@ -142,6 +151,10 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    let permit_load = match with_permits {
+        true => Some(permits::start(&format!("http://{addr}"), duration).await?),
+        false => None,
+    };
     let log: Arc<Log> = Arc::new(Mutex::new(BTreeMap::new()));
     let counts = Arc::new(Mutex::new(Counts::default()));
     let start = Instant::now();
@@ -290,8 +303,20 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         println!("{} checks were answered unavailable.", counts.unavailable);
     }
     println!("I1 is checked over every window of every key from the admissions recorded here, independently of the allocator; shadow-bucket alarms: {violations}");
+    let i4_held = match permit_load {
+        Some(p) => p.finish().await,
+        None => {
+            println!(
+                "(run `quotalease --experimental-permits demo` to see an in-flight limit too)"
+            );
+            true
+        }
+    };
     if !all_held || violations > 0 {
         anyhow::bail!("the bound B + R*T was broken");
+    }
+    if !i4_held {
+        anyhow::bail!("more permits were held at once than the concurrency limit");
     }
     Ok(())
 }

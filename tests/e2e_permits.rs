@@ -677,3 +677,26 @@ fn without_the_flag_a_concurrency_rule_is_refused_naming_the_field() {
         "{stdout}"
     );
 }
+
+/// `quotalease --experimental-permits demo` shows the in-flight limit
+/// beside the rate rules: held against `N` at the workers, I4 held.
+#[test]
+fn the_demo_shows_an_in_flight_limit_with_the_flag() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_quotalease"))
+        .args(["--experimental-permits", "demo", "--duration", "3s"])
+        .output()
+        .expect("run the demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("held at once (N = 8)"))
+        .unwrap_or_else(|| panic!("no permits line: {stdout}"));
+    eprintln!("demo: {line}");
+    assert!(line.contains("I4 held"), "{line}");
+    assert!(!line.trim_start().starts_with("0 permits"), "{line}");
+}

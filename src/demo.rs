@@ -303,7 +303,8 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         println!("{} checks were answered unavailable.", counts.unavailable);
     }
     println!("I1 is checked over every window of every key from the admissions recorded here, independently of the allocator; shadow-bucket alarms: {violations}");
-    drop((log, counts));
+    drop(log);
+    drop(counts);
     let i4_held = match permit_load {
         Some(p) => p.finish().await,
         None => {

@@ -243,6 +243,10 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         "chk/msg",
         "I1"
     );
+    let permit_report = match permit_load {
+        Some(p) => Some(p.finish().await),
+        None => None,
+    };
     let log = log.lock();
     let counts = counts.lock();
     let mut all_held = true;
@@ -303,10 +307,12 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         println!("{} checks were answered unavailable.", counts.unavailable);
     }
     println!("I1 is checked over every window of every key from the admissions recorded here, independently of the allocator; shadow-bucket alarms: {violations}");
-    drop(log);
-    drop(counts);
-    let i4_held = match permit_load {
-        Some(p) => p.finish().await,
+    let i4_held = match permit_report {
+        Some((report, held)) => {
+            println!();
+            println!("{report}");
+            held
+        }
         None => {
             println!(
                 "(run `quotalease --experimental-permits demo` to see an in-flight limit too)"

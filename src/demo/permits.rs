@@ -115,9 +115,9 @@ fn hold(rng: &mut u64) -> Duration {
 }
 
 impl Outcome {
-    /// Wait for the workers, stop the agents, print the figures; whether
-    /// I4 held.
-    pub async fn finish(self) -> bool {
+    /// Wait for the workers and stop the agents: the figures to print,
+    /// and whether I4 held.
+    pub async fn finish(self) -> (String, bool) {
         for t in self.tasks {
             let _ = t.await;
         }
@@ -153,18 +153,14 @@ impl Outcome {
         let span_s = (end - from).as_secs_f64().max(1e-9);
         let used = 100.0 * area / span_s / N as f64;
         let held = most as usize <= N;
-        println!();
-        println!(
-            "permits (experimental): rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)"
-        );
-        println!(
-            "  {} permits, {} acquires timed out (2 s); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
+        let report = format!(
+            "permits (experimental): rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
             spans.len(),
             *self.timeouts.lock(),
             if held { "held" } else { "BROKEN" },
             q(0.5),
             q(0.99),
         );
-        held
+        (report, held)
     }
 }

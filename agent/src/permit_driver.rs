@@ -42,6 +42,7 @@ use quotalease_proto::lease::{
 use quotalease_proto::PROTOCOL_VERSION;
 use tokio::sync::{oneshot, Notify};
 
+use crate::permits::policy::AskPolicy;
 use crate::permits::{
     AcquireError, Granted, Permit, PermitKey, PermitSettings, RenewError, SentAsk,
 };
@@ -49,12 +50,6 @@ use crate::transport::Transport;
 
 /// How often the driver looks at its keys when nothing wakes it.
 const TICK: Duration = Duration::from_millis(50);
-
-/// Free slots no acquire here waits for go back to the allocator after
-/// this long (another agent's waiters may need them; the allocator can
-/// only say so in a reply to this agent): a slot released at one agent
-/// serves a waiter at another within this, a tick and two round trips.
-const IDLE_GIVE_BACK_NS: u64 = 100_000_000;
 
 /// Acquires' request ids remembered at most (see [`Permits::remember`]).
 pub const MAX_REMEMBERED: usize = 100_000;
@@ -153,28 +148,12 @@ struct KeyEntry {
     /// slots held, `open` adds an emergency semaphore).
     rule_id: String,
     policy: FailPolicy,
-    /// Holders of the key at the allocator's last grant (0: none heard):
-    /// the emergency semaphore is `max(1, N / holders)` (1 while unknown).
-    holders: u32,
     /// Permits of the emergency semaphore, held.
     emergency: Vec<Permit>,
-    /// Since when the current lease has had free slots and no waiter
-    /// here (given back after [`IDLE_GIVE_BACK_NS`]).
-    free_since: Option<u64>,
-    /// The last grant said another holder misses slots.
-    contended: bool,
-    /// The TTL of the last slot lease granted (the allocator's cap may
-    /// make it shorter than asked): renewals come due at half of it.
-    granted_ttl_ns: u64,
-    /// An ask of this key is in a batch whose reply has not come back
-    /// (the driver sends no second one meanwhile; after a failed call it
-    /// asks again: the first ask's promise stands, and the new one keeps
-    /// no more).
-    in_flight: bool,
-    /// When a grant last left this key's wanted fresh slots unmet (the
-    /// ledger was full): its waiters ask again only a tick after, not on
-    /// every local acquire and release (those free no slot elsewhere).
-    unmet_at: Option<u64>,
+    /// When to ask (one copy of the policy, shared with the simulator);
+    /// its holders count sizes the emergency semaphore, `max(1, N /
+    /// holders)` (1 while unknown).
+    asking: AskPolicy,
 }
 
 #[derive(Default)]
@@ -317,7 +296,7 @@ impl Permits {
                 if e.pk.current().is_none() {
                     continue;
                 }
-                let sent = e.pk.ask(now, true);
+                let sent = e.asking.send(&mut e.pk, now, true);
                 let item = slots_item(key, &sent);
                 out.push((key.clone(), sent, item));
             }
@@ -441,13 +420,8 @@ impl Permits {
                 waiters: HashMap::new(),
                 rule_id: rule.id.clone(),
                 policy: rule.fail_policy,
-                holders: 0,
                 emergency: Vec::new(),
-                free_since: None,
-                contended: false,
-                granted_ttl_ns: settings.lease_ttl_ns,
-                in_flight: false,
-                unmet_at: None,
+                asking: AskPolicy::new(settings.lease_ttl_ns),
             });
             if e.pk.settings() != settings {
                 e.pk.set_settings(settings);
@@ -705,43 +679,9 @@ impl Permits {
         let mut by_shard: HashMap<u32, ShardAsks> = HashMap::new();
         for (key, e) in st.keys.iter_mut() {
             let ttl_ns = e.pk.settings().lease_ttl_ns;
-            let half_ttl = ttl_ns.min(e.granted_ttl_ns) / 2;
-            let free = e.pk.free(now);
-            let used = !e.pk.permits(now).is_empty();
-            let waiting = e.pk.waiting_slots() > 0;
-            let renew_due =
-                e.pk.current()
-                    .is_some_and(|(_, _, use_by)| use_by.saturating_sub(now) <= half_ttl);
-            // Free slots nobody here waits for: since when.
-            if free > 0 && !waiting {
-                e.free_since.get_or_insert(now);
-            } else {
-                e.free_since = None;
-            }
-            let idle_free = e
-                .free_since
-                .is_some_and(|t| now.saturating_sub(t) >= IDLE_GIVE_BACK_NS);
-            let unmet_recently = e
-                .unmet_at
-                .is_some_and(|t| now.saturating_sub(t) < TICK.as_nanos() as u64);
-            let (ask, give_back) = if e.in_flight {
-                (false, false)
-            } else if waiting && free < e.pk.waiting_slots() && !unmet_recently {
-                (true, false)
-            } else if (e.contended || idle_free) && free > 0 && !waiting {
-                (true, true)
-            } else if renew_due {
-                (true, !used && !waiting)
-            } else {
-                (false, false)
-            };
-            if !ask {
+            let Some(sent) = e.asking.due(&mut e.pk, now) else {
                 continue;
-            }
-            e.contended = false;
-            e.free_since = None;
-            e.in_flight = true;
-            let sent = e.pk.ask(now, give_back);
+            };
             let item = slots_item(key, &sent);
             let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
             let b = by_shard.entry(shard).or_default();
@@ -758,9 +698,8 @@ impl Permits {
             && st.unreachable(now)
             && now.saturating_sub(st.last_probe_ns) >= PROBE_EVERY_NS
         {
-            if let Some((key, e)) = st.keys.iter_mut().find(|(_, e)| !e.in_flight) {
-                e.in_flight = true;
-                let sent = e.pk.ask(now, false);
+            if let Some((key, e)) = st.keys.iter_mut().find(|(_, e)| !e.asking.in_flight()) {
+                let sent = e.asking.send(&mut e.pk, now, false);
                 let ttl_ns = e.pk.settings().lease_ttl_ns;
                 let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
                 by_shard.insert(
@@ -820,17 +759,8 @@ impl Permits {
                     ttl_ns: 0,
                 }
             };
-            e.contended = g.contended;
-            e.in_flight = false;
-            let fresh = granted.slots.saturating_sub(granted.kept);
-            e.unmet_at = (fresh < sent.want).then_some(now);
-            if g.holders > 0 {
-                e.holders = g.holders;
-            }
-            if granted.lease_id != 0 && granted.ttl_ns > 0 {
-                e.granted_ttl_ns = granted.ttl_ns;
-            }
-            e.pk.on_grant(now, sent, granted);
+            e.asking
+                .on_grant(&mut e.pk, now, sent, granted, g.contended, g.holders);
             serve(e, now);
         }
     }
@@ -909,7 +839,7 @@ impl Permits {
         let mut st = self.inner.state.lock();
         for (key, _) in asked {
             if let Some(e) = st.keys.get_mut(key) {
-                e.in_flight = false;
+                e.asking.not_answered();
             }
         }
     }
@@ -958,7 +888,7 @@ impl Permits {
             held += (e.pk.permits(now).len() + e.emergency.len()) as u64;
             expired += e.pk.take_expired();
             waiting += e.waiters.len() as u64;
-            e.in_flight || !e.pk.is_idle(now) || !e.emergency.is_empty()
+            e.asking.in_flight() || !e.pk.is_idle(now) || !e.emergency.is_empty()
         });
         let m = &self.inner.cfg.metrics.permits;
         m.expired.add(expired);
@@ -981,7 +911,7 @@ fn fail_policy(e: &mut KeyEntry, now: u64, slots: u64, id: u64) -> Option<Answer
         FailPolicy::Open => {
             expire_emergency(e, now);
             let s = e.pk.settings();
-            let cap = match e.holders {
+            let cap = match e.asking.holders() {
                 0 => 1,
                 h => (s.n / u64::from(h)).max(1),
             };

@@ -454,5 +454,7 @@ impl PermitKey {
     }
 }
 
+pub mod policy;
+
 #[cfg(test)]
 mod tests;

@@ -66,6 +66,8 @@ pub struct SlotLease {
     pub kept: u64,
     /// See `kept`.
     pub fence: u64,
+    /// Made by adopting a predecessor's lease (see [`SlotLedger::after_restart`]).
+    pub adopted: bool,
 }
 
 /// A holder's ask for one key.
@@ -179,6 +181,7 @@ impl SlotLedger {
             expires_ns: until_ns,
             kept: 0,
             fence: 0,
+            adopted: false,
         });
         let adopted = self.predecessor.take().map_or(Vec::new(), |p| p.adopted);
         self.predecessor = Some(Predecessor {
@@ -288,7 +291,7 @@ impl SlotLedger {
                 expires_ns: l.expires_ns,
                 fence: l.fence,
                 contended: self.demand.iter().any(|d| d.missing > 0),
-                over: self.held() > self.n,
+                over: self.held() > self.n || (l.adopted && self.predecessor.is_some()),
             };
         }
         let until = now_ns.saturating_add(ask.ttl_ns);
@@ -311,6 +314,7 @@ impl SlotLedger {
             })
             .flatten();
         let mut kept = old.map_or(0, |i| ask.keep.min(self.leases[i].slots));
+        let mut adopted = false;
         // Kept slots stay counted at least as long as the lease they come
         // from was (permits on it may run until then).
         let mut expires_ns = now_ns.saturating_add(ask.ttl_ns);
@@ -320,11 +324,12 @@ impl SlotLedger {
             }
             self.leases.swap_remove(i);
         } else {
-            let adopted = self.adopt(&ask);
-            if adopted > 0 {
+            let slots = self.adopt(&ask);
+            if slots > 0 {
                 // The predecessor's lease may be counted nowhere else
                 // until the phantom's end.
-                kept = adopted;
+                kept = slots;
+                adopted = true;
                 let until = self.predecessor.as_ref().map_or(0, |p| p.until_ns);
                 expires_ns = expires_ns.max(until);
             }
@@ -365,6 +370,7 @@ impl SlotLedger {
                 expires_ns,
                 kept,
                 fence,
+                adopted,
             });
             ask.new_id
         } else {
@@ -378,7 +384,12 @@ impl SlotLedger {
             expires_ns: if slots > 0 { expires_ns } else { 0 },
             fence,
             contended: self.demand.iter().any(|d| d.missing > 0),
-            over: self.held() > self.n,
+            // An adopted lease takes no new permit while the phantom
+            // stands: the lease it names may already have been replaced
+            // at the predecessor by one the holder also got (two asks in
+            // flight across the restart), which only the phantom counts;
+            // the permits that move onto it are covered either way.
+            over: self.held() > self.n || adopted,
         }
     }
 

@@ -11,7 +11,7 @@
 #![warn(missing_docs)]
 
 pub use quotalease_allocator_core::{
-    core, durable, leadership, ledger, regional, reservations, term,
+    core, durable, leadership, ledger, regional, reservations, slots, term,
 };
 
 pub mod metrics;

@@ -9,6 +9,7 @@ pub mod failover;
 pub mod fuzzing;
 pub mod liveness;
 pub mod net;
+pub mod permits;
 pub mod quality;
 pub mod report;
 pub mod rng;

@@ -1,0 +1,54 @@
+//! The simulator's permit model (`quotalease_sim::permits`, issue 34): I4
+//! is asserted on every event inside the run; here the runs must also
+//! serve (no permit lost, most acquires granted) and their figures are
+//! printed beside an ideal global semaphore's (docs/permits.md "In the
+//! simulator" has them).
+
+use quotalease_sim::permits::{run, PermitReport, PermitSimConfig};
+
+fn show(what: &str, seed: u64, cfg: &PermitSimConfig, r: &PermitReport) {
+    eprintln!(
+        "permits sim {what} seed {seed}: {} permits, {} timeouts (ideal {}), {} lost, max held {} of N = {}; slots in use {:.1} % while demand >= N ({:.1} s); wait p50 {:.0} ms p99 {:.0} ms (ideal {:.0} / {:.0} ms); {:.2} asks per permit",
+        r.permits,
+        r.timeouts,
+        r.ideal_timeouts,
+        r.lost,
+        r.max_held,
+        cfg.n,
+        100.0 * r.saturated_use,
+        r.saturated_s,
+        r.wait_p50_ns as f64 / 1e6,
+        r.wait_p99_ns as f64 / 1e6,
+        r.ideal_p50_ns as f64 / 1e6,
+        r.ideal_p99_ns as f64 / 1e6,
+        r.asks_per_permit(),
+    );
+}
+
+/// Offered load 1.5 x N: demand exceeds N throughout; the slots stay in use.
+#[test]
+fn over_n_keeps_i4_and_the_slots_in_use() {
+    for seed in 1..=3 {
+        let cfg = PermitSimConfig::shape(seed, 1.5);
+        let r = run(&cfg);
+        show("load 1.5", seed, &cfg, &r);
+        assert!(r.max_held <= cfg.n);
+        assert_eq!(r.lost, 0, "a held permit expired under its client");
+        assert!(r.permits > 1_000, "{r:?}");
+        assert!(r.saturated_s > 10.0, "demand hardly exceeded N: {r:?}");
+    }
+}
+
+/// Offered load 0.9 x N: queues come and go; waits against the ideal
+/// semaphore's.
+#[test]
+fn below_n_keeps_i4_and_serves_nearly_as_an_ideal_semaphore() {
+    for seed in 1..=3 {
+        let cfg = PermitSimConfig::shape(seed, 0.9);
+        let r = run(&cfg);
+        show("load 0.9", seed, &cfg, &r);
+        assert!(r.max_held <= cfg.n);
+        assert_eq!(r.lost, 0, "a held permit expired under its client");
+        assert!(r.permits > 1_000, "{r:?}");
+    }
+}

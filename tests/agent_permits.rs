@@ -687,3 +687,45 @@ async fn a_release_through_another_agent_reaches_the_holder() {
         Ok(PermitStatus::NotHere)
     );
 }
+
+/// A stress of the local semaphore: 16 tasks on 4 threads take and give
+/// back permits of one key at one agent 3 200 times, counting what they
+/// hold in an atomic counter: it never passes `N`, and every task is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_local_semaphore_under_contention_never_passes_n() {
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let in_use = Arc::new(AtomicU64::new(0));
+    let most = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (a, in_use, most) = (a.clone(), in_use.clone(), most.clone());
+            tokio::spawn(async move {
+                for _ in 0..200 {
+                    let got = a
+                        .acquire(input("t", "/gen", Duration::from_secs(30)))
+                        .await
+                        .expect("served");
+                    let now = in_use.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    assert!(now <= 5, "{now} permits held at once, N = 5");
+                    tokio::task::yield_now().await;
+                    in_use.fetch_sub(1, Ordering::SeqCst);
+                    let p = &got.permits[0];
+                    assert!(a.release_permit(&p.key, p.permit.id));
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let most = most.load(Ordering::SeqCst);
+    eprintln!(
+        "permits: 3 200 acquires from 16 tasks on 4 threads, at most {most} held at once (N = 5)"
+    );
+    assert!(most >= 2, "no contention at all: {most}");
+    assert_eq!(a.permits_held(&gen_key("t")).len(), 0);
+}

@@ -726,6 +726,104 @@ async fn an_operator_frees_a_dead_agents_slots() {
     assert_eq!(code, 404);
 }
 
+/// A leader failover with `--etcd` while a client holds 2 permits and
+/// renews them: the new leader's term starts with the phantom (slot
+/// leases are not in the reservations), the agent's renewal adopts its
+/// slots, and the permits are renewed on past anything the dead leader's
+/// lease allowed. Another agent gets nothing fresh until the new term's
+/// wait is over, then `N - 2`, never more. Skipped without etcd (CI
+/// installs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn permits_held_across_a_leader_failover_are_renewed_on() {
+    use common::etcd::*;
+    let Some(bin) = etcd_bin() else {
+        eprintln!("no etcd: skipped");
+        return;
+    };
+    let dir = tempdir("permits-ha");
+    let rules = write_rules(
+        &dir,
+        &RULES.replace(
+            "permit_ttl: 10s",
+            "permit_ttl: 10s\n    fail_policy: closed",
+        ),
+    );
+    let etcd = Etcd::start(&bin, &dir, 3);
+    let urls = etcd.urls();
+    let flags = ["--experimental-permits", "--ttl-max", "10s"];
+    let mut replicas: Vec<Option<Proc>> = (0..3)
+        .map(|i| {
+            let log = dir.join(format!("replica-{i}.log"));
+            Some(replica_with(&dir, Some(&rules), &urls, i, &log, &flags))
+        })
+        .collect();
+    let leader = leader_of(&replicas, None, Duration::from_secs(30));
+    let first = replicas[(leader + 1) % 3].as_ref().unwrap().url();
+    let (holder, other) = (
+        agent("permits-ha-0", &first, None, &[]),
+        agent("permits-ha-1", &first, None, &[]),
+    );
+    for ag in [&holder, &other] {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
+    }
+    let mut hc = permits_client(&holder).await;
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let r = hc.acquire(acquire_req(15_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        ids.push(r.permits[0].permit_id.clone());
+    }
+    // The leader dies; the holder renews every 500 ms for 16 s: past the
+    // dead leader's 10 s leases, an election and the new term's wait.
+    let killed = Instant::now();
+    replicas[leader].take().unwrap().kill9();
+    let mut oc = permits_client(&other).await;
+    let mut others: Vec<String> = Vec::new();
+    let mut max_other = 0usize;
+    while killed.elapsed() < Duration::from_secs(16) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for (i, id) in ids.iter().enumerate() {
+            let r = hc
+                .renew(RenewRequest {
+                    permit_id: id.clone(),
+                })
+                .await
+                .expect("renew")
+                .into_inner();
+            assert_eq!(
+                r.status,
+                PermitStatus::Held as i32,
+                "permit {i} lost {:?} after the leader was killed: {r:?}",
+                killed.elapsed()
+            );
+        }
+        // The other agent takes what it can, never more than N - 2.
+        if let Ok(r) = oc.acquire(acquire_req(100)).await {
+            let r = r.into_inner();
+            if r.outcome == AcquireOutcome::Acquired as i32 {
+                others.push(r.permits[0].permit_id.clone());
+            }
+        }
+        max_other = max_other.max(others.len());
+        assert!(
+            others.len() <= 3,
+            "{} permits beside the held 2, N = 5",
+            others.len()
+        );
+    }
+    let new_leader = leader_of(&replicas, None, Duration::from_secs(5));
+    eprintln!(
+        "e2e permits: 2 permits renewed across a leader failover ({leader} -> {new_leader}) for {:?}; the other agent held {max_other} of the 3 left after",
+        killed.elapsed()
+    );
+    assert_ne!(new_leader, leader);
+    assert_eq!(
+        max_other, 3,
+        "the other agent was not served the 3 left after the new term's wait"
+    );
+    drop(etcd);
+}
+
 /// Without `--experimental-permits` a rules file with `concurrency` is
 /// refused, naming the field.
 #[test]

@@ -729,3 +729,62 @@ async fn the_local_semaphore_under_contention_never_passes_n() {
     assert!(most >= 2, "no contention at all: {most}");
     assert_eq!(a.permits_held(&gen_key("t")).len(), 0);
 }
+
+/// Bad input: more acquires than an agent queues for one key. The
+/// 4 097th waiter is answered `QueueFull` at once (counted), nothing
+/// beyond `N` is ever held, and the queue works on when it drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_queues_a_bounded_number_of_waiters_per_key() {
+    use quotalease_agent::permit_driver::MAX_WAITERS_PER_KEY;
+    let shared = allocator();
+    let a = agent(&shared, "a");
+    ready(&a).await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(
+            a.acquire(input("t", "/gen", Duration::from_secs(5)))
+                .await
+                .unwrap(),
+        );
+    }
+    let waiters: Vec<_> = (0..MAX_WAITERS_PER_KEY)
+        .map(|_| {
+            let a = a.clone();
+            tokio::spawn(
+                async move { a.acquire(input("t", "/gen", Duration::from_secs(60))).await },
+            )
+        })
+        .collect();
+    // All queued (the driver's gauge counts them every tick).
+    for _ in 0..200 {
+        if a.metrics().permits.waiting.load(Ordering::Relaxed) == MAX_WAITERS_PER_KEY as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t = std::time::Instant::now();
+    let r = a.acquire(input("t", "/gen", Duration::from_secs(60))).await;
+    assert_eq!(r.unwrap_err(), PermitError::QueueFull(MAX_WAITERS_PER_KEY));
+    assert!(t.elapsed() < Duration::from_secs(1), "answered at once");
+    assert_eq!(a.metrics().permits.queue_full.get(), 1);
+    assert_eq!(a.permits_held(&gen_key("t")).len(), 5);
+    // The holders release: five waiters are served, in turn.
+    for got in held {
+        let p = &got.permits[0];
+        assert!(a.release_permit(&p.key, p.permit.id));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut served = 0;
+    for w in waiters {
+        if w.is_finished() {
+            w.await.unwrap().expect("served");
+            served += 1;
+        } else {
+            w.abort();
+        }
+    }
+    assert_eq!(
+        served, 5,
+        "the first five waiters take the five slots, no more"
+    );
+}

@@ -239,6 +239,8 @@ pub struct PermitMetrics {
     pub timeouts: Counter,
     /// Acquires answered unavailable (fail-closed, unreachable).
     pub unavailable: Counter,
+    /// Acquires not queued: too many already wait for the key here.
+    pub queue_full: Counter,
     /// Permits released.
     pub released: Counter,
     /// Permits that reached their expiry unreleased.
@@ -422,6 +424,7 @@ impl AgentMetrics {
                 ("failure_mode", g(&self.permits.failure_mode)),
                 ("timeout", g(&self.permits.timeouts)),
                 ("unavailable", g(&self.permits.unavailable)),
+                ("queue_full", g(&self.permits.queue_full)),
             ],
             permits_released: g(&self.permits.released),
             permits_forwarded: [
@@ -449,7 +452,7 @@ struct Snapshot {
     rule_version: u64,
     ready: bool,
     renewal: Histogram,
-    permit_acquires: [(&'static str, u64); 4],
+    permit_acquires: [(&'static str, u64); 5],
     permits_released: u64,
     permits_forwarded: [(&'static str, u64); 2],
     permits_expired: u64,

@@ -51,6 +51,12 @@ use crate::transport::Transport;
 /// How often the driver looks at its keys when nothing wakes it.
 const TICK: Duration = Duration::from_millis(50);
 
+/// Acquires that may wait for one key at one agent: beyond this an
+/// acquire is answered [`PermitError::QueueFull`] at once (a queue that
+/// long is a backlog, not a semaphore; SPEC §8: bounded, with a clear
+/// answer).
+pub const MAX_WAITERS_PER_KEY: usize = 4096;
+
 /// Acquires' request ids remembered at most (see [`Permits::remember`]).
 pub const MAX_REMEMBERED: usize = 100_000;
 
@@ -98,6 +104,10 @@ pub enum PermitError {
     /// The agent is stopping.
     #[error("the agent is stopping")]
     Stopping,
+    /// This many acquires already wait for the key at this agent: not
+    /// queued (try again later, or at another agent).
+    #[error("{0} acquires already wait for this key at this agent; not queued")]
+    QueueFull(usize),
     /// The allocator is unreachable and the rule is fail-closed.
     #[error("{0}")]
     Unavailable(String),
@@ -379,6 +389,7 @@ impl Permits {
             }
             Err(PermitError::Timeout) => m.timeouts.add(1),
             Err(PermitError::Unavailable(_)) => m.unavailable.add(1),
+            Err(PermitError::QueueFull(_)) => m.queue_full.add(1),
             Err(_) => {}
         }
         r
@@ -427,6 +438,9 @@ impl Permits {
                 e.pk.set_settings(settings);
             }
             e.policy = rule.fail_policy;
+            if e.waiters.len() >= MAX_WAITERS_PER_KEY {
+                return Err(PermitError::QueueFull(MAX_WAITERS_PER_KEY));
+            }
             match e.pk.acquire(now, slots) {
                 Ok(permit) => {
                     return Ok(HeldPermit {

@@ -122,6 +122,12 @@ async fn acquire(
             detail: why,
             ..AcquireResponse::default()
         },
+        Err(e @ PermitError::QueueFull(_)) => AcquireResponse {
+            outcome: AcquireOutcome::QueueFull as i32,
+            detail: e.to_string(),
+            retry_after_ms: 1_000,
+            ..AcquireResponse::default()
+        },
         Err(e) => AcquireResponse {
             // Stopping, or the rate side cannot decide: not a limit.
             outcome: AcquireOutcome::Timeout as i32,
@@ -282,6 +288,23 @@ async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
         )
             .into_response(),
         Ok(AcquireOutcome::NoRule) => error(StatusCode::NOT_FOUND, "route_id", &resp.detail),
+        Ok(AcquireOutcome::QueueFull) => {
+            let mut r = (
+                StatusCode::TOO_MANY_REQUESTS,
+                Json(json!({ "error": "queue_full", "reason": resp.detail })),
+            )
+                .into_response();
+            r.headers_mut().insert(
+                "retry-after",
+                resp.retry_after_ms
+                    .div_ceil(1000)
+                    .max(1)
+                    .to_string()
+                    .parse()
+                    .expect("digits"),
+            );
+            r
+        }
         Ok(AcquireOutcome::Unavailable) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({ "error": "limiter_unavailable", "reason": resp.detail })),

@@ -63,6 +63,27 @@ async fn ready(a: &Agent) {
     panic!("agent not ready");
 }
 
+/// Two agents of `shared`, ready.
+async fn two_agents(shared: &Arc<Shared>) -> (Agent, Agent) {
+    let (a, b) = (agent(shared, "a"), agent(shared, "b"));
+    ready(&a).await;
+    ready(&b).await;
+    (a, b)
+}
+
+/// `n` permits of tenant `t` on `/gen` at `a`.
+async fn take(a: &Agent, n: usize) -> Vec<quotalease_agent::agent::Acquired> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        held.push(
+            a.acquire(input("t", "/gen", Duration::from_secs(5)))
+                .await
+                .unwrap(),
+        );
+    }
+    held
+}
+
 fn input<'a>(tenant: &'a str, route: &'a str, wait: Duration) -> AcquireInput<'a> {
     AcquireInput {
         tenant,
@@ -142,18 +163,8 @@ async fn forty_acquires_over_two_agents_hold_at_most_n_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_past_its_deadline_or_gone_holds_nothing() {
     let shared = allocator();
-    let a = agent(&shared, "a");
-    let b = agent(&shared, "b");
-    ready(&a).await;
-    ready(&b).await;
-    let mut kept = Vec::new();
-    for _ in 0..5 {
-        kept.push(
-            a.acquire(input("t", "/gen", Duration::from_secs(5)))
-                .await
-                .unwrap(),
-        );
-    }
+    let (a, b) = two_agents(&shared).await;
+    let mut kept = take(&a, 5).await;
     // Full: b's acquire times out, holding nothing.
     let t = std::time::Instant::now();
     let r = b
@@ -576,19 +587,9 @@ async fn a_retried_acquire_with_its_request_id_gets_the_same_permit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_key_is_asked_for_at_most_once_per_tick() {
     let shared = allocator();
-    let a = agent(&shared, "a");
-    let b = agent(&shared, "b");
-    ready(&a).await;
-    ready(&b).await;
+    let (a, b) = two_agents(&shared).await;
     // a holds 2 of the 5 for the whole test; b's six clients share 3.
-    let mut kept = Vec::new();
-    for _ in 0..2 {
-        kept.push(
-            a.acquire(input("t", "/gen", Duration::from_secs(5)))
-                .await
-                .unwrap(),
-        );
-    }
+    let _kept = take(&a, 2).await;
     let churn = |b: Agent, until: std::time::Instant| async move {
         let mut got = 0u64;
         while std::time::Instant::now() < until {
@@ -635,10 +636,7 @@ async fn a_full_key_is_asked_for_at_most_once_per_tick() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_through_another_agent_reaches_the_holder() {
     let shared = allocator();
-    let a = agent(&shared, "a");
-    let b = agent(&shared, "b");
-    ready(&a).await;
-    ready(&b).await;
+    let (a, b) = two_agents(&shared).await;
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(

@@ -50,6 +50,29 @@ async fn permits_client(p: &Proc) -> PermitsClient<Channel> {
         .expect("connect agent")
 }
 
+/// Hold the permit `r` granted for `hold`, release it through `c`, and
+/// count it in `spans` from the answer (`from`) to the release.
+async fn hold_then_release(
+    c: &mut PermitsClient<Channel>,
+    r: &quotalease_proto::v1::AcquireResponse,
+    from: Instant,
+    hold: Duration,
+    spans: &Spans,
+) {
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    tokio::time::sleep(hold).await;
+    let to = Instant::now();
+    let rel = c
+        .release(ReleaseRequest {
+            permit_id: r.permits[0].permit_id.clone(),
+        })
+        .await
+        .expect("release")
+        .into_inner();
+    assert!(rel.released, "{rel:?}");
+    spans.lock().push((from, to));
+}
+
 fn acquire_req(wait_ms: u64) -> AcquireRequest {
     AcquireRequest {
         tenant_id: "acme".into(),
@@ -114,20 +137,10 @@ async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
                 .expect("acquire")
                 .into_inner();
             let from = Instant::now();
-            assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
-            let p = &r.permits[0];
-            assert!(p.expires_in_ms > 0 && p.fencing_token > 0, "{p:?}");
-            tokio::time::sleep(Duration::from_millis(30 + (i * 41) % 120)).await;
-            let to = Instant::now();
-            let rel = c
-                .release(ReleaseRequest {
-                    permit_id: p.permit_id.clone(),
-                })
-                .await
-                .expect("release")
-                .into_inner();
-            assert!(rel.released, "{rel:?}");
-            spans.lock().push((from, to));
+            let p = r.permits.first().cloned().unwrap_or_default();
+            assert!(p.expires_in_ms > 0 && p.fencing_token > 0, "{r:?}");
+            let hold = Duration::from_millis(30 + (i * 41) % 120);
+            hold_then_release(&mut c, &r, from, hold, &spans).await;
         }));
     }
     for t in tasks {
@@ -185,19 +198,8 @@ async fn five_hundred_acquires_with_n_32_over_three_agents() {
                 .expect("acquire")
                 .into_inner();
             let from = Instant::now();
-            assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
-            tokio::time::sleep(Duration::from_millis(20 + (i * 37) % 80)).await;
-            let to = Instant::now();
-            let p = &r.permits[0];
-            let rel = c
-                .release(ReleaseRequest {
-                    permit_id: p.permit_id.clone(),
-                })
-                .await
-                .expect("release")
-                .into_inner();
-            assert!(rel.released, "{rel:?}");
-            spans.lock().push((from, to));
+            let hold = Duration::from_millis(20 + (i * 37) % 80);
+            hold_then_release(&mut c, &r, from, hold, &spans).await;
         }));
     }
     for t in tasks {

@@ -84,20 +84,26 @@ fn acquire_req(wait_ms: u64) -> AcquireRequest {
 }
 
 fn start(name: &str, agents: usize) -> (Proc, Vec<Proc>) {
+    start_with(name, agents, RULES, "2s")
+}
+
+/// An allocator with `--experimental-permits`, `rules` and `--ttl-max
+/// ttl_max`, and `agents` agents of it, ready.
+fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (Proc, Vec<Proc>) {
     let dir = tempdir(name);
-    let rules = write_rules(&dir, RULES);
+    let rules = write_rules(&dir, rules);
     let a = allocator_with(
         &rules,
         &dir.join("state"),
         None,
-        "2s",
+        ttl_max,
         &["--experimental-permits"],
     );
     let agents: Vec<Proc> = (0..agents)
         .map(|i| agent(&format!("{name}-{i}"), &a.url(), None, &[]))
         .collect();
     for ag in &agents {
-        wait_ok(ag.http, "/readyz", Duration::from_secs(20));
+        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
     }
     (a, agents)
 }
@@ -166,21 +172,8 @@ async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
 /// at most, each further one only after a release, all served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_acquires_with_n_32_over_three_agents() {
-    let dir = tempdir("permits-500");
-    let rules = write_rules(&dir, &RULES.replace("concurrency: 5", "concurrency: 32"));
-    let alloc = allocator_with(
-        &rules,
-        &dir.join("state"),
-        None,
-        "2s",
-        &["--experimental-permits"],
-    );
-    let agents: Vec<Proc> = (0..3)
-        .map(|i| agent(&format!("permits-500-{i}"), &alloc.url(), None, &[]))
-        .collect();
-    for ag in &agents {
-        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
-    }
+    let rules = RULES.replace("concurrency: 5", "concurrency: 32");
+    let (_alloc, agents) = start_with("permits-500", 3, &rules, "2s");
     let mut clients = Vec::new();
     for ag in &agents {
         clients.push(permits_client(ag).await);
@@ -646,20 +639,10 @@ async fn a_release_through_another_agent_frees_the_slot() {
 /// field; an unknown lease is `404`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_frees_a_dead_agents_slots() {
-    let dir = tempdir("permits-force");
-    let rules = write_rules(&dir, &RULES.replace("permit_ttl: 10s", "permit_ttl: 20s"));
-    let alloc = allocator_with(
-        &rules,
-        &dir.join("state"),
-        None,
-        "20s",
-        &["--experimental-permits"],
-    );
-    let victim = agent("permits-force-0", &alloc.url(), None, &[]);
-    let survivor = agent("permits-force-1", &alloc.url(), None, &[]);
-    for ag in [&victim, &survivor] {
-        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
-    }
+    let rules = RULES.replace("permit_ttl: 10s", "permit_ttl: 20s");
+    let (alloc, mut agents) = start_with("permits-force", 2, &rules, "20s");
+    let survivor = agents.pop().unwrap();
+    let victim = agents.pop().unwrap();
     let mut vc = permits_client(&victim).await;
     for _ in 0..3 {
         let r = vc.acquire(acquire_req(5_000)).await.unwrap().into_inner();

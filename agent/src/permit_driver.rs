@@ -51,6 +51,13 @@ use crate::transport::Transport;
 /// How often the driver looks at its keys when nothing wakes it.
 const TICK: Duration = Duration::from_millis(50);
 
+/// Times the driver sends an unanswered batch of slot asks again, the
+/// same batch (same sequence number), before it gives its asks up and
+/// asks anew: a copy that reached the allocator is answered from its reply
+/// cache with the grant already made, so a lost or late reply does not
+/// leave a lease that no one uses counted until it expires.
+pub const BATCH_RETRIES: u32 = 3;
+
 /// Acquires that may wait for one key at one agent: beyond this an
 /// acquire is answered [`PermitError::QueueFull`] at once (a queue that
 /// long is a backlog, not a semaphore; SPEC §8: bounded, with a clear
@@ -70,6 +77,10 @@ const EMERGENCY_IDS: u64 = 1 << 62;
 
 /// What a waiter is sent: a permit, or why it gets none.
 type Answer = Result<Permit, PermitError>;
+
+/// A batch sent and not answered yet: the batch, what each of its items
+/// asked, and how many times it was sent.
+type Unanswered = (LeaseBatch, Vec<(KeyId, SentAsk)>, u32);
 
 /// One shard's asks: the items, what each asked, the batch TTL (ns).
 type ShardAsks = (Vec<LeaseItem>, Vec<(KeyId, SentAsk)>, u64);
@@ -623,16 +634,22 @@ impl Permits {
 
     /// The driver: ask, send, apply; until stopped.
     async fn run(self) {
+        // Batches whose call failed or timed out, to send again as they
+        // are (their keys stay in flight meanwhile): (batch, its asks,
+        // sends so far).
+        let mut retry: Vec<Unanswered> = Vec::new();
         while !self.inner.stop.load(Ordering::Acquire) {
             let _ = tokio::time::timeout(TICK, self.inner.wake.notified()).await;
             if self.inner.stop.load(Ordering::Acquire) {
                 break;
             }
-            for (batch, asked) in self.batches() {
+            let mut out = std::mem::take(&mut retry);
+            out.extend(self.batches().into_iter().map(|(b, a)| (b, a, 1)));
+            for (batch, asked, sends) in out {
                 let sent_at = self.inner.cfg.clock.now();
                 let reply = tokio::time::timeout(
                     self.inner.cfg.fetch_timeout,
-                    self.inner.transport.lease(batch),
+                    self.inner.transport.lease(batch.clone()),
                 )
                 .await;
                 match reply {
@@ -645,7 +662,8 @@ impl Permits {
                         self.apply(reply, asked)
                     }
                     Ok(Ok(reply)) => {
-                        // A replica without a leader answers with no grants.
+                        // A replica without a leader answers with no grants
+                        // (nothing applied): asked anew once one leads.
                         tracing::debug!(
                             not_leader = reply.not_leader,
                             "permits: slot asks not applied; asked again on the next tick"
@@ -657,19 +675,27 @@ impl Permits {
                         }
                         self.not_answered(&asked);
                     }
-                    Ok(Err(why)) => {
-                        tracing::debug!(%why, "permits: slot asks not answered; asked again on the next tick");
+                    failed => {
+                        // Failed or timed out: it may have been applied and
+                        // its reply lost. The same batch again is answered
+                        // from the allocator's reply cache if so (BATCH_RETRIES).
+                        match &failed {
+                            Ok(Err(why)) => {
+                                tracing::debug!(%why, sends, "permits: slot asks not answered")
+                            }
+                            _ => tracing::debug!(
+                                waited_ms = (self.inner.cfg.clock.now().saturating_sub(sent_at))
+                                    / 1_000_000,
+                                sends,
+                                "permits: slot asks timed out"
+                            ),
+                        }
                         self.inner.state.lock().failing_since.get_or_insert(sent_at);
-                        self.not_answered(&asked);
-                    }
-                    Err(_) => {
-                        tracing::debug!(
-                            waited_ms =
-                                (self.inner.cfg.clock.now().saturating_sub(sent_at)) / 1_000_000,
-                            "permits: slot asks timed out; asked again on the next tick"
-                        );
-                        self.inner.state.lock().failing_since.get_or_insert(sent_at);
-                        self.not_answered(&asked);
+                        if sends <= BATCH_RETRIES {
+                            retry.push((batch, asked, sends + 1));
+                        } else {
+                            self.not_answered(&asked);
+                        }
                     }
                 }
             }

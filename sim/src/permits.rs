@@ -21,6 +21,8 @@ use quotalease_agent::permits::{AcquireError, Granted, PermitKey, PermitSettings
 use quotalease_allocator::core::TTL_MAX_CAP_NS;
 use quotalease_allocator::slots::{SlotAsk, SlotLedger};
 
+use quotalease_model::protocol::RHO_PPM;
+
 use crate::rng::SimRng;
 
 const MS: u64 = 1_000_000;
@@ -46,7 +48,34 @@ pub struct PermitSimConfig {
     pub ttl_max_ns: u64,
     /// A client renews its permit this often while it holds it.
     pub renew_every_ns: u64,
+    /// Faults (none by default).
+    pub faults: PermitFaults,
 }
+
+/// Faults of a permit run.
+#[derive(Clone, Debug, Default)]
+pub struct PermitFaults {
+    /// Each ask, and each reply, is lost with this probability (the
+    /// agent gives up on it after its fetch timeout, 250 ms, and asks
+    /// again; the promise of the lost ask stands).
+    pub loss: f64,
+    /// The allocator crashes and restarts at once at these instants: a
+    /// new ledger whose phantom holds all `N` for the restart wait and
+    /// adopts the leases agents' asks name.
+    pub restarts_ns: Vec<u64>,
+    /// Agent `.1` crashes at `.0` and starts again at once, empty: its
+    /// clients' permits go on counting until their expiries (they do not
+    /// know), its waiters are gone.
+    pub crashes: Vec<(u64, usize)>,
+}
+
+/// How long an agent waits for a reply before it asks again (the
+/// driver's default fetch timeout).
+const FETCH_TIMEOUT_NS: u64 = 250 * MS;
+
+/// Times an agent sends an unanswered ask's batch again (the driver's
+/// `BATCH_RETRIES`).
+const RETRIES: u32 = quotalease_agent::permit_driver::BATCH_RETRIES;
 
 impl PermitSimConfig {
     /// The shape the issue asks about: `N` = 32, three agents 15, 25 and
@@ -75,6 +104,7 @@ impl PermitSimConfig {
             wait_ns: 5_000 * MS,
             ttl_max_ns: 2_000 * MS,
             renew_every_ns: 250 * MS,
+            faults: PermitFaults::default(),
         }
     }
 }
@@ -108,6 +138,13 @@ pub struct PermitReport {
     pub ideal_timeouts: u64,
     /// Asks sent to the allocator (each a message and its reply).
     pub asks: u64,
+    /// Asks or replies lost (faults).
+    pub lost_messages: u64,
+    /// Permits whose agent crashed under them (they counted on until
+    /// their expiries).
+    pub orphaned: u64,
+    /// Unanswered asks sent again (the same batch).
+    pub retries: u64,
 }
 
 impl PermitReport {
@@ -128,32 +165,56 @@ enum Ev {
     },
     Deadline {
         a: usize,
+        inc: u32,
         waiter: u64,
     },
     Renew {
         a: usize,
+        inc: u32,
         id: u64,
     },
     Release {
         a: usize,
+        inc: u32,
         id: u64,
     },
     AskArrives {
         a: usize,
+        inc: u32,
         sent: SentAsk,
+        lost_reply: bool,
     },
+    /// The agent's fetch timeout for the ask `seq`: it sends the same
+    /// batch again (the allocator's reply cache answers a copy that
+    /// already arrived with the grant it made), up to [`RETRIES`] times,
+    /// then gives up and asks anew.
     Reply {
         a: usize,
+        inc: u32,
         sent: SentAsk,
         g: Granted,
         contended: bool,
         holders: u32,
+    },
+    GiveUp {
+        a: usize,
+        inc: u32,
+        sent: SentAsk,
+        tries: u32,
+    },
+    Restart,
+    Crash {
+        a: usize,
     },
 }
 
 struct Agent {
     pk: PermitKey,
     policy: AskPolicy,
+    /// Its incarnation (events of an earlier one are dropped).
+    inc: u32,
+    /// The ask in flight, by sequence number.
+    asking: Option<u64>,
     /// Waiters: id -> (arrival, hold).
     waiters: HashMap<u64, (u64, u64)>,
     /// Permits held: id -> release time.
@@ -170,16 +231,15 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
         epsilon_ns: 10 * MS,
     };
     let ttl_max = cfg.ttl_max_ns.min(TTL_MAX_CAP_NS);
-    let mut agents: Vec<Agent> = cfg
-        .delays_ns
-        .iter()
-        .map(|_| Agent {
-            pk: PermitKey::new(settings),
-            policy: AskPolicy::new(settings.lease_ttl_ns),
-            waiters: HashMap::new(),
-            held: HashMap::new(),
-        })
-        .collect();
+    let fresh_agent = |inc: u32| Agent {
+        pk: PermitKey::new(settings),
+        policy: AskPolicy::new(settings.lease_ttl_ns),
+        inc,
+        asking: None,
+        waiters: HashMap::new(),
+        held: HashMap::new(),
+    };
+    let mut agents: Vec<Agent> = cfg.delays_ns.iter().map(|_| fresh_agent(0)).collect();
     let end: u64 = cfg.phases.iter().map(|p| p.0).sum();
     let rate_at = |a: usize, t: u64| {
         let mut from = 0;
@@ -202,29 +262,35 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     let rng = SimRng::new(cfg.seed);
     let mut arrivals_rng: Vec<SimRng> = (0..agents.len()).map(|a| rng.fork(a as u64 + 1)).collect();
     let mut holds_rng = rng.fork(100);
+    let mut faults_rng = rng.fork(200);
     let mut hold = || {
         let x = cfg.hold_median_ns as f64 * (cfg.hold_sigma * holds_rng.normal()).exp();
         (x as u64).max(1)
     };
     let mut ledger = SlotLedger::new(cfg.n, 1 << 32);
-    let mut events: BTreeMap<(u64, u64), Ev> = BTreeMap::new();
-    let mut seq = 0u64;
-    let mut post = |events: &mut BTreeMap<(u64, u64), Ev>, at: u64, ev: Ev| {
-        seq += 1;
-        events.insert((at, seq), ev);
-    };
+    let mut q = Queue::default();
     for a in 0..agents.len() {
-        post(&mut events, a as u64 * 7 * MS, Ev::Tick { a });
-        post(&mut events, 0, Ev::Arrival { a });
+        q.post(a as u64 * 7 * MS, Ev::Tick { a });
+        q.post(0, Ev::Arrival { a });
+    }
+    for &t in &cfg.faults.restarts_ns {
+        q.post(t, Ev::Restart);
+    }
+    for &(t, a) in &cfg.faults.crashes {
+        q.post(t, Ev::Crash { a });
     }
     let mut r = PermitReport::default();
     let mut waits = Vec::new();
-    // For the ideal semaphore: every arrival (time, hold, deadline).
+    // For the ideal semaphore: every arrival (time, hold).
     let mut offered: Vec<(u64, u64)> = Vec::new();
+    // Permits of crashed agents: (slots, expiry); their clients hold them.
+    let mut orphans: Vec<(u64, u64)> = Vec::new();
     let mut next_lease = 1u64;
+    let mut restarts = 0u64;
+    // The allocator's reply cache: (agent, incarnation, ask) -> answer.
+    let mut replies: HashMap<(usize, u32, u64), (Granted, bool, u32)> = HashMap::new();
     let (mut last_t, mut busy_area, mut busy_ns) = (0u64, 0.0f64, 0u64);
-    while let Some((&(now, s), &ev)) = events.iter().next() {
-        events.remove(&(now, s));
+    while let Some((now, ev)) = q.next() {
         if now > end + cfg.wait_ns + 10_000 * MS {
             break;
         }
@@ -252,7 +318,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let rng = &mut arrivals_rng[a];
                 let next = now + rng.exp_ns(1e9 / max_rate[a]);
                 if next < end {
-                    post(&mut events, next, Ev::Arrival { a });
+                    q.post(next, Ev::Arrival { a });
                 }
                 if rng.unit_f64() * max_rate[a] < rate_at(a, now) {
                     let h = hold();
@@ -265,11 +331,8 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                         }
                         Err(AcquireError::Queued(w)) => {
                             ag.waiters.insert(w, (now, h));
-                            post(
-                                &mut events,
-                                now + cfg.wait_ns,
-                                Ev::Deadline { a, waiter: w },
-                            );
+                            let inc = ag.inc;
+                            q.post(now + cfg.wait_ns, Ev::Deadline { a, inc, waiter: w });
                             ask_now = Some(a);
                         }
                         Err(AcquireError::Invalid) => unreachable!("one slot of N >= 1"),
@@ -277,30 +340,30 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 }
             }
             Ev::Tick { a } => {
-                post(&mut events, now + TICK_NS, Ev::Tick { a });
+                q.post(now + TICK_NS, Ev::Tick { a });
                 ask_now = Some(a);
             }
-            Ev::Deadline { a, waiter } => {
+            Ev::Deadline { a, inc, waiter } => {
                 let ag = &mut agents[a];
-                if ag.waiters.remove(&waiter).is_some() {
+                if ag.inc == inc && ag.waiters.remove(&waiter).is_some() {
                     ag.pk.cancel(waiter);
                     r.timeouts += 1;
                 }
             }
-            Ev::Renew { a, id } => {
+            Ev::Renew { a, inc, id } => {
                 let ag = &mut agents[a];
-                if ag.held.contains_key(&id) {
+                if ag.inc == inc && ag.held.contains_key(&id) {
                     if ag.pk.renew(now, id).is_err() {
                         ag.held.remove(&id);
                         r.lost += 1;
                     } else {
-                        post(&mut events, now + cfg.renew_every_ns, Ev::Renew { a, id });
+                        q.post(now + cfg.renew_every_ns, Ev::Renew { a, inc, id });
                     }
                 }
             }
-            Ev::Release { a, id } => {
+            Ev::Release { a, inc, id } => {
                 let ag = &mut agents[a];
-                if ag.held.remove(&id).is_some() {
+                if ag.inc == inc && ag.held.remove(&id).is_some() {
                     ag.pk.release(now, id);
                     for (w, p) in ag.pk.serve_waiters(now) {
                         let (arrived, h) = ag.waiters.remove(&w).expect("a waiter");
@@ -310,81 +373,146 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     ask_now = Some(a);
                 }
             }
-            Ev::AskArrives { a, sent } => {
-                let id = next_lease;
-                next_lease += 1;
-                let g = ledger.ask(
-                    now,
-                    SlotAsk {
-                        holder: a as u32,
-                        lease_id: sent.lease_id,
-                        keep: sent.keep,
-                        want: sent.want,
-                        ttl_ns: settings.lease_ttl_ns.min(ttl_max),
-                        new_id: id,
-                    },
-                );
-                let granted = Granted {
-                    lease_id: g.lease_id,
-                    slots: g.slots,
-                    kept: g.kept,
-                    fence: g.fence,
-                    over: g.over,
-                    ttl_ns: g.expires_ns.saturating_sub(now),
+            Ev::AskArrives {
+                a,
+                inc,
+                sent,
+                lost_reply,
+            } => {
+                // The reply cache: a copy of a batch already applied (by
+                // this allocator: a restart empties it) gets the same
+                // answer.
+                let cached = replies.get(&(a, inc, sent.seq)).copied();
+                let (granted, contended, holders) = match cached {
+                    Some(c) => c,
+                    None => {
+                        let id = next_lease;
+                        next_lease += 1;
+                        let g = ledger.ask(
+                            now,
+                            SlotAsk {
+                                holder: (inc << 8) | a as u32,
+                                lease_id: sent.lease_id,
+                                keep: sent.keep,
+                                want: sent.want,
+                                ttl_ns: settings.lease_ttl_ns.min(ttl_max),
+                                new_id: id,
+                            },
+                        );
+                        let granted = Granted {
+                            lease_id: g.lease_id,
+                            slots: g.slots,
+                            kept: g.kept,
+                            fence: g.fence,
+                            over: g.over,
+                            ttl_ns: g.expires_ns.saturating_sub(now),
+                        };
+                        let holders = ledger.holders();
+                        replies.insert((a, inc, sent.seq), (granted, g.contended, holders));
+                        (granted, g.contended, holders)
+                    }
                 };
-                let holders = ledger.holders();
-                post(
-                    &mut events,
-                    now + cfg.delays_ns[a],
-                    Ev::Reply {
-                        a,
-                        sent,
-                        g: granted,
-                        contended: g.contended,
-                        holders,
-                    },
-                );
+                if lost_reply {
+                    r.lost_messages += 1;
+                } else {
+                    q.post(
+                        now + cfg.delays_ns[a],
+                        Ev::Reply {
+                            a,
+                            inc,
+                            sent,
+                            g: granted,
+                            contended,
+                            holders,
+                        },
+                    );
+                }
             }
             Ev::Reply {
                 a,
+                inc,
                 sent,
                 g,
                 contended,
                 holders,
             } => {
                 let ag = &mut agents[a];
-                ag.policy
-                    .on_grant(&mut ag.pk, now, sent, g, contended, holders);
-                for (w, p) in ag.pk.serve_waiters(now) {
-                    let (arrived, h) = ag.waiters.remove(&w).expect("a waiter");
-                    waits.push(now - arrived);
-                    started.push((a, p.id, now + h));
+                // A reply after the agent gave up is dropped, as the
+                // driver's timed-out call drops it.
+                if ag.inc == inc && ag.asking == Some(sent.seq) {
+                    ag.asking = None;
+                    ag.policy
+                        .on_grant(&mut ag.pk, now, sent, g, contended, holders);
+                    for (w, p) in ag.pk.serve_waiters(now) {
+                        let (arrived, h) = ag.waiters.remove(&w).expect("a waiter");
+                        waits.push(now - arrived);
+                        started.push((a, p.id, now + h));
+                    }
+                    ask_now = Some(a);
                 }
-                ask_now = Some(a);
+            }
+            Ev::GiveUp {
+                a,
+                inc,
+                sent,
+                tries,
+            } => {
+                let ag = &mut agents[a];
+                if ag.inc == inc && ag.asking == Some(sent.seq) {
+                    if tries < RETRIES {
+                        r.retries += 1;
+                        q.send(now, &mut faults_rng, cfg, &mut r, (a, inc), sent, tries + 1);
+                    } else {
+                        ag.asking = None;
+                        ag.policy.not_answered();
+                    }
+                }
+            }
+            Ev::Restart => {
+                restarts += 1;
+                replies.clear();
+                let wait = ttl_max + ttl_max * 2 * RHO_PPM / 1_000_000 + settings.epsilon_ns + 1;
+                ledger =
+                    SlotLedger::after_restart(cfg.n, (restarts + 1) << 32, now + wait, next_lease);
+            }
+            Ev::Crash { a } => {
+                let ag = &mut agents[a];
+                let held: Vec<(u64, u64)> = ag
+                    .pk
+                    .permits(now)
+                    .iter()
+                    .map(|p| (p.slots, p.expiry_ns))
+                    .collect();
+                r.orphaned += held.len() as u64;
+                orphans.extend(held);
+                let inc = ag.inc + 1;
+                *ag = fresh_agent(inc);
             }
         }
         for (a, id, until) in started {
             r.permits += 1;
+            let inc = agents[a].inc;
             agents[a].held.insert(id, until);
-            post(&mut events, until, Ev::Release { a, id });
-            post(&mut events, now + cfg.renew_every_ns, Ev::Renew { a, id });
+            q.post(until, Ev::Release { a, inc, id });
+            q.post(now + cfg.renew_every_ns, Ev::Renew { a, inc, id });
         }
         if let Some(a) = ask_now {
             let ag = &mut agents[a];
             if let Some(sent) = ag.policy.due(&mut ag.pk, now) {
                 r.asks += 1;
-                post(
-                    &mut events,
-                    now + cfg.delays_ns[a],
-                    Ev::AskArrives { a, sent },
-                );
+                ag.asking = Some(sent.seq);
+                let inc = ag.inc;
+                q.send(now, &mut faults_rng, cfg, &mut r, (a, inc), sent, 0);
             }
         }
-        // I4 at this instant.
+        // I4 at this instant: the permits valid at every agent, and those
+        // of crashed agents until their expiries.
+        orphans.retain(|o| o.1 > now);
         let held: u64 = agents
             .iter_mut()
             .map(|ag| ag.pk.permits(now).iter().map(|p| p.slots).sum::<u64>())
-            .sum();
+            .sum::<u64>()
+            + orphans.iter().map(|o| o.0).sum::<u64>();
         r.max_held = r.max_held.max(held);
         assert!(
             held <= cfg.n,
@@ -400,6 +528,65 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     (r.ideal_p50_ns, r.ideal_p99_ns) = quantiles(&mut ideal);
     r.ideal_timeouts = ideal_timeouts;
     r
+}
+
+/// The events to come, in time order (ties in the order posted).
+#[derive(Default)]
+struct Queue {
+    events: BTreeMap<(u64, u64), Ev>,
+    seq: u64,
+}
+
+impl Queue {
+    fn post(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.events.insert((at, self.seq), ev);
+    }
+
+    fn next(&mut self) -> Option<(u64, Ev)> {
+        let (&(at, s), &ev) = self.events.iter().next()?;
+        self.events.remove(&(at, s));
+        Some((at, ev))
+    }
+
+    /// Agent `a` (incarnation `inc`) sends `sent` at `now` (`tries` times
+    /// before): its fetch timeout, and its arrival unless lost (or its
+    /// reply, decided here too).
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &mut self,
+        now: u64,
+        rng: &mut SimRng,
+        cfg: &PermitSimConfig,
+        r: &mut PermitReport,
+        (a, inc): (usize, u32),
+        sent: SentAsk,
+        tries: u32,
+    ) {
+        self.post(
+            now + FETCH_TIMEOUT_NS,
+            Ev::GiveUp {
+                a,
+                inc,
+                sent,
+                tries,
+            },
+        );
+        if rng.chance(cfg.faults.loss) {
+            r.lost_messages += 1;
+            return;
+        }
+        let lost_reply = rng.chance(cfg.faults.loss);
+        self.post(
+            now + cfg.delays_ns[a],
+            Ev::AskArrives {
+                a,
+                inc,
+                sent,
+                lost_reply,
+            },
+        );
+    }
 }
 
 /// p50 and p99 of `v` (0 when empty).

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use quotalease_agent::agent::{AcquireInput, Agent, AgentConfig};
+use quotalease_agent::permit_driver::PermitError;
 use quotalease_agent::transport::GrpcTransport;
 
 /// The rule the demo adds (appended to its rate rules).
@@ -34,7 +35,9 @@ pub struct Outcome {
     agents: Vec<Agent>,
     spans: Arc<Mutex<Vec<(Instant, Instant)>>>,
     waits: Arc<Mutex<Vec<Duration>>>,
-    timeouts: Arc<Mutex<u64>>,
+    /// Acquires timed out, refused (fail-closed), permits that expired
+    /// before their worker was done.
+    timeouts: Arc<Mutex<(u64, u64, u64)>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     start: Instant,
 }
@@ -58,7 +61,7 @@ pub async fn start(url: &str, duration: Duration) -> anyhow::Result<Outcome> {
     }
     let spans = Arc::new(Mutex::new(Vec::new()));
     let waits = Arc::new(Mutex::new(Vec::new()));
-    let timeouts = Arc::new(Mutex::new(0));
+    let timeouts = Arc::new(Mutex::new((0, 0, 0)));
     let start = Instant::now();
     let tasks = (0..WORKERS)
         .map(|w| {
@@ -76,17 +79,36 @@ pub async fn start(url: &str, duration: Duration) -> anyhow::Result<Outcome> {
                         wait: Duration::from_secs(2),
                         request_id: "",
                     };
-                    let Ok(got) = agent.acquire(input).await else {
-                        *timeouts.lock() += 1;
-                        continue;
+                    let got = match agent.acquire(input).await {
+                        Ok(got) => got,
+                        Err(PermitError::Timeout) => {
+                            timeouts.lock().0 += 1;
+                            continue;
+                        }
+                        Err(_) => {
+                            // Fail-closed while the allocator seems
+                            // unreachable (a loaded machine): a moment's
+                            // pause, not a hot loop.
+                            timeouts.lock().1 += 1;
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            continue;
+                        }
                     };
                     let from = Instant::now();
                     waits.lock().push(from - asked);
+                    let p = &got.permits[0];
+                    // The expiry the worker was told: it counts until then
+                    // at the latest (it does not renew; a permit whose
+                    // lease could not be renewed in time ends early).
+                    let told =
+                        from + Duration::from_nanos(p.permit.expiry_ns.saturating_sub(agent.now()));
                     tokio::time::sleep(hold(&mut rng)).await;
                     let to = Instant::now();
-                    let p = &got.permits[0];
                     agent.release_permit(&p.key, p.permit.id);
-                    spans.lock().push((from, to));
+                    if told < to {
+                        timeouts.lock().2 += 1;
+                    }
+                    spans.lock().push((from, to.min(told)));
                 }
             })
         })
@@ -153,10 +175,13 @@ impl Outcome {
         let span_s = (end - from).as_secs_f64().max(1e-9);
         let used = 100.0 * area / span_s / N as f64;
         let held = most as usize <= N;
+        let refused = *self.timeouts.lock();
         let report = format!(
-            "permits (experimental): rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
+            "permits (experimental): rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s), {} refused (allocator unreachable, fail-closed), {} expired before their worker was done (counted to their expiry); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
             spans.len(),
-            *self.timeouts.lock(),
+            refused.0,
+            refused.1,
+            refused.2,
             if held { "held" } else { "BROKEN" },
             q(0.5),
             q(0.99),

@@ -221,6 +221,24 @@ struct Agent {
     held: HashMap<u64, u64>,
 }
 
+impl Agent {
+    /// Grant waiters (agent `a`) the slots now free: each waiter's wait is
+    /// recorded and its permit starts (held until its hold ends).
+    fn serve(
+        &mut self,
+        now: u64,
+        a: usize,
+        waits: &mut Vec<u64>,
+        started: &mut Vec<(usize, u64, u64)>,
+    ) {
+        for (w, p) in self.pk.serve_waiters(now) {
+            let (arrived, h) = self.waiters.remove(&w).expect("a waiter");
+            waits.push(now - arrived);
+            started.push((a, p.id, now + h));
+        }
+    }
+}
+
 /// Run `cfg` to its end.
 pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     let settings = PermitSettings {
@@ -365,11 +383,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let ag = &mut agents[a];
                 if ag.inc == inc && ag.held.remove(&id).is_some() {
                     ag.pk.release(now, id);
-                    for (w, p) in ag.pk.serve_waiters(now) {
-                        let (arrived, h) = ag.waiters.remove(&w).expect("a waiter");
-                        waits.push(now - arrived);
-                        started.push((a, p.id, now + h));
-                    }
+                    ag.serve(now, a, &mut waits, &mut started);
                     ask_now = Some(a);
                 }
             }
@@ -443,11 +457,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     ag.asking = None;
                     ag.policy
                         .on_grant(&mut ag.pk, now, sent, g, contended, holders);
-                    for (w, p) in ag.pk.serve_waiters(now) {
-                        let (arrived, h) = ag.waiters.remove(&w).expect("a waiter");
-                        waits.push(now - arrived);
-                        started.push((a, p.id, now + h));
-                    }
+                    ag.serve(now, a, &mut waits, &mut started);
                     ask_now = Some(a);
                 }
             }

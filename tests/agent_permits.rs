@@ -31,7 +31,12 @@ rules:
 "#;
 
 fn allocator() -> Arc<Shared> {
-    let rules = RuleSet::parse_with_permits(RULES, "test", 1).expect("valid rules");
+    allocator_of(RULES)
+}
+
+/// An allocator core (no predecessor) serving the rules `yaml`.
+fn allocator_of(yaml: &str) -> Arc<Shared> {
+    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
     let core = CoreConfig {
         no_predecessor: true,
         ..CoreConfig::default()
@@ -392,12 +397,7 @@ rules:
     concurrency: 4
     fail_policy: open
 "#;
-    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
-    let core = CoreConfig {
-        no_predecessor: true,
-        ..CoreConfig::default()
-    };
-    let shared = Shared::new(core, rules, None);
+    let shared = allocator_of(yaml);
     let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let to = {
         let shared = shared.clone();
@@ -829,20 +829,10 @@ impl quotalease_agent::transport::Transport for LosesReplies {
 async fn a_lost_reply_is_answered_from_the_reply_cache_not_leased_twice() {
     // lease_only: an acquire waits for slots while calls fail (the
     // default, open, would answer it from the emergency semaphore).
-    let rules = RuleSet::parse_with_permits(
-        &RULES.replace(
-            "permit_ttl: 10s",
-            "permit_ttl: 10s\n    fail_policy: lease_only",
-        ),
-        "test",
-        1,
-    )
-    .expect("valid rules");
-    let core = CoreConfig {
-        no_predecessor: true,
-        ..CoreConfig::default()
-    };
-    let shared = Shared::new(core, rules, None);
+    let shared = allocator_of(&RULES.replace(
+        "permit_ttl: 10s",
+        "permit_ttl: 10s\n    fail_policy: lease_only",
+    ));
     let cfg = AgentConfig {
         agent_id: "a".into(),
         ..AgentConfig::default()

@@ -73,6 +73,28 @@ async fn hold_then_release(
     spans.lock().push((from, to));
 }
 
+/// Renew the permit `id` through `c`: its answer, which must say held
+/// (`when` says when it was lost otherwise).
+async fn renew_held(
+    c: &mut PermitsClient<Channel>,
+    id: &str,
+    when: impl std::fmt::Debug,
+) -> quotalease_proto::v1::RenewResponse {
+    let r = c
+        .renew(RenewRequest {
+            permit_id: id.to_string(),
+        })
+        .await
+        .expect("renew")
+        .into_inner();
+    assert_eq!(
+        r.status,
+        PermitStatus::Held as i32,
+        "permit {id} lost {when:?}: {r:?}"
+    );
+    r
+}
+
 fn acquire_req(wait_ms: u64) -> AcquireRequest {
     AcquireRequest {
         tenant_id: "acme".into(),
@@ -509,19 +531,8 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
         }
         for (i, (_, id)) in held.iter().enumerate() {
             let asked = Instant::now();
-            let r = hc
-                .renew(RenewRequest {
-                    permit_id: id.clone(),
-                })
-                .await
-                .expect("renew")
-                .into_inner();
-            assert_eq!(
-                r.status,
-                PermitStatus::Held as i32,
-                "permit {i} lost {:?} after the restart: {r:?}",
-                restarted.map(|r| r.elapsed())
-            );
+            let since = restarted.map(|r| r.elapsed());
+            let r = renew_held(&mut hc, id, ("after the restart", since)).await;
             last_expiry[i] = asked + Duration::from_millis(r.expires_in_ms);
         }
     }
@@ -767,20 +778,13 @@ async fn permits_held_across_a_leader_failover_are_renewed_on() {
     let mut max_other = 0usize;
     while killed.elapsed() < Duration::from_secs(16) {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        for (i, id) in ids.iter().enumerate() {
-            let r = hc
-                .renew(RenewRequest {
-                    permit_id: id.clone(),
-                })
-                .await
-                .expect("renew")
-                .into_inner();
-            assert_eq!(
-                r.status,
-                PermitStatus::Held as i32,
-                "permit {i} lost {:?} after the leader was killed: {r:?}",
-                killed.elapsed()
-            );
+        for id in &ids {
+            renew_held(
+                &mut hc,
+                id,
+                ("after the leader was killed", killed.elapsed()),
+            )
+            .await;
         }
         // The other agent takes what it can, never more than N - 2.
         if let Ok(r) = oc.acquire(acquire_req(100)).await {

@@ -238,6 +238,7 @@ impl World {
                             want: sent.want,
                             ttl_ns: settings().lease_ttl_ns,
                             new_id: id,
+                            ..SlotAsk::default()
                         },
                     );
                     if !lost_reply {
@@ -567,6 +568,7 @@ fn a_duplicated_ask_is_applied_once() {
         want: s.want,
         ttl_ns: ttl,
         new_id: id,
+        ..SlotAsk::default()
     };
     let t = 1_000 * MS;
     // A: three permits on lease 1 of 3 slots.

@@ -334,6 +334,8 @@ pub struct AllocatorCore {
     slot_keys: HashMap<KeyId, crate::slots::SlotLedger>,
     /// Slot ledgers per rule id (for `max_keys`).
     slot_keys_per_rule: HashMap<String, u64>,
+    /// Pooled mode: concurrency keys opened since the regional last looked.
+    new_slot_keys: Vec<KeyId>,
     /// Until when a new slot ledger's phantom holds all its slots: every
     /// slot lease a predecessor could have granted has expired then
     /// (`restart_wait_ns` after the start; slot ledgers are neither
@@ -412,6 +414,7 @@ impl AllocatorCore {
             reservations: cfg_reservations.then(Reservations::default),
             slot_keys: HashMap::default(),
             slot_keys_per_rule: HashMap::default(),
+            new_slot_keys: Vec::new(),
             slots_phantom_until_ns,
             fence_clock: (lease_id_base, now_ns),
             forwarded: HashMap::default(),
@@ -546,7 +549,9 @@ impl AllocatorCore {
                 }
             }
         }
-        for (key, ledger) in self.slot_keys.iter_mut() {
+        // A regional's pools lend what their parent leases hold, not `N`.
+        let pooled = self.pooled.is_some();
+        for (key, ledger) in self.slot_keys.iter_mut().filter(|_| !pooled) {
             if let Some(rule) = rules.permit_rule(&key.rule) {
                 // Kept slots stay: I4 against max(N_old, N_new) until the
                 // old permits are gone.

@@ -58,7 +58,10 @@ use crate::ledger::{KeyLedger, PoolTerm};
 
 mod check;
 mod grants;
+mod slots;
 mod upstream;
+
+pub use slots::SLOT_RESENDS;
 
 const MS: u64 = 1_000_000;
 /// Send a heartbeat (an empty batch: liveness, rules) when nothing was sent
@@ -168,6 +171,15 @@ pub struct RegionalStats {
     pub rules_adopted: u64,
     /// Replies ignored because they answer another request (digest).
     pub upstream_mismatched_replies: u64,
+    /// Slot asks sent to the parent (items; docs/permits.md "Through
+    /// regional allocators").
+    pub slot_asks: u64,
+    /// Batches of slot asks sent again after a failure.
+    pub slot_resends: u64,
+    /// Parent slot leases that broke (the parent kept less than asked).
+    pub slot_chain_breaks: u64,
+    /// Parent slot leases that reached their deadline unrenewed.
+    pub slot_chains_lapsed: u64,
 }
 
 /// A key's chain of parent leases, as seen from outside (for `/v1/keys`).
@@ -349,6 +361,13 @@ struct InFlight {
     digest_v2: u64,
     sent_ns: u64,
     items: Vec<SentItem>,
+    /// The keys of its slot asks, after `items` (their grants follow the
+    /// token items' in the reply).
+    slots: Vec<KeyId>,
+    /// A batch of slot asks: the batch, to send again if it fails, and
+    /// how often it was sent again already.
+    batch: Option<LeaseBatch>,
+    tries: u32,
 }
 
 /// The regional allocator's state machine.
@@ -418,6 +437,14 @@ pub struct RegionalCore {
     /// Upstream round trip, EWMA (sizes the children's retry hints).
     rtt_ns: u64,
     stats: RegionalStats,
+    /// Per concurrency key, its parent slot lease (key order: what leaves
+    /// is sorted).
+    slot_chains: std::collections::BTreeMap<KeyId, crate::slots::chain::SlotChain>,
+    /// A failed batch of slot asks to send again.
+    slot_resend: Option<slots::SlotResend>,
+    /// The last batch sent was one of slot asks (the walk over the token
+    /// chains goes next when it is due).
+    last_batch_slots: bool,
 }
 
 /// What the planner decided for one key.
@@ -501,6 +528,9 @@ impl RegionalCore {
             stopping: false,
             rtt_ns: 0,
             stats: RegionalStats::default(),
+            slot_chains: std::collections::BTreeMap::new(),
+            slot_resend: None,
+            last_batch_slots: false,
         }
     }
 
@@ -734,7 +764,9 @@ impl RegionalCore {
     /// then also polls when a child waits, since a batch opening a key
     /// supersedes it ([`RegionalCore::poll_transmit`]).
     pub fn heartbeat_in_flight(&self) -> bool {
-        self.in_flight.as_ref().is_some_and(|f| f.items.is_empty())
+        self.in_flight
+            .as_ref()
+            .is_some_and(|f| f.items.is_empty() && f.slots.is_empty())
     }
 
     /// Until when the batch in flight may still be answered (its send plus
@@ -847,10 +879,16 @@ impl RegionalCore {
                 carry_asked: c.granted.min(h),
             });
         }
+        let (slot_items, slot_keys) = self.slot_shutdown_items(now_ns);
+        items.extend(slot_items);
         if items.is_empty() {
             return None;
         }
-        Some(self.send(now_ns, items, sent))
+        let batch = self.send(now_ns, items, sent);
+        if let Some(f) = self.in_flight.as_mut() {
+            f.slots = slot_keys;
+        }
+        Some(batch)
     }
 }
 

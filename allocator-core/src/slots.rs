@@ -42,6 +42,8 @@
 
 use crate::ledger::{water_level, HolderId, PHANTOM};
 
+pub mod chain;
+
 /// How long a holder's demand counts for max-min shares after it asked.
 pub const ACTIVE_WINDOW_NS: u64 = 1_000_000_000;
 
@@ -85,7 +87,13 @@ pub struct SlotAsk {
     pub ttl_ns: u64,
     /// Id to give the new lease.
     pub new_id: u64,
+    /// Fencing numbers wanted (a regional's block for its children's
+    /// grants; 0 or 1: one). The grant's `fence` is the block's first.
+    pub fences: u64,
 }
+
+/// The largest block of fencing numbers one grant takes.
+pub const MAX_FENCES_PER_GRANT: u64 = 1024;
 
 /// What an ask produced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -127,6 +135,17 @@ pub struct SlotLedger {
     leases: Vec<SlotLease>,
     demand: Vec<Demand>,
     next_fence: u64,
+    /// The largest fencing number this ledger hands out (a regional's
+    /// pool uses the block of numbers its parent's grant gave it; the
+    /// last one repeats once the block is used up).
+    fence_limit: u64,
+    /// No lease expires after this (a regional's pool: its parent lease's
+    /// deadline on the regional's clock); `u64::MAX` at the global.
+    cap_ns: u64,
+    /// The parent said some holder elsewhere misses slots (a regional's
+    /// pool): every grant says `contended`, so children give back the
+    /// slots no permit uses.
+    parent_contended: bool,
     /// Per holder, the highest new lease id it asked for, and until when
     /// that is remembered (an ask's TTL: a later duplicate could only make
     /// an orphan lease, counted and never named).
@@ -153,9 +172,52 @@ impl SlotLedger {
             leases: Vec::new(),
             demand: Vec::new(),
             next_fence: fence_base,
+            fence_limit: u64::MAX,
+            cap_ns: u64::MAX,
+            parent_contended: false,
             seen: Vec::new(),
             predecessor: None,
         }
+    }
+
+    /// A regional allocator's pool of one key (docs/permits.md "Through
+    /// regional allocators"): nothing to lend (`N` = 0) and no lease past
+    /// `cap_ns` until its parent slot lease says otherwise
+    /// ([`SlotLedger::set_pool`]).
+    pub fn new_pool(cap_ns: u64) -> Self {
+        let mut l = Self::new(0, 0);
+        l.cap_ns = cap_ns;
+        l.fence_limit = 0;
+        l
+    }
+
+    /// A regional's pool after a grant of its parent: lend at most `n`
+    /// slots, no lease past `cap_ns` (which only grows while the parent
+    /// lease is renewed with its slots), fencing numbers from the block
+    /// `[fence, fence + fences)` of the parent's counter, and say
+    /// `contended` when the parent did.
+    pub fn set_pool(&mut self, n: u64, cap_ns: u64, fence: u64, fences: u64, contended: bool) {
+        self.n = n;
+        self.cap_ns = cap_ns;
+        if fence > 0 && fence > self.fence_limit {
+            self.next_fence = fence - 1;
+            self.fence_limit = fence.saturating_add(fences.max(1) - 1);
+        }
+        self.parent_contended = contended;
+    }
+
+    /// No lease of this ledger expires after this instant.
+    pub fn cap_ns(&self) -> u64 {
+        self.cap_ns
+    }
+
+    /// The holders' demand within the window (as of the last
+    /// [`SlotLedger::advance`]): the sum of each one's kept and wanted
+    /// slots at its last ask, and of what they missed then.
+    pub fn demand(&self) -> (u64, u64) {
+        self.demand.iter().fold((0, 0), |(d, m), x| {
+            (d.saturating_add(x.demand), m.saturating_add(x.missing))
+        })
     }
 
     /// A ledger that cannot know what a predecessor lent: the phantom
@@ -290,7 +352,7 @@ impl SlotLedger {
                 fresh: l.slots - l.kept,
                 expires_ns: l.expires_ns,
                 fence: l.fence,
-                contended: self.demand.iter().any(|d| d.missing > 0),
+                contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
                 over: self.held() > self.n || (l.adopted && self.predecessor.is_some()),
             };
         }
@@ -298,7 +360,7 @@ impl SlotLedger {
         match self.seen.iter_mut().find(|s| s.0 == ask.holder) {
             Some(s) if s.1 >= ask.new_id => {
                 return SlotGrant {
-                    contended: self.demand.iter().any(|d| d.missing > 0),
+                    contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
                     over: self.held() > self.n,
                     ..SlotGrant::default()
                 };
@@ -317,7 +379,7 @@ impl SlotLedger {
         let mut adopted = false;
         // Kept slots stay counted at least as long as the lease they come
         // from was (permits on it may run until then).
-        let mut expires_ns = now_ns.saturating_add(ask.ttl_ns);
+        let mut expires_ns = now_ns.saturating_add(ask.ttl_ns).min(self.cap_ns);
         if let Some(i) = old {
             if kept > 0 {
                 expires_ns = expires_ns.max(self.leases[i].expires_ns);
@@ -336,7 +398,7 @@ impl SlotLedger {
         }
         let held = self.held() + kept;
         // Nothing fresh while the phantom stands (module docs).
-        let room = if self.predecessor.is_some() {
+        let room = if self.predecessor.is_some() || self.cap_ns <= now_ns {
             0
         } else {
             self.n.saturating_sub(held)
@@ -357,8 +419,11 @@ impl SlotLedger {
         });
         let slots = kept + fresh;
         let fence = if slots > 0 {
-            self.next_fence = self.next_fence.saturating_add(1);
-            self.next_fence
+            self.next_fence = self.next_fence.saturating_add(1).min(self.fence_limit);
+            let first = self.next_fence;
+            let block = ask.fences.clamp(1, MAX_FENCES_PER_GRANT);
+            self.next_fence = first.saturating_add(block - 1).min(self.fence_limit);
+            first
         } else {
             0
         };
@@ -383,7 +448,7 @@ impl SlotLedger {
             fresh,
             expires_ns: if slots > 0 { expires_ns } else { 0 },
             fence,
-            contended: self.demand.iter().any(|d| d.missing > 0),
+            contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
             // An adopted lease takes no new permit while the phantom
             // stands: the lease it names may already have been replaced
             // at the predecessor by one the holder also got (two asks in

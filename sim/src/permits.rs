@@ -411,6 +411,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                                 want: sent.want,
                                 ttl_ns: settings.lease_ttl_ns.min(ttl_max),
                                 new_id: id,
+                                ..SlotAsk::default()
                             },
                         );
                         let granted = Granted {

@@ -21,9 +21,11 @@
 //!   fewer than 4 096 grants per 2^30 ns (~3 800 a second) on average and
 //!   the wall clock does not step back between starts. They stay below
 //!   2^44 (the permits' tokens keep 20 bits of their own) until 2116.
-//! * Regional allocators do not serve slot leases yet: such an item is
-//!   `BAD_ITEM` there (permits are acquired at agents of the global
-//!   allocator).
+//! * At a regional allocator (pooled mode) a key's ledger is a pool
+//!   ([`SlotLedger::new_pool`]) that lends what its parent slot lease
+//!   holds, no lease past that lease's deadline; the regional's upstream
+//!   side keeps it (`slots::chain`). A grant short of what a child wants
+//!   says `opening`, so the upstream side looks at once.
 
 use quotalease_proto::lease::ItemKind;
 
@@ -41,12 +43,6 @@ impl AllocatorCore {
     ) -> Grant {
         let version = self.rules.version;
         let bad = |detail: String| super::batch::bad_item(version, detail);
-        if self.pooled.is_some() {
-            return bad(
-                "kind: a regional allocator does not serve slot leases (yet): acquire permits at agents of the global allocator"
-                    .into(),
-            );
-        }
         let release = item.kind == ItemKind::SlotsRelease as i32;
         if item.kind == ItemKind::PermitRelease as i32 {
             for (field, v) in [
@@ -112,6 +108,12 @@ impl AllocatorCore {
                 .or_insert(0) += 1;
             let base = self.fence_base(now_ns);
             let ledger = match self.slots_phantom_until_ns {
+                // A regional's pool lends nothing until its parent slot
+                // lease says how much (`slots::chain`).
+                _ if self.pooled.is_some() => {
+                    self.new_slot_keys.push(key.clone());
+                    SlotLedger::new_pool(0)
+                }
                 Some(until) if now_ns < until => {
                     SlotLedger::after_restart(n, base, until, self.fence_clock.0)
                 }
@@ -131,6 +133,7 @@ impl AllocatorCore {
                 want: item.want.min(n),
                 ttl_ns,
                 new_id,
+                fences: item.fences,
             },
         );
         let ledger_holders = ledger.holders();
@@ -162,6 +165,9 @@ impl AllocatorCore {
             over: g.over,
             holders: ledger_holders,
             starting: g.lease_id == 0 && phantom_ms.is_some(),
+            // A regional's pool short of what a child wants: its upstream
+            // side looks at once.
+            opening: self.pooled.is_some() && g.fresh < item.want.min(n),
             ..Grant::default()
         }
     }
@@ -247,6 +253,11 @@ impl AllocatorCore {
     /// `now_ns` (their next ask makes a new one, its fencing numbers above
     /// this one's).
     pub(super) fn sweep_slot_keys(&mut self, now_ns: u64) {
+        if self.pooled.is_some() {
+            // A regional's pools go with their parent leases
+            // ([`AllocatorCore::remove_slot_key`]).
+            return;
+        }
         let idle: Vec<KeyId> = self
             .slot_keys
             .iter_mut()
@@ -333,6 +344,23 @@ impl AllocatorCore {
             self.drop_slot_key(key);
         }
         Some((name, lease))
+    }
+
+    /// The slot ledger of `key`, if any (a regional's pool: its upstream
+    /// side sets what it may lend, `slots::chain`).
+    pub fn slot_ledger_mut(&mut self, key: &KeyId) -> Option<&mut SlotLedger> {
+        self.slot_keys.get_mut(key)
+    }
+
+    /// Pooled mode: the concurrency keys children opened since the last
+    /// call.
+    pub fn take_new_slot_keys(&mut self) -> Vec<KeyId> {
+        std::mem::take(&mut self.new_slot_keys)
+    }
+
+    /// Pooled mode: forget `key`'s pool (nothing lent, no parent lease).
+    pub fn remove_slot_key(&mut self, key: &KeyId) {
+        self.drop_slot_key(key);
     }
 
     /// Keys with a slot ledger.

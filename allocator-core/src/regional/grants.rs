@@ -63,9 +63,10 @@ impl RegionalCore {
                 || g.status == GrantStatus::Unsupported as i32
                 || g.status == GrantStatus::SeqConflict as i32
         });
-        if refused || reply.grants.len() != f.items.len() {
+        if refused || reply.grants.len() != f.items.len() + f.slots.len() {
             // Nothing was applied (or the reply is malformed: treat it so;
             // every chain keeps its old lease and deadline).
+            self.slot_batch_failed(f);
             self.fail(now_ns);
             return;
         }
@@ -99,7 +100,9 @@ impl RegionalCore {
                 }
             }
         }
-        for (sent, g) in f.items.iter().zip(&reply.grants) {
+        let (token_grants, slot_grants) = reply.grants.split_at(f.items.len());
+        self.apply_slot_grants(now_ns, &f.slots, slot_grants);
+        for (sent, g) in f.items.iter().zip(token_grants) {
             if sent.release {
                 continue;
             }
@@ -354,8 +357,8 @@ impl RegionalCore {
     /// a new `seq` (a renewal the parent did apply shows up as a chain
     /// break then).
     pub fn handle_failure(&mut self, now_ns: u64, seq: u64) {
-        if self.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
-            self.in_flight = None;
+        if let Some(f) = self.in_flight.take_if(|f| f.seq == seq) {
+            self.slot_batch_failed(f);
             self.fail(now_ns);
         }
     }

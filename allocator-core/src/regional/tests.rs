@@ -1078,6 +1078,7 @@ fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
 /// Rate chains under random histories and rule changes (an adversarial
 /// review's harness and the two cases it found).
 mod rate_chains;
+mod slot_chains;
 
 /// A pool without a rate yet grows only by the parent's next answer: while
 /// the regional asks for a rate despite the parent's token hint (the

@@ -30,6 +30,16 @@ impl RegionalCore {
             .last_walk_ns
             .is_some_and(|t| now_ns < t.saturating_add(self.cfg.renew_interval_ns));
         let held_back = self.stopping || now_ns < self.not_before_ns;
+        self.tend_slot_chains(now_ns);
+        // Slot asks in a batch of their own when nothing is in flight;
+        // the walk over the token chains goes first when it is due and
+        // the last batch was one of slot asks.
+        if self.in_flight.is_none() && !held_back && (throttled || !self.last_batch_slots) {
+            if let Some(b) = self.poll_slots(now_ns) {
+                self.last_batch_slots = true;
+                return Some(b);
+            }
+        }
         // A key opened while a heartbeat was out waited a whole round trip
         // for it (a third of the openings behind a regional holding chains
         // at 75 ms from its parent; `small-burst-few`: the region whose
@@ -274,6 +284,7 @@ impl RegionalCore {
             self.stats.upstream_heartbeats += 1;
         }
         self.last_sent_ns = Some(now_ns);
+        self.last_batch_slots = false;
         let batch = LeaseBatch {
             header: Some(RequestHeader {
                 agent_id: self.agent_id.clone(),
@@ -297,10 +308,21 @@ impl RegionalCore {
             ttl_ms: self.cfg.lease_ttl_ns / MS,
             shard: 0,
         };
-        self.in_flight = Some(InFlight {
-            seq: self.seq,
-            digest: quotalease_proto::request_digest(&batch),
-            digest_v3: quotalease_proto::request_digest_v3(&batch),
+        self.in_flight = Some(self.in_flight_of(&batch, now_ns, sent));
+        batch
+    }
+
+    /// What is remembered of `batch` sent at `now_ns` until its answer.
+    pub(super) fn in_flight_of(
+        &self,
+        batch: &LeaseBatch,
+        now_ns: u64,
+        sent: Vec<SentItem>,
+    ) -> InFlight {
+        InFlight {
+            seq: batch.header.as_ref().map_or(0, |h| h.seq),
+            digest: quotalease_proto::request_digest(batch),
+            digest_v3: quotalease_proto::request_digest_v3(batch),
             digest_v2: {
                 let mut v2 = batch.clone();
                 for i in &mut v2.items {
@@ -311,8 +333,10 @@ impl RegionalCore {
             },
             sent_ns: now_ns,
             items: sent,
-        });
-        batch
+            slots: Vec::new(),
+            batch: None,
+            tries: 0,
+        }
     }
 
     pub(super) fn holding(&mut self, now_ns: u64, key: &KeyId) -> u64 {

@@ -17,6 +17,7 @@ fn ask(holder: HolderId, lease_id: u64, keep: u64, want: u64, new_id: u64) -> Sl
         want,
         ttl_ns: TTL,
         new_id,
+        fences: 0,
     }
 }
 
@@ -378,4 +379,27 @@ fn a_forced_release_frees_any_holders_lease_but_never_the_phantom() {
     assert_eq!(l.force_release(1_002, 100), None, "once");
     // The holder's next ask naming it keeps nothing.
     assert_eq!(l.ask(1_003, ask(1, 100, 3, 0, 101)).kept, 0);
+}
+
+#[test]
+fn a_grant_takes_a_block_of_fencing_numbers_when_asked() {
+    let mut l = SlotLedger::new(5, 100);
+    let a = l.ask(
+        0,
+        SlotAsk {
+            fences: 64,
+            ..ask(1, 0, 0, 1, 1)
+        },
+    );
+    let b = l.ask(0, ask(2, 0, 0, 1, 2));
+    assert_eq!((a.fence, b.fence), (101, 165), "a's block is 101..=164");
+    let c = l.ask(
+        0,
+        SlotAsk {
+            fences: 1 << 40,
+            ..ask(3, 0, 0, 1, 3)
+        },
+    );
+    let d = l.ask(0, ask(4, 0, 0, 1, 4));
+    assert_eq!(d.fence, c.fence + MAX_FENCES_PER_GRANT, "blocks are capped");
 }

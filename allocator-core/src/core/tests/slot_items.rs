@@ -335,11 +335,32 @@ fn fencing_numbers_grow_across_a_restart_and_fit_a_permit_token() {
 }
 
 #[test]
-fn a_regional_allocator_refuses_slot_items() {
+fn a_regional_pool_lends_nothing_before_its_parent_lease_and_wakes_its_upstream_side() {
     let mut c = AllocatorCore::new_pooled(CoreConfig::default(), rules(7), 1, 1000, T);
     let g = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 1));
-    assert_eq!(g.status, GrantStatus::BadItem as i32);
-    assert!(g.detail.contains("regional"), "{g:?}");
+    assert_eq!(g.status, GrantStatus::Granted as i32);
+    assert_eq!((g.lease_id, g.tokens), (0, 0), "{g:?}");
+    assert!(g.opening, "the upstream side must be woken: {g:?}");
+    let key = KeyId {
+        rule: "gen".into(),
+        tenant: "t".into(),
+        route: "/gen".into(),
+    };
+    assert_eq!(c.take_new_slot_keys(), vec![key.clone()]);
+    // The regional's upstream side sets the pool; then it lends, no lease
+    // past the pool's cap.
+    let cap = T + 700 * MS;
+    c.slot_ledger_mut(&key)
+        .expect("made by the ask")
+        .set_pool(3, cap, 40, 64, false);
+    let g = ask(&mut c, T + 1, "a", 2, slots("gen", "t", "/gen", 0, 0, 5));
+    assert_eq!(g.tokens, 3, "{g:?}");
+    assert_eq!(g.fence, 40, "the first of the parent's block: {g:?}");
+    assert!(T + 1 + g.ttl_ms * MS <= cap, "{g:?}");
+    assert!(g.opening, "2 more wanted than the pool holds: {g:?}");
+    // Rules do not change a pool's size (it is the parent lease's).
+    c.set_rules(rules(7), T + 2);
+    assert_eq!(c.slot_ledger_mut(&key).map(|l| l.n()), Some(3));
 }
 
 /// A start that resumes its tokens from the reservations (`no_predecessor`
@@ -519,11 +540,11 @@ fn a_forwarded_release_reaches_its_holder_once_within_its_principal() {
     );
     assert_eq!(r.grants[0].status, GrantStatus::BadItem as i32);
     assert!(r.grants[0].detail.starts_with("permit:"), "{r:?}");
-    // A regional allocator does not forward.
+    // A regional allocator forwards to its own children only.
     let mut regional = AllocatorCore::new_pooled(CoreConfig::default(), rules(7), 1, 1000, T);
     let g = regional
         .handle(T, &batch("b", 1, 1, vec![forward(11, 1, 5)]))
         .grants
         .remove(0);
-    assert_eq!(g.status, GrantStatus::BadItem as i32);
+    assert_eq!(g.status, GrantStatus::UnknownHolder as i32);
 }

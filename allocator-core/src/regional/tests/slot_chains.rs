@@ -1,0 +1,432 @@
+//! Slot leases through regional allocators (docs/permits.md "Through
+//! regional allocators"): two [`RegionalCore`]s under one parent
+//! [`AllocatorCore`] with a `concurrency` rule, children asking for slots
+//! at the regionals. I4 is checked after every step over what the
+//! children may be using: every slot lease a child got counts until its
+//! expiry, unless the child renewed it keeping all of it and the renewal
+//! kept it, or gave it back (its promise from the send).
+
+use super::*;
+
+const N: u64 = 8;
+const RULES: &str = "rules:\n  - id: jobs\n    match: { tenant: \"*\" }\n    concurrency: 8\n";
+
+fn permit_rules(version: u64) -> RuleSet {
+    RuleSet::parse_with_permits(RULES, "test.yaml", version).expect("valid rules")
+}
+
+fn parent_of(now: u64, restarted_from: Option<u64>) -> AllocatorCore {
+    let cfg = CoreConfig {
+        no_predecessor: restarted_from.is_none(),
+        ttl_max_ns: 2 * SEC,
+        ..CoreConfig::default()
+    };
+    AllocatorCore::new(
+        cfg,
+        permit_rules(5),
+        1,
+        restarted_from.unwrap_or(1_000_000),
+        now,
+    )
+}
+
+fn slot_regional(region: &str, now: u64) -> RegionalCore {
+    let cfg = RegionalConfig {
+        region: region.into(),
+        ..RegionalConfig::default()
+    };
+    RegionalCore::new(cfg, Some(permit_rules(0)), 7_000_000, 5_000_000, now)
+}
+
+/// A child of a regional and the slot leases it may be using.
+#[derive(Clone, Debug, Default)]
+struct Child {
+    seq: u64,
+    /// (lease id, slots, expiry); the newest last.
+    leases: Vec<(u64, u64, u64)>,
+}
+
+impl Child {
+    fn in_use(&self, now: u64) -> u64 {
+        self.leases.iter().filter(|l| l.2 > now).map(|l| l.1).sum()
+    }
+
+    fn holding(&self, now: u64) -> u64 {
+        self.leases.last().filter(|l| l.2 > now).map_or(0, |l| l.1)
+    }
+}
+
+/// Child `name` asks `reg` at `now`: renews its newest lease keeping it
+/// all (or none, `give_back`) and wants `want` more.
+fn child_ask(
+    reg: &mut RegionalCore,
+    now: u64,
+    name: &str,
+    ch: &mut Child,
+    want: u64,
+    give_back: bool,
+) -> Grant {
+    ch.leases.retain(|l| l.2 > now);
+    let (lease_id, slots) = ch.leases.last().map_or((0, 0), |l| (l.0, l.1));
+    let keep = if give_back { 0 } else { slots };
+    if give_back {
+        // The promise from the send: none of it is used any more.
+        ch.leases.pop();
+    }
+    ch.seq += 1;
+    let item = LeaseItem {
+        rule_id: "jobs".into(),
+        tenant: "acme".into(),
+        kind: ItemKind::Slots as i32,
+        lease_id,
+        keep,
+        want,
+        ..LeaseItem::default()
+    };
+    let g = reg
+        .handle(now, &child_batch(name, ch.seq, vec![item]))
+        .grants
+        .remove(0);
+    if g.status == GrantStatus::Granted as i32 {
+        if keep > 0 && g.carried == keep {
+            // The new lease carries the old one's slots.
+            ch.leases.pop();
+        }
+        if g.lease_id != 0 {
+            ch.leases.push((g.lease_id, g.tokens, now + g.ttl_ms * MS));
+        }
+    }
+    g
+}
+
+/// What a regional's upstream side does at `now`: a poll, delivered to
+/// the parent (or lost on the way there, or its reply lost).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    Up,
+    LoseRequest,
+    LoseReply,
+}
+
+/// Whether a batch with items (not a heartbeat) went out.
+fn poll(reg: &mut RegionalCore, parent: &mut AllocatorCore, now: u64, link: Link) -> bool {
+    let Some(b) = reg.poll_transmit(now) else {
+        return false;
+    };
+    let items = !b.items.is_empty();
+    let seq = b.header.as_ref().map_or(0, |h| h.seq);
+    match link {
+        Link::Up => {
+            let r = parent.handle(now, &b);
+            reg.handle_reply(now, &r);
+        }
+        Link::LoseRequest => reg.handle_failure(now, seq),
+        Link::LoseReply => {
+            parent.handle(now, &b);
+            reg.handle_failure(now, seq);
+        }
+    }
+    items
+}
+
+fn i4(children: &[Vec<Child>], now: u64) -> Result<(), String> {
+    let used: u64 = children.iter().flatten().map(|c| c.in_use(now)).sum();
+    if used > N {
+        return Err(format!(
+            "{used} slots in use at {now} > N = {N}: {children:?}"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn slots_reach_children_through_a_regional_and_two_regions_share_n() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut regs = [slot_regional("eu", now), slot_regional("us", now)];
+    let mut kids = vec![vec![Child::default(); 2], vec![Child::default(); 2]];
+    for round in 0..200 {
+        for (r, reg) in regs.iter_mut().enumerate() {
+            for (c, ch) in kids[r].iter_mut().enumerate() {
+                // Permits end now and then: a child gives its slots back
+                // (as an agent does with slots no permit uses while the
+                // key is contended) and asks again.
+                let give_back = (round + c) % 7 == 0;
+                let want = if give_back {
+                    0
+                } else {
+                    8 - ch.holding(now).min(8)
+                };
+                child_ask(reg, now, &format!("a{r}{c}"), ch, want, give_back);
+            }
+            poll(reg, &mut parent, now, Link::Up);
+        }
+        i4(&kids, now).unwrap();
+        now += 20 * MS;
+    }
+    let per_region: Vec<u64> = kids
+        .iter()
+        .map(|r| r.iter().map(|c| c.holding(now)).sum())
+        .collect();
+    assert_eq!(
+        per_region.iter().sum::<u64>(),
+        N,
+        "all of N lent: {per_region:?}"
+    );
+    assert!(
+        per_region.iter().all(|&h| h >= 3),
+        "two regions wanting more than N share it: {per_region:?}"
+    );
+    assert!(regs[0].stats().slot_asks > 0);
+    assert_eq!(regs[0].stats().slot_chain_breaks, 0);
+}
+
+#[test]
+fn a_lost_reply_is_answered_again_and_the_chain_goes_on() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut reg = slot_regional("eu", now);
+    let mut ch = Child::default();
+    child_ask(&mut reg, now, "a", &mut ch, 3, false);
+    poll(&mut reg, &mut parent, now, Link::Up);
+    now += 60 * MS;
+    assert_eq!(child_ask(&mut reg, now, "a", &mut ch, 3, false).tokens, 3);
+    // The renewal's reply is lost: sent again, the parent's reply cache
+    // answers with the lease it made; the chain continues.
+    let mut lost = false;
+    for _ in 0..100 {
+        now += 20 * MS;
+        child_ask(&mut reg, now, "a", &mut ch, 0, false);
+        let link = if !lost && reg.stats().slot_asks >= 2 {
+            Link::LoseReply
+        } else {
+            Link::Up
+        };
+        let before = reg.stats().slot_asks;
+        poll(&mut reg, &mut parent, now, link);
+        lost |= link == Link::LoseReply && reg.stats().slot_asks > before;
+    }
+    assert!(lost);
+    assert!(reg.stats().slot_resends >= 1, "{:?}", reg.stats());
+    assert_eq!(reg.stats().slot_chain_breaks, 0, "{:?}", reg.stats());
+    assert_eq!(
+        ch.holding(now),
+        3,
+        "the child's slots renewed across it: {ch:?} {:?} at {now}",
+        reg.stats()
+    );
+}
+
+#[test]
+fn a_cut_region_cannot_extend_and_its_slots_come_back_to_the_others() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut regs = [slot_regional("eu", now), slot_regional("us", now)];
+    let mut kids = vec![vec![Child::default()], vec![Child::default()]];
+    // eu takes all 8 first.
+    for _ in 0..10 {
+        let want = 8 - kids[0][0].holding(now);
+        child_ask(&mut regs[0], now, "a0", &mut kids[0][0], want, false);
+        poll(&mut regs[0], &mut parent, now, Link::Up);
+        now += 20 * MS;
+    }
+    assert_eq!(kids[0][0].holding(now), 8);
+    let cut_at = now;
+    // eu is cut from the parent; its child keeps renewing, us wants 8.
+    let mut us_first = None;
+    let mut eu_last_expiry = 0;
+    for _ in 0..300 {
+        let g = child_ask(&mut regs[0], now, "a0", &mut kids[0][0], 0, false);
+        if g.lease_id != 0 {
+            eu_last_expiry = eu_last_expiry.max(now + g.ttl_ms * MS);
+        }
+        poll(&mut regs[0], &mut parent, now, Link::LoseRequest);
+        let want = 8 - kids[1][0].holding(now);
+        child_ask(&mut regs[1], now, "a1", &mut kids[1][0], want, false);
+        poll(&mut regs[1], &mut parent, now, Link::Up);
+        if us_first.is_none() && kids[1][0].holding(now) > 0 {
+            us_first = Some(now);
+        }
+        i4(&kids, now).unwrap();
+        now += 20 * MS;
+    }
+    // The cut child's lease was never extended past what the parent counts
+    // for its region (TTL 2 s from the last renewal before the cut).
+    assert!(
+        eu_last_expiry <= cut_at + 2 * SEC,
+        "extended to {} ms after the cut",
+        (eu_last_expiry - cut_at) / MS
+    );
+    assert_eq!(kids[0][0].holding(now), 0);
+    assert_eq!(
+        kids[1][0].holding(now),
+        8,
+        "the cut region's slots came back"
+    );
+    let first = us_first.expect("us got slots");
+    assert!(first > eu_last_expiry.min(cut_at + 2 * SEC) - 2 * SEC);
+    assert!(
+        regs[0].stats().slot_chains_lapsed >= 1,
+        "{:?}",
+        regs[0].stats()
+    );
+}
+
+/// A renewal applied by the parent whose reply never arrives (lost, then
+/// every resend lost too) leaves the parent holding a successor lease the
+/// regional does not know; its next renewal names the old one and breaks
+/// the chain. The children's leases must not be carried onto the new
+/// parent lease, which does not count them: here it holds 2 slots while
+/// the child holds 4, and the successor that did count them expires
+/// (then the other region takes what is free).
+#[test]
+fn a_broken_chain_does_not_carry_its_childrens_leases() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut eu = slot_regional("eu", now);
+    let mut us = slot_regional("us", now);
+    let mut kids = vec![vec![Child::default()], vec![Child::default()]];
+    let mut phase = 0;
+    let mut resends_lost = 0;
+    for round in 0..400 {
+        // eu's child wants 6 (and gets 4); once its chain broke, nothing
+        // more: what it holds is all it asks the regional to keep.
+        let eu_want = if phase < 2 {
+            6 - kids[0][0].holding(now).min(6)
+        } else {
+            0
+        };
+        child_ask(&mut eu, now, "a", &mut kids[0][0], eu_want, false);
+        // us holds 4 (eu 4 of its 6), gives them back and holds 2 while
+        // eu's chain breaks, then wants all it can get.
+        let cap = match round {
+            0..70 => 4,
+            70..150 => 2,
+            _ => 8,
+        };
+        let us_want = cap - kids[1][0].holding(now).min(cap);
+        child_ask(&mut us, now, "b", &mut kids[1][0], us_want, round == 70);
+        poll(&mut us, &mut parent, now, Link::Up);
+        let link = match phase {
+            0 if now >= T0 + 1_200 * MS => Link::LoseReply,
+            1 => Link::LoseRequest,
+            _ => Link::Up,
+        };
+        if poll(&mut eu, &mut parent, now, link) {
+            if link == Link::LoseReply {
+                phase = 1;
+            } else if link == Link::LoseRequest {
+                resends_lost += 1;
+                if resends_lost > SLOT_RESENDS {
+                    phase = 2;
+                }
+            }
+        }
+        i4(&kids, now).unwrap();
+        now += 20 * MS;
+    }
+    assert_eq!(phase, 2);
+    assert!(eu.stats().slot_chain_breaks >= 1, "{:?}", eu.stats());
+    assert!(kids[1][0].holding(now) >= 4, "{kids:?}");
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Ask {
+        r: usize,
+        c: usize,
+        want: u64,
+        give_back: bool,
+    },
+    Poll {
+        r: usize,
+        link: u8,
+    },
+    /// The reply a delayed poll left on the way arrives.
+    Reply {
+        r: usize,
+    },
+    Wait {
+        ms: u64,
+    },
+    /// Region `r` is cut from the parent (every poll's request lost) or
+    /// joined again.
+    Cut {
+        r: usize,
+    },
+    Restart,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..2usize, 0..2usize, 0..6u64, prop::bool::weighted(0.15))
+            .prop_map(|(r, c, want, give_back)| Step::Ask { r, c, want, give_back }),
+        4 => (0..2usize, 0..10u8).prop_map(|(r, link)| Step::Poll { r, link }),
+        2 => (0..2usize).prop_map(|r| Step::Reply { r }),
+        3 => prop_oneof![3 => 1..60u64, 1 => 60..800u64].prop_map(|ms| Step::Wait { ms }),
+        1 => (0..2usize).prop_map(|r| Step::Cut { r }),
+        1 => Just(Step::Restart),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, .. ProptestConfig::default() })]
+
+    /// Random asks, give-backs, lost requests and replies, waits and
+    /// parent restarts: the slots two regions' children may be using
+    /// never exceed `N`.
+    #[test]
+    fn children_of_two_regions_never_use_more_than_n(steps in prop::collection::vec(step(), 1..250)) {
+        let mut now = T0;
+        let mut parent = parent_of(now, None);
+        let mut regs = [slot_regional("eu", now), slot_regional("us", now)];
+        let mut kids = vec![vec![Child::default(); 2], vec![Child::default(); 2]];
+        let mut base = 1_000_000u64;
+        let mut on_the_way: [Option<LeaseReply>; 2] = [None, None];
+        let mut cut = [false, false];
+        for s in steps {
+            match s {
+                Step::Ask { r, c, want, give_back } => {
+                    child_ask(&mut regs[r], now, &format!("a{r}{c}"), &mut kids[r][c], want, give_back);
+                }
+                Step::Cut { r } => cut[r] = !cut[r],
+                Step::Poll { r, .. } if cut[r] => {
+                    if on_the_way[r].is_none() {
+                        poll(&mut regs[r], &mut parent, now, Link::LoseRequest);
+                    }
+                }
+                Step::Poll { r, link } if link >= 6 => {
+                    // Applied by the parent now, its reply arrives later
+                    // (a Reply step) or never (the regional times out).
+                    if on_the_way[r].is_none() {
+                        if let Some(b) = regs[r].poll_transmit(now) {
+                            on_the_way[r] = Some(parent.handle(now, &b));
+                        }
+                    }
+                }
+                Step::Poll { r, link } => {
+                    let link = match link {
+                        0 => Link::LoseRequest,
+                        1 => Link::LoseReply,
+                        _ => Link::Up,
+                    };
+                    if on_the_way[r].is_none() {
+                        poll(&mut regs[r], &mut parent, now, link);
+                    }
+                }
+                Step::Reply { r } => {
+                    if let Some(reply) = on_the_way[r].take() {
+                        regs[r].handle_timeout(now);
+                        regs[r].handle_reply(now, &reply);
+                    }
+                }
+                Step::Wait { ms } => now += ms * MS,
+                Step::Restart => {
+                    base += 1 << 32;
+                    parent = parent_of(now, Some(base));
+                }
+            }
+            prop_assert!(i4(&kids, now).is_ok(), "{}", i4(&kids, now).unwrap_err());
+        }
+    }
+}

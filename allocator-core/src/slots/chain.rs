@@ -1,0 +1,271 @@
+//! A regional allocator's parent slot lease of one concurrency key
+//! (docs/permits.md "Through regional allocators"), sans-IO: what it asks
+//! its parent for, and what a grant does to the pool its children's slot
+//! leases are cut from (a [`SlotLedger`] made by
+//! [`SlotLedger::new_pool`]).
+//!
+//! * The pool lends at most the parent lease's `P` slots, and no child
+//!   lease expires after the parent lease's deadline `U_p` on this clock
+//!   (`first send + TTL(1 - 2 rho) - epsilon`, as an agent computes its
+//!   use-by). So every child lease the regional counts lies within the
+//!   parent lease the parent counts (the clock argument, one tier up), and
+//!   I4 at the parent bounds the permits of every region.
+//! * A renewal keeps the slots the children hold (their leases may back
+//!   permits) and, unless the parent said `contended` or `over`, the spare
+//!   ones the children's demand still covers; it wants the rest of their
+//!   demand. **From the moment it is sent** the pool lends at most what it
+//!   keeps (the agents' promise, one tier up): whether the parent applies
+//!   it or not, and whether its reply arrives or not, what the children
+//!   hold is counted there until `U_p` at least.
+//! * A grant that keeps what was asked continues the chain: `P` and `U_p`
+//!   move (`U_p` never back), and the pool's fencing numbers are the
+//!   block the grant carries. A grant that keeps less (the parent no
+//!   longer had the lease: a reply lost beyond the driver's resends, an
+//!   operator's forced release) **breaks** it: a new pool starts with the
+//!   new lease; the old children's leases are not carried (their asks
+//!   naming them keep nothing), so their permits run to their use-by,
+//!   within the old parent lease, which the parent counts until then (or
+//!   a successor of it made by the lost reply, which expires no earlier).
+//! * At `U_p` a chain that was not renewed lapses: its children's leases
+//!   have all expired by then; the pool lends nothing until a new lease.
+//! * `over` from the parent (its `N` was lowered, or it restarted and
+//!   adopted this lease while its phantom stands): the pool lends nothing
+//!   fresh; the children keep what they hold.
+
+use super::SlotLedger;
+
+/// Fencing numbers a regional asks per parent grant for its children's
+/// grants (once used up, the last repeats until the next parent grant).
+pub const FENCES_PER_PARENT_GRANT: u64 = 64;
+
+/// When to ask the parent, as the regional's settings say.
+#[derive(Clone, Copy, Debug)]
+pub struct ChainTimes {
+    /// Ask no more often than this for one key (unmet demand, give-back).
+    pub tick_ns: u64,
+    /// Renew at least this long before the parent lease's deadline (and
+    /// at half its life if that is earlier).
+    pub low_water_ns: u64,
+    /// The regional's clock granularity and stall allowance (subtracted
+    /// from the deadline).
+    pub epsilon_ns: u64,
+}
+
+/// What to ask the parent for one key (a `SLOTS` item).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParentSlotAsk {
+    /// The parent lease renewed (0: a new one).
+    pub lease_id: u64,
+    /// Slots of it kept.
+    pub keep: u64,
+    /// Fresh slots wanted on top.
+    pub want: u64,
+    /// When it was first sent (its deadline counts from then).
+    pub sent_ns: u64,
+}
+
+/// The parent's answer to a [`ParentSlotAsk`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParentSlotGrant {
+    /// Whether the parent applied the ask (`GRANTED`); other statuses
+    /// change nothing there.
+    pub applied: bool,
+    /// The new parent lease (0: none held now).
+    pub lease_id: u64,
+    /// Its slots, and of them the ones kept from the lease renewed.
+    pub slots: u64,
+    /// See `slots`.
+    pub kept: u64,
+    /// Its TTL as the parent said (ns).
+    pub ttl_ns: u64,
+    /// The first fencing number of the block it carries.
+    pub fence: u64,
+    /// Some holder at the parent misses slots.
+    pub contended: bool,
+    /// Lend nothing fresh (see the module docs).
+    pub over: bool,
+    /// Ask again no sooner than this after the answer (the parent's hint).
+    pub retry_after_ns: u64,
+}
+
+/// How a grant changed the chain (counted by the regional).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainChange {
+    /// Nothing (a refusal, or a grant continuing the chain).
+    None,
+    /// The chain broke: a new pool.
+    Broke,
+}
+
+/// One key's parent slot lease at a regional allocator.
+#[derive(Clone, Debug, Default)]
+pub struct SlotChain {
+    lease_id: u64,
+    slots: u64,
+    deadline_ns: u64,
+    /// When the current lease's ask was first sent.
+    asked_ns: u64,
+    contended: bool,
+    over: bool,
+    in_flight: Option<ParentSlotAsk>,
+    next_ask_ns: u64,
+}
+
+impl SlotChain {
+    /// The parent lease held (0: none), its slots and deadline.
+    pub fn lease(&self) -> (u64, u64, u64) {
+        (self.lease_id, self.slots, self.deadline_ns)
+    }
+
+    /// Whether an ask is in flight.
+    pub fn asking(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Nothing held at the parent and nothing asked: the key may be
+    /// forgotten once its pool is idle too.
+    pub fn is_idle(&self) -> bool {
+        self.lease_id == 0 && self.in_flight.is_none()
+    }
+
+    /// At `U_p` a lease not renewed lapses (its children's leases have
+    /// expired): the pool lends nothing. Whether it lapsed now.
+    pub fn lapse(&mut self, now_ns: u64, pool: &mut SlotLedger) -> bool {
+        if self.lease_id == 0 || now_ns < self.deadline_ns {
+            return false;
+        }
+        self.lease_id = 0;
+        self.slots = 0;
+        pool.set_n(0);
+        true
+    }
+
+    /// What to ask the parent now, if anything (see the module docs): a
+    /// new lease where children miss slots; a renewal when the lease is
+    /// due, when children miss more than the pool can lend, or when the
+    /// parent is contended and the pool holds spare slots. At most one
+    /// ask in flight, and at most one per tick unless the lease is due.
+    pub fn plan(
+        &mut self,
+        now_ns: u64,
+        pool: &mut SlotLedger,
+        t: &ChainTimes,
+    ) -> Option<ParentSlotAsk> {
+        pool.advance(now_ns);
+        self.lapse(now_ns, pool);
+        if self.in_flight.is_some() {
+            return None;
+        }
+        let held = pool.held();
+        let (demand, missing) = pool.demand();
+        let paced = now_ns < self.next_ask_ns;
+        if self.lease_id == 0 {
+            if missing == 0 || paced {
+                return None;
+            }
+            return Some(ParentSlotAsk {
+                lease_id: 0,
+                keep: 0,
+                want: demand.max(missing),
+                sent_ns: now_ns,
+            });
+        }
+        let keep = if self.contended || self.over {
+            held
+        } else {
+            self.slots.min(demand.max(held))
+        };
+        let want = demand.saturating_sub(keep);
+        let life = self.deadline_ns.saturating_sub(self.asked_ns);
+        let ahead = t.low_water_ns.max(life / 2);
+        let due = now_ns.saturating_add(ahead) >= self.deadline_ns;
+        let room = pool.n().saturating_sub(held);
+        let unmet = missing > room && !self.over;
+        let give_back = self.contended && keep < self.slots;
+        if due || (!paced && (unmet || give_back)) {
+            return Some(ParentSlotAsk {
+                lease_id: self.lease_id,
+                keep,
+                want,
+                sent_ns: now_ns,
+            });
+        }
+        None
+    }
+
+    /// `ask` was sent at `now_ns`: from now the pool lends at most what
+    /// it keeps.
+    pub fn sent(&mut self, now_ns: u64, ask: ParentSlotAsk, pool: &mut SlotLedger, t: &ChainTimes) {
+        if ask.lease_id != 0 {
+            pool.set_n(pool.n().min(ask.keep));
+        }
+        self.in_flight = Some(ask);
+        self.next_ask_ns = now_ns.saturating_add(t.tick_ns);
+    }
+
+    /// The ask in flight will not be answered (its batch failed and was
+    /// not sent again). Its promise stands: the pool lends at most what it
+    /// kept until a grant or the lapse; a later renewal naming the old
+    /// lease finds it replaced (if the parent applied the lost ask) and
+    /// breaks the chain.
+    pub fn abandon(&mut self) {
+        self.in_flight = None;
+    }
+
+    /// The parent's answer at `now_ns` to the ask in flight.
+    pub fn on_grant(
+        &mut self,
+        now_ns: u64,
+        g: &ParentSlotGrant,
+        pool: &mut SlotLedger,
+        t: &ChainTimes,
+    ) -> ChainChange {
+        let Some(ask) = self.in_flight.take() else {
+            return ChainChange::None;
+        };
+        self.next_ask_ns = now_ns.saturating_add(t.tick_ns.max(g.retry_after_ns));
+        if !g.applied {
+            return ChainChange::None;
+        }
+        self.contended = g.contended;
+        self.over = g.over;
+        let broke = ask.lease_id != 0 && g.kept < ask.keep;
+        if broke {
+            // The children's leases stay within the old parent lease (or
+            // its unknown successor); a new pool for the new one.
+            *pool = SlotLedger::new_pool(0);
+        }
+        if g.lease_id == 0 || g.slots == 0 {
+            // Nothing held now (we kept nothing, or the lease was gone).
+            self.lease_id = 0;
+            self.slots = 0;
+            pool.set_n(0);
+            return if broke {
+                ChainChange::Broke
+            } else {
+                ChainChange::None
+            };
+        }
+        let deadline = quotalease_model::protocol::use_by_ns(ask.sent_ns, g.ttl_ns, t.epsilon_ns);
+        // A kept lease expires no earlier than the one it came from.
+        let deadline = if !broke && g.kept > 0 && ask.lease_id == self.lease_id {
+            deadline.max(self.deadline_ns)
+        } else {
+            deadline
+        };
+        self.lease_id = g.lease_id;
+        self.slots = g.slots;
+        self.deadline_ns = deadline;
+        self.asked_ns = ask.sent_ns;
+        let n = if g.over { 0 } else { g.slots };
+        pool.set_pool(n, deadline, g.fence, FENCES_PER_PARENT_GRANT, g.contended);
+        if broke {
+            ChainChange::Broke
+        } else {
+            ChainChange::None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,181 @@
+use super::*;
+use crate::slots::SlotAsk;
+
+const MS: u64 = 1_000_000;
+const T: u64 = 1_000 * MS;
+const TIMES: ChainTimes = ChainTimes {
+    tick_ns: 50 * MS,
+    low_water_ns: 500 * MS,
+    epsilon_ns: 10 * MS,
+};
+
+/// A child's ask of the pool.
+fn child(
+    pool: &mut SlotLedger,
+    now: u64,
+    holder: u32,
+    lease: u64,
+    keep: u64,
+    want: u64,
+    id: u64,
+) -> crate::slots::SlotGrant {
+    pool.ask(
+        now,
+        SlotAsk {
+            holder,
+            lease_id: lease,
+            keep,
+            want,
+            ttl_ns: 2_000 * MS,
+            new_id: id,
+            fences: 0,
+        },
+    )
+}
+
+fn granted(lease_id: u64, slots: u64, kept: u64, fence: u64) -> ParentSlotGrant {
+    ParentSlotGrant {
+        applied: true,
+        lease_id,
+        slots,
+        kept,
+        ttl_ns: 2_000 * MS,
+        fence,
+        ..ParentSlotGrant::default()
+    }
+}
+
+/// A chain holding `slots` from the parent (lease 100), asked at `T`.
+fn holding(slots: u64) -> (SlotChain, SlotLedger) {
+    let mut chain = SlotChain::default();
+    let mut pool = SlotLedger::new_pool(0);
+    assert_eq!(child(&mut pool, T, 1, 0, 0, slots, 1).slots, 0);
+    let ask = chain
+        .plan(T, &mut pool, &TIMES)
+        .expect("a child misses slots");
+    assert_eq!((ask.lease_id, ask.keep, ask.want), (0, 0, slots));
+    chain.sent(T, ask, &mut pool, &TIMES);
+    assert_eq!(chain.plan(T, &mut pool, &TIMES), None, "one ask in flight");
+    chain.on_grant(T + 40 * MS, &granted(100, slots, 0, 7), &mut pool, &TIMES);
+    (chain, pool)
+}
+
+#[test]
+fn a_pool_lends_what_its_parent_lease_holds_and_nothing_past_its_deadline() {
+    let (chain, mut pool) = holding(4);
+    let (id, slots, deadline) = chain.lease();
+    assert_eq!((id, slots), (100, 4));
+    // sent + TTL(1 - 2 rho) - epsilon.
+    assert_eq!(
+        deadline,
+        quotalease_model::protocol::use_by_ns(T, 2_000 * MS, 10 * MS)
+    );
+    let g = child(&mut pool, T + 50 * MS, 1, 0, 0, 6, 2);
+    assert_eq!(g.slots, 4, "at most the parent lease's slots");
+    assert!(g.expires_ns <= deadline, "{} > {deadline}", g.expires_ns);
+    assert_eq!(g.fence, 7, "the parent's block");
+    let g2 = child(&mut pool, T + 60 * MS, 2, 0, 0, 1, 3);
+    assert_eq!(g2.slots, 0, "the pool is empty");
+    assert_eq!(g2.fence, 0);
+}
+
+#[test]
+fn from_a_renewals_send_the_pool_lends_at_most_what_it_keeps() {
+    let (mut chain, mut pool) = holding(4);
+    let a = child(&mut pool, T + 50 * MS, 1, 0, 0, 1, 2);
+    assert_eq!(a.slots, 1);
+    // The parent is contended: the renewal gives the 3 spare slots back.
+    let mut g = granted(100, 4, 0, 7);
+    g.contended = true;
+    chain.in_flight = Some(ParentSlotAsk::default());
+    chain.on_grant(T + 60 * MS, &g, &mut pool, &TIMES);
+    let now = T + 200 * MS;
+    let ask = chain.plan(now, &mut pool, &TIMES).expect("give back");
+    assert_eq!((ask.keep, ask.want), (1, 0), "{ask:?}");
+    chain.sent(now, ask, &mut pool, &TIMES);
+    // Until the answer, a child gets nothing more.
+    assert_eq!(child(&mut pool, now + MS, 2, 0, 0, 3, 3).slots, 0);
+    // The reply is lost; the promise stands after the ask is abandoned.
+    chain.abandon();
+    assert_eq!(child(&mut pool, now + 2 * MS, 2, 0, 0, 3, 4).slots, 0);
+    // The next renewal finds the lease replaced (the parent applied the
+    // lost ask): kept 0 of 1 breaks the chain, a new pool.
+    let later = now + 300 * MS;
+    let ask = chain
+        .plan(later, &mut pool, &TIMES)
+        .expect("a child misses slots");
+    assert_eq!(ask.lease_id, 100);
+    chain.sent(later, ask, &mut pool, &TIMES);
+    let change = chain.on_grant(later + 40 * MS, &granted(101, 2, 0, 80), &mut pool, &TIMES);
+    assert_eq!(change, ChainChange::Broke);
+    assert_eq!(pool.held(), 0, "the old children's leases are not carried");
+    // Renewing the old child lease keeps nothing of it.
+    let r = child(&mut pool, later + 50 * MS, 1, 2, 1, 0, 5);
+    assert_eq!(r.kept, 0, "{r:?}");
+}
+
+#[test]
+fn a_lease_not_renewed_lapses_at_its_deadline_and_the_pool_lends_nothing() {
+    let (mut chain, mut pool) = holding(4);
+    let (_, _, deadline) = chain.lease();
+    let g = child(&mut pool, T + 50 * MS, 1, 0, 0, 2, 2);
+    assert_eq!(g.slots, 2);
+    // The renewal goes out and is never answered (a cut).
+    let due = deadline - 600 * MS;
+    let ask = chain.plan(due, &mut pool, &TIMES).expect("due");
+    assert_eq!(ask.keep, 2);
+    chain.sent(due, ask, &mut pool, &TIMES);
+    chain.abandon();
+    // A child renewing is not extended past the deadline.
+    let r = child(&mut pool, deadline - 100 * MS, 1, 2, 2, 0, 3);
+    assert_eq!(r.kept, 2);
+    assert!(r.expires_ns <= deadline, "{r:?}");
+    assert!(chain.lapse(deadline, &mut pool));
+    pool.advance(deadline);
+    assert_eq!(pool.held(), 0, "every child lease ended by the deadline");
+    assert_eq!(child(&mut pool, deadline + MS, 2, 0, 0, 1, 4).slots, 0);
+    assert!(chain.is_idle());
+}
+
+#[test]
+fn over_from_the_parent_lends_nothing_fresh_and_keeps_what_children_hold() {
+    let (mut chain, mut pool) = holding(4);
+    assert_eq!(child(&mut pool, T + 50 * MS, 1, 0, 0, 2, 2).slots, 2);
+    let mut g = granted(101, 2, 2, 9);
+    g.over = true;
+    chain.in_flight = Some(ParentSlotAsk {
+        lease_id: 100,
+        keep: 2,
+        want: 0,
+        sent_ns: T + 60 * MS,
+    });
+    assert_eq!(
+        chain.on_grant(T + 100 * MS, &g, &mut pool, &TIMES),
+        ChainChange::None
+    );
+    let r = child(&mut pool, T + 110 * MS, 1, 2, 2, 1, 3);
+    assert_eq!((r.kept, r.fresh), (2, 0), "{r:?}");
+    assert!(r.over);
+}
+
+#[test]
+fn a_child_missing_slots_asks_at_most_once_per_tick() {
+    let (mut chain, mut pool) = holding(2);
+    assert_eq!(child(&mut pool, T + 50 * MS, 1, 0, 0, 4, 2).slots, 2);
+    assert_eq!(
+        chain.plan(T + 60 * MS, &mut pool, &TIMES),
+        None,
+        "a tick after the grant"
+    );
+    let now = T + 90 * MS;
+    let ask = chain.plan(now, &mut pool, &TIMES).expect("2 missing");
+    assert_eq!((ask.keep, ask.want), (2, 2), "{ask:?}");
+    chain.sent(now, ask, &mut pool, &TIMES);
+    chain.on_grant(now + 10 * MS, &granted(101, 2, 2, 9), &mut pool, &TIMES);
+    assert_eq!(
+        chain.plan(now + 20 * MS, &mut pool, &TIMES),
+        None,
+        "within the tick"
+    );
+    assert!(chain.plan(now + 60 * MS, &mut pool, &TIMES).is_some());
+}

@@ -236,6 +236,161 @@ async fn five_hundred_acquires_with_n_32_over_three_agents() {
     assert!(most >= 24, "the agents hardly used the slots: {most}");
 }
 
+/// A global allocator and two regional allocators under it (`eu`, `us`),
+/// all with `--experimental-permits` and `rules`; `agents[i]` of the
+/// region `regions[i]` (0: eu, 1: us), ready.
+fn start_regions(name: &str, rules: &str, regions: &[usize]) -> (Proc, Vec<Proc>, Vec<Proc>) {
+    let dir = tempdir(name);
+    let rules = write_rules(&dir, rules);
+    let global = allocator_with(
+        &rules,
+        &dir.join("state"),
+        None,
+        "2s",
+        &["--experimental-permits"],
+    );
+    let regionals: Vec<Proc> = ["eu", "us"]
+        .iter()
+        .map(|r| regional(&global.url(), r, None, &["--experimental-permits"]))
+        .collect();
+    let agents: Vec<Proc> = regions
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| agent(&format!("{name}-{i}"), &regionals[r].url(), None, &[]))
+        .collect();
+    for ag in &agents {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(30));
+    }
+    (global, regionals, agents)
+}
+
+/// The seeds' case through regional allocators (docs/permits.md "Through
+/// regional allocators"): 500 concurrent acquires of a rule with
+/// `concurrency: 32` over three agent processes in two regions (two
+/// agents in eu, one in us) hold exactly 32 at once at most, each further
+/// one only after a release, all served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_acquires_with_n_32_over_three_agents_in_two_regions() {
+    let rules = RULES.replace("concurrency: 5", "concurrency: 32");
+    let (_global, regionals, agents) = start_regions("permits-regions", &rules, &[0, 0, 1]);
+    let mut clients = Vec::new();
+    for ag in &agents {
+        clients.push(permits_client(ag).await);
+    }
+    let spans: Spans = Arc::default();
+    let served: Arc<Mutex<[u64; 3]>> = Arc::default();
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..500u64 {
+        let a = (i % 3) as usize;
+        let mut c = clients[a].clone();
+        let (spans, served) = (spans.clone(), served.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .acquire(acquire_req(60_000))
+                .await
+                .expect("acquire")
+                .into_inner();
+            let from = Instant::now();
+            let hold = Duration::from_millis(20 + (i * 37) % 80);
+            hold_then_release(&mut c, &r, from, hold, &spans).await;
+            served.lock()[a] += 1;
+        }));
+    }
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let spans = spans.lock().clone();
+    let most = most_at_once(&spans);
+    let first = spans.iter().map(|s| s.0).min().unwrap_or(started);
+    let took = spans.iter().map(|s| s.1).max().unwrap_or(first) - first;
+    let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
+    let asks: Vec<f64> = regionals
+        .iter()
+        .map(|r| {
+            let (_, body) = http_get(r.http, "/metrics");
+            metric(&body, "quotalease_regional_slot_asks_total").unwrap_or(-1.0)
+        })
+        .collect();
+    eprintln!(
+        "e2e permits, two regions: 500 acquires over three agents (eu 2, us 1), N = 32: at most {most} held at once, all served within {took:?} of the first (an ideal semaphore: {ideal:?}); slot asks to the global: eu {}, us {}",
+        asks[0], asks[1]
+    );
+    assert_eq!(spans.len(), 500);
+    assert_eq!(*served.lock(), [167, 167, 166]);
+    assert!(most <= 32, "{most} permits held at once, N = 32");
+    assert!(most >= 16, "the regions hardly used the slots: {most}");
+    assert!(
+        asks.iter().all(|&a| a > 0.0),
+        "slot leases went through both regionals: {asks:?}"
+    );
+}
+
+/// A region cut from the global allocator (the global is SIGKILLed): its
+/// agents' permits cannot be renewed past the parent slot lease the
+/// regional held at the cut (a renewal answers the unextended expiry and
+/// then EXPIRED), and no new permit is granted there once that lease has
+/// run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_region_cut_from_its_parent_cannot_extend_its_permits() {
+    let (global, _regionals, agents) = start_regions("permits-cut", RULES, &[0]);
+    let mut c = permits_client(&agents[0]).await;
+    let r = c
+        .acquire(acquire_req(10_000))
+        .await
+        .expect("acquire")
+        .into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    let id = r.permits[0].permit_id.clone();
+    // Renewed across a few parent renewals first.
+    for i in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        renew_held(&mut c, &id, format!("renewal {i} before the cut")).await;
+    }
+    global.kill9();
+    let cut = Instant::now();
+    let mut last_held = Duration::ZERO;
+    let mut latest_expiry = Duration::ZERO;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let r = c
+            .renew(RenewRequest {
+                permit_id: id.clone(),
+            })
+            .await
+            .expect("renew")
+            .into_inner();
+        if r.status != PermitStatus::Held as i32 {
+            break;
+        }
+        last_held = cut.elapsed();
+        latest_expiry = latest_expiry.max(last_held + Duration::from_millis(r.expires_in_ms));
+        assert!(
+            cut.elapsed() < Duration::from_secs(10),
+            "renewed on for 10 s after the cut: {r:?}"
+        );
+    }
+    // The parent slot lease lasts 2 s (TTL_max) from its last renewal
+    // before the cut; the permit never outlives it.
+    eprintln!(
+        "e2e permits, region cut: last renewed {last_held:?} after the cut, told expiry at most {latest_expiry:?} after it"
+    );
+    assert!(
+        latest_expiry <= Duration::from_millis(2_100),
+        "{latest_expiry:?}"
+    );
+    let r = c
+        .acquire(acquire_req(500))
+        .await
+        .expect("acquire")
+        .into_inner();
+    assert_ne!(
+        r.outcome,
+        AcquireOutcome::Acquired as i32,
+        "a permit granted in the cut region: {r:?}"
+    );
+}
+
 /// An agent SIGKILLed while its clients hold permits: those count until
 /// the expiry each was told; the others' acquires never exceed N meanwhile
 /// and get the slots once the dead agent's leases are gone. A waiter that

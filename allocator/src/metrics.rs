@@ -289,6 +289,26 @@ impl Collector for Snapshot {
                 st.upstream_failures,
             ),
             (
+                "quotalease_regional_slot_asks_total",
+                "Slot asks (items) sent to the parent for children's permits.",
+                st.slot_asks,
+            ),
+            (
+                "quotalease_regional_slot_resends_total",
+                "Batches of slot asks sent again (same batch) after a failure.",
+                st.slot_resends,
+            ),
+            (
+                "quotalease_regional_slot_chain_breaks_total",
+                "Parent slot leases that broke: the parent kept less than asked; a new pool started.",
+                st.slot_chain_breaks,
+            ),
+            (
+                "quotalease_regional_slot_chains_lapsed_total",
+                "Parent slot leases that reached their deadline unrenewed (a cut).",
+                st.slot_chains_lapsed,
+            ),
+            (
                 "quotalease_regional_tokens_from_parent_total",
                 "Fresh tokens received from the parent.",
                 st.tokens_from_parent,

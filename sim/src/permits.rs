@@ -19,6 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use quotalease_agent::permits::policy::{AskPolicy, TICK_NS};
 use quotalease_agent::permits::{AcquireError, Granted, PermitKey, PermitSettings, SentAsk};
 use quotalease_allocator::core::TTL_MAX_CAP_NS;
+use quotalease_allocator::slots::chain::{
+    ChainChange, ChainTimes, ParentSlotAsk, ParentSlotGrant, SlotChain, FENCES_PER_PARENT_GRANT,
+};
 use quotalease_allocator::slots::{SlotAsk, SlotLedger};
 
 use quotalease_model::protocol::RHO_PPM;
@@ -50,6 +53,24 @@ pub struct PermitSimConfig {
     pub renew_every_ns: u64,
     /// Faults (none by default).
     pub faults: PermitFaults,
+    /// Regional allocators between the agents and the allocator (`None`:
+    /// the agents ask the allocator).
+    pub regions: Option<PermitRegions>,
+}
+
+/// Regional allocators in a permit run: each lends its agents the slots
+/// of one parent slot lease with the regional's own code
+/// ([`SlotChain`] over a pool, `allocator-core/src/slots/chain.rs`).
+#[derive(Clone, Debug, Default)]
+pub struct PermitRegions {
+    /// The region of each agent; the agents' `delays_ns` are then to
+    /// their regional.
+    pub agent_region: Vec<usize>,
+    /// One-way delay from each regional to the allocator (ns).
+    pub delays_ns: Vec<u64>,
+    /// Region `.2` is cut from the allocator over `[.0, .1)`: every
+    /// message between them is lost.
+    pub cuts: Vec<(u64, u64, usize)>,
 }
 
 /// Faults of a permit run.
@@ -68,6 +89,18 @@ pub struct PermitFaults {
     /// know), its waiters are gone.
     pub crashes: Vec<(u64, usize)>,
 }
+
+/// How long a regional waits for its parent's reply (its default
+/// `fetch_timeout`) before it sends the batch again.
+const REGION_FETCH_TIMEOUT_NS: u64 = 500 * MS;
+
+/// The regionals' settings for their parent slot leases (their defaults:
+/// renew interval, low water, epsilon).
+const REGION_TIMES: ChainTimes = ChainTimes {
+    tick_ns: 50 * MS,
+    low_water_ns: 500 * MS,
+    epsilon_ns: 50 * MS,
+};
 
 /// How long an agent waits for a reply before it asks again (the
 /// driver's default fetch timeout).
@@ -105,7 +138,35 @@ impl PermitSimConfig {
             ttl_max_ns: 2_000 * MS,
             renew_every_ns: 250 * MS,
             faults: PermitFaults::default(),
+            regions: None,
         }
+    }
+
+    /// [`PermitSimConfig::shape`] through regional allocators: three
+    /// regions 15, 25 and 40 ms from the allocator (round trips 30-80 ms,
+    /// the figure), two agents in each 1 ms from their regional,
+    /// the load moving between the regions every 10 s (even, then most in
+    /// the first region, then most in the third).
+    pub fn regions_shape(seed: u64, load: f64) -> Self {
+        let mut c = Self::shape(seed, load);
+        let total: f64 = c.phases[0].1.iter().sum();
+        let split = |w: [f64; 3]| {
+            w.iter()
+                .flat_map(|x| [x * total / 2.0, x * total / 2.0])
+                .collect::<Vec<_>>()
+        };
+        c.delays_ns = vec![MS; 6];
+        c.phases = vec![
+            (10_000 * MS, split([1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0])),
+            (10_000 * MS, split([0.8, 0.1, 0.1])),
+            (10_000 * MS, split([0.1, 0.1, 0.8])),
+        ];
+        c.regions = Some(PermitRegions {
+            agent_region: vec![0, 0, 1, 1, 2, 2],
+            delays_ns: vec![15 * MS, 25 * MS, 40 * MS],
+            cuts: Vec::new(),
+        });
+        c
     }
 }
 
@@ -145,6 +206,15 @@ pub struct PermitReport {
     pub orphaned: u64,
     /// Unanswered asks sent again (the same batch).
     pub retries: u64,
+    /// With regions: slot asks from the regionals to the allocator, those
+    /// sent again, parent slot leases that broke and that lapsed.
+    pub region_asks: u64,
+    /// See `region_asks`.
+    pub region_retries: u64,
+    /// See `region_asks`.
+    pub region_breaks: u64,
+    /// See `region_asks`.
+    pub region_lapses: u64,
 }
 
 impl PermitReport {
@@ -206,6 +276,39 @@ enum Ev {
     Crash {
         a: usize,
     },
+    /// A regional looks at its parent slot lease (every tick, and at once
+    /// when a child missed slots).
+    RegionTick {
+        r: usize,
+        periodic: bool,
+    },
+    /// A regional's ask reaches the allocator.
+    RegionAsk {
+        r: usize,
+        seq: u64,
+        ask: ParentSlotAsk,
+        lost_reply: bool,
+    },
+    RegionReply {
+        r: usize,
+        seq: u64,
+        g: ParentSlotGrant,
+    },
+    /// The regional's fetch timeout for its ask `seq`.
+    RegionGiveUp {
+        r: usize,
+        seq: u64,
+        tries: u32,
+    },
+}
+
+/// A regional allocator of a permit run: its parent slot lease and pool.
+struct Regional {
+    chain: SlotChain,
+    pool: SlotLedger,
+    /// The ask in flight: its sequence number and what it asked.
+    asking: Option<(u64, ParentSlotAsk)>,
+    seq: u64,
 }
 
 struct Agent {
@@ -287,6 +390,29 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     };
     let mut ledger = SlotLedger::new(cfg.n, 1 << 32);
     let mut q = Queue::default();
+    let no_regions = PermitRegions::default();
+    let regions = cfg.regions.as_ref().unwrap_or(&no_regions);
+    let mut regionals: Vec<Regional> = regions
+        .delays_ns
+        .iter()
+        .map(|_| Regional {
+            chain: SlotChain::default(),
+            pool: SlotLedger::new_pool(0),
+            asking: None,
+            seq: 0,
+        })
+        .collect();
+    for r in 0..regionals.len() {
+        q.post(r as u64 * 11 * MS, Ev::RegionTick { r, periodic: true });
+    }
+    // The allocator's reply cache for the regionals: (region, seq) -> answer.
+    let mut region_replies: HashMap<(usize, u64), ParentSlotGrant> = HashMap::new();
+    let cut = |r: usize, t: u64| {
+        regions
+            .cuts
+            .iter()
+            .any(|&(from, to, c)| c == r && from <= t && t < to)
+    };
     for a in 0..agents.len() {
         q.post(a as u64 * 7 * MS, Ev::Tick { a });
         q.post(0, Ev::Arrival { a });
@@ -402,7 +528,14 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     None => {
                         let id = next_lease;
                         next_lease += 1;
-                        let g = ledger.ask(
+                        // The agent's allocator: its regional's pool, or
+                        // the allocator's ledger.
+                        let region = regions.agent_region.get(a).copied();
+                        let lender = match region {
+                            Some(rg) => &mut regionals[rg].pool,
+                            None => &mut ledger,
+                        };
+                        let g = lender.ask(
                             now,
                             SlotAsk {
                                 holder: (inc << 8) | a as u32,
@@ -422,7 +555,17 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             over: g.over,
                             ttl_ns: g.expires_ns.saturating_sub(now),
                         };
-                        let holders = ledger.holders();
+                        let holders = lender.holders();
+                        if let Some(rg) = region.filter(|_| g.fresh < sent.want) {
+                            // The regional's upstream side looks at once.
+                            q.post(
+                                now,
+                                Ev::RegionTick {
+                                    r: rg,
+                                    periodic: false,
+                                },
+                            );
+                        }
                         replies.insert((a, inc, sent.seq), (granted, g.contended, holders));
                         (granted, g.contended, holders)
                     }
@@ -481,7 +624,12 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             }
             Ev::Restart => {
                 restarts += 1;
-                replies.clear();
+                // The allocator's reply cache (the agents' is their
+                // regional's when there are regions).
+                if regionals.is_empty() {
+                    replies.clear();
+                }
+                region_replies.clear();
                 let wait = ttl_max + ttl_max * 2 * RHO_PPM / 1_000_000 + settings.epsilon_ns + 1;
                 ledger =
                     SlotLedger::after_restart(cfg.n, (restarts + 1) << 32, now + wait, next_lease);
@@ -498,6 +646,108 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 orphans.extend(held);
                 let inc = ag.inc + 1;
                 *ag = fresh_agent(inc);
+            }
+            Ev::RegionTick { r: rg, periodic } => {
+                if periodic {
+                    q.post(
+                        now + REGION_TIMES.tick_ns,
+                        Ev::RegionTick { r: rg, periodic },
+                    );
+                }
+                let reg = &mut regionals[rg];
+                if reg.asking.is_none() {
+                    reg.pool.advance(now);
+                    if reg.chain.lapse(now, &mut reg.pool) {
+                        r.region_lapses += 1;
+                    }
+                    if let Some(ask) = reg.chain.plan(now, &mut reg.pool, &REGION_TIMES) {
+                        reg.chain.sent(now, ask, &mut reg.pool, &REGION_TIMES);
+                        reg.seq += 1;
+                        reg.asking = Some((reg.seq, ask));
+                        r.region_asks += 1;
+                        let seq = reg.seq;
+                        q.send_region(now, &mut faults_rng, cfg, &mut r, &cut, (rg, seq), ask, 0);
+                    }
+                }
+            }
+            Ev::RegionAsk {
+                r: rg,
+                seq,
+                ask,
+                lost_reply,
+            } => {
+                let g = match region_replies.get(&(rg, seq)) {
+                    Some(g) => *g,
+                    None => {
+                        let id = next_lease;
+                        next_lease += 1;
+                        let g = ledger.ask(
+                            now,
+                            SlotAsk {
+                                holder: 1 << 20 | rg as u32,
+                                lease_id: ask.lease_id,
+                                keep: ask.keep,
+                                want: ask.want,
+                                ttl_ns: (2_000 * MS).min(ttl_max),
+                                new_id: id,
+                                fences: FENCES_PER_PARENT_GRANT,
+                            },
+                        );
+                        let pg = ParentSlotGrant {
+                            applied: true,
+                            lease_id: g.lease_id,
+                            slots: g.slots,
+                            kept: g.kept,
+                            ttl_ns: g.expires_ns.saturating_sub(now),
+                            fence: g.fence,
+                            contended: g.contended,
+                            over: g.over,
+                            retry_after_ns: 0,
+                        };
+                        region_replies.insert((rg, seq), pg);
+                        pg
+                    }
+                };
+                if lost_reply || cut(rg, now) {
+                    r.lost_messages += 1;
+                } else {
+                    q.post(
+                        now + regions.delays_ns[rg],
+                        Ev::RegionReply { r: rg, seq, g },
+                    );
+                }
+            }
+            Ev::RegionReply { r: rg, seq, g } => {
+                let reg = &mut regionals[rg];
+                if reg.asking.is_some_and(|(s, _)| s == seq) {
+                    reg.asking = None;
+                    if reg.chain.on_grant(now, &g, &mut reg.pool, &REGION_TIMES)
+                        == ChainChange::Broke
+                    {
+                        r.region_breaks += 1;
+                    }
+                }
+            }
+            Ev::RegionGiveUp { r: rg, seq, tries } => {
+                let reg = &mut regionals[rg];
+                if let Some((s, ask)) = reg.asking.filter(|(s, _)| *s == seq) {
+                    if tries < quotalease_allocator::regional::SLOT_RESENDS {
+                        r.region_retries += 1;
+                        q.send_region(
+                            now,
+                            &mut faults_rng,
+                            cfg,
+                            &mut r,
+                            &cut,
+                            (rg, s),
+                            ask,
+                            tries + 1,
+                        );
+                    } else {
+                        reg.asking = None;
+                        reg.chain.abandon();
+                    }
+                }
             }
         }
         for (a, id, until) in started {
@@ -594,6 +844,44 @@ impl Queue {
                 a,
                 inc,
                 sent,
+                lost_reply,
+            },
+        );
+    }
+}
+
+impl Queue {
+    /// Regional `r` sends its ask `seq` at `now` (`tries` times before):
+    /// its fetch timeout, and its arrival unless lost or cut (its reply's
+    /// loss decided here too).
+    #[allow(clippy::too_many_arguments)]
+    fn send_region(
+        &mut self,
+        now: u64,
+        rng: &mut SimRng,
+        cfg: &PermitSimConfig,
+        rep: &mut PermitReport,
+        cut: &dyn Fn(usize, u64) -> bool,
+        (r, seq): (usize, u64),
+        ask: ParentSlotAsk,
+        tries: u32,
+    ) {
+        self.post(
+            now + REGION_FETCH_TIMEOUT_NS,
+            Ev::RegionGiveUp { r, seq, tries },
+        );
+        let delays = cfg.regions.as_ref().map_or(&[][..], |g| &g.delays_ns[..]);
+        if rng.chance(cfg.faults.loss) || cut(r, now) {
+            rep.lost_messages += 1;
+            return;
+        }
+        let lost_reply = rng.chance(cfg.faults.loss);
+        self.post(
+            now + delays[r],
+            Ev::RegionAsk {
+                r,
+                seq,
+                ask,
                 lost_reply,
             },
         );

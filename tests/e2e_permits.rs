@@ -326,6 +326,67 @@ async fn five_hundred_acquires_with_n_32_over_three_agents_in_two_regions() {
     );
 }
 
+/// How long a slot released at one agent takes to serve a waiter at
+/// another (issue 34 "slots follow demand"; `N` = 1): `a` holds the
+/// permit, `b`'s acquire waits; `a` releases; the time from that release
+/// to `b`'s answer, `rounds` times (the roles alternate). Each handover
+/// is checked: `b`'s permit starts only after `a`'s release.
+async fn handovers(a: &Proc, b: &Proc, rounds: usize) -> Vec<Duration> {
+    let mut clients = [permits_client(a).await, permits_client(b).await];
+    let mut took = Vec::new();
+    // The first holder.
+    let mut held = clients[0]
+        .acquire(acquire_req(10_000))
+        .await
+        .expect("acquire")
+        .into_inner();
+    assert_eq!(held.outcome, AcquireOutcome::Acquired as i32, "{held:?}");
+    for round in 0..rounds {
+        let (holder, waiter) = (round % 2, (round + 1) % 2);
+        let mut w = clients[waiter].clone();
+        let waiting = tokio::spawn(async move {
+            let r = w.acquire(acquire_req(10_000)).await.expect("acquire");
+            (Instant::now(), r.into_inner())
+        });
+        // Let the waiter's ask reach the allocator and be refused.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiting.is_finished(), "served while N = 1 was held");
+        let released_at = Instant::now();
+        let rel = clients[holder]
+            .release(ReleaseRequest {
+                permit_id: held.permits[0].permit_id.clone(),
+            })
+            .await
+            .expect("release")
+            .into_inner();
+        assert!(rel.released, "{rel:?}");
+        let (at, r) = waiting.await.expect("waiter");
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        took.push(at - released_at);
+        held = r;
+    }
+    took
+}
+
+/// Slots follow demand: with `N` = 1, a slot released at one agent serves
+/// a waiter at another agent of the same allocator, and through two
+/// regional allocators (eu, us); the time it takes is printed (figures in
+/// docs/permits.md "Slots follow demand").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_released_at_one_agent_serves_a_waiter_at_another() {
+    let one = RULES.replace("concurrency: 5", "concurrency: 1");
+    let (_alloc, agents) = start_with("permits-handover", 2, &one, "2s");
+    let mut direct = handovers(&agents[0], &agents[1], 6).await;
+    let (_global, _regionals, ragents) = start_regions("permits-handover-regions", &one, &[0, 1]);
+    let mut regions = handovers(&ragents[0], &ragents[1], 6).await;
+    direct.sort();
+    regions.sort();
+    eprintln!(
+        "e2e permits, handover of a released slot to a waiter at another agent (N = 1, 6 each): same allocator median {:?} max {:?}; across two regions median {:?} max {:?}",
+        direct[3], direct[5], regions[3], regions[5]
+    );
+}
+
 /// A region cut from the global allocator (the global is SIGKILLed): its
 /// agents' permits cannot be renewed past the parent slot lease the
 /// regional held at the cut (a renewal answers the unextended expiry and

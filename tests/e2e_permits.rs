@@ -379,11 +379,87 @@ async fn a_slot_released_at_one_agent_serves_a_waiter_at_another() {
     let mut direct = handovers(&agents[0], &agents[1], 6).await;
     let (_global, _regionals, ragents) = start_regions("permits-handover-regions", &one, &[0, 1]);
     let mut regions = handovers(&ragents[0], &ragents[1], 6).await;
+    // The waiters asked the moment the slot freed (the allocator's
+    // wake-up), not only on their tick.
+    let (_, body) = http_get(agents[1].http, "/metrics");
+    let woken = metric(
+        &body,
+        "quotalease_agent_permit_wakeups_total{reason=\"room\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(
+        woken >= 1.0,
+        "no wake-up for room at the waiting agent: {woken}"
+    );
     direct.sort();
     regions.sort();
     eprintln!(
         "e2e permits, handover of a released slot to a waiter at another agent (N = 1, 6 each): same allocator median {:?} max {:?}; across two regions median {:?} max {:?}",
         direct[3], direct[5], regions[3], regions[5]
+    );
+}
+
+/// `WaitSlots` at the allocator (docs/permits.md "Slots follow demand"):
+/// a key it has no ledger of answers `not_here` at once; a full key's
+/// wake-up for room answers when a release frees a slot, well before its
+/// wait is over, with the free slot counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_slots_call_wakes_when_a_slot_frees() {
+    use quotalease_proto::lease::allocator_client::AllocatorClient;
+    use quotalease_proto::lease::SlotWait;
+    let one = RULES.replace("concurrency: 5", "concurrency: 1");
+    let (alloc, agents) = start_with("permits-wake", 1, &one, "2s");
+    let mut raw = AllocatorClient::connect(alloc.url())
+        .await
+        .expect("connect");
+    let wait = |route: &str| SlotWait {
+        rule_id: "jobs".into(),
+        tenant: "acme".into(),
+        route: route.into(),
+        room: true,
+        contended: false,
+        wait_ms: 1_000,
+        shard: 0,
+    };
+    let w = raw
+        .wait_slots(wait("/jobs"))
+        .await
+        .expect("wait")
+        .into_inner();
+    assert!(w.not_here, "no ledger of the key yet: {w:?}");
+    let mut c = permits_client(&agents[0]).await;
+    let r = c
+        .acquire(acquire_req(10_000))
+        .await
+        .expect("acquire")
+        .into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    let id = r.permits[0].permit_id.clone();
+    // The agent keeps its free slot 100 ms after a release (nobody else
+    // waits): the release goes to the allocator then.
+    let mut raw2 = raw.clone();
+    let waiting = tokio::spawn(async move {
+        let t = Instant::now();
+        let w = raw2
+            .wait_slots(wait("/jobs"))
+            .await
+            .expect("wait")
+            .into_inner();
+        (t.elapsed(), w)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rel = c
+        .release(ReleaseRequest { permit_id: id })
+        .await
+        .expect("release")
+        .into_inner();
+    assert!(rel.released);
+    let (took, w) = waiting.await.expect("waiter");
+    eprintln!("e2e permits: WaitSlots answered {took:?} after it was sent: {w:?}");
+    assert!(!w.not_here && w.room == 1, "{w:?}");
+    assert!(
+        took < Duration::from_millis(900),
+        "it waited out its second: {took:?}"
     );
 }
 

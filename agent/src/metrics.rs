@@ -250,6 +250,11 @@ pub struct PermitMetrics {
     /// Releases of this agent's permits that came through the allocator
     /// from another agent and released a permit held here.
     pub forwarded_applied: Counter,
+    /// `WaitSlots` wake-ups answered: slots freed at the allocator for a
+    /// key whose waiters missed some.
+    pub wakeups_room: Counter,
+    /// The same: another holder misses slots (free ones go back at once).
+    pub wakeups_contended: Counter,
     /// Permits held here, as the driver last counted (every tick).
     pub held: std::sync::atomic::AtomicU64,
     /// Acquires waiting here, as the driver last counted.
@@ -431,6 +436,10 @@ impl AgentMetrics {
                 ("sent", g(&self.permits.forwarded_sent)),
                 ("applied", g(&self.permits.forwarded_applied)),
             ],
+            permit_wakeups: [
+                ("room", g(&self.permits.wakeups_room)),
+                ("contended", g(&self.permits.wakeups_contended)),
+            ],
             permits_expired: g(&self.permits.expired),
             permits_held: self.permits.held.load(std::sync::atomic::Ordering::Relaxed),
             permits_waiting: self.permits.waiting.load(std::sync::atomic::Ordering::Relaxed),
@@ -455,6 +464,7 @@ struct Snapshot {
     permit_acquires: [(&'static str, u64); 5],
     permits_released: u64,
     permits_forwarded: [(&'static str, u64); 2],
+    permit_wakeups: [(&'static str, u64); 2],
     permits_expired: u64,
     permits_held: u64,
     permits_waiting: u64,
@@ -536,6 +546,14 @@ impl Collector for Snapshot {
             self.permits_forwarded
                 .iter()
                 .map(|&(direction, v)| ([("direction", direction)], v)),
+        )?;
+        exposition::counters(
+            &mut enc,
+            "quotalease_agent_permit_wakeups_total",
+            "WaitSlots wake-ups the allocator answered, by reason: room (slots freed for a key whose waiters missed some: they ask at once) and contended (another holder misses slots: free ones go back at once).",
+            self.permit_wakeups
+                .iter()
+                .map(|&(reason, v)| ([("reason", reason)], v)),
         )?;
         exposition::counter(
             &mut enc,

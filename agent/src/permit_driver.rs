@@ -38,6 +38,7 @@ use quotalease_model::key::KeyId;
 use quotalease_model::rules::{FailPolicy, PermitRule, RuleSet};
 use quotalease_proto::lease::{
     ForwardedRelease, GrantStatus, ItemKind, LeaseBatch, LeaseItem, LeaseReply, RequestHeader,
+    SlotWait,
 };
 use quotalease_proto::PROTOCOL_VERSION;
 use tokio::sync::{oneshot, Notify};
@@ -175,7 +176,16 @@ struct KeyEntry {
     /// its holders count sizes the emergency semaphore, `max(1, N /
     /// holders)` (1 while unknown).
     asking: AskPolicy,
+    /// A `WaitSlots` wake-up of this key is out.
+    waking: bool,
+    /// No wake-up before this (the allocator did not serve the last one).
+    wake_after_ns: u64,
 }
+
+/// After a wake-up the allocator did not serve (an older allocator, a
+/// replica that does not lead, an error), the key waits this long before
+/// the next one (it asks on its tick meanwhile).
+const WAKE_BACKOFF_NS: u64 = 1_000_000_000;
 
 #[derive(Default)]
 struct State {
@@ -444,6 +454,8 @@ impl Permits {
                 policy: rule.fail_policy,
                 emergency: Vec::new(),
                 asking: AskPolicy::new(settings.lease_ttl_ns),
+                waking: false,
+                wake_after_ns: 0,
             });
             if e.pk.settings() != settings {
                 e.pk.set_settings(settings);
@@ -701,6 +713,7 @@ impl Permits {
             }
             self.apply_fail_policies();
             self.forget_idle();
+            self.start_wakes();
         }
         // Waiters learn the driver is gone (their receivers see the
         // senders dropped); the leases stay for `shutdown`.
@@ -708,6 +721,74 @@ impl Permits {
             for (w, _) in e.waiters.drain() {
                 e.pk.cancel(w);
             }
+        }
+    }
+
+    /// Wake-ups for the keys that want one and have none out
+    /// (docs/permits.md "Slots follow demand"): a task per key waits for
+    /// the allocator's `WaitSlots` answer (bounded by the fetch timeout,
+    /// which bounds every call on the channel) and hands it to the key's
+    /// policy; the driver then asks at once.
+    fn start_wakes(&self) {
+        let now = self.inner.cfg.clock.now();
+        let fetch = self.inner.cfg.fetch_timeout;
+        // The channel's call timeout is the fetch timeout: wait less.
+        let wait_ms = (fetch.as_millis() as u64 * 4 / 5).clamp(20, 1_000);
+        let mut st = self.inner.state.lock();
+        if st.unreachable(now) {
+            return;
+        }
+        let shards = st.shard_count.max(1);
+        for (key, e) in st.keys.iter_mut() {
+            if e.waking || now < e.wake_after_ns {
+                continue;
+            }
+            let Some(want) = e.asking.wake_wanted(&e.pk) else {
+                continue;
+            };
+            e.waking = true;
+            let w = SlotWait {
+                rule_id: key.rule.clone(),
+                tenant: key.tenant.clone(),
+                route: key.route.clone(),
+                room: want.room,
+                contended: want.contended,
+                wait_ms: wait_ms as u32,
+                shard: quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards),
+            };
+            let inner = self.inner.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let answer = tokio::time::timeout(fetch, inner.transport.wait_slots(w)).await;
+                let now = inner.cfg.clock.now();
+                let (room, contended) = match answer {
+                    Ok(Ok(a)) if !a.not_here => {
+                        (want.room && a.room > 0, want.contended && a.contended)
+                    }
+                    _ => (false, false),
+                };
+                let served = matches!(answer, Ok(Ok(ref a)) if !a.not_here);
+                {
+                    let mut st = inner.state.lock();
+                    if let Some(e) = st.keys.get_mut(&key) {
+                        e.waking = false;
+                        if !served {
+                            e.wake_after_ns = now.saturating_add(WAKE_BACKOFF_NS);
+                        }
+                        e.asking.on_wake(room, contended);
+                    }
+                }
+                let m = &inner.cfg.metrics.permits;
+                if room {
+                    m.wakeups_room.add(1);
+                }
+                if contended {
+                    m.wakeups_contended.add(1);
+                }
+                if room || contended {
+                    inner.wake.notify_one();
+                }
+            });
         }
     }
 

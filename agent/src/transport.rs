@@ -6,17 +6,32 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use quotalease_proto::follow::ShardedClient;
-use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::lease::{LeaseBatch, LeaseReply, SlotWait, SlotWake};
 use tonic::transport::{Channel, Endpoint};
 
 /// A boxed future returned by [`Transport::lease`].
 pub type LeaseFuture<'a> = Pin<Box<dyn Future<Output = Result<LeaseReply, String>> + Send + 'a>>;
+
+/// A boxed future returned by [`Transport::wait_slots`].
+pub type WakeFuture<'a> = Pin<Box<dyn Future<Output = Result<SlotWake, String>> + Send + 'a>>;
 
 /// Sends one lease batch and waits for its reply.
 pub trait Transport: Send + Sync + 'static {
     /// Send `batch`; `Err` carries a one-line reason (unreachable, timeout,
     /// refused...). The caller retries with the same sequence number.
     fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_>;
+
+    /// A `WaitSlots` wake-up (docs/permits.md "Slots follow demand"): a
+    /// transport without it answers `not_here` at once, and the permit
+    /// driver asks on its tick as before.
+    fn wait_slots(&self, _w: SlotWait) -> WakeFuture<'_> {
+        Box::pin(async {
+            Ok(SlotWake {
+                not_here: true,
+                ..SlotWake::default()
+            })
+        })
+    }
 }
 
 /// gRPC to the allocator leader: the first contacts (`--allocator`), then
@@ -88,6 +103,10 @@ pub fn endpoint(url: &str, timeout: Duration) -> Result<Endpoint, String> {
 impl Transport for GrpcTransport {
     fn lease(&self, batch: LeaseBatch) -> LeaseFuture<'_> {
         Box::pin(self.client.lease(batch))
+    }
+
+    fn wait_slots(&self, w: SlotWait) -> WakeFuture<'_> {
+        Box::pin(self.client.wait_slots(w))
     }
 }
 

@@ -146,6 +146,9 @@ pub struct SlotLedger {
     /// pool): every grant says `contended`, so children give back the
     /// slots no permit uses.
     parent_contended: bool,
+    /// Holders of the key elsewhere (a regional's pool: the parent's
+    /// holders but this region), counted in [`SlotLedger::holders`].
+    other_holders: u32,
     /// Per holder, the highest new lease id it asked for, and until when
     /// that is remembered (an ask's TTL: a later duplicate could only make
     /// an orphan lease, counted and never named).
@@ -175,6 +178,7 @@ impl SlotLedger {
             fence_limit: u64::MAX,
             cap_ns: u64::MAX,
             parent_contended: false,
+            other_holders: 0,
             seen: Vec::new(),
             predecessor: None,
         }
@@ -277,7 +281,8 @@ impl SlotLedger {
     }
 
     /// Holders with a lease or a recent ask (as of the last
-    /// [`SlotLedger::advance`]; the phantom not counted), at least 1: an
+    /// [`SlotLedger::advance`]; the phantom not counted; with a pool's
+    /// holders elsewhere), at least 1: an
     /// agent sizes its fail-open emergency semaphore `max(1, N / this)`.
     pub fn holders(&self) -> u32 {
         let mut ids: Vec<HolderId> = self
@@ -289,7 +294,32 @@ impl SlotLedger {
             .collect();
         ids.sort_unstable();
         ids.dedup();
-        u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1)
+        u32::try_from(ids.len())
+            .unwrap_or(u32::MAX)
+            .saturating_add(self.other_holders)
+            .max(1)
+    }
+
+    /// A regional's pool: the key's holders elsewhere (the parent's last
+    /// count, less this region).
+    pub fn set_other_holders(&mut self, n: u32) {
+        self.other_holders = n;
+    }
+
+    /// Free slots a fresh ask could get at `now` (before max-min shares):
+    /// none while a predecessor's leases may be out or past the pool's cap
+    /// (as of the last [`SlotLedger::advance`]).
+    pub fn room(&self, now_ns: u64) -> u64 {
+        if self.predecessor.is_some() || self.cap_ns <= now_ns {
+            return 0;
+        }
+        self.n.saturating_sub(self.held())
+    }
+
+    /// Some holder that asked within the window misses slots (or the
+    /// parent said so, for a regional's pool).
+    pub fn contended(&self) -> bool {
+        self.parent_contended || self.demand.iter().any(|d| d.missing > 0)
     }
 
     /// Slots held (as of the last [`SlotLedger::advance`]).

@@ -16,7 +16,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use parking_lot::Mutex;
 use quotalease_proto::lease::allocator_server::{Allocator, AllocatorServer};
-use quotalease_proto::lease::{LeaseBatch, LeaseReply};
+use quotalease_proto::lease::{ItemKind, LeaseBatch, LeaseReply, SlotWait, SlotWake};
 use quotalease_proto::MAX_MESSAGE_BYTES;
 use tonic::{Request, Response, Status};
 
@@ -89,7 +89,20 @@ pub struct Shared {
     clock: ClockSource,
     /// With `--etcd`: the replica's leadership (for /readyz and /metrics).
     leadership: std::sync::OnceLock<Arc<crate::leadership::Leadership>>,
+    /// Bumped when slot ledgers may have changed (a batch with slot
+    /// items, a regional's parent reply, housekeeping: leases expire):
+    /// `WaitSlots` calls look again.
+    slots_changed: tokio::sync::watch::Sender<u64>,
+    /// `WaitSlots` calls waiting now (at most [`MAX_SLOT_WAITS`]).
+    slot_waits: std::sync::atomic::AtomicUsize,
 }
+
+/// `WaitSlots` calls that may wait at once; more are answered at once
+/// (`not_here`: the agent asks on its tick as without them).
+pub const MAX_SLOT_WAITS: usize = 10_000;
+
+/// The longest a `WaitSlots` call waits.
+pub const MAX_SLOT_WAIT: Duration = Duration::from_secs(1);
 
 impl Shared {
     /// This is a replica of `--etcd` replicas: `/readyz` and `/metrics`
@@ -124,6 +137,8 @@ impl Shared {
         Arc::new(Self {
             core: Mutex::new(Node::Global(core)),
             upstream_wake: tokio::sync::Notify::new(),
+            slots_changed: tokio::sync::watch::Sender::new(0),
+            slot_waits: std::sync::atomic::AtomicUsize::new(0),
             reservations_wake: tokio::sync::Notify::new(),
             rules_path,
             last_reload_error: Mutex::new(None),
@@ -162,6 +177,8 @@ impl Shared {
         Arc::new(Self {
             core: Mutex::new(Node::Regional(core)),
             upstream_wake: tokio::sync::Notify::new(),
+            slots_changed: tokio::sync::watch::Sender::new(0),
+            slot_waits: std::sync::atomic::AtomicUsize::new(0),
             reservations_wake: tokio::sync::Notify::new(),
             rules_path: None,
             last_reload_error: Mutex::new(None),
@@ -199,9 +216,26 @@ impl Shared {
         }
     }
 
+    /// Slot ledgers may have changed: `WaitSlots` calls look again.
+    pub fn slots_changed(&self) {
+        self.slots_changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
     /// [`Shared::handle_from`], and how many reservation records must be
     /// durable before the reply may be sent (0 without reservations).
     pub fn handle_durably(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
+        let slots = batch
+            .items
+            .iter()
+            .any(|i| i.kind == ItemKind::Slots as i32 || i.kind == ItemKind::SlotsRelease as i32);
+        let out = self.handle_durably_inner(batch, principal);
+        if slots {
+            self.slots_changed();
+        }
+        out
+    }
+
+    fn handle_durably_inner(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
         let mut node = self.core.lock();
         match &mut *node {
             Node::Global(core) => {
@@ -267,6 +301,11 @@ impl Shared {
     /// True for a regional allocator.
     pub fn is_regional(&self) -> bool {
         matches!(&*self.core.lock(), Node::Regional(_))
+    }
+
+    /// Make the upstream loop look at once (a regional).
+    pub fn wake_upstream(&self) {
+        self.upstream_wake.notify_one();
     }
 
     /// Resolves when a child could not be served from a pool.
@@ -415,6 +454,80 @@ impl Allocator for LeaseService {
             _ => reply,
         }))
     }
+
+    async fn wait_slots(&self, request: Request<SlotWait>) -> Result<Response<SlotWake>, Status> {
+        let w = request.into_inner();
+        Ok(Response::new(
+            self.shared.wait_slots(&w, self.leadership.as_deref()).await,
+        ))
+    }
+}
+
+impl Shared {
+    /// A `WaitSlots` call (docs/permits.md "Slots follow demand"): answers
+    /// when the key's free slots grow beyond what they were when it
+    /// arrived (`room`), when some holder misses slots (`contended`), or
+    /// after `wait_ms` (at most [`MAX_SLOT_WAIT`]). A replica that does
+    /// not lead, a key without a ledger here, or too many calls waiting
+    /// answer `not_here` at once. Changes nothing.
+    pub async fn wait_slots(
+        &self,
+        w: &SlotWait,
+        leadership: Option<&crate::leadership::Leadership>,
+    ) -> SlotWake {
+        let not_here = SlotWake {
+            not_here: true,
+            ..SlotWake::default()
+        };
+        let boot = quotalease_model::clock::BootClock::now();
+        if leadership.is_some_and(|l| !l.serving(boot))
+            || self.closed.load(std::sync::atomic::Ordering::Acquire)
+        {
+            return not_here;
+        }
+        let key = KeyId {
+            rule: w.rule_id.clone(),
+            tenant: w.tenant.clone(),
+            route: w.route.clone(),
+        };
+        let mut changed = self.slots_changed.subscribe();
+        let state = || {
+            let now = self.now();
+            self.with_core(|c| c.slot_wake(now, &key))
+        };
+        let Some((room0, contended0)) = state() else {
+            return not_here;
+        };
+        let wake = |room: u64, contended: bool| SlotWake {
+            room,
+            contended,
+            not_here: false,
+        };
+        if w.contended && contended0 {
+            return wake(room0, contended0);
+        }
+        let waits = &self.slot_waits;
+        if waits.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_SLOT_WAITS {
+            waits.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            return not_here;
+        }
+        let wait = Duration::from_millis(u64::from(w.wait_ms)).min(MAX_SLOT_WAIT);
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut last = (room0, contended0);
+        loop {
+            match tokio::time::timeout_at(deadline, changed.changed()).await {
+                Ok(Ok(())) => {}
+                _ => break,
+            }
+            let Some(now) = state() else { break };
+            last = now;
+            if (w.room && now.0 > room0) || (w.contended && now.1) {
+                break;
+            }
+        }
+        waits.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        wake(last.0, last.1)
+    }
 }
 
 /// Keys one housekeeping step looks at under the core's lock.
@@ -437,6 +550,10 @@ pub async fn housekeeping(shared: Arc<Shared>, every: Duration) {
         let now = shared.now();
         while shared.with_core(|c| c.sweep_step(now, SWEEP_STEP_KEYS)) {
             tokio::task::yield_now().await;
+        }
+        // Slot leases expire without a message: waiting wake-ups look.
+        if shared.with_core(|c| c.slot_key_count()) > 0 {
+            shared.slots_changed();
         }
     }
 }

@@ -75,6 +75,8 @@ async fn exchange(shared: &Shared, client: &LeaderClient, batch: LeaseBatch, wai
     match res {
         Ok(Ok(reply)) => {
             shared.with_regional(|r| r.handle_reply(now, &reply));
+            // Its pools may lend more (or less) now.
+            shared.slots_changed();
             if !was_reachable {
                 tracing::info!("parent allocator reachable");
             }
@@ -112,6 +114,7 @@ pub async fn run(
             return;
         }
         let now = shared.now();
+        start_slot_wakes(&shared, &client, now);
         let Some((polled, wake)) =
             shared.with_regional(|r| (r.poll_transmit(now), r.poll_timeout(now)))
         else {
@@ -154,6 +157,50 @@ pub async fn run(
             _ = shared.upstream_wanted() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+    }
+}
+
+/// `WaitSlots` wake-ups of the parent for the slot chains that want one
+/// (docs/permits.md "Slots follow demand"): a task each, whose answer
+/// goes to the core, and the upstream loop looks at once when it says
+/// room grew or someone misses slots.
+fn start_slot_wakes(shared: &Arc<Shared>, client: &Parent, now: u64) {
+    let Some((wakes, fetch)) =
+        shared.with_regional(|r| (r.slot_wakes(now), r.config().fetch_timeout_ns))
+    else {
+        return;
+    };
+    for (key, want) in wakes {
+        let w = quotalease_proto::lease::SlotWait {
+            rule_id: key.rule.clone(),
+            tenant: key.tenant.clone(),
+            route: key.route.clone(),
+            room: want.room,
+            contended: want.contended,
+            // Within the channel's call timeout (the fetch timeout).
+            wait_ms: (fetch / 1_000_000 * 4 / 5).clamp(20, 1_000) as u32,
+            shard: 0,
+        };
+        let (shared, client) = (shared.clone(), client.clone());
+        tokio::spawn(async move {
+            let answer =
+                tokio::time::timeout(Duration::from_nanos(fetch), client.wait_slots(w)).await;
+            let (served, room, contended) = match answer {
+                Ok(Ok(a)) if !a.not_here => {
+                    (true, want.room && a.room > 0, want.contended && a.contended)
+                }
+                _ => (false, false, false),
+            };
+            let now = shared.now();
+            let look = shared
+                .with_regional(|r| r.on_slot_wake(now, &key, served, room, contended))
+                .unwrap_or(false);
+            if look {
+                // The pool may say contended to its children now too.
+                shared.slots_changed();
+                shared.wake_upstream();
+            }
+        });
     }
 }
 

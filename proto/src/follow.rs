@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use tonic::transport::Channel;
 
 use crate::lease::allocator_client::AllocatorClient;
-use crate::lease::{LeaseBatch, LeaseReply, ShardRoute};
+use crate::lease::{LeaseBatch, LeaseReply, ShardRoute, SlotWait, SlotWake};
 use crate::MAX_MESSAGE_BYTES;
 
 /// Makes a lazily connecting channel for a URL (settings, TLS) or says why
@@ -176,6 +176,17 @@ impl LeaderClient {
         // It granted: it leads now.
         g.current = j;
         Some(reply)
+    }
+
+    /// A `WaitSlots` wake-up at the replica calls go to now (no
+    /// following: a replica that does not lead answers `not_here`, and
+    /// the lease calls find the leader); `Err` is a one-line reason.
+    pub async fn wait_slots(&self, w: SlotWait) -> Result<SlotWake, String> {
+        let (_, url, mut c) = self.pick();
+        c.wait_slots(w)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| format!("{url}: {}: {}", s.code(), s.message()))
     }
 
     /// Send `batch` to the leader as far as it is known; `Err` is a
@@ -344,6 +355,12 @@ impl ShardedClient {
             }
         }
         moved
+    }
+
+    /// A `WaitSlots` wake-up at the shard `w` names (see
+    /// [`LeaderClient::wait_slots`]).
+    pub async fn wait_slots(&self, w: SlotWait) -> Result<SlotWake, String> {
+        self.client_for(w.shard).wait_slots(w).await
     }
 
     /// Send `batch` to the leader of the shard it names (see

@@ -703,6 +703,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             contended: g.contended,
                             over: g.over,
                             retry_after_ns: 0,
+                            holders: ledger.holders(),
                         };
                         region_replies.insert((rg, seq), pg);
                         pg

@@ -21,6 +21,15 @@ pub const TICK_NS: u64 = 50_000_000;
 /// serves a waiter at another within this, a tick and two round trips.
 pub const IDLE_GIVE_BACK_NS: u64 = 100_000_000;
 
+/// What a key wants to be woken for (see [`AskPolicy::wake_wanted`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wake {
+    /// The ledger's free slots grew.
+    pub room: bool,
+    /// Some holder misses slots.
+    pub contended: bool,
+}
+
 /// One key's asking state beside its [`PermitKey`].
 #[derive(Clone, Copy, Debug)]
 pub struct AskPolicy {
@@ -130,6 +139,32 @@ impl AskPolicy {
     /// The ask got no usable reply: the key may ask again.
     pub fn not_answered(&mut self) {
         self.in_flight = false;
+    }
+
+    /// The wake-up this key wants from the allocator now
+    /// (docs/permits.md "Slots follow demand"): `room` while its waiters
+    /// miss slots the ledger did not have (their ask goes out the moment
+    /// a slot frees, not a tick later), `contended` while it holds a lease
+    /// shared with other holders and has heard of no one missing slots
+    /// (its free slots go back the moment someone does, not after
+    /// [`IDLE_GIVE_BACK_NS`]). `None`: no wake-up.
+    pub fn wake_wanted(&self, pk: &PermitKey) -> Option<Wake> {
+        let waiting = pk.waiting_slots() > 0;
+        let room = waiting && self.unmet_at.is_some();
+        let contended = !waiting && !self.contended && self.holders > 1 && pk.current().is_some();
+        (room || contended).then_some(Wake { room, contended })
+    }
+
+    /// A wake-up answered: the ledger's free slots grew (`room`), or some
+    /// holder misses slots (`contended`). The next [`AskPolicy::due`] acts
+    /// on it at once.
+    pub fn on_wake(&mut self, room: bool, contended: bool) {
+        if room {
+            self.unmet_at = None;
+        }
+        if contended {
+            self.contended = true;
+        }
     }
 
     /// An ask is on its way.

@@ -186,3 +186,67 @@ fn fencing_tokens_grow_with_the_grant_and_never_wrap() {
     assert!(token((1 << 44) + 1) > token(7));
     assert!(token(u64::MAX) >= token((1 << 44) + 1));
 }
+
+/// The wake-ups a key wants (docs/permits.md "Slots follow demand"): room
+/// while its waiters miss slots the ledger lacked, contended while it
+/// holds a shared lease and heard of no one missing; each answered one
+/// makes the next `due` ask at once.
+#[test]
+fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
+    use super::policy::{AskPolicy, Wake};
+    let mut k = PermitKey::new(settings());
+    let mut p = AskPolicy::new(2_000 * MS);
+    assert_eq!(p.wake_wanted(&k), None, "nothing held, nothing waits");
+    // A waiter; the grant gives nothing (the ledger is full): room.
+    assert_eq!(k.acquire(0, 1), Err(AcquireError::Queued(1)));
+    let sent = p.due(&mut k, 0).expect("a waiter asks");
+    let none = Granted {
+        lease_id: 0,
+        slots: 0,
+        kept: 0,
+        fence: 0,
+        over: false,
+        ttl_ns: 0,
+    };
+    p.on_grant(&mut k, 10 * MS, sent, none, true, 3);
+    assert_eq!(
+        p.wake_wanted(&k),
+        Some(Wake {
+            room: true,
+            contended: false
+        })
+    );
+    assert!(p.due(&mut k, 20 * MS).is_none(), "not before the tick");
+    p.on_wake(true, false);
+    assert!(p.due(&mut k, 21 * MS).is_some(), "woken: asks at once");
+    // A holder of a shared lease with no waiter: contended.
+    let mut h = holding(2, 0);
+    let mut q = AskPolicy::new(2_000 * MS);
+    assert!(q.due(&mut h, 0).is_none(), "nothing due yet");
+    let renewal = q.send(&mut h, 0, false);
+    let kept = Granted {
+        lease_id: 8,
+        slots: 2,
+        kept: 2,
+        fence: 4,
+        over: false,
+        ttl_ns: 2_000 * MS,
+    };
+    q.on_grant(&mut h, 0, renewal, kept, false, 2);
+    assert_eq!(
+        q.wake_wanted(&h),
+        Some(Wake {
+            room: false,
+            contended: true
+        })
+    );
+    let id = h.acquire(1, 1).expect("a free slot");
+    h.release(2 * MS, id.id);
+    assert!(
+        q.due(&mut h, 3 * MS).is_none(),
+        "kept 100 ms while nobody misses it"
+    );
+    q.on_wake(false, true);
+    let back = q.due(&mut h, 4 * MS).expect("given back at once");
+    assert_eq!(back.keep, 0, "{back:?}");
+}

@@ -346,6 +346,15 @@ impl AllocatorCore {
         Some((name, lease))
     }
 
+    /// What a `WaitSlots` wake-up reads of `key` at `now_ns`: its free
+    /// slots and whether some holder misses slots; `None` when no ledger
+    /// of it is here.
+    pub fn slot_wake(&mut self, now_ns: u64, key: &KeyId) -> Option<(u64, bool)> {
+        let ledger = self.slot_keys.get_mut(key)?;
+        ledger.advance(now_ns);
+        Some((ledger.room(now_ns), ledger.contended()))
+    }
+
     /// The slot ledger of `key`, if any (a regional's pool: its upstream
     /// side sets what it may lend, `slots::chain`).
     pub fn slot_ledger_mut(&mut self, key: &KeyId) -> Option<&mut SlotLedger> {

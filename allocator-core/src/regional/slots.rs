@@ -9,7 +9,7 @@
 
 use super::*;
 use crate::slots::chain::{
-    ChainChange, ChainTimes, ParentSlotAsk, ParentSlotGrant, FENCES_PER_PARENT_GRANT,
+    ChainChange, ChainTimes, ChainWake, ParentSlotAsk, ParentSlotGrant, FENCES_PER_PARENT_GRANT,
 };
 
 /// A failed batch of slot asks is sent again this many times at most.
@@ -96,6 +96,35 @@ impl RegionalCore {
         Some(batch)
     }
 
+    /// The `WaitSlots` wake-ups to send the parent now (each key at
+    /// most one at a time; `SlotChain::take_wake`).
+    pub fn slot_wakes(&mut self, now_ns: u64) -> Vec<(KeyId, ChainWake)> {
+        self.slot_chains
+            .iter_mut()
+            .filter_map(|(k, c)| c.take_wake(now_ns).map(|w| (k.clone(), w)))
+            .collect()
+    }
+
+    /// A wake-up's answer for `key` (`served`: the parent answered it).
+    /// Whether the upstream side should look at once.
+    pub fn on_slot_wake(
+        &mut self,
+        now_ns: u64,
+        key: &KeyId,
+        served: bool,
+        room: bool,
+        contended: bool,
+    ) -> bool {
+        let (Some(chain), Some(pool)) = (
+            self.slot_chains.get_mut(key),
+            self.core.slot_ledger_mut(key),
+        ) else {
+            return false;
+        };
+        chain.on_wake(now_ns, served, room, contended, pool);
+        served && (room || contended)
+    }
+
     /// At shutdown: every parent slot lease renewed keeping only what
     /// the children hold (their permits run to their expiries), the rest
     /// given back; items for the last batch and their keys.
@@ -178,6 +207,7 @@ impl RegionalCore {
                 contended: g.contended,
                 over: g.over,
                 retry_after_ns: g.retry_after_ms.saturating_mul(MS),
+                holders: g.holders,
             };
             if !pg.applied {
                 tracing::debug!(?key, status = g.status, detail = %g.detail, "the parent refused a slot ask");

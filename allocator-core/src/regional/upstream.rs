@@ -33,13 +33,28 @@ impl RegionalCore {
         self.tend_slot_chains(now_ns);
         // Slot asks in a batch of their own when nothing is in flight;
         // the walk over the token chains goes first when it is due and
-        // the last batch was one of slot asks.
-        if self.in_flight.is_none() && !held_back && (throttled || !self.last_batch_slots) {
+        // the last batch was one of slot asks (and the slot asks right
+        // after it when it sends nothing).
+        let slots_may = self.in_flight.is_none() && !held_back;
+        let slots_first = throttled || !self.last_batch_slots;
+        if slots_may && slots_first {
             if let Some(b) = self.poll_slots(now_ns) {
                 self.last_batch_slots = true;
                 return Some(b);
             }
         }
+        let tokens = self.poll_tokens(now_ns, throttled, held_back);
+        if tokens.is_none() && slots_may && !slots_first && self.in_flight.is_none() {
+            if let Some(b) = self.poll_slots(now_ns) {
+                self.last_batch_slots = true;
+                return Some(b);
+            }
+        }
+        tokens
+    }
+
+    /// The token chains' part of [`RegionalCore::poll_transmit`].
+    fn poll_tokens(&mut self, now_ns: u64, throttled: bool, held_back: bool) -> Option<LeaseBatch> {
         // A key opened while a heartbeat was out waited a whole round trip
         // for it (a third of the openings behind a regional holding chains
         // at 75 ms from its parent; `small-burst-few`: the region whose

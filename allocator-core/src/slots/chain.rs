@@ -86,6 +86,9 @@ pub struct ParentSlotGrant {
     pub over: bool,
     /// Ask again no sooner than this after the answer (the parent's hint).
     pub retry_after_ns: u64,
+    /// Holders of the key at the parent (this region included; 0: not
+    /// said).
+    pub holders: u32,
 }
 
 /// How a grant changed the chain (counted by the regional).
@@ -109,6 +112,22 @@ pub struct SlotChain {
     over: bool,
     in_flight: Option<ParentSlotAsk>,
     next_ask_ns: u64,
+    /// The last grant gave fewer fresh slots than asked (the parent was
+    /// full): a wake-up for room is worth waiting for.
+    parent_unmet: bool,
+    /// A wake-up of the parent is out, or none before this instant.
+    waking: bool,
+    wake_after_ns: u64,
+}
+
+/// What a chain wants to be woken for by its parent (`WaitSlots`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChainWake {
+    /// The parent's free slots grew (its children miss slots).
+    pub room: bool,
+    /// Some holder at the parent misses slots (the pool's spare slots go
+    /// back at once).
+    pub contended: bool,
 }
 
 impl SlotChain {
@@ -196,6 +215,51 @@ impl SlotChain {
         None
     }
 
+    /// The wake-up this chain wants from its parent now, if none is out
+    /// (docs/permits.md "Slots follow demand"): `room` after the parent
+    /// could not give what was asked, `contended` while it holds a lease
+    /// and has heard of no one missing slots. Marks it out.
+    pub fn take_wake(&mut self, now_ns: u64) -> Option<ChainWake> {
+        if self.waking || now_ns < self.wake_after_ns || self.in_flight.is_some() {
+            return None;
+        }
+        let room = self.parent_unmet;
+        let contended = self.lease_id != 0 && !self.contended;
+        if !(room || contended) {
+            return None;
+        }
+        self.waking = true;
+        Some(ChainWake { room, contended })
+    }
+
+    /// The wake-up's answer at `now_ns` (`served`: the parent answered
+    /// it; otherwise none for a second): room grew (ask at once), or some
+    /// holder misses slots (the pool says `contended` to its children,
+    /// and gives its spare slots back at the next plan).
+    pub fn on_wake(
+        &mut self,
+        now_ns: u64,
+        served: bool,
+        room: bool,
+        contended: bool,
+        pool: &mut SlotLedger,
+    ) {
+        self.waking = false;
+        if !served {
+            self.wake_after_ns = now_ns.saturating_add(1_000_000_000);
+            return;
+        }
+        if room {
+            self.parent_unmet = false;
+            self.next_ask_ns = 0;
+        }
+        if contended {
+            self.contended = true;
+            let (n, cap) = (pool.n(), pool.cap_ns());
+            pool.set_pool(n, cap, 0, 0, true);
+        }
+    }
+
     /// `ask` was sent at `now_ns`: from now the pool lends at most what
     /// it keeps.
     pub fn sent(&mut self, now_ns: u64, ask: ParentSlotAsk, pool: &mut SlotLedger, t: &ChainTimes) {
@@ -232,6 +296,7 @@ impl SlotChain {
         }
         self.contended = g.contended;
         self.over = g.over;
+        self.parent_unmet = g.slots.saturating_sub(g.kept) < ask.want;
         let broke = ask.lease_id != 0 && g.kept < ask.keep;
         if broke {
             // The children's leases stay within the old parent lease (or
@@ -262,6 +327,9 @@ impl SlotChain {
         self.asked_ns = ask.sent_ns;
         let n = if g.over { 0 } else { g.slots };
         pool.set_pool(n, deadline, g.fence, FENCES_PER_PARENT_GRANT, g.contended);
+        // The children's agents size their fail-open semaphores and decide
+        // on contention wake-ups by the key's holders everywhere.
+        pool.set_other_holders(g.holders.saturating_sub(1));
         if broke {
             ChainChange::Broke
         } else {

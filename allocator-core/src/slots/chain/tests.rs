@@ -179,3 +179,49 @@ fn a_child_missing_slots_asks_at_most_once_per_tick() {
     );
     assert!(chain.plan(now + 60 * MS, &mut pool, &TIMES).is_some());
 }
+
+#[test]
+fn a_chain_wants_a_wake_up_for_room_after_an_unmet_ask_and_for_contention_while_it_holds() {
+    let (mut chain, mut pool) = holding(2);
+    let now = T + 100 * MS;
+    // Holding, nobody said contended: one wake-up out at a time.
+    assert_eq!(
+        chain.take_wake(now),
+        Some(ChainWake {
+            room: false,
+            contended: true
+        })
+    );
+    assert_eq!(chain.take_wake(now), None, "one out at a time");
+    // Someone misses slots at the parent: the pool says so to children,
+    // and the spare slots go back at the next plan.
+    chain.on_wake(now, true, false, true, &mut pool);
+    assert!(pool.contended());
+    let ask = chain
+        .plan(now + 60 * MS, &mut pool, &TIMES)
+        .expect("give back");
+    assert_eq!(ask.keep, 0, "no child holds any: {ask:?}");
+    // An ask the parent could not meet: a wake-up for room.
+    chain.sent(now + 60 * MS, ask, &mut pool, &TIMES);
+    let mut g = granted(101, 0, 0, 0);
+    g.contended = true;
+    let ask2 = ParentSlotAsk {
+        lease_id: 100,
+        keep: 0,
+        want: 2,
+        sent_ns: now + 60 * MS,
+    };
+    chain.in_flight = Some(ask2);
+    chain.on_grant(now + 70 * MS, &g, &mut pool, &TIMES);
+    assert_eq!(
+        chain.take_wake(now + 80 * MS),
+        Some(ChainWake {
+            room: true,
+            contended: false
+        })
+    );
+    // Not answered (an older parent): none for a second.
+    chain.on_wake(now + 90 * MS, false, false, false, &mut pool);
+    assert_eq!(chain.take_wake(now + 100 * MS), None);
+    assert!(chain.take_wake(now + 1_100 * MS).is_some());
+}

@@ -56,6 +56,43 @@ pub struct PermitSimConfig {
     /// Regional allocators between the agents and the allocator (`None`:
     /// the agents ask the allocator).
     pub regions: Option<PermitRegions>,
+    /// The `WaitSlots` wake-ups (docs/permits.md "Slots follow demand"),
+    /// as the agents and regionals use them; off: the lease protocol's
+    /// polling alone.
+    pub wakeups: bool,
+}
+
+/// How long a wake-up waits at its allocator at most (4/5 of the
+/// agents' fetch timeout, as the driver asks).
+const WAKE_WAIT_NS: u64 = 200 * MS;
+
+/// After a wake-up the allocator did not serve, none for this long.
+const WAKE_BACKOFF_NS: u64 = 1_000 * MS;
+
+/// Who waits for a wake-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Waker {
+    Agent { a: usize, inc: u32 },
+    Region { r: usize },
+}
+
+/// Where a wake-up waits: a regional's pool, or the allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lender {
+    Pool(usize),
+    Global,
+}
+
+/// A wake-up waiting at its lender.
+#[derive(Clone, Copy, Debug)]
+struct WakeWait {
+    lender: Lender,
+    who: Waker,
+    room: bool,
+    contended: bool,
+    /// The lender's free slots when it arrived (it answers when they grow).
+    room0: u64,
+    until: u64,
 }
 
 /// Regional allocators in a permit run: each lends its agents the slots
@@ -139,6 +176,7 @@ impl PermitSimConfig {
             renew_every_ns: 250 * MS,
             faults: PermitFaults::default(),
             regions: None,
+            wakeups: true,
         }
     }
 
@@ -215,6 +253,11 @@ pub struct PermitReport {
     pub region_breaks: u64,
     /// See `region_asks`.
     pub region_lapses: u64,
+    /// Wake-ups sent (agents' and regionals'), and those answered with
+    /// room or contention.
+    pub wakeups: u64,
+    /// See `wakeups`.
+    pub wakeups_answered: u64,
 }
 
 impl PermitReport {
@@ -300,6 +343,23 @@ enum Ev {
         seq: u64,
         tries: u32,
     },
+    /// A wake-up reaches its lender.
+    WakeArrives {
+        lender: Lender,
+        who: Waker,
+        room: bool,
+        contended: bool,
+    },
+    /// A wake-up's wait is over: its lender looks (and answers).
+    WakeLook,
+    /// A wake-up's answer reaches who waited (`served`: the lender
+    /// answered it).
+    WakeAnswer {
+        who: Waker,
+        served: bool,
+        room: bool,
+        contended: bool,
+    },
 }
 
 /// A regional allocator of a permit run: its parent slot lease and pool.
@@ -322,6 +382,9 @@ struct Agent {
     waiters: HashMap<u64, (u64, u64)>,
     /// Permits held: id -> release time.
     held: HashMap<u64, u64>,
+    /// A wake-up is out, or none before this.
+    waking: bool,
+    wake_after: u64,
 }
 
 impl Agent {
@@ -359,6 +422,8 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
         asking: None,
         waiters: HashMap::new(),
         held: HashMap::new(),
+        waking: false,
+        wake_after: 0,
     };
     let mut agents: Vec<Agent> = cfg.delays_ns.iter().map(|_| fresh_agent(0)).collect();
     let end: u64 = cfg.phases.iter().map(|p| p.0).sum();
@@ -405,6 +470,8 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     for r in 0..regionals.len() {
         q.post(r as u64 * 11 * MS, Ev::RegionTick { r, periodic: true });
     }
+    // Wake-ups waiting at their lenders.
+    let mut wake_waits: Vec<WakeWait> = Vec::new();
     // The allocator's reply cache for the regionals: (region, seq) -> answer.
     let mut region_replies: HashMap<(usize, u64), ParentSlotGrant> = HashMap::new();
     let cut = |r: usize, t: u64| {
@@ -630,6 +697,28 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     replies.clear();
                 }
                 region_replies.clear();
+                // Wake-ups waiting at the allocator die with it: their
+                // calls fail.
+                wake_waits.retain(|w| {
+                    if w.lender == Lender::Global {
+                        let back = match w.who {
+                            Waker::Agent { a, .. } => cfg.delays_ns[a],
+                            Waker::Region { r: rg } => regions.delays_ns[rg],
+                        };
+                        q.post(
+                            now + back,
+                            Ev::WakeAnswer {
+                                who: w.who,
+                                served: false,
+                                room: false,
+                                contended: false,
+                            },
+                        );
+                        false
+                    } else {
+                        true
+                    }
+                });
                 let wait = ttl_max + ttl_max * 2 * RHO_PPM / 1_000_000 + settings.epsilon_ns + 1;
                 ledger =
                     SlotLedger::after_restart(cfg.n, (restarts + 1) << 32, now + wait, next_lease);
@@ -729,6 +818,66 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     }
                 }
             }
+            Ev::WakeArrives {
+                lender,
+                who,
+                room,
+                contended,
+            } => {
+                let l = match lender {
+                    Lender::Pool(rg) => &mut regionals[rg].pool,
+                    Lender::Global => &mut ledger,
+                };
+                l.advance(now);
+                // Looked at with the others below (a contended key answers
+                // at once).
+                wake_waits.push(WakeWait {
+                    lender,
+                    who,
+                    room,
+                    contended,
+                    room0: l.room(now),
+                    until: now + WAKE_WAIT_NS,
+                });
+                q.post(now + WAKE_WAIT_NS, Ev::WakeLook);
+            }
+            Ev::WakeLook => {}
+            Ev::WakeAnswer {
+                who,
+                served,
+                room,
+                contended,
+            } => match who {
+                Waker::Agent { a, inc } => {
+                    let ag = &mut agents[a];
+                    if ag.inc == inc {
+                        ag.waking = false;
+                        if !served {
+                            ag.wake_after = now + WAKE_BACKOFF_NS;
+                        }
+                        ag.policy.on_wake(room, contended);
+                        if room || contended {
+                            r.wakeups_answered += 1;
+                        }
+                        ask_now = Some(a);
+                    }
+                }
+                Waker::Region { r: rg } => {
+                    let reg = &mut regionals[rg];
+                    reg.chain
+                        .on_wake(now, served, room, contended, &mut reg.pool);
+                    if served && (room || contended) {
+                        r.wakeups_answered += 1;
+                        q.post(
+                            now,
+                            Ev::RegionTick {
+                                r: rg,
+                                periodic: false,
+                            },
+                        );
+                    }
+                }
+            },
             Ev::RegionGiveUp { r: rg, seq, tries } => {
                 let reg = &mut regionals[rg];
                 if let Some((s, ask)) = reg.asking.filter(|(s, _)| *s == seq) {
@@ -765,6 +914,89 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 ag.asking = Some(sent.seq);
                 let inc = ag.inc;
                 q.send(now, &mut faults_rng, cfg, &mut r, (a, inc), sent, 0);
+            }
+            // Its wake-up, as the driver starts them.
+            if cfg.wakeups && !ag.waking && now >= ag.wake_after {
+                if let Some(w) = ag.policy.wake_wanted(&ag.pk) {
+                    ag.waking = true;
+                    r.wakeups += 1;
+                    let lender = regions
+                        .agent_region
+                        .get(a)
+                        .map_or(Lender::Global, |&rg| Lender::Pool(rg));
+                    let who = Waker::Agent { a, inc: ag.inc };
+                    q.post(
+                        now + cfg.delays_ns[a],
+                        Ev::WakeArrives {
+                            lender,
+                            who,
+                            room: w.room,
+                            contended: w.contended,
+                        },
+                    );
+                }
+            }
+        }
+        // Regionals' wake-ups of the allocator (their upstream loops start
+        // them on every look).
+        if cfg.wakeups {
+            for (rg, reg) in regionals.iter_mut().enumerate() {
+                if let Some(w) = reg.chain.take_wake(now) {
+                    r.wakeups += 1;
+                    if cut(rg, now) {
+                        q.post(
+                            now + REGION_FETCH_TIMEOUT_NS,
+                            Ev::WakeAnswer {
+                                who: Waker::Region { r: rg },
+                                served: false,
+                                room: false,
+                                contended: false,
+                            },
+                        );
+                    } else {
+                        q.post(
+                            now + regions.delays_ns[rg],
+                            Ev::WakeArrives {
+                                lender: Lender::Global,
+                                who: Waker::Region { r: rg },
+                                room: w.room,
+                                contended: w.contended,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        // The lenders look at their waiting wake-ups (after every event:
+        // any ask may have changed a ledger or pool).
+        if !wake_waits.is_empty() {
+            let mut i = 0;
+            while i < wake_waits.len() {
+                let w = wake_waits[i];
+                let l = match w.lender {
+                    Lender::Pool(rg) => &mut regionals[rg].pool,
+                    Lender::Global => &mut ledger,
+                };
+                l.advance(now);
+                let (room, contended) = (l.room(now), l.contended());
+                if (w.room && room > w.room0) || (w.contended && contended) || now >= w.until {
+                    wake_waits.swap_remove(i);
+                    let back = match (w.lender, w.who) {
+                        (_, Waker::Agent { a, .. }) => cfg.delays_ns[a],
+                        (_, Waker::Region { r: rg }) => regions.delays_ns[rg],
+                    };
+                    q.post(
+                        now + back,
+                        Ev::WakeAnswer {
+                            who: w.who,
+                            served: true,
+                            room: w.room && room > 0,
+                            contended: w.contended && contended,
+                        },
+                    );
+                } else {
+                    i += 1;
+                }
             }
         }
         // I4 at this instant: the permits valid at every agent, and those

@@ -178,3 +178,84 @@ fn through_regions_with_faults_keeps_i4() {
         assert!(r.permits > 1_000, "{r:?}");
     }
 }
+
+/// The wake-up long poll against the lease protocol's polling alone, side
+/// by side on the same arrivals (docs/permits.md "Slots follow demand"):
+/// I4 on every event either way; figures printed.
+#[test]
+fn wakeups_against_polling_alone() {
+    for (name, regions) in [("one allocator", false), ("three regions", true)] {
+        for load in [0.9, 1.5] {
+            for seed in 1..=3 {
+                let mut cfg = if regions {
+                    PermitSimConfig::regions_shape(seed, load)
+                } else {
+                    PermitSimConfig::shape(seed, load)
+                };
+                let woken = run(&cfg);
+                cfg.wakeups = false;
+                let polled = run(&cfg);
+                eprintln!(
+                    "permits sim {name} load {load} seed {seed}: slots in use {:.1} % (polling {:.1} %), wait p50 {:.0} / p99 {:.0} ms (polling {:.0} / {:.0} ms; ideal {:.0} / {:.0} ms), asks per permit {:.2} (polling {:.2}), {} wake-ups ({} answered with room or contention)",
+                    100.0 * woken.saturated_use,
+                    100.0 * polled.saturated_use,
+                    woken.wait_p50_ns as f64 / 1e6,
+                    woken.wait_p99_ns as f64 / 1e6,
+                    polled.wait_p50_ns as f64 / 1e6,
+                    polled.wait_p99_ns as f64 / 1e6,
+                    woken.ideal_p50_ns as f64 / 1e6,
+                    woken.ideal_p99_ns as f64 / 1e6,
+                    woken.asks_per_permit(),
+                    polled.asks_per_permit(),
+                    woken.wakeups,
+                    woken.wakeups_answered,
+                );
+                assert!(woken.max_held <= cfg.n && polled.max_held <= cfg.n);
+                assert!(woken.wakeups_answered > 0, "{woken:?}");
+                assert_eq!(polled.wakeups, 0);
+            }
+        }
+    }
+}
+
+/// [`wakeups_against_polling_alone`] over seeds 1-10 at load 0.9, the
+/// medians of each figure across seeds (run by hand: `cargo test -p
+/// quotalease-sim --release --test permits -- --ignored --nocapture`).
+#[test]
+#[ignore = "a figure for docs/permits.md, about 30 s in a debug build"]
+fn wakeups_against_polling_alone_ten_seeds() {
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+    }
+    for (name, regions) in [("one allocator", false), ("three regions", true)] {
+        let mut figs: [Vec<f64>; 6] = Default::default();
+        for seed in 1..=10 {
+            let mut cfg = if regions {
+                PermitSimConfig::regions_shape(seed, 0.9)
+            } else {
+                PermitSimConfig::shape(seed, 0.9)
+            };
+            for (i, wakeups) in [true, false].into_iter().enumerate() {
+                cfg.wakeups = wakeups;
+                let r = run(&cfg);
+                figs[3 * i].push(100.0 * r.saturated_use);
+                figs[3 * i + 1].push(r.wait_p99_ns as f64 / 1e6);
+                figs[3 * i + 2].push(r.ideal_p99_ns as f64 / 1e6);
+            }
+        }
+        let [uw, pw, iw, up, pp, _] = figs;
+        eprintln!(
+            "permits sim {name} load 0.9, seeds 1-10, medians: wake-ups: slots in use {:.1} %, wait p99 {:.0} ms (p99 range {:.0}-{:.0}); polling alone: {:.1} %, p99 {:.0} ms (range {:.0}-{:.0}); ideal p99 {:.0} ms",
+            median(uw),
+            median(pw.clone()),
+            pw.iter().cloned().fold(f64::MAX, f64::min),
+            pw.iter().cloned().fold(0.0, f64::max),
+            median(up),
+            median(pp.clone()),
+            pp.iter().cloned().fold(f64::MAX, f64::min),
+            pp.iter().cloned().fold(0.0, f64::max),
+            median(iw),
+        );
+    }
+}

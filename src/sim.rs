@@ -23,6 +23,11 @@ pub struct SimArgs {
     /// faults heal.
     #[arg(long)]
     swarm: bool,
+    /// With --swarm: the permit model's swarm instead (every seed draws a
+    /// permit run: topology, `N`, load, holds, faults; I4 on every event
+    /// and liveness after the faults; sim/src/permits/swarm.rs).
+    #[arg(long, requires = "swarm")]
+    permits: bool,
     /// Seed of the run.
     #[arg(long, default_value_t = 1, conflicts_with = "seeds")]
     seed: u64,
@@ -97,6 +102,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    if args.permits {
+        if args.scenario.is_some() || args.scale < 1.0 || args.out.is_some() {
+            bail!("--permits: runs the permit model's own plans; --scenario, --scale and --out do not apply");
+        }
+        return permit_swarm(&args);
+    }
     if args.swarm {
         let scenario = args
             .scenario
@@ -161,6 +172,49 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 bail!("{}: {} seed(s) failed", sc.name, failed.len())
             }
         }
+    }
+}
+
+/// `--swarm --permits`: the permit model's swarm, one line per seed (its
+/// draw and what it measured; the wall time on stderr, so stdout is the
+/// same bytes for the same seeds).
+fn permit_swarm(args: &SimArgs) -> anyhow::Result<()> {
+    use quotalease_sim::permits::swarm::run_seed;
+    let started = Instant::now();
+    let (a, b) = args.seeds.unwrap_or((args.seed, args.seed));
+    let mut failed = Vec::new();
+    runner::for_seeds(a..=b, args.jobs, run_seed, |seed, (what, r, failures)| {
+        println!(
+            "permits seed {seed}: {what}: {} permits, {} timeouts, max held {}, slots in use {:.1} % while demand >= N, wait p99 {:.0} ms (ideal {:.0} ms){}",
+            r.permits,
+            r.timeouts,
+            r.max_held,
+            100.0 * r.saturated_use,
+            r.wait_p99_ns as f64 / 1e6,
+            r.ideal_p99_ns as f64 / 1e6,
+            if failures.is_empty() { "" } else { ": FAILED" }
+        );
+        if !failures.is_empty() {
+            println!("  replay: quotalease sim --swarm --permits --seed {seed}");
+            for f in &failures {
+                println!("  {f}");
+            }
+            failed.push(seed);
+        }
+    });
+    println!(
+        "permits swarm: {} passed, {} failed",
+        b - a + 1 - failed.len() as u64,
+        failed.len()
+    );
+    eprintln!(
+        "permits swarm: seeds {a}..{b} in {:.1} s wall",
+        started.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        bail!("permits swarm: {} seed(s) failed", failed.len())
     }
 }
 

@@ -259,3 +259,24 @@ fn wakeups_against_polling_alone_ten_seeds() {
         );
     }
 }
+
+/// The permit model's swarm (`quotalease sim --swarm --permits`): every
+/// seed draws its own run and faults; I4 on every event, liveness after
+/// the faults; the same seed draws the same run.
+#[test]
+fn a_permit_swarm_keeps_i4_and_recovers() {
+    use quotalease_sim::permits::swarm::{plan, run_seed};
+    assert_eq!(plan(7).1, plan(7).1);
+    assert_ne!(plan(7).1, plan(8).1);
+    let mut regions = 0;
+    for seed in 1..=24 {
+        let (what, r, failed) = run_seed(seed);
+        eprintln!(
+            "permits swarm seed {seed}: {what}: {} permits, max held {}",
+            r.permits, r.max_held
+        );
+        assert!(failed.is_empty(), "seed {seed} ({what}): {failed:?}");
+        regions += usize::from(what.contains("regions"));
+    }
+    assert!(regions > 0, "no seed drew regions");
+}

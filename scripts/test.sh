@@ -181,6 +181,9 @@ log "simulator: swarm sweep (a fault plan per seed, liveness after the faults he
 # Swarm findings reduced to a scenario, fixed, kept as regressions.
 "$sim" sim --scenario sim/findings/agent-rate-liveness.yaml --seeds 1..3
 
+log "simulator: permit swarm (a permit run and faults per seed; I4 on every event)"
+"$sim" sim --swarm --permits --seeds 1..200 >/dev/null
+
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

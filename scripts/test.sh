@@ -182,7 +182,9 @@ log "simulator: swarm sweep (a fault plan per seed, liveness after the faults he
 "$sim" sim --scenario sim/findings/agent-rate-liveness.yaml --seeds 1..3
 
 log "simulator: permit swarm (a permit run and faults per seed; I4 on every event)"
-"$sim" sim --swarm --permits --seeds 1..200 >/dev/null
+# One line per seed; shown: the failing ones (with their replay) and the tally.
+"$sim" sim --swarm --permits --seeds 1..200 | grep -E '^  |FAILED|^permits swarm:'
+
 
 log "simulator: same seed, same bytes"
 out=$(mktemp -d)

@@ -420,6 +420,7 @@ async fn a_wait_slots_call_wakes_when_a_slot_frees() {
         contended: false,
         wait_ms: 1_000,
         shard: 0,
+        ..Default::default()
     };
     let w = raw
         .wait_slots(wait("/jobs"))
@@ -909,8 +910,43 @@ async fn a_release_through_another_agent_frees_the_slot() {
     );
     let (r, served) = waiter.await.unwrap();
     assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    let first = served - sent;
+    // Once the holder has heard that the key is shared (its next renewal,
+    // within a second), it keeps a wake-up open for releases forwarded to
+    // it: the next one reaches it in about a round trip.
+    // (The holder's clients renew their permits meanwhile.)
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for id in &ids[1..] {
+            renew_held(&mut holder, id, "while the key is shared").await;
+        }
+    }
+    let mut other = permits_client(&agents[1]).await;
+    let waiter = tokio::spawn(async move {
+        let r = other
+            .acquire(acquire_req(10_000))
+            .await
+            .unwrap()
+            .into_inner();
+        (r, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for id in &ids[1..] {
+        renew_held(&mut holder, id, "before the second release").await;
+    }
+    assert!(!waiter.is_finished(), "served while N = 5 were held");
+    let sent = Instant::now();
+    let (code, _) = http_json(
+        agents[1].http,
+        "DELETE",
+        &format!("/v1/permits/{}", ids[1]),
+        None,
+    );
+    assert_eq!(code, 202);
+    let (r2, served) = waiter.await.unwrap();
+    assert_eq!(r2.outcome, AcquireOutcome::Acquired as i32, "{r2:?}");
     eprintln!(
-        "e2e permits: a release through another agent served a waiter there {:?} after it was sent",
+        "e2e permits: a release through another agent served a waiter there {first:?} after it was sent (the holder had not heard the key is shared), the next one {:?}",
         served - sent
     );
     // The holder released it: renewing it there answers expired.
@@ -925,12 +961,12 @@ async fn a_release_through_another_agent_frees_the_slot() {
     let (_, metrics) = http_get(agents[0].http, "/metrics");
     assert!(
         metrics
-            .contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="applied"} 1"#),
+            .contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="applied"} 2"#),
         "{metrics}"
     );
     let (_, metrics) = http_get(agents[1].http, "/metrics");
     assert!(
-        metrics.contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="sent"} 1"#),
+        metrics.contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="sent"} 2"#),
         "{metrics}"
     );
 }

@@ -753,19 +753,24 @@ impl Permits {
                 route: key.route.clone(),
                 room: want.room,
                 contended: want.contended,
+                releases: want.releases,
                 wait_ms: wait_ms as u32,
                 shard: quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards),
+                agent_id: self.inner.cfg.agent_id.clone(),
+                instance: self.inner.cfg.instance,
             };
             let inner = self.inner.clone();
             let key = key.clone();
             tokio::spawn(async move {
                 let answer = tokio::time::timeout(fetch, inner.transport.wait_slots(w)).await;
                 let now = inner.cfg.clock.now();
-                let (room, contended) = match answer {
-                    Ok(Ok(a)) if !a.not_here => {
-                        (want.room && a.room > 0, want.contended && a.contended)
-                    }
-                    _ => (false, false),
+                let (room, contended, released) = match answer {
+                    Ok(Ok(a)) if !a.not_here => (
+                        want.room && a.room > 0,
+                        want.contended && a.contended,
+                        a.released,
+                    ),
+                    _ => (false, false, false),
                 };
                 let served = matches!(answer, Ok(Ok(ref a)) if !a.not_here);
                 {
@@ -775,7 +780,7 @@ impl Permits {
                         if !served {
                             e.wake_after_ns = now.saturating_add(WAKE_BACKOFF_NS);
                         }
-                        e.asking.on_wake(room, contended);
+                        e.asking.on_wake(room, contended, released);
                     }
                 }
                 let m = &inner.cfg.metrics.permits;
@@ -785,7 +790,7 @@ impl Permits {
                 if contended {
                     m.wakeups_contended.add(1);
                 }
-                if room || contended {
+                if room || contended || released {
                     inner.wake.notify_one();
                 }
             });

@@ -175,6 +175,11 @@ impl PermitKey {
         }
     }
 
+    /// Whether permits are held (as of the last expiry pass).
+    pub fn holds_permits(&self) -> bool {
+        !self.permits.is_empty()
+    }
+
     /// The permits valid at `now` (expired ones are dropped).
     pub fn permits(&mut self, now_ns: u64) -> &[Permit] {
         self.expire(now_ns);

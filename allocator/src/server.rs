@@ -224,10 +224,11 @@ impl Shared {
     /// [`Shared::handle_from`], and how many reservation records must be
     /// durable before the reply may be sent (0 without reservations).
     pub fn handle_durably(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
-        let slots = batch
-            .items
-            .iter()
-            .any(|i| i.kind == ItemKind::Slots as i32 || i.kind == ItemKind::SlotsRelease as i32);
+        let slots = batch.items.iter().any(|i| {
+            i.kind == ItemKind::Slots as i32
+                || i.kind == ItemKind::SlotsRelease as i32
+                || i.kind == ItemKind::PermitRelease as i32
+        });
         let out = self.handle_durably_inner(batch, principal);
         if slots {
             self.slots_changed();
@@ -456,9 +457,16 @@ impl Allocator for LeaseService {
     }
 
     async fn wait_slots(&self, request: Request<SlotWait>) -> Result<Response<SlotWake>, Status> {
+        let principal = request
+            .extensions()
+            .get::<quotalease_tls::PeerInfo>()
+            .map(|p| p.principal.clone())
+            .unwrap_or_default();
         let w = request.into_inner();
         Ok(Response::new(
-            self.shared.wait_slots(&w, self.leadership.as_deref()).await,
+            self.shared
+                .wait_slots(&w, &principal, self.leadership.as_deref())
+                .await,
         ))
     }
 }
@@ -466,13 +474,16 @@ impl Allocator for LeaseService {
 impl Shared {
     /// A `WaitSlots` call (docs/permits.md "Slots follow demand"): answers
     /// when the key's free slots grow beyond what they were when it
-    /// arrived (`room`), when some holder misses slots (`contended`), or
-    /// after `wait_ms` (at most [`MAX_SLOT_WAIT`]). A replica that does
-    /// not lead, a key without a ledger here, or too many calls waiting
+    /// arrived (`room`), when some holder misses slots (`contended`), when
+    /// a release of the caller's (`principal`, `agent_id`, `instance`)
+    /// forwarded by another agent waits for its next reply (`releases`), or after
+    /// `wait_ms` (at most [`MAX_SLOT_WAIT`]). A replica that does not
+    /// lead, a key without a ledger here, or too many calls waiting
     /// answer `not_here` at once. Changes nothing.
     pub async fn wait_slots(
         &self,
         w: &SlotWait,
+        principal: &str,
         leadership: Option<&crate::leadership::Leadership>,
     ) -> SlotWake {
         let not_here = SlotWake {
@@ -490,21 +501,31 @@ impl Shared {
             tenant: w.tenant.clone(),
             route: w.route.clone(),
         };
+        let holder = crate::core::HolderName {
+            principal: principal.to_string(),
+            agent_id: w.agent_id.clone(),
+            instance: w.instance,
+        };
         let mut changed = self.slots_changed.subscribe();
+        // (free slots, someone misses slots, a release waits for the caller)
         let state = || {
             let now = self.now();
-            self.with_core(|c| c.slot_wake(now, &key))
+            self.with_core(|c| {
+                let released = w.releases && c.releases_waiting(&holder);
+                c.slot_wake(now, &key).map(|(r, m)| (r, m, released))
+            })
         };
-        let Some((room0, contended0)) = state() else {
+        let Some((room0, contended0, released0)) = state() else {
             return not_here;
         };
-        let wake = |room: u64, contended: bool| SlotWake {
+        let wake = |(room, contended, released): (u64, bool, bool)| SlotWake {
             room,
             contended,
             not_here: false,
+            released,
         };
-        if w.contended && contended0 {
-            return wake(room0, contended0);
+        if (w.contended && contended0) || released0 {
+            return wake((room0, contended0, released0));
         }
         let waits = &self.slot_waits;
         if waits.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_SLOT_WAITS {
@@ -513,7 +534,7 @@ impl Shared {
         }
         let wait = Duration::from_millis(u64::from(w.wait_ms)).min(MAX_SLOT_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
-        let mut last = (room0, contended0);
+        let mut last = (room0, contended0, released0);
         loop {
             match tokio::time::timeout_at(deadline, changed.changed()).await {
                 Ok(Ok(())) => {}
@@ -521,12 +542,12 @@ impl Shared {
             }
             let Some(now) = state() else { break };
             last = now;
-            if (w.room && now.0 > room0) || (w.contended && now.1) {
+            if (w.room && now.0 > room0) || (w.contended && now.1) || now.2 {
                 break;
             }
         }
         waits.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        wake(last.0, last.1)
+        wake(last)
     }
 }
 

@@ -180,6 +180,7 @@ fn start_slot_wakes(shared: &Arc<Shared>, client: &Parent, now: u64) {
             // Within the channel's call timeout (the fetch timeout).
             wait_ms: (fetch / 1_000_000 * 4 / 5).clamp(20, 1_000) as u32,
             shard: 0,
+            ..Default::default()
         };
         let (shared, client) = (shared.clone(), client.clone());
         tokio::spawn(async move {

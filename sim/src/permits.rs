@@ -867,7 +867,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                         if !served {
                             ag.wake_after = now + WAKE_BACKOFF_NS;
                         }
-                        ag.policy.on_wake(room, contended);
+                        ag.policy.on_wake(room, contended, false);
                         if room || contended {
                             r.wakeups_answered += 1;
                         }

@@ -28,6 +28,9 @@ pub struct Wake {
     pub room: bool,
     /// Some holder misses slots.
     pub contended: bool,
+    /// A release of one of this agent's permits forwarded by another
+    /// agent waits at the allocator.
+    pub releases: bool,
 }
 
 /// One key's asking state beside its [`PermitKey`].
@@ -52,6 +55,9 @@ pub struct AskPolicy {
     unmet_at: Option<u64>,
     /// Holders of the key at the allocator's last grant (0: none heard).
     holders: u32,
+    /// A release forwarded by another agent waits at the allocator for
+    /// this agent's next reply: ask now (a renewal) to fetch it.
+    fetch_releases: bool,
 }
 
 impl AskPolicy {
@@ -64,6 +70,7 @@ impl AskPolicy {
             in_flight: false,
             unmet_at: None,
             holders: 0,
+            fetch_releases: false,
         }
     }
 
@@ -95,7 +102,7 @@ impl AskPolicy {
             false
         } else if (self.contended || idle_free) && free > 0 && !waiting {
             true
-        } else if renew_due {
+        } else if renew_due || self.fetch_releases {
             !used && !waiting
         } else {
             return None;
@@ -109,6 +116,7 @@ impl AskPolicy {
         self.contended = false;
         self.free_since = None;
         self.in_flight = true;
+        self.fetch_releases = false;
         pk.ask(now, give_back)
     }
 
@@ -151,14 +159,24 @@ impl AskPolicy {
     pub fn wake_wanted(&self, pk: &PermitKey) -> Option<Wake> {
         let waiting = pk.waiting_slots() > 0;
         let room = waiting && self.unmet_at.is_some();
-        let contended = !waiting && !self.contended && self.holders > 1 && pk.current().is_some();
-        (room || contended).then_some(Wake { room, contended })
+        let shared = self.holders > 1 && pk.current().is_some();
+        let contended = !waiting && !self.contended && shared;
+        // Permits held here on a shared key may be released through
+        // another agent (a dispatcher acquires, a worker releases).
+        let releases = shared && pk.holds_permits() && !self.fetch_releases;
+        (room || contended || releases).then_some(Wake {
+            room,
+            contended,
+            releases,
+        })
     }
 
-    /// A wake-up answered: the ledger's free slots grew (`room`), or some
-    /// holder misses slots (`contended`). The next [`AskPolicy::due`] acts
-    /// on it at once.
-    pub fn on_wake(&mut self, room: bool, contended: bool) {
+    /// A wake-up answered: the ledger's free slots grew (`room`), some
+    /// holder misses slots (`contended`), or a release of one of this
+    /// agent's permits forwarded by another agent waits for its next reply
+    /// (`released`). The next [`AskPolicy::due`] acts on it at once.
+    pub fn on_wake(&mut self, room: bool, contended: bool, released: bool) {
+        self.fetch_releases |= released;
         if room {
             self.unmet_at = None;
         }

@@ -213,11 +213,12 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
         p.wake_wanted(&k),
         Some(Wake {
             room: true,
-            contended: false
+            contended: false,
+            releases: false,
         })
     );
     assert!(p.due(&mut k, 20 * MS).is_none(), "not before the tick");
-    p.on_wake(true, false);
+    p.on_wake(true, false, false);
     assert!(p.due(&mut k, 21 * MS).is_some(), "woken: asks at once");
     // A holder of a shared lease with no waiter: contended.
     let mut h = holding(2, 0);
@@ -237,7 +238,8 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
         q.wake_wanted(&h),
         Some(Wake {
             room: false,
-            contended: true
+            contended: true,
+            releases: false,
         })
     );
     let id = h.acquire(1, 1).expect("a free slot");
@@ -246,7 +248,7 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
         q.due(&mut h, 3 * MS).is_none(),
         "kept 100 ms while nobody misses it"
     );
-    q.on_wake(false, true);
+    q.on_wake(false, true, false);
     let back = q.due(&mut h, 4 * MS).expect("given back at once");
     assert_eq!(back.keep, 0, "{back:?}");
 }

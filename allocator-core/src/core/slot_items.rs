@@ -355,6 +355,14 @@ impl AllocatorCore {
         Some((ledger.room(now_ns), ledger.contended()))
     }
 
+    /// Whether releases forwarded by other agents wait for the holder
+    /// `name`'s next reply (a `WaitSlots` wake-up answers then).
+    pub fn releases_waiting(&self, name: &HolderName) -> bool {
+        self.holders
+            .get(name)
+            .is_some_and(|h| self.forwarded.get(&h.id).is_some_and(|q| !q.is_empty()))
+    }
+
     /// The slot ledger of `key`, if any (a regional's pool: its upstream
     /// side sets what it may lend, `slots::chain`).
     pub fn slot_ledger_mut(&mut self, key: &KeyId) -> Option<&mut SlotLedger> {

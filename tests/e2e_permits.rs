@@ -196,16 +196,37 @@ async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
 async fn five_hundred_acquires_with_n_32_over_three_agents() {
     let rules = RULES.replace("concurrency: 5", "concurrency: 32");
     let (_alloc, agents) = start_with("permits-500", 3, &rules, "2s");
+    let (spans, served, most, took) = five_hundred_over(&agents).await;
+    // The ideal: 500 holds of 20-99 ms (59.5 ms mean) on 32 slots.
+    let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
+    eprintln!(
+        "e2e permits: 500 acquires over three agents, N = 32: at most {most} held at once, all served within {took:?} of the first (an ideal semaphore: {ideal:?})"
+    );
+    assert_eq!(spans.len(), 500);
+    assert_eq!(served, [167, 167, 166]);
+    assert!(most <= 32, "{most} permits held at once, N = 32");
+    assert!(most >= 24, "the agents hardly used the slots: {most}");
+}
+
+/// The seeds' 500 acquires (a hold of 20-99 ms each, then a release),
+/// spread over `agents` in turn: every permit's span, how many each agent
+/// served, the most held at once, and the time from the first permit to
+/// the last release (a new allocator grants nothing for its first 3 s).
+async fn five_hundred_over(
+    agents: &[Proc],
+) -> (Vec<(Instant, Instant)>, [u64; 3], usize, Duration) {
     let mut clients = Vec::new();
-    for ag in &agents {
+    for ag in agents {
         clients.push(permits_client(ag).await);
     }
     let spans: Spans = Arc::default();
+    let served: Arc<Mutex<[u64; 3]>> = Arc::default();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..500u64 {
-        let mut c = clients[(i % 3) as usize].clone();
-        let spans = spans.clone();
+        let a = (i % 3) as usize;
+        let mut c = clients[a].clone();
+        let (spans, served) = (spans.clone(), served.clone());
         tasks.push(tokio::spawn(async move {
             let r = c
                 .acquire(acquire_req(60_000))
@@ -215,6 +236,7 @@ async fn five_hundred_acquires_with_n_32_over_three_agents() {
             let from = Instant::now();
             let hold = Duration::from_millis(20 + (i * 37) % 80);
             hold_then_release(&mut c, &r, from, hold, &spans).await;
+            served.lock()[a] += 1;
         }));
     }
     for t in tasks {
@@ -222,18 +244,10 @@ async fn five_hundred_acquires_with_n_32_over_three_agents() {
     }
     let spans = spans.lock().clone();
     let most = most_at_once(&spans);
-    // From the first permit (a new allocator grants nothing for its
-    // first 3 s) to the last release.
     let first = spans.iter().map(|s| s.0).min().unwrap_or(started);
     let took = spans.iter().map(|s| s.1).max().unwrap_or(first) - first;
-    // The ideal: 500 holds of 20-99 ms (59.5 ms mean) on 32 slots.
-    let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
-    eprintln!(
-        "e2e permits: 500 acquires over three agents, N = 32: at most {most} held at once, all served within {took:?} of the first (an ideal semaphore: {ideal:?})"
-    );
-    assert_eq!(spans.len(), 500);
-    assert!(most <= 32, "{most} permits held at once, N = 32");
-    assert!(most >= 24, "the agents hardly used the slots: {most}");
+    let served = *served.lock();
+    (spans, served, most, took)
 }
 
 /// A global allocator and two regional allocators under it (`eu`, `us`),
@@ -273,37 +287,7 @@ fn start_regions(name: &str, rules: &str, regions: &[usize]) -> (Proc, Vec<Proc>
 async fn five_hundred_acquires_with_n_32_over_three_agents_in_two_regions() {
     let rules = RULES.replace("concurrency: 5", "concurrency: 32");
     let (_global, regionals, agents) = start_regions("permits-regions", &rules, &[0, 0, 1]);
-    let mut clients = Vec::new();
-    for ag in &agents {
-        clients.push(permits_client(ag).await);
-    }
-    let spans: Spans = Arc::default();
-    let served: Arc<Mutex<[u64; 3]>> = Arc::default();
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..500u64 {
-        let a = (i % 3) as usize;
-        let mut c = clients[a].clone();
-        let (spans, served) = (spans.clone(), served.clone());
-        tasks.push(tokio::spawn(async move {
-            let r = c
-                .acquire(acquire_req(60_000))
-                .await
-                .expect("acquire")
-                .into_inner();
-            let from = Instant::now();
-            let hold = Duration::from_millis(20 + (i * 37) % 80);
-            hold_then_release(&mut c, &r, from, hold, &spans).await;
-            served.lock()[a] += 1;
-        }));
-    }
-    for t in tasks {
-        t.await.expect("client");
-    }
-    let spans = spans.lock().clone();
-    let most = most_at_once(&spans);
-    let first = spans.iter().map(|s| s.0).min().unwrap_or(started);
-    let took = spans.iter().map(|s| s.1).max().unwrap_or(first) - first;
+    let (spans, served, most, took) = five_hundred_over(&agents).await;
     let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
     let asks: Vec<f64> = regionals
         .iter()
@@ -317,7 +301,7 @@ async fn five_hundred_acquires_with_n_32_over_three_agents_in_two_regions() {
         asks[0], asks[1]
     );
     assert_eq!(spans.len(), 500);
-    assert_eq!(*served.lock(), [167, 167, 166]);
+    assert_eq!(served, [167, 167, 166]);
     assert!(most <= 32, "{most} permits held at once, N = 32");
     assert!(most >= 16, "the regions hardly used the slots: {most}");
     assert!(
@@ -887,16 +871,7 @@ async fn a_release_through_another_agent_frees_the_slot() {
         assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
         ids.push(r.permits[0].permit_id.clone());
     }
-    let mut other = permits_client(&agents[1]).await;
-    let waiter = tokio::spawn(async move {
-        let r = other
-            .acquire(acquire_req(10_000))
-            .await
-            .unwrap()
-            .into_inner();
-        (r, Instant::now())
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let waiter = waiter_at(&agents[1]).await;
     let sent = Instant::now();
     let (code, body) = http_json(
         agents[1].http,
@@ -921,16 +896,7 @@ async fn a_release_through_another_agent_frees_the_slot() {
             renew_held(&mut holder, id, "while the key is shared").await;
         }
     }
-    let mut other = permits_client(&agents[1]).await;
-    let waiter = tokio::spawn(async move {
-        let r = other
-            .acquire(acquire_req(10_000))
-            .await
-            .unwrap()
-            .into_inner();
-        (r, Instant::now())
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let waiter = waiter_at(&agents[1]).await;
     for id in &ids[1..] {
         renew_held(&mut holder, id, "before the second release").await;
     }
@@ -969,6 +935,21 @@ async fn a_release_through_another_agent_frees_the_slot() {
         metrics.contains(r#"quotalease_agent_permit_forwarded_releases_total{direction="sent"} 2"#),
         "{metrics}"
     );
+}
+
+/// An acquire at `agent` that waits (up to 10 s): its answer and when it
+/// came; started 200 ms before this returns (its ask has reached the
+/// allocator by then).
+async fn waiter_at(
+    agent: &Proc,
+) -> tokio::task::JoinHandle<(quotalease_proto::v1::AcquireResponse, Instant)> {
+    let mut c = permits_client(agent).await;
+    let waiter = tokio::spawn(async move {
+        let r = c.acquire(acquire_req(10_000)).await.unwrap().into_inner();
+        (r, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    waiter
 }
 
 /// An operator frees a dead agent's slot lease (`POST /v1/slots/release`,

@@ -448,6 +448,39 @@ async fn a_wait_slots_call_wakes_when_a_slot_frees() {
     );
 }
 
+/// An operator frees a dead holder's slot lease at a regional allocator:
+/// its pool lends the slots to another agent of the region at once (the
+/// regional's parent lease counts them all along).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_frees_a_dead_agents_slots_at_a_regional() {
+    let one = RULES.replace("concurrency: 5", "concurrency: 1");
+    let (_global, regionals, agents) = start_regions("permits-force-region", &one, &[0, 0]);
+    let mut a = permits_client(&agents[0]).await;
+    let r = a.acquire(acquire_req(10_000)).await.unwrap().into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    let eu = &regionals[0];
+    let (_, body) = http_get(eu.http, "/v1/keys?rule=jobs&tenant=acme&route=/jobs");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let lease_id = v["slots"]["leases"]
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["holder"] == "permits-force-region-0"))
+        .and_then(|l| l["lease_id"].as_u64())
+        .unwrap_or_else(|| panic!("the holder's lease at the regional: {body}"));
+    let waiter = waiter_at(&agents[1]).await;
+    assert!(!waiter.is_finished(), "served while N = 1 was held");
+    let (code, resp) = http_json(
+        eu.http,
+        "POST",
+        "/v1/slots/release",
+        Some(&format!(
+            r#"{{"rule":"jobs","tenant":"acme","route":"/jobs","lease_id":{lease_id},"reason":"node drained"}}"#
+        )),
+    );
+    assert_eq!(code, 200, "{resp}");
+    let (r, _) = waiter.await.unwrap();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+}
+
 /// A region cut from the global allocator (the global is SIGKILLed): its
 /// agents' permits cannot be renewed past the parent slot lease the
 /// regional held at the cut (a renewal answers the unextended expiry and

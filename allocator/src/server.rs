@@ -856,13 +856,8 @@ async fn force_release_slots(
             "required: why the holder is known to be dead (it is audited)",
         );
     };
-    if shared.is_regional() {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(serde_json::json!({"error": "a regional allocator holds no slot leases", "field": "rule"})),
-        )
-            .into_response();
-    }
+    // A regional frees the lease in its pool (its parent slot lease still
+    // counts the slots; the pool lends them again).
     let boot = quotalease_model::clock::BootClock::now();
     if shared.leadership.get().is_some_and(|l| !l.serving(boot)) {
         return (
@@ -889,6 +884,8 @@ async fn force_release_slots(
         )
             .into_response();
     };
+    // Waiters' wake-ups see the free slots.
+    shared.slots_changed();
     tracing::warn!(
         target: "quotalease::audit",
         rule = %key.rule,

@@ -36,7 +36,10 @@
 //!
 //! Its parts: this file the state, the children's side and the timers;
 //! `upstream.rs` what it asks its parent for and sends; `grants.rs` the
-//! parent's replies applied to the chains; `check.rs` I2 of its pools.
+//! parent's replies applied to the chains; `check.rs` I2 of its pools;
+//! `slots.rs` the parent slot leases of concurrency keys (one
+//! `slots::chain::SlotChain` each, lending through the pools of the
+//! child-facing core; docs/permits.md "Through regional allocators").
 
 use std::cmp::Reverse;
 

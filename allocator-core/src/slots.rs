@@ -93,7 +93,7 @@ pub struct SlotAsk {
 }
 
 /// The largest block of fencing numbers one grant takes.
-pub const MAX_FENCES_PER_GRANT: u64 = 1024;
+pub const MAX_FENCES_PER_GRANT: u64 = 64;
 
 /// What an ask produced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

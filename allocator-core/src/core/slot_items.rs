@@ -177,7 +177,9 @@ impl AllocatorCore {
             if ledger.release(now_ns, holder, lease_id) {
                 self.stats.slot_releases += 1;
             }
-            if ledger.is_idle() {
+            // A regional's pool goes only with its chain (`tend_slot_chains`):
+            // a reply to its parent ask must find it.
+            if ledger.is_idle() && self.pooled.is_none() {
                 self.drop_slot_key(key);
             }
         }
@@ -340,7 +342,9 @@ impl AllocatorCore {
             .get(&lease.holder)
             .cloned()
             .unwrap_or_default();
-        if ledger.is_idle() {
+        // A regional's pool goes only with its chain (`tend_slot_chains`):
+        // a reply to its parent ask must find it.
+        if ledger.is_idle() && self.pooled.is_none() {
             self.drop_slot_key(key);
         }
         Some((name, lease))

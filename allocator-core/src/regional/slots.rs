@@ -212,8 +212,11 @@ impl RegionalCore {
             if !pg.applied {
                 tracing::debug!(?key, status = g.status, detail = %g.detail, "the parent refused a slot ask");
             }
-            // A chain asking keeps its pool (only idle ones are forgotten).
+            // A chain asking keeps its pool (pools are forgotten only with
+            // idle chains); should one be gone, the chain must not stay
+            // asking for ever.
             let Some(pool) = self.core.slot_ledger_mut(key) else {
+                chain.abandon();
                 continue;
             };
             if chain.on_grant(now_ns, &pg, pool, &times) == ChainChange::Broke {

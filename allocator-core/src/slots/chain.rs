@@ -36,7 +36,7 @@ use super::SlotLedger;
 
 /// Fencing numbers a regional asks per parent grant for its children's
 /// grants (once used up, the last repeats until the next parent grant).
-pub const FENCES_PER_PARENT_GRANT: u64 = 64;
+pub const FENCES_PER_PARENT_GRANT: u64 = 16;
 
 /// When to ask the parent, as the regional's settings say.
 #[derive(Clone, Copy, Debug)]

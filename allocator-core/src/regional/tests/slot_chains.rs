@@ -430,3 +430,55 @@ proptest! {
         }
     }
 }
+
+/// Found by review (session 27): a child's release while the regional's
+/// renewal was out dropped the (now idle) pool, the reply found no pool,
+/// and the chain stayed asking for good: the region never got the key's
+/// slots again. Pools now go only with their chains.
+#[test]
+fn a_release_while_a_renewal_is_out_does_not_strand_the_chain() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut reg = slot_regional("eu", now);
+    let mut ch = Child::default();
+    child_ask(&mut reg, now, "a", &mut ch, 1, false);
+    poll(&mut reg, &mut parent, now, Link::Up);
+    now += 20 * MS;
+    child_ask(&mut reg, now, "a", &mut ch, 1, false);
+    let lease = ch.leases.last().expect("a lease").0;
+    // The renewal goes out; its reply waits.
+    let mut reply = None;
+    for _ in 0..200 {
+        now += 20 * MS;
+        if let Some(b) = reg.poll_transmit(now) {
+            let r = parent.handle(now, &b);
+            if b.items.is_empty() {
+                reg.handle_reply(now, &r);
+            } else {
+                reply = Some(r);
+                break;
+            }
+        }
+    }
+    let reply = reply.expect("a renewal went out");
+    // The child's last ask is over a second old: it gives its lease back.
+    now += 60 * MS;
+    ch.seq += 1;
+    let release = LeaseItem {
+        rule_id: "jobs".into(),
+        tenant: "acme".into(),
+        kind: ItemKind::SlotsRelease as i32,
+        lease_id: lease,
+        ..LeaseItem::default()
+    };
+    reg.handle(now, &child_batch("a", ch.seq, vec![release]));
+    ch.leases.clear();
+    now += 30 * MS;
+    reg.handle_reply(now, &reply);
+    for _ in 0..250 {
+        now += 20 * MS;
+        child_ask(&mut reg, now, "a", &mut ch, 1, false);
+        poll(&mut reg, &mut parent, now, Link::Up);
+    }
+    assert!(ch.holding(now) >= 1, "stranded: {:?}", reg.stats());
+}

@@ -17,8 +17,9 @@
 //!   `(wall clock ns >> 30) << 12` as this core reckons it from its lease
 //!   id base (wall-clock ns at its start, and with `--etcd` at least
 //!   2^42 above the predecessor's): the numbers of a key grow across
-//!   restarts, failovers and a dropped-and-remade ledger while a key gets
-//!   fewer than 4 096 grants per 2^30 ns (~3 800 a second) on average and
+//!   restarts, failovers and a dropped-and-remade ledger while a key takes
+//!   fewer than 4 096 numbers per 2^30 ns (~3 800 a second) on average
+//!   (a grant takes one, a regional's a block of up to 64) and
 //!   the wall clock does not step back between starts. They stay below
 //!   2^44 (the permits' tokens keep 20 bits of their own) until 2116.
 //! * At a regional allocator (pooled mode) a key's ledger is a pool

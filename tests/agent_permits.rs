@@ -328,14 +328,7 @@ async fn shutdown_keeps_the_slots_of_held_permits_and_gives_back_the_rest() {
     let shared = allocator();
     let a = agent(&shared, "a");
     ready(&a).await;
-    let mut got = Vec::new();
-    for _ in 0..5 {
-        got.push(
-            a.acquire(input("t", "/gen", Duration::from_secs(5)))
-                .await
-                .unwrap(),
-        );
-    }
+    let mut got = take(&a, 5).await;
     for g in got.drain(2..) {
         assert!(a.release_permit(&g.permits[0].key, g.permits[0].permit.id));
     }
@@ -637,14 +630,7 @@ async fn a_full_key_is_asked_for_at_most_once_per_tick() {
 async fn a_release_through_another_agent_reaches_the_holder() {
     let shared = allocator();
     let (a, b) = two_agents(&shared).await;
-    let mut held = Vec::new();
-    for _ in 0..5 {
-        held.push(
-            a.acquire(input("t", "/gen", Duration::from_secs(5)))
-                .await
-                .unwrap(),
-        );
-    }
+    let held = take(&a, 5).await;
     let id = a.permit_id(&held[0].permits[0]);
     // b waits for a slot; b releases a's permit by its id.
     let waiter = {
@@ -737,14 +723,7 @@ async fn an_agent_queues_a_bounded_number_of_waiters_per_key() {
     let shared = allocator();
     let a = agent(&shared, "a");
     ready(&a).await;
-    let mut held = Vec::new();
-    for _ in 0..5 {
-        held.push(
-            a.acquire(input("t", "/gen", Duration::from_secs(5)))
-                .await
-                .unwrap(),
-        );
-    }
+    let held = take(&a, 5).await;
     let waiters: Vec<_> = (0..MAX_WAITERS_PER_KEY)
         .map(|_| {
             let a = a.clone();

@@ -95,6 +95,17 @@ async fn renew_held(
     r
 }
 
+/// One permit acquired through `c` (waiting up to `wait_ms`): its id.
+async fn acquire_one(c: &mut PermitsClient<Channel>, wait_ms: u64) -> String {
+    let r = c
+        .acquire(acquire_req(wait_ms))
+        .await
+        .expect("acquire")
+        .into_inner();
+    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+    r.permits[0].permit_id.clone()
+}
+
 fn acquire_req(wait_ms: u64) -> AcquireRequest {
     AcquireRequest {
         tenant_id: "acme".into(),
@@ -413,13 +424,7 @@ async fn a_wait_slots_call_wakes_when_a_slot_frees() {
         .into_inner();
     assert!(w.not_here, "no ledger of the key yet: {w:?}");
     let mut c = permits_client(&agents[0]).await;
-    let r = c
-        .acquire(acquire_req(10_000))
-        .await
-        .expect("acquire")
-        .into_inner();
-    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
-    let id = r.permits[0].permit_id.clone();
+    let id = acquire_one(&mut c, 10_000).await;
     // The agent keeps its free slot 100 ms after a release (nobody else
     // waits): the release goes to the allocator then.
     let mut raw2 = raw.clone();
@@ -490,13 +495,7 @@ async fn an_operator_frees_a_dead_agents_slots_at_a_regional() {
 async fn a_region_cut_from_its_parent_cannot_extend_its_permits() {
     let (global, _regionals, agents) = start_regions("permits-cut", RULES, &[0]);
     let mut c = permits_client(&agents[0]).await;
-    let r = c
-        .acquire(acquire_req(10_000))
-        .await
-        .expect("acquire")
-        .into_inner();
-    assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
-    let id = r.permits[0].permit_id.clone();
+    let id = acquire_one(&mut c, 10_000).await;
     // Renewed across a few parent renewals first.
     for i in 0..10 {
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -224,13 +224,17 @@ impl Shared {
     /// [`Shared::handle_from`], and how many reservation records must be
     /// durable before the reply may be sent (0 without reservations).
     pub fn handle_durably(&self, batch: &LeaseBatch, principal: &str) -> (LeaseReply, u64) {
-        let slots = batch.items.iter().any(|i| {
-            i.kind == ItemKind::Slots as i32
-                || i.kind == ItemKind::SlotsRelease as i32
-                || i.kind == ItemKind::PermitRelease as i32
-        });
         let out = self.handle_durably_inner(batch, principal);
-        if slots {
+        // Only while a `WaitSlots` call waits (it subscribes before it
+        // reads the ledger, so a batch after that read sees it): the lease
+        // path does not look at its items for nothing.
+        if self.slots_changed.receiver_count() > 0
+            && batch.items.iter().any(|i| {
+                i.kind == ItemKind::Slots as i32
+                    || i.kind == ItemKind::SlotsRelease as i32
+                    || i.kind == ItemKind::PermitRelease as i32
+            })
+        {
             self.slots_changed();
         }
         out

@@ -101,11 +101,7 @@ fn input<'a>(tenant: &'a str, route: &'a str, wait: Duration) -> AcquireInput<'a
 }
 
 fn gen_key(tenant: &str) -> KeyId {
-    KeyId {
-        rule: "gen".into(),
-        tenant: tenant.into(),
-        route: "/gen".into(),
-    }
+    KeyId::new("gen", tenant, "/gen")
 }
 
 /// 40 acquires (8 x N) from 40 tasks over two agents, each holding 20-80
@@ -276,11 +272,7 @@ async fn a_rule_with_both_takes_the_permit_then_charges_and_a_denial_undoes_it()
     let shared = allocator();
     let a = agent(&shared, "a");
     ready(&a).await;
-    let key = KeyId {
-        rule: "both".into(),
-        tenant: "t".into(),
-        route: "/both".into(),
-    };
+    let key = KeyId::new("both", "t", "/both");
     let one = a
         .acquire(input("t", "/both", Duration::from_secs(5)))
         .await

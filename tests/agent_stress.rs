@@ -406,11 +406,7 @@ fn account(s: &Setup, all: &[Answered]) -> BTreeMap<Key, PerKey> {
     );
     let now = s.shared.now();
     for k in keys.keys() {
-        let id = KeyId {
-            rule: k.0.clone(),
-            tenant: k.1.clone(),
-            route: k.2.clone(),
-        };
+        let id = KeyId::new(&k.0, &k.1, &k.2);
         let i2 = s.shared.with_core(|c| c.i2_holds(now, &id));
         assert_ne!(i2, Some(false), "{k:?}: I2 broken at the allocator");
     }

@@ -339,7 +339,7 @@ impl Permits {
         let shards = self.inner.state.lock().shard_count.max(1);
         let mut by_shard: HashMap<u32, Vec<LeaseItem>> = HashMap::new();
         for (key, _, item) in asked {
-            let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+            let shard = quotalease_proto::shard_of(key.rule(), key.tenant(), key.route(), shards);
             by_shard.entry(shard).or_default().push(item);
         }
         for (shard, items) in by_shard {
@@ -427,11 +427,11 @@ impl Permits {
         if self.inner.stop.load(Ordering::Acquire) {
             return Err(PermitError::Stopping);
         }
-        let key = KeyId {
-            rule: rule.id.clone(),
-            tenant: rule.tenant.key_part(tenant).to_string(),
-            route: rule.route.key_part(route).to_string(),
-        };
+        let key = KeyId::new(
+            &rule.id,
+            rule.tenant.key_part(tenant),
+            rule.route.key_part(route),
+        );
         let settings = PermitSettings {
             n: rule.concurrency,
             permit_ttl_ns: rule.permit_ttl_ms.saturating_mul(1_000_000),
@@ -748,14 +748,14 @@ impl Permits {
             };
             e.waking = true;
             let w = SlotWait {
-                rule_id: key.rule.clone(),
-                tenant: key.tenant.clone(),
-                route: key.route.clone(),
+                rule_id: key.rule().to_string(),
+                tenant: key.tenant().to_string(),
+                route: key.route().to_string(),
                 room: want.room,
                 contended: want.contended,
                 releases: want.releases,
                 wait_ms: wait_ms as u32,
-                shard: quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards),
+                shard: quotalease_proto::shard_of(key.rule(), key.tenant(), key.route(), shards),
                 agent_id: self.inner.cfg.agent_id.clone(),
                 instance: self.inner.cfg.instance,
             };
@@ -809,7 +809,7 @@ impl Permits {
                 continue;
             };
             let item = slots_item(key, &sent);
-            let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+            let shard = quotalease_proto::shard_of(key.rule(), key.tenant(), key.route(), shards);
             let b = by_shard.entry(shard).or_default();
             b.0.push(item);
             b.1.push((key.clone(), sent));
@@ -827,7 +827,8 @@ impl Permits {
             if let Some((key, e)) = st.keys.iter_mut().find(|(_, e)| !e.asking.in_flight()) {
                 let sent = e.asking.send(&mut e.pk, now, false);
                 let ttl_ns = e.pk.settings().lease_ttl_ns;
-                let shard = quotalease_proto::shard_of(&key.rule, &key.tenant, &key.route, shards);
+                let shard =
+                    quotalease_proto::shard_of(key.rule(), key.tenant(), key.route(), shards);
                 by_shard.insert(
                     shard,
                     (
@@ -875,7 +876,7 @@ impl Permits {
                 // the ask named takes no new permit (its standing ones run
                 // to their expiries, which its use-by bounds), and the
                 // next ask names no lease: never more than is held.
-                tracing::debug!(status = g.status, detail = %g.detail, rule = %key.rule, "permits: slot ask refused");
+                tracing::debug!(status = g.status, detail = %g.detail, rule = %key.rule(), "permits: slot ask refused");
                 Granted {
                     lease_id: 0,
                     slots: 0,
@@ -900,11 +901,7 @@ impl Permits {
             if f.incarnation != self.inner.cfg.incarnation {
                 continue;
             }
-            let key = KeyId {
-                rule: f.rule_id,
-                tenant: f.tenant,
-                route: f.route,
-            };
+            let key = KeyId::new(f.rule_id, f.tenant, f.route);
             if self.release(&key, f.permit) {
                 self.inner.cfg.metrics.permits.forwarded_applied.add(1);
             }
@@ -919,11 +916,11 @@ impl Permits {
     /// its expiry).
     pub async fn forward_release(&self, r: &PermitRef) -> Result<PermitStatus, PermitError> {
         let shards = self.inner.state.lock().shard_count.max(1);
-        let shard = quotalease_proto::shard_of(&r.key.rule, &r.key.tenant, &r.key.route, shards);
+        let shard = quotalease_proto::shard_of(r.key.rule(), r.key.tenant(), r.key.route(), shards);
         let item = LeaseItem {
-            rule_id: r.key.rule.clone(),
-            tenant: r.key.tenant.clone(),
-            route: r.key.route.clone(),
+            rule_id: r.key.rule().to_string(),
+            tenant: r.key.tenant().to_string(),
+            route: r.key.route().to_string(),
             kind: ItemKind::PermitRelease as i32,
             holder_instance: r.instance,
             holder_incarnation: r.incarnation,
@@ -1094,9 +1091,9 @@ fn renew_emergency(e: &mut KeyEntry, now: u64, id: u64) -> Result<u64, PermitErr
 /// The `SLOTS` item of an ask.
 fn slots_item(key: &KeyId, sent: &SentAsk) -> LeaseItem {
     LeaseItem {
-        rule_id: key.rule.clone(),
-        tenant: key.tenant.clone(),
-        route: key.route.clone(),
+        rule_id: key.rule().to_string(),
+        tenant: key.tenant().to_string(),
+        route: key.route().to_string(),
         kind: ItemKind::Slots as i32,
         lease_id: sent.lease_id,
         keep: sent.keep,
@@ -1174,9 +1171,9 @@ impl PermitRef {
             self.instance,
             self.incarnation,
             self.id,
-            pct(&self.key.rule),
-            pct(&self.key.tenant),
-            pct(&self.key.route)
+            pct(self.key.rule()),
+            pct(self.key.tenant()),
+            pct(self.key.route())
         )
     }
 
@@ -1199,11 +1196,7 @@ impl PermitRef {
             instance: hex(instance, "instance")?,
             incarnation: hex(incarnation, "incarnation")?,
             id: hex(id, "id")?,
-            key: KeyId {
-                rule: unpct(rule)?,
-                tenant: unpct(tenant)?,
-                route: unpct(route)?,
-            },
+            key: KeyId::new(unpct(rule)?, unpct(tenant)?, unpct(route)?),
         })
     }
 }
@@ -1309,11 +1302,7 @@ mod tests {
             instance: u64::MAX,
             incarnation: 1_796_000_000_000_000_000,
             id: 42,
-            key: KeyId {
-                rule: "model-calls".into(),
-                tenant: "a.b/c d%é".into(),
-                route: String::new(),
-            },
+            key: KeyId::new("model-calls", "a.b/c d%é", String::new()),
         };
         let s = r.encode();
         assert!(

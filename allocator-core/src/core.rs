@@ -477,7 +477,10 @@ impl AllocatorCore {
     /// key counts against its rule's `max_keys` as before.
     pub fn replace_ledger(&mut self, key: &KeyId, ledger: KeyLedger) {
         if self.keys.insert(key.clone(), ledger).is_none() {
-            *self.keys_per_rule.entry(key.rule.clone()).or_insert(0) += 1;
+            *self
+                .keys_per_rule
+                .entry(key.rule().to_string())
+                .or_insert(0) += 1;
         }
     }
 
@@ -485,7 +488,7 @@ impl AllocatorCore {
     pub fn remove_key(&mut self, key: &KeyId) {
         if self.keys.remove(key).is_some() {
             self.stats.keys_dropped += 1;
-            if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
+            if let Some(c) = self.keys_per_rule.get_mut(key.rule()) {
                 *c = c.saturating_sub(1);
             }
         }
@@ -533,7 +536,7 @@ impl AllocatorCore {
     /// stay until their leases expire and they are full.
     pub fn set_rules(&mut self, rules: RuleSet, now_ns: u64) {
         for (key, ledger) in self.keys.iter_mut() {
-            if let Some(rule) = rules.get(&key.rule) {
+            if let Some(rule) = rules.get(key.rule()) {
                 ledger.set_limits(rule.rate, rule.burst, now_ns);
                 if let Some(r) = &mut self.reservations {
                     // A lowered burst clamps `available`: keep the promise
@@ -552,7 +555,7 @@ impl AllocatorCore {
         // A regional's pools lend what their parent leases hold, not `N`.
         let pooled = self.pooled.is_some();
         for (key, ledger) in self.slot_keys.iter_mut().filter(|_| !pooled) {
-            if let Some(rule) = rules.permit_rule(&key.rule) {
+            if let Some(rule) = rules.permit_rule(key.rule()) {
                 // Kept slots stay: I4 against max(N_old, N_new) until the
                 // old permits are gone.
                 ledger.set_n(rule.concurrency);

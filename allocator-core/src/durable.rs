@@ -198,9 +198,9 @@ pub fn encode_checkpoint(ledger: u64, keys: &[(KeyId, KeyCheckpoint)]) -> String
     for (k, c) in keys {
         out.push_str(&format!(
             "key {} {} {} {} {} {} {}\n",
-            hex(&k.rule),
-            hex(&k.tenant),
-            hex(&k.route),
+            hex(k.rule()),
+            hex(k.tenant()),
+            hex(k.route()),
             c.available,
             c.outstanding,
             c.rates_out_utps,
@@ -239,11 +239,11 @@ pub fn decode_checkpoint(text: &str) -> Result<(u64, Vec<(KeyId, KeyCheckpoint)>
         }
         let num = |i: usize| w[i].parse::<u64>().map_err(|_| bad());
         keys.push((
-            KeyId {
-                rule: unhex(w[1]).ok_or_else(bad)?,
-                tenant: unhex(w[2]).ok_or_else(bad)?,
-                route: unhex(w[3]).ok_or_else(bad)?,
-            },
+            KeyId::new(
+                unhex(w[1]).ok_or_else(bad)?,
+                unhex(w[2]).ok_or_else(bad)?,
+                unhex(w[3]).ok_or_else(bad)?,
+            ),
             KeyCheckpoint {
                 available: num(4)?,
                 outstanding: num(5)?,
@@ -329,11 +329,7 @@ mod tests {
     #[test]
     fn a_checkpoint_round_trips_any_key_and_a_cut_one_is_refused() {
         let keys = vec![(
-            KeyId {
-                rule: "orders".into(),
-                tenant: "a b\nc é".into(),
-                route: "".into(),
-            },
+            KeyId::new("orders", "a b\nc é", ""),
             KeyCheckpoint {
                 available: 7,
                 outstanding: 3,

@@ -647,11 +647,8 @@ impl RegionalCore {
         }
         for (item, grant) in batch.items.iter().zip(&reply.grants) {
             if grant.opening {
-                self.wanting.push(KeyId {
-                    rule: item.rule_id.clone(),
-                    tenant: item.tenant.clone(),
-                    route: item.route.clone(),
-                });
+                self.wanting
+                    .push(KeyId::new(&item.rule_id, &item.tenant, &item.route));
             }
         }
         reply

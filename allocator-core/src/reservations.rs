@@ -224,11 +224,7 @@ mod tests {
     use super::*;
 
     fn key(t: &str) -> KeyId {
-        KeyId {
-            rule: "r".into(),
-            tenant: t.into(),
-            route: String::new(),
-        }
+        KeyId::new("r", t, String::new())
     }
 
     const R: Rate = Rate {

@@ -46,7 +46,7 @@ pub use quotalease_allocator_core::durable::{hex, unhex};
 
 /// A key as three hex fields separated by spaces.
 pub fn key_fields(k: &KeyId) -> String {
-    format!("{} {} {}", hex(&k.rule), hex(&k.tenant), hex(&k.route))
+    format!("{} {} {}", hex(k.rule()), hex(k.tenant()), hex(k.route()))
 }
 
 /// A record as a line of the log.
@@ -92,11 +92,11 @@ pub fn decode(text: &str, ledger: u64) -> Result<Vec<(KeyId, Reservation)>, Stri
         let w: Vec<&str> = l.split(' ').collect();
         let bad = || format!("line {}: {l:?}", n + 3);
         let key = |i: usize| -> Result<KeyId, String> {
-            Ok(KeyId {
-                rule: unhex(w.get(i).ok_or_else(bad)?).ok_or_else(bad)?,
-                tenant: unhex(w.get(i + 1).ok_or_else(bad)?).ok_or_else(bad)?,
-                route: unhex(w.get(i + 2).ok_or_else(bad)?).ok_or_else(bad)?,
-            })
+            Ok(KeyId::new(
+                unhex(w.get(i).ok_or_else(bad)?).ok_or_else(bad)?,
+                unhex(w.get(i + 1).ok_or_else(bad)?).ok_or_else(bad)?,
+                unhex(w.get(i + 2).ok_or_else(bad)?).ok_or_else(bad)?,
+            ))
         };
         match (w.first().copied(), w.len()) {
             (Some("r"), 6) => {

@@ -500,11 +500,7 @@ impl Shared {
         {
             return not_here;
         }
-        let key = KeyId {
-            rule: w.rule_id.clone(),
-            tenant: w.tenant.clone(),
-            route: w.route.clone(),
-        };
+        let key = KeyId::new(&w.rule_id, &w.tenant, &w.route);
         let holder = crate::core::HolderName {
             principal: principal.to_string(),
             agent_id: w.agent_id.clone(),
@@ -600,12 +596,12 @@ fn slots_json(
     now: u64,
     key: &KeyId,
 ) -> Option<(KeyId, serde_json::Value)> {
-    let p = core.rules().permit_rule(&key.rule)?.clone();
-    let key = KeyId {
-        tenant: p.tenant.key_part(&key.tenant).to_string(),
-        route: p.route.key_part(&key.route).to_string(),
-        rule: key.rule.clone(),
-    };
+    let p = core.rules().permit_rule(key.rule())?.clone();
+    let key = KeyId::new(
+        key.rule(),
+        p.tenant.key_part(key.tenant()),
+        p.route.key_part(key.route()),
+    );
     let view = core.slot_view(now, &key);
     let json = serde_json::json!({
         "known": view.is_some(),
@@ -629,31 +625,31 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
         )
             .into_response();
     };
-    let key = KeyId {
+    let key = KeyId::new(
         rule,
-        tenant: q.tenant.unwrap_or_default(),
-        route: q.route.unwrap_or_default(),
-    };
+        q.tenant.unwrap_or_default(),
+        q.route.unwrap_or_default(),
+    );
     let now = shared.now();
     let regional = shared.is_regional();
     let chain = shared
         .with_regional(|r| {
-            let rule = r.core().rules().get(&key.rule).cloned()?;
-            let k = KeyId {
-                tenant: rule.tenant.key_part(&key.tenant).to_string(),
-                route: rule.route.key_part(&key.route).to_string(),
-                rule: key.rule.clone(),
-            };
+            let rule = r.core().rules().get(key.rule()).cloned()?;
+            let k = KeyId::new(
+                key.rule(),
+                rule.tenant.key_part(key.tenant()),
+                rule.route.key_part(key.route()),
+            );
             r.chain_view(&k)
         })
         .flatten();
     shared.with_core(|core| {
         let slots = slots_json(core, now, &key);
-        let Some(rule) = core.rules().get(&key.rule).cloned() else {
+        let Some(rule) = core.rules().get(key.rule()).cloned() else {
             // A rule with concurrency only: its slots.
             if let Some((key, slots)) = slots {
                 return Json(serde_json::json!({
-                    "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                    "rule": key.rule(), "tenant": key.tenant(), "route": key.route(),
                     "known": slots["known"], "slots": slots,
                 }))
                 .into_response();
@@ -664,14 +660,10 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
             )
                 .into_response();
         };
-        let key = KeyId {
-            tenant: rule.tenant.key_part(&key.tenant).to_string(),
-            route: rule.route.key_part(&key.route).to_string(),
-            rule: key.rule,
-        };
+        let key = KeyId::new(key.rule(), rule.tenant.key_part(key.tenant()), rule.route.key_part(key.route()));
         let mut body = match core.key_view(now, &key) {
             Some(v) => serde_json::json!({
-                "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                "rule": key.rule(), "tenant": key.tenant(), "route": key.route(),
                 "known": true,
                 "available": v.available, "outstanding": v.outstanding, "burst": v.burst,
                 "rate": rule.rate.to_string(),
@@ -682,7 +674,7 @@ async fn keys(State(shared): State<Arc<Shared>>, Query(q): Query<KeyQuery>) -> H
                 })).collect::<Vec<_>>(),
             }),
             None => serde_json::json!({
-                "rule": key.rule, "tenant": key.tenant, "route": key.route,
+                "rule": key.rule(), "tenant": key.tenant(), "route": key.route(),
                 "known": false,
                 "available": rule.burst, "outstanding": 0, "burst": rule.burst,
                 "rate": rule.rate.to_string(), "holders": [],
@@ -873,11 +865,7 @@ async fn force_release_slots(
     let now = shared.now();
     let freed = shared.with_core(|core| {
         let p = core.rules().permit_rule(&rule)?.clone();
-        let key = KeyId {
-            tenant: p.tenant.key_part(&tenant).to_string(),
-            route: p.route.key_part(&route).to_string(),
-            rule: rule.clone(),
-        };
+        let key = KeyId::new(&rule, p.tenant.key_part(&tenant), p.route.key_part(&route));
         core.force_release_slots(now, &key, lease_id)
             .map(|f| (key, f))
     });
@@ -892,9 +880,9 @@ async fn force_release_slots(
     shared.slots_changed();
     tracing::warn!(
         target: "quotalease::audit",
-        rule = %key.rule,
-        tenant = %key.tenant,
-        route = %key.route,
+        rule = %key.rule(),
+        tenant = %key.tenant(),
+        route = %key.route(),
         lease_id,
         slots = lease.slots,
         holder = %holder.agent_id,
@@ -906,7 +894,7 @@ async fn force_release_slots(
     );
     Json(serde_json::json!({
         "released": {
-            "rule": key.rule, "tenant": key.tenant, "route": key.route,
+            "rule": key.rule(), "tenant": key.tenant(), "route": key.route(),
             "lease_id": lease_id, "slots": lease.slots,
             "holder": holder.agent_id, "principal": holder.principal,
             "instance": format!("{:016x}", holder.instance),

@@ -172,9 +172,9 @@ fn start_slot_wakes(shared: &Arc<Shared>, client: &Parent, now: u64) {
     };
     for (key, want) in wakes {
         let w = quotalease_proto::lease::SlotWait {
-            rule_id: key.rule.clone(),
-            tenant: key.tenant.clone(),
-            route: key.route.clone(),
+            rule_id: key.rule().to_string(),
+            tenant: key.tenant().to_string(),
+            route: key.route().to_string(),
             room: want.room,
             contended: want.contended,
             // Within the channel's call timeout (the fetch timeout).

@@ -110,11 +110,7 @@ impl InProcessAllocator {
     /// What the ledger of rule `rule`'s key for `tenant` on `route` holds
     /// now (`None`: no holder ever asked for it).
     pub fn ledger(&self, rule: &str, tenant: &str, route: &str) -> Option<Ledger> {
-        let key = KeyId {
-            rule: rule.into(),
-            tenant: tenant.into(),
-            route: route.into(),
-        };
+        let key = KeyId::new(rule, tenant, route);
         let now = self.clock.now();
         let view = self
             .core

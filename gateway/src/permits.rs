@@ -143,7 +143,7 @@ fn permits_of(agent: &Agent, got: &Acquired) -> Vec<Permit> {
         .iter()
         .map(|h| Permit {
             permit_id: agent.permit_id(h),
-            rule_id: h.key.rule.clone(),
+            rule_id: h.key.rule().to_string(),
             slots: h.permit.slots,
             expires_in_ms: h.permit.expiry_ns.saturating_sub(now) / 1_000_000,
             fencing_token: h.permit.fence,

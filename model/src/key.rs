@@ -12,22 +12,113 @@
 
 use crate::rules::Rule;
 
-/// Identity of one bucket (owned).
-#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, PartialOrd, Ord)]
+/// Identity of one bucket (owned): the rule id, tenant part and route part
+/// in one shared allocation. Cloning it is a reference count (the
+/// allocator tiers clone a key into every plan, reply and record);
+/// comparing two compares the part lengths and then one run of bytes (one
+/// pointer a side, where three `String`s were three). Hashes, orders and
+/// prints like the struct of three `String`s it replaced (rule, tenant,
+/// route, in that order).
+#[derive(Clone)]
 pub struct KeyId {
-    /// Rule id.
-    pub rule: String,
-    /// Tenant part.
-    pub tenant: String,
-    /// Route part.
-    pub route: String,
+    /// `rule`, `tenant` and `route`, one after the other.
+    parts: std::sync::Arc<str>,
+    rule_len: u32,
+    tenant_len: u32,
 }
 
 impl KeyId {
+    /// A key from its parts.
+    pub fn new(rule: impl AsRef<str>, tenant: impl AsRef<str>, route: impl AsRef<str>) -> Self {
+        let (rule, tenant, route) = (rule.as_ref(), tenant.as_ref(), route.as_ref());
+        let mut s = String::with_capacity(rule.len() + tenant.len() + route.len());
+        s.push_str(rule);
+        s.push_str(tenant);
+        s.push_str(route);
+        Self {
+            parts: s.into(),
+            // Key parts are ids and patterns of at most a few hundred
+            // bytes (the rule loader and the wire limit them); a part
+            // over 4 GiB could not have been read.
+            rule_len: u32::try_from(rule.len()).expect("key part under 4 GiB"),
+            tenant_len: u32::try_from(tenant.len()).expect("key part under 4 GiB"),
+        }
+    }
+
+    /// Rule id.
+    #[inline]
+    pub fn rule(&self) -> &str {
+        &self.parts[..self.rule_len as usize]
+    }
+
+    /// Tenant part.
+    #[inline]
+    pub fn tenant(&self) -> &str {
+        let a = self.rule_len as usize;
+        &self.parts[a..a + self.tenant_len as usize]
+    }
+
+    /// Route part.
+    #[inline]
+    pub fn route(&self) -> &str {
+        &self.parts[(self.rule_len + self.tenant_len) as usize..]
+    }
+
     /// The borrowed form.
     #[inline]
     pub fn as_key_ref(&self) -> KeyRef<'_> {
-        KeyRef::new(&self.rule, &self.tenant, &self.route)
+        KeyRef::new(self.rule(), self.tenant(), self.route())
+    }
+}
+
+impl Default for KeyId {
+    fn default() -> Self {
+        Self::new("", "", "")
+    }
+}
+
+impl PartialEq for KeyId {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        // Equal part lengths split equal runs of bytes alike.
+        std::sync::Arc::ptr_eq(&self.parts, &other.parts)
+            || (self.rule_len == other.rule_len
+                && self.tenant_len == other.tenant_len
+                && str_eq(&self.parts, &other.parts))
+    }
+}
+
+impl Eq for KeyId {}
+
+impl std::hash::Hash for KeyId {
+    #[inline]
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_key_ref().hash(state);
+    }
+}
+
+impl PartialOrd for KeyId {
+    #[inline]
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for KeyId {
+    /// Rule, then tenant, then route.
+    #[inline]
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_key_ref().cmp(&other.as_key_ref())
+    }
+}
+
+impl std::fmt::Debug for KeyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyId")
+            .field("rule", &self.rule())
+            .field("tenant", &self.tenant())
+            .field("route", &self.route())
+            .finish()
     }
 }
 
@@ -66,11 +157,7 @@ impl<'a> KeyRef<'a> {
 
     /// The owned form.
     pub fn to_key_id(self) -> KeyId {
-        KeyId {
-            rule: self.rule.into(),
-            tenant: self.tenant.into(),
-            route: self.route.into(),
-        }
+        KeyId::new(self.rule, self.tenant, self.route)
     }
 }
 
@@ -78,7 +165,9 @@ impl PartialEq<KeyId> for KeyRef<'_> {
     /// Part by part, the part most likely to differ first.
     #[inline]
     fn eq(&self, k: &KeyId) -> bool {
-        str_eq(self.tenant, &k.tenant) && str_eq(self.route, &k.route) && str_eq(self.rule, &k.rule)
+        str_eq(self.tenant, k.tenant())
+            && str_eq(self.route, k.route())
+            && str_eq(self.rule, k.rule())
     }
 }
 
@@ -132,6 +221,49 @@ mod tests {
                 assert!(!str_eq(a, &base[..n - 1]));
             }
         }
+    }
+
+    #[test]
+    fn owned_keys_split_order_and_print_like_three_strings() {
+        // Same bytes, other splits: different keys.
+        let a = KeyId::new("r", "ab", "c");
+        let b = KeyId::new("r", "a", "bc");
+        let c = KeyId::new("ra", "b", "c");
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        assert_ne!(b, c);
+        assert_eq!(a, KeyId::new(String::from("r"), "ab", "c"));
+        assert_eq!((a.rule(), a.tenant(), a.route()), ("r", "ab", "c"));
+        assert_eq!((b.rule(), b.tenant(), b.route()), ("r", "a", "bc"));
+        // Ordered by rule, then tenant, then route (as the struct of three
+        // strings was: reports list keys in this order).
+        let parts = [
+            ("a", "", "z"),
+            ("a", "b", ""),
+            ("a", "b", "c"),
+            ("ab", "", ""),
+            ("r", "a", "bc"),
+            ("r", "ab", "c"),
+            ("ra", "b", "c"),
+        ];
+        for x in parts {
+            for y in parts {
+                let (kx, ky) = (KeyId::new(x.0, x.1, x.2), KeyId::new(y.0, y.1, y.2));
+                assert_eq!(kx.cmp(&ky), x.cmp(&y), "{x:?} {y:?}");
+                assert_eq!(kx == ky, x == y, "{x:?} {y:?}");
+            }
+        }
+        assert_eq!(
+            format!("{a:?}"),
+            r#"KeyId { rule: "r", tenant: "ab", route: "c" }"#
+        );
+        assert_eq!(KeyId::default().as_key_ref(), KeyRef::new("", "", ""));
+        let long = KeyId::new("rule-with-a-long-id", "tenant-with-a-long-name", "/v1/x");
+        assert_eq!(long, long.as_key_ref().to_key_id());
+        assert_ne!(
+            long,
+            KeyId::new("rule-with-a-long-id", "tenant-with-a-long-nbme", "/v1/x")
+        );
     }
 
     #[test]

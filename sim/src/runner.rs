@@ -529,7 +529,7 @@ fn rule_table(o: &Outcome) -> Table {
     }
     let mut by_rule: std::collections::BTreeMap<&str, Sum> = Default::default();
     for k in &o.keys {
-        let s = by_rule.entry(k.key.rule.as_str()).or_default();
+        let s = by_rule.entry(k.key.rule()).or_default();
         s.keys += 1;
         s.requests += k.requests;
         s.denied += k.denied;
@@ -591,14 +591,14 @@ fn shown(o: &Outcome) -> Vec<&KeyStats> {
 }
 
 fn key_name(k: &KeyStats) -> String {
-    let mut s = k.key.rule.clone();
-    if !k.key.tenant.is_empty() {
+    let mut s = k.key.rule().to_string();
+    if !k.key.tenant().is_empty() {
         s.push('/');
-        s.push_str(&k.key.tenant);
+        s.push_str(k.key.tenant());
     }
-    if !k.key.route.is_empty() {
+    if !k.key.route().is_empty() {
         s.push('/');
-        s.push_str(&k.key.route);
+        s.push_str(k.key.route());
     }
     s
 }

@@ -786,7 +786,7 @@ impl World {
         }
         let lag = self.sc.rule_change_lag_ns();
         for k in &mut self.keys {
-            if k.key.rule == c.rule {
+            if k.key.rule() == c.rule {
                 k.checker.change(t, lag, c.rate, c.burst);
                 k.rate = c.rate;
                 k.burst = c.burst;
@@ -927,11 +927,7 @@ impl World {
             match ev {
                 CoreEvent::Settled(slot) => settled.push(slot),
                 CoreEvent::EmergencyOpened(e) => {
-                    let key = KeyId {
-                        rule: e.rule_id,
-                        tenant: e.tenant,
-                        route: e.route,
-                    };
+                    let key = KeyId::new(e.rule_id, e.tenant, e.route);
                     self.note_emergency(&key, e.rate, e.burst);
                 }
             }

@@ -22,7 +22,7 @@ fn per_rule(sc: &Scenario, seed: u64) -> BTreeMap<String, (u64, u64)> {
         assert!(failures.is_empty(), "seed {seed}: {failures:?}");
         for k in &o.keys {
             let (_, ours, ideal) = k.versus_ideal().expect("every key has an ideal figure");
-            let e = out.entry(k.key.rule.clone()).or_default();
+            let e = out.entry(k.key.rule().to_string()).or_default();
             e.0 += ours;
             e.1 += ideal;
         }

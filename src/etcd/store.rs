@@ -93,20 +93,20 @@ impl Keys {
         format!(
             "{}{}/{}/{}",
             self.reservations(),
-            hex(&k.rule),
-            hex(&k.tenant),
-            hex(&k.route)
+            hex(k.rule()),
+            hex(k.tenant()),
+            hex(k.route())
         )
     }
     /// The key of a reservation's etcd key name.
     pub(super) fn key_of(&self, name: &str) -> Option<KeyId> {
         let rest = name.strip_prefix(&self.reservations())?;
         let mut parts = rest.split('/');
-        let k = KeyId {
-            rule: unhex(parts.next()?)?,
-            tenant: unhex(parts.next()?)?,
-            route: unhex(parts.next()?)?,
-        };
+        let k = KeyId::new(
+            unhex(parts.next()?)?,
+            unhex(parts.next()?)?,
+            unhex(parts.next()?)?,
+        );
         parts.next().is_none().then_some(k)
     }
 }
@@ -290,11 +290,7 @@ mod tests {
     #[test]
     fn reservation_keys_round_trip_any_key_and_refuse_others() {
         let keys = Keys::unsharded("/ql");
-        let k = KeyId {
-            rule: "r/1".into(),
-            tenant: "t é".into(),
-            route: String::new(),
-        };
+        let k = KeyId::new("r/1", "t é", String::new());
         assert_eq!(keys.key_of(&keys.reservation(&k)), Some(k));
         assert_eq!(keys.key_of("/ql/res/zz/00/00"), None);
         assert_eq!(keys.key_of("/ql/res/61/62"), None);
@@ -394,11 +390,7 @@ mod tests {
             run: 0xab,
             revs: HashMap::new(),
         };
-        let k = KeyId {
-            rule: "r".into(),
-            tenant: "t".into(),
-            route: String::new(),
-        };
+        let k = KeyId::new("r", "t", String::new());
         let name = keys.reservation(&k);
         let at = |floor| {
             vec![(

@@ -280,11 +280,7 @@ impl AllocatorCore {
     }
 
     pub(super) fn key_of(item: &LeaseItem) -> KeyId {
-        KeyId {
-            rule: item.rule_id.clone(),
-            tenant: item.tenant.clone(),
-            route: item.route.clone(),
-        }
+        KeyId::new(&item.rule_id, &item.tenant, &item.route)
     }
 
     pub(super) fn release(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem) -> Grant {

@@ -24,12 +24,15 @@ impl AllocatorCore {
     /// it had, and a key it did not have was full.
     pub fn resume_keys(&mut self, now_ns: u64, keys: Vec<(KeyId, KeyCheckpoint)>) {
         for (key, cp) in keys {
-            let Some(rule) = self.rules.get(&key.rule) else {
+            let Some(rule) = self.rules.get(key.rule()) else {
                 continue;
             };
             let margin = drift_margin_ns(cp.leases_end_in_ns) + 1 + self.cfg.epsilon_ns;
             let mut ledger = KeyLedger::resume(rule.rate, rule.burst, now_ns, &cp, margin);
-            *self.keys_per_rule.entry(key.rule.clone()).or_insert(0) += 1;
+            *self
+                .keys_per_rule
+                .entry(key.rule().to_string())
+                .or_insert(0) += 1;
             ledger.sweep_due_ns = now_ns
                 .saturating_add(cp.leases_end_in_ns)
                 .saturating_add(margin)
@@ -51,7 +54,7 @@ impl AllocatorCore {
         let keys = records
             .iter()
             .filter_map(|(key, r)| {
-                let rule = self.rules.get(&key.rule)?;
+                let rule = self.rules.get(key.rule())?;
                 let floor = r.floor.min(rule.burst);
                 Some((
                     key.clone(),

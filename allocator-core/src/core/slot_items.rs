@@ -246,7 +246,7 @@ impl AllocatorCore {
 
     fn drop_slot_key(&mut self, key: &KeyId) {
         if self.slot_keys.remove(key).is_some() {
-            if let Some(c) = self.slot_keys_per_rule.get_mut(&key.rule) {
+            if let Some(c) = self.slot_keys_per_rule.get_mut(key.rule()) {
                 *c = c.saturating_sub(1);
             }
         }

@@ -41,7 +41,7 @@ impl AllocatorCore {
                     r.at_rest(&key);
                 }
                 self.stats.keys_dropped += 1;
-                if let Some(c) = self.keys_per_rule.get_mut(&key.rule) {
+                if let Some(c) = self.keys_per_rule.get_mut(key.rule()) {
                     *c = c.saturating_sub(1);
                 }
                 continue;

@@ -80,11 +80,7 @@ fn duplicate_gets_the_cached_reply_and_never_grants_twice() {
     let r2 = c.handle(T, &b);
     assert_eq!(r1, r2);
     assert_eq!(c.stats().duplicates, 1);
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "acme".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "acme", "/api/orders");
     let v = c.key_view(T, &key).unwrap();
     assert_eq!(v.outstanding, 5);
     assert_eq!(v.available, 15);
@@ -292,11 +288,7 @@ fn rule_change_applies_without_reset() {
     assert_eq!(r.grants[0].tokens, 20);
     let text = RULES.replace("burst: 20", "burst: 30");
     c.set_rules(RuleSet::parse(&text, "t.yaml", 8).unwrap(), T);
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "t".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "t", "/api/orders");
     // Not reset to full: still 0 available, 20 outstanding.
     let v = c.key_view(T, &key).unwrap();
     assert_eq!((v.available, v.outstanding, v.burst), (0, 20, 30));
@@ -382,11 +374,7 @@ fn a_repeated_seq_with_other_content_is_refused_never_answered_from_the_cache() 
     assert_eq!(c.stats().seq_conflicts, 1);
     assert_eq!(c.stats().grants, 1, "nothing granted for the conflict");
     // The key of the conflicting request was never touched.
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "u".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "u", "/api/orders");
     assert!(c.key_view(T + 2 * MS, &key).is_none());
 }
 
@@ -412,11 +400,7 @@ fn processes_sharing_an_agent_id_are_distinct_holders_by_instance() {
     assert_eq!(rb.grants[0].status, GrantStatus::Granted as i32);
     assert_ne!(ra.grants[0].lease_id, rb.grants[0].lease_id);
     assert_eq!(c.stats().duplicates, 0);
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "t".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "t", "/api/orders");
     let view = c.key_view(T, &key).expect("key held");
     assert_eq!(view.outstanding, 8);
     assert_eq!(view.holders.len(), 2);
@@ -448,11 +432,7 @@ fn an_agent_without_an_instance_is_one_holder_per_id() {
     let r = c.handle(T, &b);
     assert_eq!(r.grants[0].status, GrantStatus::Granted as i32);
     assert_eq!(c.handle(T + MS, &b), r, "a duplicate gets the cached reply");
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "t".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "t", "/api/orders");
     let v = c.key_view(T + MS, &key).unwrap();
     assert_eq!(v.holders.len(), 1);
     assert_eq!(v.holders[0].0.instance, 0);
@@ -491,11 +471,7 @@ fn the_sweep_visits_only_due_keys_in_bounded_steps() {
 #[test]
 fn a_key_in_use_is_swept_once_per_lease_and_kept() {
     let mut c = core_at(T, true);
-    let key = KeyId {
-        rule: "orders".into(),
-        tenant: "t".into(),
-        route: "/api/orders".into(),
-    };
+    let key = KeyId::new("orders", "t", "/api/orders");
     let mut lease = 0;
     for s in 0..40u64 {
         let now = T + s * 100 * MS;
@@ -622,11 +598,7 @@ fn reservations_bound_the_state_at_every_instant_and_a_crash_resumes_below_it() 
         let promised = fold(&log);
         for (ri, (rule, route)) in routes.iter().enumerate() {
             for t in 0..3 {
-                let key = KeyId {
-                    rule: (*rule).into(),
-                    tenant: format!("t{t}"),
-                    route: (*route).into(),
-                };
+                let key = KeyId::new(*rule, format!("t{t}"), *route);
                 let Some(l) = c.ledger_mut(&key) else {
                     assert!(
                         promised.iter().all(|(k, _)| *k != key),
@@ -700,11 +672,7 @@ fn a_lowered_burst_lowers_the_promise_below_what_is_left() {
     let mut c = AllocatorCore::new(cfg, rules, 1, 1000, T);
     let b = batch("a", 1, 1, vec![renew("fast", "t", "/fast", 0, 0, 30)]);
     assert_eq!(c.handle(T, &b).grants[0].tokens, 30);
-    let key = KeyId {
-        rule: "fast".into(),
-        tenant: "t".into(),
-        route: "/fast".into(),
-    };
+    let key = KeyId::new("fast", "t", "/fast");
     let before = c.reservations_mut().unwrap().get(&key).unwrap().floor;
     assert!(before <= 70);
     let lowered =

@@ -20,11 +20,7 @@ impl RegionalCore {
     /// batch can change), so that a checker can run it after every batch.
     pub fn check_i2_batch(&mut self, now_ns: u64, batch: &LeaseBatch) -> Result<(), String> {
         for item in &batch.items {
-            let key = KeyId {
-                rule: item.rule_id.clone(),
-                tenant: item.tenant.clone(),
-                route: item.route.clone(),
-            };
+            let key = KeyId::new(&item.rule_id, &item.tenant, &item.route);
             let mut chain = self.keys.get(&key).and_then(|k| k.chain.clone());
             if chain.as_ref().is_some_and(|c| now_ns >= c.deadline_ns) {
                 self.lapse_chains(now_ns);

@@ -140,7 +140,7 @@ impl RegionalCore {
             let central = self
                 .core
                 .rules()
-                .get(&key.rule)
+                .get(key.rule())
                 .is_some_and(|r| r.rate.served_centrally());
             let from = if central { sent_ns.min(now_ns) } else { now_ns };
             ks.retry_at_ns = from.saturating_add(g.retry_after_ms.saturating_mul(MS));
@@ -163,7 +163,7 @@ impl RegionalCore {
             return;
         }
         if g.carried > g.tokens {
-            tracing::error!(rule = %key.rule, tokens = g.tokens, carried = g.carried, "malformed grant from the parent ignored");
+            tracing::error!(rule = %key.rule(), tokens = g.tokens, carried = g.carried, "malformed grant from the parent ignored");
             return;
         }
         let fresh = g.tokens - g.carried;
@@ -295,7 +295,7 @@ impl RegionalCore {
         // What a shrink did not fit and was not handed back is lost with
         // the old chain (the parent counts its versions until they expire).
         self.stats.tokens_destroyed += old_chain.map_or(0, |c| c.returnable);
-        let rule = self.core.rules().get(&key.rule).map(|r| (r.rate, r.burst));
+        let rule = self.core.rules().get(key.rule()).map(|r| (r.rate, r.burst));
         let mut old = self.core.ledger_mut(key);
         // A renewal of a chain that held nothing (every token spent) is not
         // carried by the parent and needs no carrying: not a break.

@@ -229,9 +229,9 @@ impl RegionalCore {
 /// The `SLOTS` item of `ask` for `key`.
 fn slot_item(key: &KeyId, ask: &ParentSlotAsk) -> LeaseItem {
     LeaseItem {
-        rule_id: key.rule.clone(),
-        tenant: key.tenant.clone(),
-        route: key.route.clone(),
+        rule_id: key.rule().to_string(),
+        tenant: key.tenant().to_string(),
+        route: key.route().to_string(),
         kind: ItemKind::Slots as i32,
         lease_id: ask.lease_id,
         keep: ask.keep,

@@ -69,11 +69,7 @@ fn rate_regional_with(region: &str, rules: RuleSet, now: u64) -> RegionalCore {
 }
 
 fn key() -> KeyId {
-    KeyId {
-        rule: "hot".into(),
-        tenant: "acme".into(),
-        route: String::new(),
-    }
+    KeyId::new("hot", "acme", String::new())
 }
 
 fn item(kind: ItemKind, lease_id: u64, spent: u64, want: u64) -> LeaseItem {

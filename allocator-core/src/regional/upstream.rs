@@ -211,9 +211,9 @@ impl RegionalCore {
         want: u64,
     ) -> LeaseItem {
         LeaseItem {
-            rule_id: key.rule.clone(),
-            tenant: key.tenant.clone(),
-            route: key.route.clone(),
+            rule_id: key.rule().to_string(),
+            tenant: key.tenant().to_string(),
+            route: key.route().to_string(),
             kind: kind as i32,
             lease_id,
             spent,

@@ -25,16 +25,16 @@ impl World {
         let mut keys = Vec::with_capacity(idx.len());
         for ri in idx {
             let rule = &self.rules.rules[ri];
-            let key = KeyId {
-                rule: rule.id.clone(),
-                tenant: rule.tenant.key_part(&name).to_string(),
-                route: rule.route.key_part(&route).to_string(),
-            };
+            let key = KeyId::new(
+                &rule.id,
+                rule.tenant.key_part(&name),
+                rule.route.key_part(&route),
+            );
             let k = match self.key_index.get(&self.keys, key.as_key_ref()) {
                 Some(k) => k,
                 None => {
                     let k = self.keys.len();
-                    let tracked = self.tracked_tenants.contains(&tenant) || key.tenant.is_empty();
+                    let tracked = self.tracked_tenants.contains(&tenant) || key.tenant().is_empty();
                     self.keys.push(KeyStats {
                         key: key.clone(),
                         rate: rule.rate,
@@ -193,11 +193,7 @@ pub(super) fn check_i2_core(
     t: u64,
 ) {
     for item in &batch.items {
-        let key = KeyId {
-            rule: item.rule_id.clone(),
-            tenant: item.tenant.clone(),
-            route: item.route.clone(),
-        };
+        let key = KeyId::new(&item.rule_id, &item.tenant, &item.route);
         if core.i2_holds(now, &key) == Some(false) && out.len() < 10 {
             out.push(format!(
                 "global allocator at t={t} ns, key {key:?}: available + outstanding > B"

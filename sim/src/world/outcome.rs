@@ -153,7 +153,7 @@ impl Outcome {
                         .binary_search_by(|x| x.key.cmp(&k.key))
                         .map_or(0, |i| window(&r.keys[i]).1)
                 });
-                let name = format!("{}/{}/{}", k.key.rule, k.key.tenant, k.key.route);
+                let name = format!("{}/{}/{}", k.key.rule(), k.key.tenant(), k.key.route());
                 (name, liveness::judge(req, ok, k.rate, window_ns, reference))
             })
             .collect())
@@ -211,9 +211,9 @@ impl Outcome {
                     if w.excess as f64 > k.i3_allowance.ceil() {
                         out.push(format!(
                             "I3: key {}/{}/{}: excess {} > allowance {:.0} (window {}..{} ns)",
-                            k.key.rule,
-                            k.key.tenant,
-                            k.key.route,
+                            k.key.rule(),
+                            k.key.tenant(),
+                            k.key.route(),
                             w.excess,
                             k.i3_allowance,
                             w.from_ns,
@@ -225,9 +225,9 @@ impl Outcome {
                     if !w.held() {
                         out.push(format!(
                             "I1: key {}/{}/{}: {} admitted in [{}, {}] ns, {} over B + R*T",
-                            k.key.rule,
-                            k.key.tenant,
-                            k.key.route,
+                            k.key.rule(),
+                            k.key.tenant(),
+                            k.key.route(),
                             w.admitted,
                             w.from_ns,
                             w.to_ns,

@@ -63,11 +63,7 @@ fn ask(c: &mut AllocatorCore, now: u64, agent: &str, seq: u64, item: LeaseItem) 
 }
 
 fn key(rule: &str, tenant: &str, route: &str) -> KeyId {
-    KeyId {
-        rule: rule.into(),
-        tenant: tenant.into(),
-        route: route.into(),
-    }
+    KeyId::new(rule, tenant, route)
 }
 
 #[test]
@@ -341,11 +337,7 @@ fn a_regional_pool_lends_nothing_before_its_parent_lease_and_wakes_its_upstream_
     assert_eq!(g.status, GrantStatus::Granted as i32);
     assert_eq!((g.lease_id, g.tokens), (0, 0), "{g:?}");
     assert!(g.opening, "the upstream side must be woken: {g:?}");
-    let key = KeyId {
-        rule: "gen".into(),
-        tenant: "t".into(),
-        route: "/gen".into(),
-    };
+    let key = KeyId::new("gen", "t", "/gen");
     assert_eq!(c.take_new_slot_keys(), vec![key.clone()]);
     // The regional's upstream side sets the pool; then it lends, no lease
     // past the pool's cap.

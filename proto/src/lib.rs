@@ -157,6 +157,58 @@ pub fn request_digest_v3(batch: &lease::LeaseBatch) -> u64 {
     request_digest(&b)
 }
 
+/// [`request_digest`], [`request_digest_v3`] and the digest as an
+/// allocator of protocol version 2 decodes `batch` (also without the
+/// items' `want_rate_utps` and `left`), in that order: what a requester
+/// matches a reply by when it does not know its parent's version. Equal to
+/// computing each on its own, without copying the batch (a regional's
+/// batch names every key it holds): the fields are zeroed in place for
+/// each encoding and put back.
+pub fn request_digests(batch: &mut lease::LeaseBatch) -> (u64, u64, u64) {
+    let digest = request_digest(batch);
+    let run = batch
+        .header
+        .as_ref()
+        .map_or((0, 0), |h| (h.run_id, h.record_seq));
+    let set_run = |b: &mut lease::LeaseBatch, run: (u64, u64)| {
+        if let Some(h) = &mut b.header {
+            (h.run_id, h.record_seq) = run;
+        }
+    };
+    let v3 = if run == (0, 0) {
+        digest
+    } else {
+        set_run(batch, (0, 0));
+        request_digest(batch)
+    };
+    let v2 = if batch
+        .items
+        .iter()
+        .all(|i| i.want_rate_utps == 0 && i.left == 0)
+    {
+        v3
+    } else {
+        set_run(batch, (0, 0));
+        let kept: Vec<(u64, u64)> = batch
+            .items
+            .iter_mut()
+            .map(|i| {
+                (
+                    std::mem::take(&mut i.want_rate_utps),
+                    std::mem::take(&mut i.left),
+                )
+            })
+            .collect();
+        let v2 = request_digest(batch);
+        for (i, (rate, left)) in batch.items.iter_mut().zip(kept) {
+            (i.want_rate_utps, i.left) = (rate, left);
+        }
+        v2
+    };
+    set_run(batch, run);
+    (digest, v3, v2)
+}
+
 /// The (run id, record sequence) a requester presents after `reply`,
 /// having presented `held` of ledger `ledger` (SPEC §2 "First start"): the
 /// newest run a reply carried, with the largest sequence of it. A reply of
@@ -181,6 +233,52 @@ pub fn newest_run(ledger: u64, held: (u64, u64), reply: &lease::LeaseReply) -> (
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_digests_at_once_equal_each_computed_on_its_own() {
+        let item = |rate: u64, left: u64| lease::LeaseItem {
+            rule_id: "r".into(),
+            tenant: "t".into(),
+            route: "/a".into(),
+            spent: 3,
+            want: 7,
+            want_rate_utps: rate,
+            left,
+            ..Default::default()
+        };
+        for run in [(0, 0), (5, 9)] {
+            for items in [
+                vec![],
+                vec![item(0, 0)],
+                vec![item(0, 0), item(2_000_000, 4)],
+            ] {
+                let batch = lease::LeaseBatch {
+                    header: Some(lease::RequestHeader {
+                        seq: 11,
+                        agent_id: "a".into(),
+                        run_id: run.0,
+                        record_seq: run.1,
+                        ..Default::default()
+                    }),
+                    items,
+                    ttl_ms: 2_000,
+                    shard: 0,
+                };
+                let mut v2 = batch.clone();
+                for i in &mut v2.items {
+                    (i.want_rate_utps, i.left) = (0, 0);
+                }
+                let want = (
+                    request_digest(&batch),
+                    request_digest_v3(&batch),
+                    request_digest_v3(&v2),
+                );
+                let mut b = batch.clone();
+                assert_eq!(request_digests(&mut b), want, "{run:?}");
+                assert_eq!(b, batch, "put back as it was");
+            }
+        }
+    }
 
     #[test]
     fn the_shard_of_a_key_is_pinned_across_releases() {

@@ -155,10 +155,10 @@ impl RegionalCore {
     }
 
     /// Send `r`'s batch again, unchanged.
-    fn resend(&mut self, now_ns: u64, r: SlotResend) -> LeaseBatch {
+    fn resend(&mut self, now_ns: u64, mut r: SlotResend) -> LeaseBatch {
         self.stats.upstream_messages += 1;
         self.last_sent_ns = Some(now_ns);
-        let mut f = self.in_flight_of(&r.batch, now_ns, Vec::new());
+        let mut f = self.in_flight_of(&mut r.batch, now_ns, Vec::new());
         f.slots = r.keys;
         f.batch = Some(r.batch.clone());
         f.tries = r.tries;

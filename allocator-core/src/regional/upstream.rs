@@ -323,29 +323,24 @@ impl RegionalCore {
             ttl_ms: self.cfg.lease_ttl_ns / MS,
             shard: 0,
         };
-        self.in_flight = Some(self.in_flight_of(&batch, now_ns, sent));
+        let mut batch = batch;
+        self.in_flight = Some(self.in_flight_of(&mut batch, now_ns, sent));
         batch
     }
 
     /// What is remembered of `batch` sent at `now_ns` until its answer.
     pub(super) fn in_flight_of(
         &self,
-        batch: &LeaseBatch,
+        batch: &mut LeaseBatch,
         now_ns: u64,
         sent: Vec<SentItem>,
     ) -> InFlight {
+        let (digest, digest_v3, digest_v2) = quotalease_proto::request_digests(batch);
         InFlight {
             seq: batch.header.as_ref().map_or(0, |h| h.seq),
-            digest: quotalease_proto::request_digest(batch),
-            digest_v3: quotalease_proto::request_digest_v3(batch),
-            digest_v2: {
-                let mut v2 = batch.clone();
-                for i in &mut v2.items {
-                    i.want_rate_utps = 0;
-                    i.left = 0;
-                }
-                quotalease_proto::request_digest_v3(&v2)
-            },
+            digest,
+            digest_v3,
+            digest_v2,
             sent_ns: now_ns,
             items: sent,
             slots: Vec::new(),

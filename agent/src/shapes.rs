@@ -19,7 +19,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use quotalease_model::key::str_eq;
+use quotalease_model::key::{bytes_eq, str_eq};
 
 use crate::handle::KeyHandle;
 
@@ -29,8 +29,8 @@ const ENTRIES: usize = 512;
 struct Entry {
     agent: u64,
     domain: Option<Box<str>>,
-    tenant: Box<str>,
-    route: Box<str>,
+    tenant: Text,
+    route: Text,
     handle: KeyHandle,
 }
 
@@ -38,13 +38,45 @@ impl Entry {
     #[inline]
     fn is(&self, agent: u64, domain: Option<&str>, tenant: &str, route: &str) -> bool {
         self.agent == agent
-            && str_eq(&self.tenant, tenant)
-            && str_eq(&self.route, route)
+            && self.tenant.is(tenant)
+            && self.route.is(route)
             && match (&self.domain, domain) {
                 (None, None) => true,
                 (Some(a), Some(b)) => str_eq(a, b),
                 _ => false,
             }
+    }
+}
+
+/// Bytes of a tenant or route kept in the entry itself.
+const INLINE: usize = 22;
+
+/// A shape's tenant or route: in the entry when short (ids mostly are), so
+/// that a hit compares it without loading another cache line (a process
+/// with hundreds of agents, the simulator, missed on nearly every one).
+enum Text {
+    Inline { len: u8, bytes: [u8; INLINE] },
+    Heap(Box<str>),
+}
+
+impl Text {
+    fn new(s: &str) -> Self {
+        match u8::try_from(s.len()) {
+            Ok(len) if s.len() <= INLINE => {
+                let mut bytes = [0; INLINE];
+                bytes[..s.len()].copy_from_slice(s.as_bytes());
+                Self::Inline { len, bytes }
+            }
+            _ => Self::Heap(s.into()),
+        }
+    }
+
+    #[inline]
+    fn is(&self, s: &str) -> bool {
+        match self {
+            Self::Inline { len, bytes } => bytes_eq(&bytes[..usize::from(*len)], s.as_bytes()),
+            Self::Heap(h) => str_eq(h, s),
+        }
     }
 }
 
@@ -186,11 +218,36 @@ pub(crate) fn with<R>(
             place.entry = Some(Entry {
                 agent,
                 domain: domain.map(Into::into),
-                tenant: tenant.into(),
-                route: route.into(),
+                tenant: Text::new(tenant),
+                route: Text::new(route),
                 handle,
             });
         }
         r
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Text;
+
+    #[test]
+    fn texts_compare_every_byte_inline_and_on_the_heap() {
+        let long = "a-tenant-name-longer-than-the-inline-room";
+        for n in 0..=long.len() {
+            let s = &long[..n];
+            let t = Text::new(s);
+            assert_eq!(matches!(t, Text::Inline { .. }), n <= super::INLINE, "{n}");
+            assert!(t.is(s), "{n}");
+            if n > 0 {
+                assert!(!t.is(&long[..n - 1]), "{n}");
+            }
+            for i in 0..n {
+                let mut b = s.as_bytes().to_vec();
+                b[i] ^= 1;
+                assert!(!t.is(std::str::from_utf8(&b).expect("ascii")), "{n} {i}");
+            }
+            assert!(!t.is(&format!("{s}x")), "{n}");
+        }
+    }
 }

@@ -176,7 +176,12 @@ impl PartialEq<KeyId> for KeyRef<'_> {
 /// a side, or two 4-byte ones); longer strings compare as usual. On every decision.
 #[inline]
 pub fn str_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
+    bytes_eq(a.as_bytes(), b.as_bytes())
+}
+
+/// [`str_eq`] on bytes.
+#[inline]
+pub fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
     let n = a.len();
     if n != b.len() {
         return false;

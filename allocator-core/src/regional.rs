@@ -252,6 +252,12 @@ struct Chain {
     /// acknowledged version (`LeaseItem.left`; docs/protocol.md "A shrink
     /// hands back").
     returnable: u64,
+    /// The newest version's rate is the parent's floor: it granted more
+    /// than the renewal asked for (at least a quarter of an equal share
+    /// per holder asking, docs/protocol.md "Leases that carry a rate"). Asking
+    /// again for any rate up to it brings the same rate back, so a smaller
+    /// want is not worth a renewal of its own.
+    floored: bool,
 }
 
 impl Chain {
@@ -350,6 +356,8 @@ struct SentItem {
     /// A renewal of a chain of leases of tokens: the rest it asked the
     /// parent to carry (`G - spent`); 0 otherwise.
     carry_asked: u64,
+    /// The rate the item asked for (micro-tokens per second; 0: none).
+    asked_rate_utps: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -877,6 +885,7 @@ impl RegionalCore {
                 release: false,
                 chain_serial: Some(c.serial),
                 carry_asked: c.granted.min(h),
+                asked_rate_utps: 0,
             });
         }
         let (slot_items, slot_keys) = self.slot_shutdown_items(now_ns);

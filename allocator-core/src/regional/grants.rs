@@ -234,6 +234,7 @@ impl RegionalCore {
             let was_rate = c.is_rate();
             c.parent_lease_id = g.lease_id;
             c.rate_utps = g.rate_utps;
+            c.floored = g.rate_utps > sent.asked_rate_utps;
             c.capacity = g.capacity;
             c.counted_capacity = c.counted_capacity.max(g.capacity);
             c.counted_rate_utps = c.counted_rate_utps.max(g.rate_utps);
@@ -346,6 +347,7 @@ impl RegionalCore {
             counted_rate_utps: g.rate_utps,
             unnamed_tokens: false,
             returnable: 0,
+            floored: g.rate_utps > sent.asked_rate_utps,
         });
         self.chain_deadlines
             .push(Reverse((deadline, self.next_serial, key.clone())));

@@ -119,6 +119,7 @@ impl RegionalCore {
                         release: false,
                         chain_serial: None,
                         carry_asked: 0,
+                        asked_rate_utps: want_rate,
                     });
                 }
                 Plan::Renew {
@@ -163,6 +164,7 @@ impl RegionalCore {
                         release: false,
                         chain_serial: Some(c.serial),
                         carry_asked,
+                        asked_rate_utps: want_rate,
                     });
                 }
                 Plan::Release => {
@@ -238,6 +240,7 @@ impl RegionalCore {
                 release: true,
                 chain_serial: None,
                 carry_asked: 0,
+                asked_rate_utps: 0,
             });
         }
     }
@@ -397,7 +400,15 @@ impl RegionalCore {
         PlanCtx {
             window: cfg.core.active_window_ns,
             idle_ns: cfg.idle_release_ns(),
-            low_water_ns: cfg.low_water_ns,
+            // A renewal ahead of the deadline must be answered before it:
+            // planned at least a walk and a round trip early. (At a low
+            // water of 100 ms, a parent 15-40 ms away and walks held back
+            // while a batch is out, renewals planned 20 ms before the
+            // deadline came back after it: the chain lapsed under its
+            // children, who had to open the key again.)
+            ahead_ns: cfg
+                .low_water_ns
+                .max(2 * (cfg.renew_interval_ns + self.rtt_ns)),
             renew_interval_ns: cfg.renew_interval_ns,
             low_water_s: cfg.low_water_ns as f64 / 1e9,
             horizon_s: (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9,
@@ -412,7 +423,7 @@ impl RegionalCore {
 struct PlanCtx {
     window: u64,
     idle_ns: u64,
-    low_water_ns: u64,
+    ahead_ns: u64,
     renew_interval_ns: u64,
     low_water_s: f64,
     horizon_s: f64,
@@ -511,11 +522,18 @@ fn plan_key(
         // whole burst, refilled by a rate of 0 once the key asks none.
         Some(c) if central && (unmet == 0 || c.is_rate()) && outstanding == 0 => Plan::Release,
         Some(c) if c.is_rate() => {
-            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
+            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.ahead_ns && !idle;
             let short = may_ask && want > 0 && unmet > pool;
             // The rate asked for moved by more than a quarter (a share
             // freed or needed), or a shrink waits to be acknowledged.
-            let moved = want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
+            // Not downwards when the rate held is the parent's floor: it
+            // answers any ask below it with the same rate (a cold key
+            // asking 0.5/s of a 200/s rule behind three regions got 4/s
+            // back, and renewed on every walk to ask again: nine in ten
+            // of `zipf-100k`'s regional plans).
+            let floor_held = c.floored && want_rate <= c.rate_utps;
+            let moved =
+                !floor_held && want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
             // Below nine tenths of an equal share of the holders the
             // parent named while children miss tokens, a larger rate is
             // asked for without waiting out the parent's retry hint: that
@@ -558,7 +576,7 @@ fn plan_key(
             }
         }
         Some(c) => {
-            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.low_water_ns && !idle;
+            let ahead = c.deadline_ns.saturating_sub(now_ns) <= ctx.ahead_ns && !idle;
             let short = may_ask && want > 0 && (unmet > pool || pool < low);
             // Spending the parent does not know of yet keeps its
             // bucket from refilling (refill is capped at

@@ -252,12 +252,15 @@ struct Chain {
     /// acknowledged version (`LeaseItem.left`; docs/protocol.md "A shrink
     /// hands back").
     returnable: u64,
-    /// The newest version's rate is the parent's floor: it granted more
-    /// than the renewal asked for (at least a quarter of an equal share
-    /// per holder asking, docs/protocol.md "Leases that carry a rate"). Asking
-    /// again for any rate up to it brings the same rate back, so a smaller
-    /// want is not worth a renewal of its own.
-    floored: bool,
+    /// Until then (0: not) the newest version's rate is the parent's
+    /// floor: it granted more than the item asked for (at least a quarter
+    /// of an equal share per holder asking, docs/protocol.md "Leases that
+    /// carry a rate"). While the holders asking stay the same, a smaller
+    /// ask brings the same rate back, so it is not worth a renewal of its
+    /// own; after one active window (the parent forgets a holder's demand
+    /// after it, and other holders may have come, which lowers the floor)
+    /// or new rules, it is again.
+    floored_until_ns: u64,
 }
 
 impl Chain {

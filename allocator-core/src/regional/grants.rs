@@ -89,8 +89,13 @@ impl RegionalCore {
                         // The parent's hints were about the old rules (a
                         // key served centrally caches a day's denial of
                         // `1/d`): every key may ask again.
+                        // So may a chain at the parent's floor: the rule's
+                        // rate, and with it the floor, may be lower now.
                         for ks in self.keys.values_mut() {
                             ks.retry_at_ns = 0;
+                            if let Some(c) = ks.chain.as_mut() {
+                                c.floored_until_ns = 0;
+                            }
                         }
                         self.stats.rules_adopted += 1;
                     }
@@ -234,7 +239,7 @@ impl RegionalCore {
             let was_rate = c.is_rate();
             c.parent_lease_id = g.lease_id;
             c.rate_utps = g.rate_utps;
-            c.floored = g.rate_utps > sent.asked_rate_utps;
+            c.floored_until_ns = floored_until(now_ns, self.cfg.core.active_window_ns, sent, g);
             c.capacity = g.capacity;
             c.counted_capacity = c.counted_capacity.max(g.capacity);
             c.counted_rate_utps = c.counted_rate_utps.max(g.rate_utps);
@@ -347,7 +352,7 @@ impl RegionalCore {
             counted_rate_utps: g.rate_utps,
             unnamed_tokens: false,
             returnable: 0,
-            floored: g.rate_utps > sent.asked_rate_utps,
+            floored_until_ns: floored_until(now_ns, self.cfg.core.active_window_ns, sent, g),
         });
         self.chain_deadlines
             .push(Reverse((deadline, self.next_serial, key.clone())));
@@ -372,5 +377,16 @@ impl RegionalCore {
         self.not_before_ns = now_ns.saturating_add(self.cfg.renew_interval_ns);
         self.update_reachable(now_ns);
         self.core.set_parent_unreachable(!self.reachable);
+    }
+}
+
+/// When a chain's new version `g`, granted for `sent`, stops counting as
+/// the parent's floor (`Chain::floored_until_ns`): one active window from
+/// `now_ns` if it brought more rate than was asked for, else 0.
+fn floored_until(now_ns: u64, window_ns: u64, sent: &SentItem, g: &Grant) -> u64 {
+    if g.rate_utps > sent.asked_rate_utps {
+        now_ns.saturating_add(window_ns)
+    } else {
+        0
     }
 }

@@ -1111,6 +1111,75 @@ fn a_rate_chain_at_the_parents_floor_is_not_renewed_to_ask_for_less() {
     assert!(items <= 10, "{items} upstream items in 2 s");
 }
 
+/// A chain at the parent's floor asks again once per active window, so
+/// it gives rate back soon after another holder comes (the floor is a
+/// quarter of an equal share per holder asking: 25/s alone, 12.5/s
+/// beside one other), not only at its next renewal ahead of the deadline
+/// (1.5 s after the last one with the default low water).
+#[test]
+fn a_chain_at_the_floor_gives_rate_back_within_an_active_window_of_another_holder() {
+    let mut now = T0;
+    let mut parent = parent_at(now);
+    let mut reg = rate_regional_at(now);
+    let (mut lease, mut seq) = (0u64, 0u64);
+    let (mut b_lease, mut b_seq) = (0u64, 0u64);
+    let mut b_since: Option<u64> = None;
+    let mut given_back_after = None;
+    for step in 0..400u64 {
+        // The region's children: 2/s of a 100/s rule.
+        if step % 50 == 0 {
+            seq += 1;
+            let g = ask(&mut reg, now, "a", seq, lease, u64::from(lease != 0), 1);
+            if g.lease_id != 0 {
+                lease = g.lease_id;
+            }
+        }
+        if let Some(b) = reg.poll_transmit(now) {
+            let renewal = !b.items.is_empty();
+            let r = parent.handle(now, &b);
+            reg.handle_reply(now, &r);
+            let floor = reg
+                .chain_view(&key())
+                .is_some_and(|c| c.capacity > 0 && c.rate_utps > 20_000_000);
+            // Another holder comes right after a renewal that left the
+            // region at its floor.
+            if b_since.is_none() && renewal && floor && now >= T0 + SEC {
+                b_since = Some(now);
+            }
+        }
+        // The other holder (an agent at the parent) asks for 90/s every
+        // 100 ms.
+        if b_since.is_some() && step % 10 == 0 {
+            b_seq += 1;
+            let it = LeaseItem {
+                want_rate_utps: 90_000_000,
+                ..item(ItemKind::Renew, b_lease, 0, 10)
+            };
+            let r = parent.handle(now, &child_batch("b", b_seq, vec![it]));
+            if r.grants[0].lease_id != 0 {
+                b_lease = r.grants[0].lease_id;
+            }
+        }
+        if let (Some(t), None) = (b_since, given_back_after) {
+            if reg
+                .chain_view(&key())
+                .is_some_and(|c| c.rate_utps < 13_000_000)
+            {
+                given_back_after = Some(now - t);
+            }
+        }
+        reg.check_i2(now).unwrap();
+        now += 10 * MS;
+    }
+    assert!(b_since.is_some(), "the region never renewed at its floor");
+    let after = given_back_after.expect("the region never gave its floor's rate back");
+    assert!(
+        after <= 1_100 * MS,
+        "gave rate back {} ms after the other holder came",
+        after / MS
+    );
+}
+
 /// A chain renewed only ahead of its deadline is renewed early enough
 /// for the answer to come back before it, also with a short low water
 /// and a parent a round trip of 80 ms away (walks wait while a batch is

@@ -401,7 +401,7 @@ impl RegionalCore {
             window: cfg.core.active_window_ns,
             idle_ns: cfg.idle_release_ns(),
             // A renewal ahead of the deadline must be answered before it:
-            // planned at least a walk and a round trip early. (At a low
+            // planned at least two walks and two round trips early. (At a low
             // water of 100 ms, a parent 15-40 ms away and walks held back
             // while a batch is out, renewals planned 20 ms before the
             // deadline came back after it: the chain lapsed under its
@@ -526,12 +526,13 @@ fn plan_key(
             let short = may_ask && want > 0 && unmet > pool;
             // The rate asked for moved by more than a quarter (a share
             // freed or needed), or a shrink waits to be acknowledged.
-            // Not downwards when the rate held is the parent's floor: it
-            // answers any ask below it with the same rate (a cold key
-            // asking 0.5/s of a 200/s rule behind three regions got 4/s
-            // back, and renewed on every walk to ask again: nine in ten
-            // of `zipf-100k`'s regional plans).
-            let floor_held = c.floored && want_rate <= c.rate_utps;
+            // Not downwards while the rate held is the parent's floor: it
+            // answers a smaller ask with the same rate (a cold key asking
+            // 0.5/s of a 50/s rule behind three regions, `zipf-100k` at
+            // scale 0.25, got 4.2/s back and renewed on every walk to ask
+            // again: nine in ten of the regionals' plans). Once per active
+            // window it asks again (see `Chain::floored_until_ns`).
+            let floor_held = now_ns < c.floored_until_ns && want_rate <= c.rate_utps;
             let moved =
                 !floor_held && want_rate.abs_diff(c.rate_utps) > c.rate_utps / 4 + 1_000_000;
             // Below nine tenths of an equal share of the holders the

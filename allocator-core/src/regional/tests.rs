@@ -1032,20 +1032,16 @@ fn a_hot_chain_is_renewed_ahead_of_its_deadline_while_cold_keys_keep_opening() {
     assert_eq!(reg.stats().chains_lapsed, 0, "{:?}", reg.stats());
 }
 
-/// A rate chain at steady demand is not renewed on every walk: the
-/// version each renewal brings is as large as the one before, and the
-/// next renewal it has anyway acknowledges it. (Every renewal used to
-/// bring a version to acknowledge, so a chain renewed itself every renew
-/// interval forever.)
-#[test]
-fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
+/// A rate regional whose one child spends a token every `every` 10 ms
+/// steps (asked for and spent at once), for 3 s behind a parent that
+/// answers at once; and the upstream items it sent in the last 2 s.
+fn upstream_items_after_a_second(every: u64) -> (RegionalCore, u64) {
     let mut now = T0;
     let mut parent = parent_at(now);
     let mut reg = rate_regional_at(now);
     let (mut lease, mut seq, mut items) = (0u64, 0u64, 0u64);
     for step in 0..300u64 {
-        // 20/s of a 100/s rule: a token every 50 ms, spent at once.
-        if step % 5 == 0 {
+        if step % every == 0 {
             seq += 1;
             let g = ask(&mut reg, now, "a", seq, lease, u64::from(lease != 0), 1);
             if g.lease_id != 0 {
@@ -1062,6 +1058,18 @@ fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
         reg.check_i2(now).unwrap();
         now += 10 * MS;
     }
+    (reg, items)
+}
+
+/// A rate chain at steady demand is not renewed on every walk: the
+/// version each renewal brings is as large as the one before, and the
+/// next renewal it has anyway acknowledges it. (Every renewal used to
+/// bring a version to acknowledge, so a chain renewed itself every renew
+/// interval forever.)
+#[test]
+fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
+    // 20/s of a 100/s rule: a token every 50 ms.
+    let (reg, items) = upstream_items_after_a_second(5);
     assert!(
         reg.chain_view(&key()).is_some_and(|c| c.capacity > 0),
         "a rate chain"
@@ -1079,29 +1087,8 @@ fn a_rate_chain_at_steady_demand_is_not_renewed_only_to_acknowledge() {
 /// ten of `zipf-100k`'s regional plans.)
 #[test]
 fn a_rate_chain_at_the_parents_floor_is_not_renewed_to_ask_for_less() {
-    let mut now = T0;
-    let mut parent = parent_at(now);
-    let mut reg = rate_regional_at(now);
-    let (mut lease, mut seq, mut items) = (0u64, 0u64, 0u64);
-    for step in 0..300u64 {
-        // 2/s of a 100/s rule: a token every 500 ms, spent at once.
-        if step % 50 == 0 {
-            seq += 1;
-            let g = ask(&mut reg, now, "a", seq, lease, u64::from(lease != 0), 1);
-            if g.lease_id != 0 {
-                lease = g.lease_id;
-            }
-        }
-        if let Some(b) = reg.poll_transmit(now) {
-            if now >= T0 + SEC {
-                items += b.items.len() as u64;
-            }
-            let r = parent.handle(now, &b);
-            reg.handle_reply(now, &r);
-        }
-        reg.check_i2(now).unwrap();
-        now += 10 * MS;
-    }
+    // 2/s of a 100/s rule: a token every 500 ms.
+    let (reg, items) = upstream_items_after_a_second(50);
     let c = reg.chain_view(&key()).expect("a chain");
     // The floor: 25/s (a quarter of 100/s, one holder), where the
     // children spend 2/s.

@@ -308,6 +308,9 @@ pub struct AllocatorCore {
     pooled: Option<PooledMode>,
     /// Pooled mode: keys created since the last `take_new_keys`.
     new_keys: Vec<KeyId>,
+    /// Pooled mode: keys a child's item named since the last
+    /// `take_touched_keys` (each once: see `KeyLedger::touched`).
+    touched_keys: Vec<KeyId>,
     /// The sweep's queue: when each key with a ledger is looked at next
     /// (one live entry per ledger, the one matching its `sweep_due_ns`;
     /// others are stale and skipped). A sweep visits only keys that are
@@ -404,6 +407,7 @@ impl AllocatorCore {
             stats: Stats::default(),
             pooled: None,
             new_keys: Vec::new(),
+            touched_keys: Vec::new(),
             sweep_due: Default::default(),
             foreign_ledgers: Vec::new(),
             foreign_runs: Vec::new(),
@@ -471,6 +475,28 @@ impl AllocatorCore {
     /// Pooled mode: the keys children created since the last call.
     pub fn take_new_keys(&mut self) -> Vec<KeyId> {
         std::mem::take(&mut self.new_keys)
+    }
+
+    /// Pooled mode: the keys a child's item named since the last call
+    /// (renewals, openings and releases; each key once until
+    /// [`AllocatorCore::untouch`] is called for it). The regional's planner
+    /// visits them at its next walk; the others only when they are due.
+    /// [`KeyLedger::untouch`] lists a key again at the next item naming it.
+    pub fn take_touched_keys(&mut self) -> Vec<KeyId> {
+        std::mem::take(&mut self.touched_keys)
+    }
+
+    /// Pooled mode: list `key` as touched by a child (once).
+    pub(super) fn touch(
+        pooled: bool,
+        touched: &mut Vec<KeyId>,
+        key: &KeyId,
+        ledger: &mut KeyLedger,
+    ) {
+        if pooled && !ledger.touched {
+            ledger.touched = true;
+            touched.push(key.clone());
+        }
     }
 
     /// Put `ledger` in place for `key` (a new chain of parent leases); the

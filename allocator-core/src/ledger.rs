@@ -267,6 +267,9 @@ pub struct KeyLedger {
     /// When the core's sweep looks at this ledger next (0: not queued).
     /// Kept by [`crate::core::AllocatorCore`], which owns the sweep queue.
     pub(crate) sweep_due_ns: u64,
+    /// Pooled mode: a child's item named this key since the regional's
+    /// planner last looked at it (the key is in the core's touched list).
+    pub(crate) touched: bool,
 }
 
 impl KeyLedger {
@@ -294,6 +297,7 @@ impl KeyLedger {
                 expired_unused: 0,
                 pool: None,
                 sweep_due_ns: 0,
+                touched: false,
             };
         };
         let start = now_ns.min(ready_at_ns);
@@ -314,6 +318,7 @@ impl KeyLedger {
             expired_unused: 0,
             pool: None,
             sweep_due_ns: 0,
+            touched: false,
         };
         if now_ns < ready_at_ns {
             l.leases.push(Lease {
@@ -418,6 +423,7 @@ impl KeyLedger {
                 parent_available: 0,
             }),
             sweep_due_ns: 0,
+            touched: false,
         }
     }
 
@@ -705,6 +711,13 @@ impl KeyLedger {
                     r.max(l.rate_utps),
                 )
             })
+    }
+
+    /// Pooled mode: the regional's planner looked at this key (the next
+    /// child item naming it lists it in
+    /// [`crate::core::AllocatorCore::take_touched_keys`] again).
+    pub fn untouch(&mut self) {
+        self.touched = false;
     }
 
     /// Pooled mode: whole tokens refilled from a rate lease since the last

@@ -170,6 +170,11 @@ pub struct RegionalStats {
     pub chain_breaks: u64,
     /// Chains dropped at their deadline without renewal.
     pub chains_lapsed: u64,
+    /// Keys the walks over the keys planned (visited).
+    pub walk_keys_planned: u64,
+    /// Keys those walks passed by as not due (docs/protocol.md "Which keys
+    /// a walk visits").
+    pub walk_keys_skipped: u64,
     /// Rule sets adopted from the parent.
     pub rules_adopted: u64,
     /// Replies ignored because they answer another request (digest).
@@ -317,6 +322,10 @@ struct KeyState {
     /// Holders the parent last said share this key (this region included;
     /// 0: not told yet).
     parent_holders: u32,
+    /// The walk over the keys visits this one again from then on (0: at
+    /// every walk), or earlier when a child's item or the parent's answer
+    /// names it (docs/protocol.md "Which keys a walk visits").
+    due_ns: u64,
 }
 
 /// Tokens a key must have consumed before its consumption estimate is
@@ -828,6 +837,7 @@ impl RegionalCore {
             }
             self.stats.tokens_destroyed += c.returnable;
             ks.chain = None;
+            ks.due_ns = 0;
             self.stats.chains_lapsed += 1;
             if let Some(l) = self.core.ledger_mut(&key) {
                 let d = l.drain_pool(now_ns);

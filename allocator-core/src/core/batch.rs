@@ -286,6 +286,7 @@ impl AllocatorCore {
     pub(super) fn release(&mut self, now_ns: u64, holder: HolderId, item: &LeaseItem) -> Grant {
         let key = Self::key_of(item);
         if let Some(ledger) = self.keys.get_mut(&key) {
+            Self::touch(self.pooled.is_some(), &mut self.touched_keys, &key, ledger);
             if let Some(rest) =
                 ledger.release_with(now_ns, holder, item.lease_id, item.spent, item.left)
             {
@@ -347,6 +348,7 @@ impl AllocatorCore {
             self.keys.insert(key.clone(), ledger);
         }
         let ledger = self.keys.get_mut(&key).expect("inserted above");
+        Self::touch(self.pooled.is_some(), &mut self.touched_keys, &key, ledger);
         if ledger.sweep_due_ns == 0 {
             // Looked at no earlier than this lease can expire.
             ledger.sweep_due_ns = now_ns.saturating_add(ttl_ns).max(1);

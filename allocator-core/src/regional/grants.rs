@@ -93,6 +93,7 @@ impl RegionalCore {
                         // rate, and with it the floor, may be lower now.
                         for ks in self.keys.values_mut() {
                             ks.retry_at_ns = 0;
+                            ks.due_ns = 0;
                             if let Some(c) = ks.chain.as_mut() {
                                 c.floored_until_ns = 0;
                             }
@@ -110,6 +111,11 @@ impl RegionalCore {
         for (sent, g) in f.items.iter().zip(token_grants) {
             if sent.release {
                 continue;
+            }
+            // The answer changes the key's chain and hints: the next walk
+            // visits it.
+            if let Some(ks) = self.keys.get_mut(&sent.key) {
+                ks.due_ns = 0;
             }
             self.apply_grant(now_ns, f.sent_ns, sent, g);
             if g.status == GrantStatus::Granted as i32 {

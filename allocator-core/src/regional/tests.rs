@@ -1217,6 +1217,7 @@ fn a_chain_renewed_only_ahead_of_its_deadline_does_not_lapse_behind_a_slow_paren
 /// review's harness and the two cases it found).
 mod rate_chains;
 mod slot_chains;
+mod walks;
 
 /// A pool without a rate yet grows only by the parent's next answer: while
 /// the regional asks for a rate despite the parent's token hint (the

@@ -24,6 +24,12 @@ impl RegionalCore {
             });
             self.wanting.push(key);
         }
+        // Keys a child's item named since: the next walk visits them.
+        for key in self.core.take_touched_keys() {
+            if let Some(ks) = self.keys.get_mut(&key) {
+                ks.due_ns = 0;
+            }
+        }
         // The throttle: plans that are not urgent go out once per renew
         // interval, with the walk over every key.
         let throttled = self
@@ -64,6 +70,7 @@ impl RegionalCore {
         let supersede = !held_back && self.heartbeat_in_flight() && !self.wanting.is_empty();
         let blocked = (self.in_flight.is_some() && !supersede) || held_back;
         let must_walk = !supersede && (self.walk_all || self.walked_reachable != self.reachable);
+        let prev_walk_ns = self.last_walk_ns;
         // Within the throttle only urgent plans go out, and only a key a
         // child found without tokens can be urgent: plan just those and the
         // keys the last upstream answer named (their chains and retry times
@@ -79,7 +86,7 @@ impl RegionalCore {
             let mut keys = std::mem::take(&mut self.wanting);
             keys.sort_unstable();
             keys.dedup();
-            self.plan_keys(now_ns, &keys)
+            self.plan_keys(now_ns, prev_walk_ns, &keys)
         } else if blocked && !must_walk {
             return None;
         } else {
@@ -87,9 +94,12 @@ impl RegionalCore {
                 self.wanting.clear();
                 self.last_walk_ns = Some(now_ns);
             }
+            // Every key when reachability (and with it every pool's hints)
+            // may have changed; otherwise the keys that are due.
+            let all = must_walk;
             self.walk_all = false;
             self.walked_reachable = self.reachable;
-            self.plan(now_ns)
+            self.plan(now_ns, prev_walk_ns, all)
         };
         if blocked {
             return None;
@@ -357,11 +367,18 @@ impl RegionalCore {
     }
 
     /// Decide per key (sorted): sample consumption, then whether to open,
-    /// renew, release or forget.
-    fn plan(&mut self, now_ns: u64) -> Vec<(KeyId, Plan)> {
-        let ctx = self.plan_ctx();
+    /// renew, release or forget. `all`: every key; otherwise the keys that
+    /// are due (`KeyState::due_ns`) or that a child or the parent named
+    /// since their last visit. `prev_walk_ns`: the walk before this one.
+    fn plan(&mut self, now_ns: u64, prev_walk_ns: Option<u64>, all: bool) -> Vec<(KeyId, Plan)> {
+        let ctx = self.plan_ctx(prev_walk_ns);
         let mut out = Vec::new();
         for (key, ks) in self.keys.iter_mut() {
+            if !all && ks.due_ns > now_ns {
+                self.stats.walk_keys_skipped += 1;
+                continue;
+            }
+            self.stats.walk_keys_planned += 1;
             if let Some(plan) = plan_key(&ctx, &mut self.core, now_ns, key, ks) {
                 out.push((key.clone(), plan));
             }
@@ -373,8 +390,13 @@ impl RegionalCore {
     }
 
     /// [`RegionalCore::plan`] for these keys only (sorted, distinct).
-    fn plan_keys(&mut self, now_ns: u64, keys: &[KeyId]) -> Vec<(KeyId, Plan)> {
-        let ctx = self.plan_ctx();
+    fn plan_keys(
+        &mut self,
+        now_ns: u64,
+        prev_walk_ns: Option<u64>,
+        keys: &[KeyId],
+    ) -> Vec<(KeyId, Plan)> {
+        let ctx = self.plan_ctx(prev_walk_ns);
         let mut out = Vec::new();
         for key in keys {
             let Some(ks) = self.keys.get_mut(key) else {
@@ -387,7 +409,7 @@ impl RegionalCore {
         out
     }
 
-    fn plan_ctx(&self) -> PlanCtx {
+    fn plan_ctx(&self, prev_walk_ns: Option<u64>) -> PlanCtx {
         let cfg = &self.cfg;
         // A child the pool cannot serve comes back when the next upstream
         // answer can be in: about two round trips when the regional may
@@ -415,6 +437,7 @@ impl RegionalCore {
             rtt_ms,
             reachable: self.reachable,
             rate_leases: cfg.rate_leases,
+            prev_walk_ns,
         }
     }
 }
@@ -430,6 +453,8 @@ struct PlanCtx {
     rtt_ms: u64,
     reachable: bool,
     rate_leases: bool,
+    /// When the walk before this one was (None: this is the first).
+    prev_walk_ns: Option<u64>,
 }
 
 /// Plan one key (None: nothing to do); also samples its consumption and
@@ -444,9 +469,23 @@ fn plan_key(
     let Some(ledger) = core.ledger_mut(key) else {
         return ks.chain.is_none().then_some(Plan::Forget);
     };
+    ledger.untouch();
     let h = ledger.holding(now_ns);
     // What a rate lease refilled joined H as a deposit does.
     ks.sample_h = ks.sample_h.saturating_add(ledger.take_refilled());
+    // A key the walks passed by (not due, named by no child) had nothing
+    // taken from H by a child since its last visit: each walk would have
+    // sampled 0. Folded in as one sample up to the walk before this one
+    // (exactly what those samples of 0 give an EWMA), so what children
+    // took since is sampled over one walk's time, as when every walk
+    // visited every key. (Sub-leases that expired unrenewed meanwhile
+    // count at this visit instead of at the walk after their expiry.)
+    if let Some(prev) = ctx.prev_walk_ns {
+        if prev >= ks.sample_ns.saturating_add(ctx.renew_interval_ns.max(1)) && prev <= now_ns {
+            ks.sample(0, (prev - ks.sample_ns) as f64 / 1e9);
+            ks.sample_ns = prev;
+        }
+    }
     // Consumption estimate: what left H since the last sample.
     let dt = now_ns.saturating_sub(ks.sample_ns);
     if dt >= ctx.renew_interval_ns.max(1) {
@@ -625,5 +664,54 @@ fn plan_key(
         ctx.renew_interval_ns.div_ceil(MS).max(1) + wait_ms
     };
     ledger.set_pool(PoolTerm::RetryMs(hint));
+    ks.due_ns = match plan {
+        Plan::Nothing => {
+            let leases_end = ledger.leases().iter().map(|l| l.expires_ns).min();
+            let quiet = may_ask && !central;
+            next_visit(ctx, now_ns, ks, ledger.last_used_ns(), leases_end, quiet)
+        }
+        // Planned (sent, or held back by the throttle or a batch in
+        // flight): looked at again by the next walk.
+        _ => 0,
+    };
     (!matches!(plan, Plan::Nothing)).then_some(plan)
+}
+
+/// When a walk must next visit a key that planned nothing at `now_ns`
+/// (docs/protocol.md "Which keys a walk visits"): 0 (every walk) while a
+/// child waits for tokens, the parent's retry hint runs (the children's
+/// hints are told relative to it), the key is served centrally, or a rate
+/// chain's newer version is not yet acknowledged and told; otherwise the
+/// first instant a plan can change without a child's item or the parent's
+/// answer naming the key (which make it due at once): its renewal ahead
+/// of the deadline, its idle release, the end of its parent's floor, the
+/// expiry of a sub-lease (what the region holds, and whether a shrink
+/// fits, change then), and at the latest one active window on (what its
+/// consumption estimate falls to without use).
+fn next_visit(
+    ctx: &PlanCtx,
+    now_ns: u64,
+    ks: &KeyState,
+    last_used_ns: u64,
+    leases_end_ns: Option<u64>,
+    quiet: bool,
+) -> u64 {
+    if !quiet {
+        return 0;
+    }
+    let mut due = now_ns.saturating_add(ctx.window.max(1));
+    let mut at = |t: u64| {
+        if t > now_ns {
+            due = due.min(t);
+        }
+    };
+    at(last_used_ns.saturating_add(ctx.idle_ns));
+    if let Some(c) = &ks.chain {
+        at(c.deadline_ns.saturating_sub(ctx.ahead_ns));
+        at(c.floored_until_ns);
+    }
+    if let Some(t) = leases_end_ns {
+        at(t);
+    }
+    due
 }

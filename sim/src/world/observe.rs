@@ -123,8 +123,8 @@ impl World {
             if let Some(c) = n.core.as_ref() {
                 let s = c.stats();
                 tier_notes.push(format!(
-                    "region {r}: {} upstream batches ({} heartbeats, {} failed), {} tokens from the parent, {} returned, {} handed back, {} destroyed, {} chain breaks, {} chains lapsed",
-                    s.upstream_messages, s.upstream_heartbeats, s.upstream_failures, s.tokens_from_parent, s.tokens_returned, s.tokens_handed_back, s.tokens_destroyed, s.chain_breaks, s.chains_lapsed
+                    "region {r}: {} upstream batches ({} heartbeats, {} failed), {} tokens from the parent, {} returned, {} handed back, {} destroyed, {} chain breaks, {} chains lapsed; walks visited {} keys and passed {} by",
+                    s.upstream_messages, s.upstream_heartbeats, s.upstream_failures, s.tokens_from_parent, s.tokens_returned, s.tokens_handed_back, s.tokens_destroyed, s.chain_breaks, s.chains_lapsed, s.walk_keys_planned, s.walk_keys_skipped
                 ));
             }
         }

@@ -118,7 +118,8 @@ impl AllocatorCore {
         if let Some((cached_digest, cached)) = holder.replies.get(&seq) {
             if *cached_digest == digest {
                 self.stats.duplicates += 1;
-                return cached.clone();
+                return <LeaseReply as prost::Message>::decode(cached.as_slice())
+                    .expect("a reply this core encoded decodes");
             }
             // Same (agent, instance, incarnation, seq), other content: two
             // processes share an identity, or a requester reuses sequence
@@ -186,7 +187,9 @@ impl AllocatorCore {
             .holders
             .get_mut(&holder_key)
             .expect("holder inserted above");
-        holder.replies.insert(seq, (digest, reply.clone()));
+        holder
+            .replies
+            .insert(seq, (digest, prost::Message::encode_to_vec(&reply)));
         while holder.replies.len() > cap {
             let (old, _) = holder.replies.pop_first().expect("len > cap >= 1");
             holder.floor = holder.floor.max(old);

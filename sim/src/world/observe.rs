@@ -51,14 +51,14 @@ impl World {
                         checker: self.checker_for(&rule.id, rule.rate, rule.burst),
                         i3_allowance: 0.0,
                         quality: tracked.then(|| {
-                            KeyQuality::new(
+                            Box::new(KeyQuality::new(
                                 rule.rate,
                                 rule.burst,
                                 self.sc.regional_round_trip_ns(),
                                 (self.sc.warmup_s * SEC as f64) as u64,
                                 (self.sc.duration_s * SEC as f64) as u64,
                                 10 * self.sc.ttl_max_ms * 1_000_000,
-                            )
+                            ))
                         }),
                         ideal: (!tracked).then(|| {
                             FalseRejectStream::new(
@@ -66,6 +66,7 @@ impl World {
                                 rule.burst,
                                 self.sc.regional_round_trip_ns(),
                             )
+                            .without_series()
                         }),
                         per_second: Vec::new(),
                         per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],

@@ -36,8 +36,9 @@ pub struct KeyStats {
     /// (T = the whole fault window, see `i3_window_ns`), in tokens.
     pub i3_allowance: f64,
     /// Tracked keys' quality figures (false rejects, utilization),
-    /// computed as the run goes.
-    pub quality: Option<KeyQuality>,
+    /// computed as the run goes (boxed: a few keys have them, and
+    /// `zipf-100k` has 100 000 keys).
+    pub quality: Option<Box<KeyQuality>>,
     /// The other keys (cold ones, Zipf tenants): false rejects and
     /// shortfall against an ideal bucket over their arrivals, for the
     /// per-rule table (a user's cold tenants are most of their keys).

@@ -545,6 +545,17 @@ impl KeyLedger {
             .fold(0u64, |acc, d| acc.saturating_add(d.want))
     }
 
+    /// When the first of the remembered wants still missed leaves
+    /// [`KeyLedger::unmet_demand`] (its holder's last ask plus `window_ns`;
+    /// `None`: nothing is missed).
+    pub fn unmet_changes_at(&self, window_ns: u64) -> Option<u64> {
+        self.demand
+            .iter()
+            .filter(|d| d.want > 0)
+            .map(|d| d.last_ns.saturating_add(window_ns).saturating_add(1))
+            .min()
+    }
+
     /// Rate of the key.
     pub fn rate(&self) -> Rate {
         self.rate

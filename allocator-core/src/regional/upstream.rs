@@ -431,6 +431,11 @@ impl RegionalCore {
             ahead_ns: cfg
                 .low_water_ns
                 .max(2 * (cfg.renew_interval_ns + self.rtt_ns)),
+            // The same lead at the longest round trip an answer can take
+            // (a later one is a failure, after which every key is walked).
+            ahead_max_ns: cfg
+                .low_water_ns
+                .max(2 * (cfg.renew_interval_ns + self.rtt_ns.max(cfg.fetch_timeout_ns))),
             renew_interval_ns: cfg.renew_interval_ns,
             low_water_s: cfg.low_water_ns as f64 / 1e9,
             horizon_s: (2 * cfg.low_water_ns + cfg.renew_interval_ns) as f64 / 1e9,
@@ -447,6 +452,8 @@ struct PlanCtx {
     window: u64,
     idle_ns: u64,
     ahead_ns: u64,
+    /// `ahead_ns` at the longest round trip (`fetch_timeout`).
+    ahead_max_ns: u64,
     renew_interval_ns: u64,
     low_water_s: f64,
     horizon_s: f64,
@@ -668,7 +675,15 @@ fn plan_key(
         Plan::Nothing => {
             let leases_end = ledger.leases().iter().map(|l| l.expires_ns).min();
             let quiet = may_ask && !central;
-            next_visit(ctx, now_ns, ks, ledger.last_used_ns(), leases_end, quiet)
+            // Children took tokens since the last sample, which this visit
+            // (too soon after it) did not take: the walk that would have.
+            let unsampled = ks.sample_h != h;
+            let times = VisitTimes {
+                last_used_ns: ledger.last_used_ns(),
+                leases_end_ns: leases_end,
+                unmet_changes_ns: ledger.unmet_changes_at(ctx.window),
+            };
+            next_visit(ctx, now_ns, ks, &times, quiet, unsampled)
         }
         // Planned (sent, or held back by the throttle or a batch in
         // flight): looked at again by the next walk.
@@ -677,24 +692,37 @@ fn plan_key(
     (!matches!(plan, Plan::Nothing)).then_some(plan)
 }
 
+/// A key's ledger's instants [`next_visit`] looks at.
+struct VisitTimes {
+    last_used_ns: u64,
+    /// The first of its sub-leases' expiries.
+    leases_end_ns: Option<u64>,
+    /// When what its children miss next changes without an ask.
+    unmet_changes_ns: Option<u64>,
+}
+
 /// When a walk must next visit a key that planned nothing at `now_ns`
-/// (docs/protocol.md "Which keys a walk visits"): 0 (every walk) while a
-/// child waits for tokens, the parent's retry hint runs (the children's
-/// hints are told relative to it), the key is served centrally, or a rate
-/// chain's newer version is not yet acknowledged and told; otherwise the
-/// first instant a plan can change without a child's item or the parent's
-/// answer naming the key (which make it due at once): its renewal ahead
-/// of the deadline, its idle release, the end of its parent's floor, the
-/// expiry of a sub-lease (what the region holds, and whether a shrink
-/// fits, change then), and at the latest one active window on (what its
-/// consumption estimate falls to without use).
+/// (docs/protocol.md "Which keys a walk visits"): 0 (every walk) while it
+/// is not `quiet` (the parent's retry hint runs, which the children's
+/// hints are told relative to, or the key is served centrally) and once
+/// its chain's deadline is within the largest
+/// lead a renewal ahead of it can need (the round trip may grow after
+/// this visit: a renewal planned late lapses the chain under its
+/// children); otherwise the first instant a plan can change without a
+/// child's item or the parent's answer naming the key (which make it due
+/// at once): that lead, its idle release, the end of its parent's floor,
+/// the expiry of a sub-lease (what the region holds, and whether a shrink
+/// fits, change then), the expiry of a child's unmet want (what the key
+/// asks for falls then), the next consumption sample while children took
+/// tokens this visit did not sample, and at the latest one active window
+/// on (what its consumption estimate falls to without use).
 fn next_visit(
     ctx: &PlanCtx,
     now_ns: u64,
     ks: &KeyState,
-    last_used_ns: u64,
-    leases_end_ns: Option<u64>,
+    times: &VisitTimes,
     quiet: bool,
+    unsampled: bool,
 ) -> u64 {
     if !quiet {
         return 0;
@@ -705,13 +733,23 @@ fn next_visit(
             due = due.min(t);
         }
     };
-    at(last_used_ns.saturating_add(ctx.idle_ns));
+    at(times.last_used_ns.saturating_add(ctx.idle_ns));
     if let Some(c) = &ks.chain {
-        at(c.deadline_ns.saturating_sub(ctx.ahead_ns));
+        let lead_at = c.deadline_ns.saturating_sub(ctx.ahead_max_ns);
+        if now_ns >= lead_at {
+            return 0;
+        }
+        at(lead_at);
         at(c.floored_until_ns);
     }
-    if let Some(t) = leases_end_ns {
+    for t in [times.leases_end_ns, times.unmet_changes_ns]
+        .into_iter()
+        .flatten()
+    {
         at(t);
+    }
+    if unsampled {
+        at(ks.sample_ns.saturating_add(ctx.renew_interval_ns.max(1)));
     }
     due
 }

@@ -100,3 +100,60 @@ fn a_key_used_now_and_then_keeps_its_chain_though_walks_pass_it_by() {
     // 200 walks in 10 s; about one visit per use and per due instant.
     assert!(reg.stats().walk_keys_skipped > 100, "{:?}", reg.stats());
 }
+
+/// A key its child uses every 2.4 s beside a key in use every 50 ms,
+/// behind a parent whose round trip grows from 20 ms to 200 ms (the busy
+/// key's batches teach the regional the new round trip, so a renewal
+/// ahead of the deadline needs a longer lead): the walks that passed the
+/// quiet key by still plan its renewal early enough, and its chain does
+/// not lapse.
+#[test]
+fn a_parent_slowing_down_does_not_lapse_chains_the_walks_passed_by() {
+    let mut now = T0;
+    let mut parent = parent_at(now);
+    let cfg = RegionalConfig {
+        region: "eu".into(),
+        low_water_ns: 100 * MS,
+        ..RegionalConfig::default()
+    };
+    let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+    let (mut lease, mut busy_lease, mut seq) = (0u64, 0u64, 0u64);
+    let mut reply: Option<(u64, LeaseReply)> = None;
+    for step in 0..2_000u64 {
+        if step.is_multiple_of(240) {
+            seq += 1;
+            let g = ask(&mut reg, now, "a", seq, lease, u64::from(lease != 0), 1);
+            if g.lease_id != 0 {
+                lease = g.lease_id;
+            }
+        }
+        if step.is_multiple_of(5) {
+            seq += 1;
+            let spent = u64::from(busy_lease != 0);
+            let b = child_batch("a", seq, vec![item_n(1, busy_lease, spent, 1)]);
+            let g = reg.handle(now, &b).grants[0].clone();
+            if g.lease_id != 0 {
+                busy_lease = g.lease_id;
+            }
+        }
+        if reply.as_ref().is_some_and(|(at, _)| *at <= now) {
+            let (_, r) = reply.take().expect("checked");
+            reg.handle_reply(now, &r);
+        }
+        if reply.is_none() {
+            if let Some(b) = reg.poll_transmit(now) {
+                let rtt = if now < T0 + 6 * SEC {
+                    20 * MS
+                } else {
+                    200 * MS
+                };
+                reply = Some((now + rtt, parent.handle(now + rtt / 2, &b)));
+            }
+        }
+        reg.check_i2(now).unwrap();
+        now += 10 * MS;
+    }
+    assert!(reg.chain_view(&key()).is_some());
+    assert_eq!(reg.stats().chains_lapsed, 0, "{:?}", reg.stats());
+    assert!(reg.stats().walk_keys_skipped > 0);
+}

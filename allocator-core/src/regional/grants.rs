@@ -112,11 +112,6 @@ impl RegionalCore {
             if sent.release {
                 continue;
             }
-            // The answer changes the key's chain and hints: the next walk
-            // visits it.
-            if let Some(ks) = self.keys.get_mut(&sent.key) {
-                ks.due_ns = 0;
-            }
             self.apply_grant(now_ns, f.sent_ns, sent, g);
             if g.status == GrantStatus::Granted as i32 {
                 // What the parent knows is left beyond the region's lease:
@@ -143,6 +138,9 @@ impl RegionalCore {
             sample_ns: now_ns,
             ..KeyState::default()
         });
+        // The answer changes the key's chain and hints: the next walk
+        // visits it.
+        ks.due_ns = 0;
         if g.retry_after_ms > 0 {
             // A key served centrally is told the parent's next-token
             // instant, which its children cache their denials until:

@@ -27,6 +27,8 @@ struct Setup {
     agents: Vec<Proc>,
     logs: Vec<PathBuf>,
     leader: usize,
+    /// Dropped last: after the processes that write in it.
+    _dir: TempDir,
 }
 
 impl Setup {
@@ -116,6 +118,7 @@ fn setup(name: &str) -> Option<Setup> {
         agents,
         logs,
         leader,
+        _dir: dir,
     })
 }
 

@@ -116,13 +116,13 @@ fn acquire_req(wait_ms: u64) -> AcquireRequest {
     }
 }
 
-fn start(name: &str, agents: usize) -> (Proc, Vec<Proc>) {
+fn start(name: &str, agents: usize) -> (TempDir, Proc, Vec<Proc>) {
     start_with(name, agents, RULES, "2s")
 }
 
 /// An allocator with `--experimental-permits`, `rules` and `--ttl-max
 /// ttl_max`, and `agents` agents of it, ready.
-fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (Proc, Vec<Proc>) {
+fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (TempDir, Proc, Vec<Proc>) {
     let dir = tempdir(name);
     let rules = write_rules(&dir, rules);
     let a = allocator_with(
@@ -138,7 +138,7 @@ fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (Proc, V
     for ag in &agents {
         wait_ok(ag.http, "/readyz", Duration::from_secs(30));
     }
-    (a, agents)
+    (dir, a, agents)
 }
 
 /// 60 acquires (12 x N) from 60 tasks over three agents, holds of
@@ -146,7 +146,7 @@ fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (Proc, V
 /// every one served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
-    let (alloc, agents) = start("permits-many", 3);
+    let (_dir, alloc, agents) = start("permits-many", 3);
     let spans: Spans = Arc::default();
     // The allocator's view of the key while permits are held.
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -206,7 +206,7 @@ async fn sixty_acquires_over_three_agents_hold_at_most_n_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_acquires_with_n_32_over_three_agents() {
     let rules = RULES.replace("concurrency: 5", "concurrency: 32");
-    let (_alloc, agents) = start_with("permits-500", 3, &rules, "2s");
+    let (_dir, _alloc, agents) = start_with("permits-500", 3, &rules, "2s");
     let (spans, served, most, took) = five_hundred_over(&agents).await;
     // The ideal: 500 holds of 20-99 ms (59.5 ms mean) on 32 slots.
     let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
@@ -264,7 +264,11 @@ async fn five_hundred_over(
 /// A global allocator and two regional allocators under it (`eu`, `us`),
 /// all with `--experimental-permits` and `rules`; `agents[i]` of the
 /// region `regions[i]` (0: eu, 1: us), ready.
-fn start_regions(name: &str, rules: &str, regions: &[usize]) -> (Proc, Vec<Proc>, Vec<Proc>) {
+fn start_regions(
+    name: &str,
+    rules: &str,
+    regions: &[usize],
+) -> (TempDir, Proc, Vec<Proc>, Vec<Proc>) {
     let dir = tempdir(name);
     let rules = write_rules(&dir, rules);
     let global = allocator_with(
@@ -286,7 +290,7 @@ fn start_regions(name: &str, rules: &str, regions: &[usize]) -> (Proc, Vec<Proc>
     for ag in &agents {
         wait_ok(ag.http, "/readyz", Duration::from_secs(30));
     }
-    (global, regionals, agents)
+    (dir, global, regionals, agents)
 }
 
 /// The seeds' case through regional allocators (docs/permits.md "Through
@@ -297,7 +301,7 @@ fn start_regions(name: &str, rules: &str, regions: &[usize]) -> (Proc, Vec<Proc>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_acquires_with_n_32_over_three_agents_in_two_regions() {
     let rules = RULES.replace("concurrency: 5", "concurrency: 32");
-    let (_global, regionals, agents) = start_regions("permits-regions", &rules, &[0, 0, 1]);
+    let (_dir, _global, regionals, agents) = start_regions("permits-regions", &rules, &[0, 0, 1]);
     let (spans, served, most, took) = five_hundred_over(&agents).await;
     let ideal = Duration::from_secs_f64(500.0 * 0.0595 / 32.0);
     let asks: Vec<f64> = regionals
@@ -370,9 +374,10 @@ async fn handovers(a: &Proc, b: &Proc, rounds: usize) -> Vec<Duration> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slot_released_at_one_agent_serves_a_waiter_at_another() {
     let one = RULES.replace("concurrency: 5", "concurrency: 1");
-    let (_alloc, agents) = start_with("permits-handover", 2, &one, "2s");
+    let (_dir, _alloc, agents) = start_with("permits-handover", 2, &one, "2s");
     let mut direct = handovers(&agents[0], &agents[1], 6).await;
-    let (_global, _regionals, ragents) = start_regions("permits-handover-regions", &one, &[0, 1]);
+    let (_dir, _global, _regionals, ragents) =
+        start_regions("permits-handover-regions", &one, &[0, 1]);
     let mut regions = handovers(&ragents[0], &ragents[1], 6).await;
     // The waiters asked the moment the slot freed (the allocator's
     // wake-up), not only on their tick.
@@ -403,7 +408,7 @@ async fn a_wait_slots_call_wakes_when_a_slot_frees() {
     use quotalease_proto::lease::allocator_client::AllocatorClient;
     use quotalease_proto::lease::SlotWait;
     let one = RULES.replace("concurrency: 5", "concurrency: 1");
-    let (alloc, agents) = start_with("permits-wake", 1, &one, "2s");
+    let (_dir, alloc, agents) = start_with("permits-wake", 1, &one, "2s");
     let mut raw = AllocatorClient::connect(alloc.url())
         .await
         .expect("connect");
@@ -459,7 +464,7 @@ async fn a_wait_slots_call_wakes_when_a_slot_frees() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_frees_a_dead_agents_slots_at_a_regional() {
     let one = RULES.replace("concurrency: 5", "concurrency: 1");
-    let (_global, regionals, agents) = start_regions("permits-force-region", &one, &[0, 0]);
+    let (_dir, _global, regionals, agents) = start_regions("permits-force-region", &one, &[0, 0]);
     let mut a = permits_client(&agents[0]).await;
     let r = a.acquire(acquire_req(10_000)).await.unwrap().into_inner();
     assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
@@ -493,7 +498,7 @@ async fn an_operator_frees_a_dead_agents_slots_at_a_regional() {
 /// run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_region_cut_from_its_parent_cannot_extend_its_permits() {
-    let (global, _regionals, agents) = start_regions("permits-cut", RULES, &[0]);
+    let (_dir, global, _regionals, agents) = start_regions("permits-cut", RULES, &[0]);
     let mut c = permits_client(&agents[0]).await;
     let id = acquire_one(&mut c, 10_000).await;
     // Renewed across a few parent renewals first.
@@ -552,7 +557,7 @@ async fn a_region_cut_from_its_parent_cannot_extend_its_permits() {
 /// through HTTP too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_agents_permits_count_until_their_expiry_then_free() {
-    let (_alloc, mut agents) = start("permits-kill", 2);
+    let (_dir, _alloc, mut agents) = start("permits-kill", 2);
     let victim = agents.remove(0);
     let survivor = agents.remove(0);
     let spans: Spans = Arc::default();
@@ -891,7 +896,7 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
 /// the permit, and the slot serves a waiter at the forwarding agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_through_another_agent_frees_the_slot() {
-    let (_alloc, agents) = start("permits-forward", 2);
+    let (_dir, _alloc, agents) = start("permits-forward", 2);
     let mut holder = permits_client(&agents[0]).await;
     let mut ids = Vec::new();
     for _ in 0..5 {
@@ -992,7 +997,7 @@ async fn waiter_at(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_frees_a_dead_agents_slots() {
     let rules = RULES.replace("permit_ttl: 10s", "permit_ttl: 20s");
-    let (alloc, mut agents) = start_with("permits-force", 2, &rules, "20s");
+    let (_dir, alloc, mut agents) = start_with("permits-force", 2, &rules, "20s");
     let survivor = agents.pop().unwrap();
     let victim = agents.pop().unwrap();
     let mut vc = permits_client(&victim).await;

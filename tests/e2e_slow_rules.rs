@@ -39,15 +39,17 @@ struct Topology {
     _regionals: Vec<Proc>,
     agents: Vec<Proc>,
     logs: Vec<std::path::PathBuf>,
+    /// Dropped last: after the processes that write in it.
+    _dir: TempDir,
 }
 
 impl Topology {
     /// Stop the agents (their admission logs are complete then): the logs.
-    fn stop_agents(self) -> Vec<std::path::PathBuf> {
-        for a in self.agents {
+    fn stop_agents(&mut self) -> Vec<std::path::PathBuf> {
+        for a in std::mem::take(&mut self.agents) {
             assert!(a.terminate().success());
         }
-        self.logs
+        self.logs.clone()
     }
 }
 
@@ -79,6 +81,7 @@ fn two_regions(name: &str, per_region: usize) -> Topology {
         _regionals: regionals,
         agents,
         logs,
+        _dir: dir,
     }
 }
 
@@ -89,7 +92,7 @@ async fn check_once(c: &mut RateLimiterClient<Channel>, route: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_login_rule_admits_five_at_once_then_one_per_twelve_seconds_across_six_agents() {
-    let top = two_regions("slow-login", 3);
+    let mut top = two_regions("slow-login", 3);
     let admitted_at = login_rounds(&top.agents, 27).await;
     let start_ns = admitted_at.0;
     let logs = top.stop_agents();
@@ -211,7 +214,7 @@ fn login_like_an_ideal_bucket(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daily_rule_admits_its_burst_of_ten_to_a_hundred_concurrent_requests() {
-    let top = two_regions("slow-daily", 2);
+    let mut top = two_regions("slow-daily", 2);
     // Three agents: two in eu, one in us.
     let agents = [&top.agents[0], &top.agents[1], &top.agents[2]];
     let mut tasks = Vec::new();

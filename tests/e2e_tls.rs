@@ -33,7 +33,7 @@ rules:
 "#;
 
 struct Pki {
-    dir: PathBuf,
+    dir: TempDir,
     ca: TestCa,
     ca_path: PathBuf,
 }

@@ -183,15 +183,80 @@ pub fn write_rules(dir: &Path, yaml: &str) -> PathBuf {
     p
 }
 
-pub fn tempdir(name: &str) -> PathBuf {
+/// A test's directory under the system's temp dir, removed when dropped
+/// unless the test is failing (a failed test's logs stay to be read).
+/// Declare it before the processes that write in it: they are dropped
+/// (killed) first.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+const TEMPDIR_PREFIX: &str = "quotalease-test-";
+
+/// A fresh [`TempDir`] named after the test. Directories that earlier test
+/// processes left (failed tests' logs, or a run that was killed) are
+/// removed first once their process is gone: an etcd test's directory
+/// holds ~370 MB, and a machine that runs the suite again and again
+/// filled its disk with them.
+pub fn tempdir(name: &str) -> TempDir {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    remove_stale_tempdirs();
     let d = std::env::temp_dir().join(format!(
-        "quotalease-test-{name}-{}-{}",
+        "{TEMPDIR_PREFIX}{name}-{}-{}",
         std::process::id(),
-        Instant::now().elapsed().as_nanos()
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("tempdir");
-    d
+    TempDir(d)
+}
+
+/// Remove `quotalease-test-NAME-PID-N` directories whose process `PID` no
+/// longer runs (Linux: no `/proc/PID`). A reused pid only keeps a
+/// directory longer; a live test's directory is never touched.
+fn remove_stale_tempdirs() {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TEMPDIR_PREFIX)) else {
+            continue;
+        };
+        let mut parts = rest.rsplitn(3, '-');
+        let (Some(_seq), Some(pid), Some(_name)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Start an allocator. `listen` may be a fixed address (to restart on the
@@ -435,6 +500,8 @@ pub fn read_admissions(
 pub struct Cluster {
     pub alloc: Proc,
     pub agents: Vec<Proc>,
+    /// Dropped last: after the processes that write in it.
+    pub dir: TempDir,
 }
 
 /// Start an allocator on `rules_yaml` (TTL_max 2 s, fresh state directory)
@@ -450,7 +517,7 @@ pub fn cluster(name: &str, rules_yaml: &str, n: usize) -> Cluster {
     for a in &agents {
         wait_ok(a.http, "/readyz", Duration::from_secs(10));
     }
-    Cluster { alloc, agents }
+    Cluster { alloc, agents, dir }
 }
 
 /// Start a regional allocator under `parent_url` for `region` (optional

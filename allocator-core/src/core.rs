@@ -297,7 +297,7 @@ pub struct AllocatorCore {
     rules: RuleSet,
     /// Versions published during this process, oldest first (for lag).
     versions: Vec<u64>,
-    keys: HashMap<KeyId, KeyLedger>,
+    keys: HashMap<KeyId, Box<KeyLedger>>,
     keys_per_rule: HashMap<String, u64>,
     /// By (principal, agent id, per-process instance nonce).
     holders: HashMap<HolderName, Holder>,
@@ -464,7 +464,7 @@ impl AllocatorCore {
     /// The ledger of `key`, if any (the regional allocator feeds pooled
     /// ledgers through this).
     pub fn ledger_mut(&mut self, key: &KeyId) -> Option<&mut KeyLedger> {
-        self.keys.get_mut(key)
+        self.keys.get_mut(key).map(|l| &mut **l)
     }
 
     /// Every key with a ledger, sorted (deterministic iteration).
@@ -504,7 +504,7 @@ impl AllocatorCore {
     /// Put `ledger` in place for `key` (a new chain of parent leases); the
     /// key counts against its rule's `max_keys` as before.
     pub fn replace_ledger(&mut self, key: &KeyId, ledger: KeyLedger) {
-        if self.keys.insert(key.clone(), ledger).is_none() {
+        if self.keys.insert(key.clone(), Box::new(ledger)).is_none() {
             *self
                 .keys_per_rule
                 .entry(key.rule().to_string())

@@ -348,7 +348,7 @@ impl AllocatorCore {
             if self.pooled.is_some() {
                 self.new_keys.push(key.clone());
             }
-            self.keys.insert(key.clone(), ledger);
+            self.keys.insert(key.clone(), Box::new(ledger));
         }
         let ledger = self.keys.get_mut(&key).expect("inserted above");
         Self::touch(self.pooled.is_some(), &mut self.touched_keys, &key, ledger);

@@ -39,7 +39,7 @@ impl AllocatorCore {
                 .max(1);
             self.sweep_due
                 .push(std::cmp::Reverse((ledger.sweep_due_ns, key.clone())));
-            self.keys.insert(key, ledger);
+            self.keys.insert(key, Box::new(ledger));
         }
     }
 

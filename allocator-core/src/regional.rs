@@ -421,7 +421,7 @@ pub struct RegionalCore {
     rules_known: bool,
     /// Per key (hashed: a look-up per child item must not cost a string
     /// comparison per tree level; whatever leaves in key order is sorted).
-    keys: HashMap<KeyId, KeyState>,
+    keys: HashMap<KeyId, Box<KeyState>>,
     /// Keys a child found without tokens (or new) since the last walk over
     /// every key: within the throttle after a send, a poll plans only
     /// these (SPEC §9: a poll per dry pool must not cost a walk over all).

@@ -1225,9 +1225,9 @@ impl World {
             let ks = &mut self.keys[k];
             ks.requests += 1;
             ks.per_region_requests[region] += 1;
-            let seen = &mut ks.agents[a.agent as usize];
-            if !*seen {
-                *seen = true;
+            let (word, bit) = (a.agent as usize / 64, 1u64 << (a.agent % 64));
+            if ks.agents[word] & bit == 0 {
+                ks.agents[word] |= bit;
                 ks.agent_count += 1;
             }
             if let Some(q) = ks.quality.as_mut() {

@@ -134,9 +134,11 @@ impl RegionalCore {
         }
         let deadline = self.deadline(sent_ns, g.ttl_ms);
         let key = &sent.key;
-        let ks = self.keys.entry(key.clone()).or_insert_with(|| KeyState {
-            sample_ns: now_ns,
-            ..KeyState::default()
+        let ks = self.keys.entry(key.clone()).or_insert_with(|| {
+            Box::new(KeyState {
+                sample_ns: now_ns,
+                ..KeyState::default()
+            })
         });
         // The answer changes the key's chain and hints: the next walk
         // visits it.

@@ -18,9 +18,11 @@ impl RegionalCore {
         self.lapse_chains(now_ns);
         // Keys the children created since the last poll.
         for key in self.core.take_new_keys() {
-            self.keys.entry(key.clone()).or_insert_with(|| KeyState {
-                sample_ns: now_ns,
-                ..KeyState::default()
+            self.keys.entry(key.clone()).or_insert_with(|| {
+                Box::new(KeyState {
+                    sample_ns: now_ns,
+                    ..KeyState::default()
+                })
             });
             self.wanting.push(key);
         }

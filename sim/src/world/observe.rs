@@ -46,7 +46,7 @@ impl World {
                         denied: 0,
                         msgs_agent_tier: 0,
                         msgs_regional_tier: 0,
-                        agents: vec![false; self.agents.len()],
+                        agents: vec![0; self.agents.len().div_ceil(64)],
                         agent_count: 0,
                         checker: self.checker_for(&rule.id, rule.rate, rule.burst),
                         i3_allowance: 0.0,

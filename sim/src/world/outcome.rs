@@ -26,8 +26,9 @@ pub struct KeyStats {
     pub msgs_agent_tier: u64,
     /// Batches that carried this key, regional tier.
     pub msgs_regional_tier: u64,
-    /// Agents that charged this key (one flag per agent).
-    pub agents: Vec<bool>,
+    /// Agents that charged this key (one bit per agent, agent `i` in word
+    /// `i / 64`: `zipf-100k` keeps 100 000 of these).
+    pub agents: Vec<u64>,
     /// How many flags are set.
     pub agent_count: u32,
     /// I1 checker.

@@ -226,6 +226,17 @@ pub struct KeyCheckpoint {
     pub leases_end_in_ns: u64,
 }
 
+/// Push `x` onto `v`, allocating room for one element only when `v` has
+/// none: most keys have one lease and one holder asking (a `Vec`'s first
+/// push makes room for four), and a regional or the global keeps one
+/// ledger per key a child holds, 100 000 of them in `zipf-100k`.
+fn push_small<T>(v: &mut Vec<T>, x: T) {
+    if v.capacity() == 0 {
+        v.reserve_exact(1);
+    }
+    v.push(x);
+}
+
 /// Ledger of one key.
 #[derive(Clone, Debug)]
 pub struct KeyLedger {
@@ -321,17 +332,20 @@ impl KeyLedger {
             touched: false,
         };
         if now_ns < ready_at_ns {
-            l.leases.push(Lease {
-                id: 0,
-                holder: PHANTOM,
-                granted: burst,
-                spent: 0,
-                expires_ns: ready_at_ns,
-                rate_utps: 0,
-                capacity: 0,
-                in_flight: 0,
-                follows: 0,
-            });
+            push_small(
+                &mut l.leases,
+                Lease {
+                    id: 0,
+                    holder: PHANTOM,
+                    granted: burst,
+                    spent: 0,
+                    expires_ns: ready_at_ns,
+                    rate_utps: 0,
+                    capacity: 0,
+                    in_flight: 0,
+                    follows: 0,
+                },
+            );
             l.outstanding = burst;
         } else {
             l.available = Level::new(0, rate, ready_at_ns);
@@ -367,21 +381,24 @@ impl KeyLedger {
     pub fn resume(rate: Rate, burst: u64, now_ns: u64, cp: &KeyCheckpoint, margin_ns: u64) -> Self {
         let mut l = Self::new(rate, burst, now_ns, None);
         if cp.outstanding > 0 && cp.leases_end_in_ns > 0 {
-            l.leases.push(Lease {
-                id: 0,
-                holder: PHANTOM,
-                granted: 0,
-                spent: 0,
-                expires_ns: now_ns
-                    .saturating_add(cp.leases_end_in_ns)
-                    .saturating_add(margin_ns),
-                // As a version of a lease that carries a rate: counted at
-                // its capacity, and `available` refills that much slower.
-                rate_utps: cp.rates_out_utps,
-                capacity: cp.outstanding,
-                in_flight: 0,
-                follows: 0,
-            });
+            push_small(
+                &mut l.leases,
+                Lease {
+                    id: 0,
+                    holder: PHANTOM,
+                    granted: 0,
+                    spent: 0,
+                    expires_ns: now_ns
+                        .saturating_add(cp.leases_end_in_ns)
+                        .saturating_add(margin_ns),
+                    // As a version of a lease that carries a rate: counted at
+                    // its capacity, and `available` refills that much slower.
+                    rate_utps: cp.rates_out_utps,
+                    capacity: cp.outstanding,
+                    in_flight: 0,
+                    follows: 0,
+                },
+            );
             l.rate_leases = 1;
             l.recount_rates();
         }
@@ -824,17 +841,20 @@ impl KeyLedger {
         // 4. The new lease.
         let tokens = carried + fresh;
         let lease_id = if tokens > 0 {
-            self.leases.push(Lease {
-                id: req.new_id,
-                holder: req.holder,
-                granted: tokens,
-                spent: 0,
-                expires_ns,
-                rate_utps: 0,
-                capacity: 0,
-                in_flight: 0,
-                follows: 0,
-            });
+            push_small(
+                &mut self.leases,
+                Lease {
+                    id: req.new_id,
+                    holder: req.holder,
+                    granted: tokens,
+                    spent: 0,
+                    expires_ns,
+                    rate_utps: 0,
+                    capacity: 0,
+                    in_flight: 0,
+                    follows: 0,
+                },
+            );
             self.outstanding += tokens;
             req.new_id
         } else {
@@ -1164,17 +1184,20 @@ impl KeyLedger {
                 .shadow
                 .try_acquire(fresh.min(self.burst), now_ns)
                 .is_err();
-        self.leases.push(Lease {
-            id: req.new_id,
-            holder: req.holder,
-            granted: carried + fresh,
-            spent: 0,
-            expires_ns,
-            rate_utps: rate,
-            capacity,
-            in_flight,
-            follows: version_of,
-        });
+        push_small(
+            &mut self.leases,
+            Lease {
+                id: req.new_id,
+                holder: req.holder,
+                granted: carried + fresh,
+                spent: 0,
+                expires_ns,
+                rate_utps: rate,
+                capacity,
+                in_flight,
+                follows: version_of,
+            },
+        );
         self.rate_leases += 1;
         self.recount_rates();
         // Whatever no longer fits under the larger count is gone (a larger
@@ -1338,14 +1361,17 @@ impl KeyLedger {
                 d.last_ns = now_ns;
                 d.first = false;
             }
-            None => self.demand.push(Demand {
-                holder,
-                want,
-                want_rate,
-                last_ns: now_ns,
-                first: true,
-                starved: false,
-            }),
+            None => push_small(
+                &mut self.demand,
+                Demand {
+                    holder,
+                    want,
+                    want_rate,
+                    last_ns: now_ns,
+                    first: true,
+                    starved: false,
+                },
+            ),
         }
     }
 

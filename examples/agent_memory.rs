@@ -312,13 +312,13 @@ fn sizes(key_bytes: usize) {
         size_of::<Option<(u64, TokenBucket)>>()
     );
     println!(
-        "  alloc  ledger::KeyLedger            {:>4} (+ a Vec<Lease> heap block, {} per lease)",
+        "  alloc  ledger::KeyLedger            {:>4} (a heap block of its own, + a Vec<Lease> block, {} per lease)",
         size_of::<KeyLedger>(),
         size_of::<Lease>()
     );
     println!(
-        "  alloc  map entry (KeyId, KeyLedger) {:>4}",
-        size_of::<(KeyId, KeyLedger)>()
+        "  alloc  map entry (KeyId, Box<KeyLedger>) {:>4}",
+        size_of::<(KeyId, Box<KeyLedger>)>()
     );
 }
 

@@ -1167,6 +1167,17 @@ fn a_chain_at_the_floor_gives_rate_back_within_an_active_window_of_another_holde
     );
 }
 
+/// Regional `eu` at `now` with the simulator's low water (100 ms) and the
+/// rules of version 0.
+fn eu_with_short_low_water(now: u64) -> RegionalCore {
+    let cfg = RegionalConfig {
+        region: "eu".into(),
+        low_water_ns: 100 * MS,
+        ..RegionalConfig::default()
+    };
+    RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now)
+}
+
 /// A chain renewed only ahead of its deadline is renewed early enough
 /// for the answer to come back before it, also with a short low water
 /// and a parent a round trip of 80 ms away (walks wait while a batch is
@@ -1177,12 +1188,7 @@ fn a_chain_at_the_floor_gives_rate_back_within_an_active_window_of_another_holde
 fn a_chain_renewed_only_ahead_of_its_deadline_does_not_lapse_behind_a_slow_parent() {
     let mut now = T0;
     let mut parent = parent_at(now);
-    let cfg = RegionalConfig {
-        region: "eu".into(),
-        low_water_ns: 100 * MS,
-        ..RegionalConfig::default()
-    };
-    let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+    let mut reg = eu_with_short_low_water(now);
     let (mut lease, mut seq) = (0u64, 0u64);
     let mut reply: Option<(u64, LeaseReply)> = None;
     let mut opened = false;

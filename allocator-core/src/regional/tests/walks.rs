@@ -111,12 +111,7 @@ fn a_key_used_now_and_then_keeps_its_chain_though_walks_pass_it_by() {
 fn a_parent_slowing_down_does_not_lapse_chains_the_walks_passed_by() {
     let mut now = T0;
     let mut parent = parent_at(now);
-    let cfg = RegionalConfig {
-        region: "eu".into(),
-        low_water_ns: 100 * MS,
-        ..RegionalConfig::default()
-    };
-    let mut reg = RegionalCore::new(cfg, Some(rules(0)), 7_000_000, 5_000_000, now);
+    let mut reg = eu_with_short_low_water(now);
     let (mut lease, mut busy_lease, mut seq) = (0u64, 0u64, 0u64);
     let mut reply: Option<(u64, LeaseReply)> = None;
     for step in 0..2_000u64 {

@@ -201,6 +201,16 @@ pub struct FalseRejectStream {
     /// same arrivals (the shortfall figure, SPEC §2).
     admitted_tokens: u64,
     ideal_tokens: u64,
+    /// The per-second series, when kept (tracked keys; a cold key's are
+    /// never drawn, and at 100 000 keys they were a fifth of a full-scale
+    /// `zipf-100k` run's memory; boxed, so a stream without them is 40
+    /// bytes smaller).
+    series: Option<Box<Series>>,
+}
+
+/// A [`FalseRejectStream`]'s per-second series.
+#[derive(Clone, Debug, Default)]
+struct Series {
     /// Per whole second of request time: requests we denied, and of
     /// those the false ones (the report's series of false rejects over
     /// time).
@@ -208,10 +218,6 @@ pub struct FalseRejectStream {
     /// Per whole second of request time: tokens we admitted, and tokens
     /// the ideal bucket admitted (the report's shortfall over time).
     tokens_per_second: Vec<(u64, u64)>,
-    /// Whether the two per-second series are kept (tracked keys; a cold
-    /// key's are never drawn, and at 100 000 keys they were a fifth of a
-    /// full-scale `zipf-100k` run's memory).
-    series: bool,
 }
 
 impl FalseRejectStream {
@@ -237,9 +243,7 @@ impl FalseRejectStream {
             out: FalseRejects::default(),
             admitted_tokens: 0,
             ideal_tokens: 0,
-            per_second: Vec::new(),
-            tokens_per_second: Vec::new(),
-            series: true,
+            series: Some(Box::default()),
         }
     }
 
@@ -248,7 +252,7 @@ impl FalseRejectStream {
     /// [`FalseRejectStream::tokens_per_second`] stay empty): the counts
     /// and the tokens against the ideal bucket are the same.
     pub fn without_series(mut self) -> Self {
-        self.series = false;
+        self.series = None;
         self
     }
 
@@ -278,12 +282,12 @@ impl FalseRejectStream {
         if admitted {
             self.admitted_tokens += cost;
         }
-        if self.series {
+        if let Some(series) = self.series.as_mut() {
             let s = usize::try_from(t / 1_000_000_000).unwrap_or(usize::MAX);
-            if s >= self.tokens_per_second.len() {
-                self.tokens_per_second.resize(s + 1, (0, 0));
+            if s >= series.tokens_per_second.len() {
+                series.tokens_per_second.resize(s + 1, (0, 0));
             }
-            let per_s = &mut self.tokens_per_second[s];
+            let per_s = &mut series.tokens_per_second[s];
             if charge > 0 {
                 per_s.1 += cost;
             }
@@ -328,25 +332,25 @@ impl FalseRejectStream {
     /// s): requests we denied and of those the false ones, of the requests
     /// decided so far.
     pub fn per_second(&self) -> &[(u64, u64)] {
-        &self.per_second
+        self.series.as_ref().map_or(&[], |s| &s.per_second)
     }
 
     /// Per whole second of request time: tokens we admitted and tokens
     /// the ideal bucket admitted.
     pub fn tokens_per_second(&self) -> &[(u64, u64)] {
-        &self.tokens_per_second
+        self.series.as_ref().map_or(&[], |s| &s.tokens_per_second)
     }
 
     fn count_denial(&mut self, t: u64, false_one: bool) {
-        if !self.series {
+        let Some(series) = self.series.as_mut() else {
             return;
-        }
+        };
         let s = usize::try_from(t / 1_000_000_000).unwrap_or(usize::MAX);
-        if s >= self.per_second.len() {
-            self.per_second.resize(s + 1, (0, 0));
+        if s >= series.per_second.len() {
+            series.per_second.resize(s + 1, (0, 0));
         }
-        self.per_second[s].0 += 1;
-        self.per_second[s].1 += u64::from(false_one);
+        series.per_second[s].0 += 1;
+        series.per_second[s].1 += u64::from(false_one);
     }
 
     fn at(&self, i: usize) -> &Ideal {

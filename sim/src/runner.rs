@@ -171,7 +171,7 @@ fn sweep_rows(o: &Outcome) -> Vec<SweepRow> {
     let ok = o.failures().is_empty();
     shown(o)
         .into_iter()
-        .filter(|k| k.quality.is_some())
+        .filter(|k| k.tracked.is_some())
         .map(|k| {
             let f = figures(o, k);
             SweepRow {
@@ -447,7 +447,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     let (mut umin, mut umean) = (f64::NAN, f64::NAN);
     let (mut fr, mut denied) = (f64::NAN, k.denied);
     let mut versus_ideal = f64::NAN;
-    if let Some(q) = &k.quality {
+    if let Some(q) = k.quality() {
         let u = q.utilization();
         if !u.is_empty() {
             umin = u.iter().copied().fold(f64::INFINITY, f64::min);
@@ -471,7 +471,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
     };
     let fairness = if o.regions > 1 {
         let actual: Vec<f64> = (0..usize::from(o.regions))
-            .map(|r| k.per_second.iter().map(|s| s[r]).sum::<u64>() as f64)
+            .map(|r| k.per_second().iter().map(|s| s[r]).sum::<u64>() as f64)
             .collect();
         let demand: Vec<f64> = k.per_region_requests.iter().map(|&d| d as f64).collect();
         let supply: f64 = actual.iter().sum();
@@ -487,7 +487,7 @@ pub fn figures(o: &Outcome, k: &KeyStats) -> KeyFigures {
         let from = o.warmup_s.ceil() as usize;
         (0..usize::from(o.regions))
             .map(|r| {
-                let mut v: Vec<u64> = k.per_second.iter().skip(from).map(|s| s[r]).collect();
+                let mut v: Vec<u64> = k.per_second().iter().skip(from).map(|s| s[r]).collect();
                 v.sort_unstable();
                 if v.is_empty() {
                     return f64::NAN;
@@ -580,9 +580,9 @@ fn rule_table(o: &Outcome) -> Table {
 fn shown(o: &Outcome) -> Vec<&KeyStats> {
     let mut ks: Vec<&KeyStats> = o.keys.iter().collect();
     ks.sort_by(|a, b| {
-        b.quality
+        b.tracked
             .is_some()
-            .cmp(&a.quality.is_some())
+            .cmp(&a.tracked.is_some())
             .then(b.admitted.cmp(&a.admitted))
             .then(a.key.cmp(&b.key))
     });
@@ -713,7 +713,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
         let rules_table = rule_table(o);
         let mut plots = Vec::new();
         let mut csv = Vec::new();
-        if let Some(k) = shown(o).into_iter().find(|k| k.quality.is_some()) {
+        if let Some(k) = shown(o).into_iter().find(|k| k.tracked.is_some()) {
             let r_per_s = k.rate.tokens as f64 / k.rate.period_s as f64;
             let mut cum = 0u64;
             let mut admitted = Vec::new();
@@ -721,14 +721,10 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             let mut rows = Vec::new();
             let regions = usize::from(o.regions.max(1));
             let mut per_region: Vec<Vec<(f64, f64)>> = vec![Vec::new(); regions];
-            let denials = k
-                .quality
-                .as_ref()
-                .map(|q| q.denials_per_second())
-                .unwrap_or(&[]);
+            let denials = k.quality().map(|q| q.denials_per_second()).unwrap_or(&[]);
             let (mut denied_pts, mut false_pts) = (Vec::new(), Vec::new());
             let mut headroom = Vec::new();
-            for (s, per) in k.per_second.iter().enumerate() {
+            for (s, per) in k.per_second().iter().enumerate() {
                 let total: u64 = per.iter().sum();
                 cum += total;
                 let x = (s + 1) as f64;
@@ -752,7 +748,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             // Per second, admitted / R against SPEC §2's 97 % (meaningful
             // where demand is at or above R), the faults shaded.
             let utilization: Vec<(f64, f64)> = k
-                .per_second
+                .per_second()
                 .iter()
                 .enumerate()
                 .map(|(s, per)| {
@@ -762,7 +758,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
                     )
                 })
                 .collect();
-            let line: Vec<(f64, f64)> = [0.0, k.per_second.len() as f64]
+            let line: Vec<(f64, f64)> = [0.0, k.per_second().len() as f64]
                 .into_iter()
                 .map(|x| (x, 97.0))
                 .collect();
@@ -812,11 +808,7 @@ pub fn build_report(sc: &Scenario, seed: u64, outcomes: &[Outcome]) -> Report {
             });
             // Shortfall over time: what we admitted against one ideal
             // global bucket over the same arrivals, per second.
-            let tokens = k
-                .quality
-                .as_ref()
-                .map(|q| q.tokens_per_second())
-                .unwrap_or(&[]);
+            let tokens = k.quality().map(|q| q.tokens_per_second()).unwrap_or(&[]);
             let per_s = |pick: fn(&(u64, u64)) -> u64| -> Vec<(f64, f64)> {
                 tokens
                     .iter()

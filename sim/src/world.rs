@@ -74,7 +74,7 @@ mod queue;
 mod replicas;
 
 use observe::{check_i2_core, fault_window_ns};
-pub use outcome::{worst, KeyStats, Outcome};
+pub use outcome::{worst, KeyStats, Outcome, Tracked};
 use parked::ParkedRequests;
 use queue::EventQueue;
 
@@ -181,11 +181,14 @@ impl NodeClock {
 
 /// Index of the simulator's per-key records by key, searched with the
 /// borrowed [`KeyRef`] of a batch item (no allocation): a fixed-key hash
-/// of the key to the records with that hash. Only looked up, never
-/// iterated, so its order cannot leak into a report.
+/// of the key to the first record with that hash, and, for the rare 64-bit
+/// hash shared by two keys, the further ones in a second map (one entry a
+/// key in the first map: `zipf-100k` keeps 100 000 of them). Only looked
+/// up, never iterated, so its order cannot leak into a report.
 #[derive(Default)]
 struct KeyIndex {
-    by_hash: std::collections::HashMap<u64, Vec<usize>, foldhash::fast::FixedState>,
+    first: std::collections::HashMap<u64, usize, foldhash::fast::FixedState>,
+    more: std::collections::HashMap<u64, Vec<usize>, foldhash::fast::FixedState>,
 }
 
 impl KeyIndex {
@@ -195,15 +198,58 @@ impl KeyIndex {
     }
 
     fn get(&self, keys: &[KeyStats], key: KeyRef<'_>) -> Option<usize> {
-        self.by_hash
-            .get(&Self::hash(key))?
-            .iter()
-            .copied()
-            .find(|&k| keys[k].key.as_key_ref() == key)
+        self.get_hashed(Self::hash(key), |k| keys[k].key.as_key_ref() == key)
     }
 
+    /// Record `k` for `key` (not yet in the index).
     fn insert(&mut self, key: KeyRef<'_>, k: usize) {
-        self.by_hash.entry(Self::hash(key)).or_default().push(k);
+        self.insert_hashed(Self::hash(key), k);
+    }
+
+    /// The record with hash `h` that `is_it`.
+    fn get_hashed(&self, h: u64, is_it: impl Fn(usize) -> bool) -> Option<usize> {
+        let k = *self.first.get(&h)?;
+        if is_it(k) {
+            return Some(k);
+        }
+        self.more.get(&h)?.iter().copied().find(|&k| is_it(k))
+    }
+
+    fn insert_hashed(&mut self, h: u64, k: usize) {
+        match self.first.entry(h) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(k);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.more.entry(h).or_default().push(k)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod key_index_tests {
+    use super::KeyIndex;
+
+    #[test]
+    fn keys_sharing_a_hash_are_all_found() {
+        let names = ["a", "b", "c", "d"];
+        let mut index = KeyIndex::default();
+        // "a", "b" and "c" share hash 7 (a 64-bit collision, forced here).
+        index.insert_hashed(7, 0);
+        index.insert_hashed(7, 1);
+        index.insert_hashed(7, 2);
+        index.insert_hashed(9, 3);
+        for (k, name) in names.iter().enumerate() {
+            let h = if k < 3 { 7 } else { 9 };
+            assert_eq!(index.get_hashed(h, |i| names[i] == *name), Some(k));
+        }
+        assert_eq!(index.get_hashed(7, |i| names[i] == "e"), None);
+        assert_eq!(index.get_hashed(8, |_| true), None);
+        assert_eq!(
+            index.first.len() + index.more.values().map(Vec::len).sum::<usize>(),
+            4
+        );
     }
 }
 
@@ -1230,12 +1276,12 @@ impl World {
                 ks.agents[word] |= bit;
                 ks.agent_count += 1;
             }
-            if let Some(q) = ks.quality.as_mut() {
-                q.push(t, u64::from(a.cost), allowed);
-                if ks.live_per_second.len() <= sec {
-                    ks.live_per_second.resize(sec + 1, (0, 0));
+            if let Some(tr) = ks.tracked.as_mut() {
+                tr.quality.push(t, u64::from(a.cost), allowed);
+                if tr.live_per_second.len() <= sec {
+                    tr.live_per_second.resize(sec + 1, (0, 0));
                 }
-                let live = &mut ks.live_per_second[sec];
+                let live = &mut tr.live_per_second[sec];
                 live.0 += u64::from(a.cost);
                 if allowed && !emergency {
                     live.1 += u64::from(a.cost);
@@ -1249,11 +1295,11 @@ impl World {
                 if emergency {
                     ks.failure_mode_allowed += u64::from(a.cost);
                 }
-                if ks.quality.is_some() {
-                    if ks.per_second.len() <= sec {
-                        ks.per_second.resize(sec + 1, vec![0; regions]);
+                if let Some(tr) = ks.tracked.as_mut() {
+                    if tr.per_second.len() <= sec {
+                        tr.per_second.resize(sec + 1, vec![0; regions]);
                     }
-                    ks.per_second[sec][region] += u64::from(a.cost);
+                    tr.per_second[sec][region] += u64::from(a.cost);
                 }
             } else {
                 ks.denied += 1;

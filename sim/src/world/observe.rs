@@ -46,19 +46,23 @@ impl World {
                         denied: 0,
                         msgs_agent_tier: 0,
                         msgs_regional_tier: 0,
-                        agents: vec![0; self.agents.len().div_ceil(64)],
+                        agents: vec![0; self.agents.len().div_ceil(64)].into_boxed_slice(),
                         agent_count: 0,
                         checker: self.checker_for(&rule.id, rule.rate, rule.burst),
                         i3_allowance: 0.0,
-                        quality: tracked.then(|| {
-                            Box::new(KeyQuality::new(
-                                rule.rate,
-                                rule.burst,
-                                self.sc.regional_round_trip_ns(),
-                                (self.sc.warmup_s * SEC as f64) as u64,
-                                (self.sc.duration_s * SEC as f64) as u64,
-                                10 * self.sc.ttl_max_ms * 1_000_000,
-                            ))
+                        tracked: tracked.then(|| {
+                            Box::new(Tracked {
+                                quality: KeyQuality::new(
+                                    rule.rate,
+                                    rule.burst,
+                                    self.sc.regional_round_trip_ns(),
+                                    (self.sc.warmup_s * SEC as f64) as u64,
+                                    (self.sc.duration_s * SEC as f64) as u64,
+                                    10 * self.sc.ttl_max_ms * 1_000_000,
+                                ),
+                                per_second: Vec::new(),
+                                live_per_second: Vec::new(),
+                            })
                         }),
                         ideal: (!tracked).then(|| {
                             FalseRejectStream::new(
@@ -68,9 +72,8 @@ impl World {
                             )
                             .without_series()
                         }),
-                        per_second: Vec::new(),
-                        per_region_requests: vec![0; usize::from(self.sc.regions.max(1))],
-                        live_per_second: Vec::new(),
+                        per_region_requests: vec![0; usize::from(self.sc.regions.max(1))]
+                            .into_boxed_slice(),
                     });
                     self.key_index.insert(key.as_key_ref(), k);
                     k
@@ -131,8 +134,8 @@ impl World {
         }
         let mut keys = self.keys;
         for k in &mut keys {
-            if let Some(q) = k.quality.as_mut() {
-                q.finish();
+            if let Some(t) = k.tracked.as_mut() {
+                t.quality.finish();
             }
             if let Some(f) = k.ideal.as_mut() {
                 f.finish();

@@ -28,7 +28,7 @@ pub struct KeyStats {
     pub msgs_regional_tier: u64,
     /// Agents that charged this key (one bit per agent, agent `i` in word
     /// `i / 64`: `zipf-100k` keeps 100 000 of these).
-    pub agents: Vec<u64>,
+    pub agents: Box<[u64]>,
     /// How many flags are set.
     pub agent_count: u32,
     /// I1 checker.
@@ -36,30 +36,52 @@ pub struct KeyStats {
     /// I3 allowance: sum over emergency buckets opened of `b_e + r_e * T`
     /// (T = the whole fault window, see `i3_window_ns`), in tokens.
     pub i3_allowance: f64,
-    /// Tracked keys' quality figures (false rejects, utilization),
-    /// computed as the run goes (boxed: a few keys have them, and
+    /// What only tracked keys keep (boxed: a few keys have it, and
     /// `zipf-100k` has 100 000 keys).
-    pub quality: Option<Box<KeyQuality>>,
+    pub tracked: Option<Box<Tracked>>,
     /// The other keys (cold ones, Zipf tenants): false rejects and
     /// shortfall against an ideal bucket over their arrivals, for the
     /// per-rule table (a user's cold tenants are most of their keys).
     pub ideal: Option<FalseRejectStream>,
-    /// Admitted per second per region (tracked keys).
-    pub per_second: Vec<Vec<u64>>,
     /// Requests per region (demand, for fairness).
-    pub per_region_requests: Vec<u64>,
-    /// Tracked keys, per second: tokens requested at agents that were up,
-    /// and tokens admitted `OK` (not through an emergency bucket); for
-    /// liveness.
+    pub per_region_requests: Box<[u64]>,
+}
+
+/// A tracked key's figures, beyond every key's.
+#[derive(Clone, Debug)]
+pub struct Tracked {
+    /// Quality figures (false rejects, utilization), computed as the run
+    /// goes.
+    pub quality: KeyQuality,
+    /// Admitted per second per region.
+    pub per_second: Vec<Vec<u64>>,
+    /// Per second: tokens requested at agents that were up, and tokens
+    /// admitted `OK` (not through an emergency bucket); for liveness.
     pub live_per_second: Vec<(u64, u64)>,
 }
 
 impl KeyStats {
+    /// A tracked key's quality figures.
+    pub fn quality(&self) -> Option<&KeyQuality> {
+        self.tracked.as_ref().map(|t| &t.quality)
+    }
+
+    /// Admitted per second per region (tracked keys; empty for the others).
+    pub fn per_second(&self) -> &[Vec<u64>] {
+        self.tracked.as_ref().map_or(&[], |t| &t.per_second)
+    }
+
+    /// Per second, tokens requested at agents that were up and tokens
+    /// admitted `OK` (tracked keys; empty for the others).
+    pub fn live_per_second(&self) -> &[(u64, u64)] {
+        self.tracked.as_ref().map_or(&[], |t| &t.live_per_second)
+    }
+
     /// False rejects, and the tokens admitted here and by one ideal bucket
     /// over the same arrivals (every key has them: tracked keys through
     /// their quality figures).
     pub fn versus_ideal(&self) -> Option<(FalseRejects, u64, u64)> {
-        let (f, (ours, ideal)) = match (&self.quality, &self.ideal) {
+        let (f, (ours, ideal)) = match (self.quality(), &self.ideal) {
             (Some(q), _) => (q.false_rejects(), q.versus_ideal_tokens()),
             (None, Some(s)) => (s.so_far(), s.versus_ideal()),
             (None, None) => return None,
@@ -134,12 +156,12 @@ impl Outcome {
         Ok(self
             .keys
             .iter()
-            .filter(|k| k.quality.is_some())
+            .filter(|k| k.tracked.is_some())
             .map(|k| {
                 let window = |k: &KeyStats| {
                     let (mut req, mut ok) = (0, 0);
                     for &(r, a) in k
-                        .live_per_second
+                        .live_per_second()
                         .iter()
                         .take(end_s as usize)
                         .skip(from_s as usize)

@@ -136,17 +136,18 @@ impl KeyQuality {
     }
 }
 
-/// One request as the ideal bucket saw it.
+/// One request as the ideal bucket saw it (48 bytes: a cold key keeps
+/// two of them).
 #[derive(Clone, Copy, Debug)]
 struct Ideal {
     t: u64,
     /// The ideal bucket's level after its own decision (fine units).
     level: u128,
-    /// What the ideal bucket charged for it (0: it denied it).
-    charge: u128,
     cost: u64,
     /// Our decision.
     admitted: bool,
+    /// The ideal bucket's: it charged `cost` (in fine units) for it.
+    charged: bool,
 }
 
 /// The false-reject count of [`false_rejects`], fed one request at a time
@@ -266,7 +267,7 @@ impl FalseRejectStream {
             self.decide(self.k_next);
             self.k_next += 1;
         }
-        self.trim();
+        self.trim(t);
         self.fine = (self.fine + u128::from(t - last) * self.per_ns).min(self.cap);
         self.last = Some(t);
         let need = u128::from(cost) * self.p;
@@ -295,12 +296,16 @@ impl FalseRejectStream {
                 per_s.0 += cost;
             }
         }
+        if self.buf.capacity() == 0 {
+            // A cold key keeps two (the last one decided and this one).
+            self.buf.reserve_exact(2);
+        }
         self.buf.push_back(Ideal {
             t,
             level: self.fine,
-            charge,
             cost,
             admitted,
+            charged: charge > 0,
         });
         self.n += 1;
         self.out.requests += 1;
@@ -358,8 +363,20 @@ impl FalseRejectStream {
     }
 
     /// Forget requests no later decision looks at: those before the last
-    /// one at or before the window start of the next request to decide.
-    fn trim(&mut self) {
+    /// one at or before the window start of the next request to decide
+    /// (the one pushed next, at `t_new`, if every one so far is decided).
+    /// Moves `j_next` to that window's start now, as that decision would:
+    /// windows never move backwards.
+    fn trim(&mut self, t_new: u64) {
+        let t_next = if self.k_next < self.n {
+            self.at(self.k_next).t
+        } else {
+            t_new
+        };
+        let lo = t_next.saturating_sub(self.shift_ns);
+        while self.j_next < self.n && self.at(self.j_next).t <= lo {
+            self.j_next += 1;
+        }
         let keep = self.j_next.saturating_sub(1).min(self.k_next);
         while self.base < keep {
             self.buf.pop_front();
@@ -370,11 +387,16 @@ impl FalseRejectStream {
     fn decide(&mut self, k: usize) {
         let Ideal {
             t,
-            charge,
             cost,
             admitted,
+            charged,
             level: level_k,
         } = *self.at(k);
+        let charge = if charged {
+            u128::from(cost) * self.p
+        } else {
+            0
+        };
         let lo = t.saturating_sub(self.shift_ns);
         let hi = t.saturating_add(self.shift_ns);
         while self.j_next < self.n && self.at(self.j_next).t <= lo {
@@ -804,6 +826,19 @@ mod tests {
         ];
         let r = false_rejects(&reqs, rate, 2, 30 * MS);
         assert_eq!((r.denied, r.false_denied), (1, 1));
+    }
+
+    /// Requests further apart than two shifts: the stream keeps the last
+    /// one decided and the newest, no more (a cold key's memory).
+    #[test]
+    fn a_sparse_stream_keeps_two_requests() {
+        let mut st = FalseRejectStream::new(per_s(10), 5, 30 * MS).without_series();
+        for i in 0..50 {
+            st.push(i * 100 * MS, 1, i % 3 != 0);
+            assert!(st.buf.len() <= 2, "{} kept after {i}", st.buf.len());
+        }
+        assert_eq!(st.buf.capacity(), 2);
+        assert_eq!(st.finish().requests, 50);
     }
 
     #[test]

@@ -28,9 +28,54 @@ pub struct KeyId {
 }
 
 impl KeyId {
-    /// A key from its parts.
+    /// A key from its parts (while this thread shares keys, see
+    /// [`KeyId::share_on_this_thread`], the one made before with the same
+    /// parts).
     pub fn new(rule: impl AsRef<str>, tenant: impl AsRef<str>, route: impl AsRef<str>) -> Self {
         let (rule, tenant, route) = (rule.as_ref(), tenant.as_ref(), route.as_ref());
+        let shared = SHARED.try_with(|set| {
+            let mut set = set.borrow_mut();
+            let set = set.as_mut()?;
+            let wanted = KeyRef::new(rule, tenant, route);
+            if let Some(k) = set.get(&wanted as &dyn AsKeyRef) {
+                return Some(k.clone());
+            }
+            let k = Self::build(rule, tenant, route);
+            set.insert(k.clone());
+            Some(k)
+        });
+        match shared {
+            Ok(Some(k)) => k,
+            _ => Self::build(rule, tenant, route),
+        }
+    }
+
+    /// Until the guard this returns drops, keys made on this thread with
+    /// equal parts share one allocation: [`KeyId::new`] hands out the key
+    /// made before. Nothing a key does changes (it compares, hashes and
+    /// orders by its parts). For a process that holds several tiers' state
+    /// of the same keys on one thread, the simulator: every allocator core,
+    /// regional and the simulator's own records then keep one copy of each
+    /// key's bytes between them, where each made its own. The keys made
+    /// meanwhile stay alive until the guard drops. Calling it again while a
+    /// guard is alive changes nothing (the inner guard shares the outer
+    /// one's keys).
+    pub fn share_on_this_thread() -> SharedKeys {
+        let installed = SHARED.with(|set| {
+            let mut set = set.borrow_mut();
+            if set.is_some() {
+                return false;
+            }
+            *set = Some(std::collections::HashSet::new());
+            true
+        });
+        SharedKeys {
+            installed,
+            _this_thread: std::marker::PhantomData,
+        }
+    }
+
+    fn build(rule: &str, tenant: &str, route: &str) -> Self {
         let mut s = String::with_capacity(rule.len() + tenant.len() + route.len());
         s.push_str(rule);
         s.push_str(tenant);
@@ -70,6 +115,71 @@ impl KeyId {
         KeyRef::new(self.rule(), self.tenant(), self.route())
     }
 }
+
+thread_local! {
+    /// The keys made on this thread while it shares them.
+    static SHARED: std::cell::RefCell<Option<std::collections::HashSet<KeyId>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// While alive, keys made on this thread share one allocation for equal
+/// parts ([`KeyId::share_on_this_thread`]). Not `Send`: it belongs to the
+/// thread that made it.
+#[must_use = "keys are shared only while the guard is alive"]
+pub struct SharedKeys {
+    installed: bool,
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for SharedKeys {
+    fn drop(&mut self) {
+        if self.installed {
+            // Out of the cell first: dropping the keys runs no code that
+            // looks at it, but keep the borrow short anyway.
+            let set = SHARED.with(|set| set.borrow_mut().take());
+            drop(set);
+        }
+    }
+}
+
+/// A key a set of [`KeyId`] can be searched with without building one.
+trait AsKeyRef {
+    fn key_ref(&self) -> KeyRef<'_>;
+}
+
+impl AsKeyRef for KeyId {
+    fn key_ref(&self) -> KeyRef<'_> {
+        self.as_key_ref()
+    }
+}
+
+impl AsKeyRef for KeyRef<'_> {
+    fn key_ref(&self) -> KeyRef<'_> {
+        *self
+    }
+}
+
+// A `KeyId` hashes and compares as its `KeyRef` (see the impls below), as
+// `Borrow` requires.
+impl<'a> std::borrow::Borrow<dyn AsKeyRef + 'a> for KeyId {
+    fn borrow(&self) -> &(dyn AsKeyRef + 'a) {
+        self
+    }
+}
+
+impl std::hash::Hash for dyn AsKeyRef + '_ {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key_ref().hash(state);
+    }
+}
+
+impl PartialEq for dyn AsKeyRef + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.key_ref() == other.key_ref()
+    }
+}
+
+impl Eq for dyn AsKeyRef + '_ {}
 
 impl Default for KeyId {
     fn default() -> Self {
@@ -207,6 +317,39 @@ impl From<KeyRef<'_>> for KeyId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_made_while_sharing_share_their_bytes_and_nothing_else_changes() {
+        let apart = (KeyId::new("r", "t", "/a"), KeyId::new("r", "t", "/a"));
+        assert!(!std::sync::Arc::ptr_eq(&apart.0.parts, &apart.1.parts));
+        let guard = KeyId::share_on_this_thread();
+        let a = KeyId::new("r", "t", "/a");
+        let b = KeyId::new(String::from("r"), "t", "/a");
+        let c = KeyId::new("r", "t", "/b");
+        // The rule/tenant boundary is part of the key: "rt" + "" is not "r" + "t".
+        let d = KeyId::new("rt", "", "/a");
+        assert!(std::sync::Arc::ptr_eq(&a.parts, &b.parts));
+        assert!(!std::sync::Arc::ptr_eq(&a.parts, &c.parts));
+        assert!(!std::sync::Arc::ptr_eq(&a.parts, &d.parts));
+        assert_eq!(a, apart.0);
+        assert_ne!(a, d);
+        assert_eq!((d.rule(), d.tenant(), d.route()), ("rt", "", "/a"));
+        // An inner guard shares the outer one's keys, and its drop ends nothing.
+        drop(KeyId::share_on_this_thread());
+        assert!(std::sync::Arc::ptr_eq(
+            &a.parts,
+            &KeyId::new("r", "t", "/a").parts
+        ));
+        // Another thread does not share this one's keys.
+        let other = std::thread::spawn(|| KeyId::new("r", "t", "/a"))
+            .join()
+            .expect("thread");
+        assert!(!std::sync::Arc::ptr_eq(&a.parts, &other.parts));
+        drop(guard);
+        let after = KeyId::new("r", "t", "/a");
+        assert!(!std::sync::Arc::ptr_eq(&a.parts, &after.parts));
+        assert_eq!(a, after);
+    }
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
     #[test]

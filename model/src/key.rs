@@ -33,6 +33,19 @@ impl KeyId {
     /// parts).
     pub fn new(rule: impl AsRef<str>, tenant: impl AsRef<str>, route: impl AsRef<str>) -> Self {
         let (rule, tenant, route) = (rule.as_ref(), tenant.as_ref(), route.as_ref());
+        // One plain thread-local load when this thread does not share (a
+        // production process): the set's cell has a destructor, so every
+        // access to it checks whether it was registered.
+        if SHARING.get() {
+            return Self::shared(rule, tenant, route);
+        }
+        Self::build(rule, tenant, route)
+    }
+
+    /// [`KeyId::new`] while this thread shares keys.
+    #[cold]
+    #[inline(never)]
+    fn shared(rule: &str, tenant: &str, route: &str) -> Self {
         let shared = SHARED.try_with(|set| {
             let mut set = set.borrow_mut();
             let set = set.as_mut()?;
@@ -69,12 +82,16 @@ impl KeyId {
             *set = Some(std::collections::HashSet::new());
             true
         });
+        if installed {
+            SHARING.set(true);
+        }
         SharedKeys {
             installed,
             _this_thread: std::marker::PhantomData,
         }
     }
 
+    #[inline]
     fn build(rule: &str, tenant: &str, route: &str) -> Self {
         let mut s = String::with_capacity(rule.len() + tenant.len() + route.len());
         s.push_str(rule);
@@ -120,6 +137,8 @@ thread_local! {
     /// The keys made on this thread while it shares them.
     static SHARED: std::cell::RefCell<Option<std::collections::HashSet<KeyId>>> =
         const { std::cell::RefCell::new(None) };
+    /// Whether `SHARED` holds a set (read first, without a destructor).
+    static SHARING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// While alive, keys made on this thread share one allocation for equal
@@ -134,6 +153,7 @@ pub struct SharedKeys {
 impl Drop for SharedKeys {
     fn drop(&mut self) {
         if self.installed {
+            SHARING.set(false);
             // Out of the cell first: dropping the keys runs no code that
             // looks at it, but keep the borrow short anyway.
             let set = SHARED.with(|set| set.borrow_mut().take());

@@ -399,6 +399,80 @@ async fn a_slot_released_at_one_agent_serves_a_waiter_at_another() {
     );
 }
 
+/// Max-min on what is held (docs/permits.md "Max-min on what is held"):
+/// eight workers at agent A keep wanting the key's `N` = 4 slots (acquire,
+/// hold 50 ms, release, again), so A always has waiters and never gives a
+/// slot back of itself; one acquire at agent B is served once it has
+/// starved for `STARVE_NS` (the grants then carry shares and A gives one
+/// back as a permit ends), well before its deadline. At most 4 held at
+/// once, counted at the clients. Without shares B waits out its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_starving_agent_gets_its_share_from_one_that_keeps_wanting() {
+    let four = RULES.replace("concurrency: 5", "concurrency: 4");
+    let (_dir, _alloc, agents) = start_with("permits-share", 2, &four, "2s");
+    // Lent once the allocator's start wait is over.
+    let mut a = permits_client(&agents[0]).await;
+    let first = acquire_one(&mut a, 10_000).await;
+    a.release(ReleaseRequest { permit_id: first })
+        .await
+        .expect("release");
+    let spans: Spans = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..8 {
+        let mut c = permits_client(&agents[0]).await;
+        let (spans, stop) = (spans.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            let mut served = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = c
+                    .acquire(acquire_req(10_000))
+                    .await
+                    .expect("acquire")
+                    .into_inner();
+                let from = Instant::now();
+                hold_then_release(&mut c, &r, from, Duration::from_millis(50), &spans).await;
+                served += 1;
+            }
+            served
+        }));
+    }
+    // A holds all four and its queue never empties.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut b = permits_client(&agents[1]).await;
+    let asked = Instant::now();
+    let r = b
+        .acquire(acquire_req(6_000))
+        .await
+        .expect("acquire")
+        .into_inner();
+    let took = asked.elapsed();
+    let answered = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut served_at_a = 0;
+    for w in workers {
+        served_at_a += w.await.expect("worker");
+    }
+    assert_eq!(
+        r.outcome,
+        AcquireOutcome::Acquired as i32,
+        "agent B starved for {took:?}: {r:?}"
+    );
+    // B's permit counts from its answer on (held past the end).
+    spans
+        .lock()
+        .push((answered, Instant::now() + Duration::from_secs(1)));
+    let most = most_at_once(&spans.lock());
+    eprintln!(
+        "e2e permits, max-min on what is held: B's acquire served after {took:?} (A's workers served {served_at_a} permits meanwhile); at most {most} held at once"
+    );
+    assert!(most <= 4, "{most} permits held at once > N = 4");
+    assert!(
+        served_at_a > 20,
+        "A's workers were served too: {served_at_a}"
+    );
+}
+
 /// `WaitSlots` at the allocator (docs/permits.md "Slots follow demand"):
 /// a key it has no ledger of answers `not_here` at once; a full key's
 /// wake-up for room answers when a release frees a slot, well before its

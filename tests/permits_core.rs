@@ -249,6 +249,7 @@ impl World {
                             fence: g.fence,
                             over: g.over,
                             ttl_ns: 2_000 * MS,
+                            share: g.share,
                         };
                         self.post(
                             at + d2,
@@ -560,6 +561,7 @@ fn a_duplicated_ask_is_applied_once() {
         fence: x.fence,
         over: x.over,
         ttl_ns: 2_000 * MS,
+        share: x.share,
     };
     let sa = |s: SentAsk, h: u32, id: u64| SlotAsk {
         holder: h,

@@ -869,6 +869,7 @@ impl Permits {
                     fence: g.fence,
                     over: g.over,
                     ttl_ns: g.ttl_ms.saturating_mul(1_000_000),
+                    share: g.share,
                 }
             } else {
                 // Refused (a rule change, a wrong shard, a key limit):
@@ -884,6 +885,7 @@ impl Permits {
                     fence: 0,
                     over: false,
                     ttl_ns: 0,
+                    share: None,
                 }
             };
             e.asking

@@ -95,6 +95,9 @@ struct Held {
     /// drain as its permits end, and the next ask gives the free ones
     /// back).
     over: bool,
+    /// The grant's share (`u64::MAX`: none): new permits fill at most
+    /// this many slots of the lease.
+    share: u64,
 }
 
 /// An ask sent and not answered yet.
@@ -133,6 +136,10 @@ pub struct Granted {
     /// `TTL_max`): its use-by counts the shorter of this and the TTL
     /// asked for.
     pub ttl_ns: u64,
+    /// While some holder misses slots: the most this agent should hold
+    /// (its max-min share). No new permit past it; the slots beyond it go
+    /// back as permits end.
+    pub share: Option<u64>,
 }
 
 /// One key's permits at one agent.
@@ -216,6 +223,16 @@ impl PermitKey {
         self.cap(c).saturating_sub(self.used_on(c.id))
     }
 
+    /// Slots of the current lease beyond its share that no permit stands
+    /// on (see [`Granted::share`]): the next ask gives them back.
+    pub fn beyond_share(&mut self, now_ns: u64) -> u64 {
+        self.expire(now_ns);
+        let Some(c) = self.current.filter(|c| !c.over) else {
+            return 0;
+        };
+        c.slots.saturating_sub(c.share.max(self.used_on(c.id)))
+    }
+
     /// What new permits may fill on `c`: its slots (only those in use
     /// after a grant that said `over`), and at most the `keep` of an
     /// unanswered ask on it
@@ -224,7 +241,7 @@ impl PermitKey {
         let cap = if c.over {
             self.used_on(c.id).min(c.slots)
         } else {
-            c.slots
+            c.slots.min(c.share)
         };
         match self.sent {
             Some(s) if s.lease_id == c.id => cap.min(s.keep),
@@ -420,6 +437,7 @@ impl PermitKey {
             use_by_ns,
             fence: g.fence.min(MAX_GRANT_FENCE),
             over: g.over,
+            share: g.share.unwrap_or(u64::MAX),
         });
         if sent.lease_id != 0 {
             let used = self.used_on(sent.lease_id);

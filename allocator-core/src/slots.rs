@@ -17,6 +17,14 @@
 //!   demand, kept plus wanted, of the holders that asked within the last
 //!   second). The new lease replaces the old one in the same step, so kept
 //!   slots are counted continuously.
+//! * **Shares of what is held**: kept slots are never cut, so a holder
+//!   that keeps wanting could hold all `N` while another misses slots for
+//!   good. While some holder **starves** (it has missed slots at every ask
+//!   for [`STARVE_NS`] and holds less than half its share), every grant
+//!   carries the holder's max-min `share`; a holder above it starts no
+//!   permit past it and gives back the rest as permits end (a regional's
+//!   pool lends at most its region's share). Only ever less is used:
+//!   nothing here can raise what is held.
 //! * **Duplicates**: an ask is applied once per holder and new lease id (a
 //!   duplicate is answered with the lease it made; an older id changes
 //!   nothing), so two leases never share an id. A kept lease never
@@ -46,6 +54,15 @@ pub mod chain;
 
 /// How long a holder's demand counts for max-min shares after it asked.
 pub const ACTIVE_WINDOW_NS: u64 = 1_000_000_000;
+
+/// A holder that has missed slots at every ask for this long while
+/// holding less than half its max-min share starves: until it no longer
+/// does, grants carry each holder's share and holders above it give back
+/// as their permits end (docs/permits.md "Max-min on what is held").
+/// Shorter contention is left to the fresh slots' max-min and the
+/// give-backs of free slots: enforcing shares at once cost slots in use
+/// in transit (the simulator, session 33).
+pub const STARVE_NS: u64 = 1_000_000_000;
 
 /// The largest fencing base a ledger starts from: fencing numbers stay
 /// below 2^44 (a permit's token keeps 20 bits for its own sequence
@@ -117,6 +134,13 @@ pub struct SlotGrant {
     /// More slots are held than `N` (after a lowering): start new permits
     /// only on fresh slots.
     pub over: bool,
+    /// While some holder starves ([`STARVE_NS`]): the most this holder
+    /// should hold, its max-min share of what may be lent over the
+    /// holders' demand (kept plus wanted at their last asks within the
+    /// window), rounded up. A holder above it starts no permit past it,
+    /// and gives back what it holds beyond it as permits end, so slots
+    /// move to where requests wait. `None`: hold what you have.
+    pub share: Option<u64>,
 }
 
 /// A holder's demand (kept + wanted at its last ask) and when it asked.
@@ -126,6 +150,11 @@ struct Demand {
     demand: u64,
     missing: u64,
     at_ns: u64,
+    /// What it held after that ask.
+    holding: u64,
+    /// Since when it has missed slots at every ask (`None`: it did not at
+    /// its last).
+    missing_since: Option<u64>,
 }
 
 /// One concurrency key's slots.
@@ -149,6 +178,9 @@ pub struct SlotLedger {
     /// Holders of the key elsewhere (a regional's pool: the parent's
     /// holders but this region), counted in [`SlotLedger::holders`].
     other_holders: u32,
+    /// A regional's pool: its share at the parent (`u64::MAX`: none); see
+    /// [`SlotLedger::set_share`].
+    share: u64,
     /// Per holder, the highest new lease id it asked for, and until when
     /// that is remembered (an ask's TTL: a later duplicate could only make
     /// an orphan lease, counted and never named).
@@ -179,6 +211,7 @@ impl SlotLedger {
             cap_ns: u64::MAX,
             parent_contended: false,
             other_holders: 0,
+            share: u64::MAX,
             seen: Vec::new(),
             predecessor: None,
         }
@@ -208,6 +241,19 @@ impl SlotLedger {
             self.fence_limit = fence.saturating_add(fences.max(1) - 1);
         }
         self.parent_contended = contended;
+    }
+
+    /// A regional's pool: the region's max-min share at the parent while
+    /// some holder there misses slots (`None`: none). The pool lends at
+    /// most that much (its children above their own shares of it give
+    /// back as their permits end).
+    pub fn set_share(&mut self, share: Option<u64>) {
+        self.share = share.unwrap_or(u64::MAX);
+    }
+
+    /// What may be held: `N`, or a pool's share of its parent if smaller.
+    fn lendable(&self) -> u64 {
+        self.n.min(self.share)
     }
 
     /// No lease of this ledger expires after this instant.
@@ -313,7 +359,7 @@ impl SlotLedger {
         if self.predecessor.is_some() || self.cap_ns <= now_ns {
             return 0;
         }
-        self.n.saturating_sub(self.held())
+        self.lendable().saturating_sub(self.held())
     }
 
     /// Some holder that asked within the window misses slots (or the
@@ -384,6 +430,7 @@ impl SlotLedger {
                 fence: l.fence,
                 contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
                 over: self.held() > self.n || (l.adopted && self.predecessor.is_some()),
+                share: None,
             };
         }
         let until = now_ns.saturating_add(ask.ttl_ns);
@@ -431,22 +478,40 @@ impl SlotLedger {
         let room = if self.predecessor.is_some() || self.cap_ns <= now_ns {
             0
         } else {
-            self.n.saturating_sub(held)
+            self.lendable().saturating_sub(held)
         };
         // Max-min over demand: this holder's demand is what it keeps and
         // wants; the others' is what they had at their last ask.
         let demand = kept.saturating_add(ask.want);
+        let missing_before = self
+            .demand
+            .iter()
+            .find(|d| d.holder == ask.holder)
+            .and_then(|d| d.missing_since);
         self.demand.retain(|d| d.holder != ask.holder);
         let mut demands: Vec<u64> = self.demand.iter().map(|d| d.demand).collect();
         demands.push(demand);
-        let level = water_level(demands, self.n);
+        let level = water_level(demands.clone(), self.lendable());
         let fresh = ask.want.min(room).min(level.saturating_sub(kept));
         self.demand.push(Demand {
             holder: ask.holder,
             demand,
             missing: ask.want - fresh,
             at_ns: now_ns,
+            holding: kept + fresh,
+            missing_since: (ask.want > fresh).then(|| missing_before.unwrap_or(now_ns)),
         });
+        // Max-min on what is held, while some holder starves: it has
+        // missed slots at every ask for `STARVE_NS` and holds less than
+        // half its share. (Shares are rounded up, so they sum to what may
+        // be lent at least: a cap never leaves a slot nobody may take.)
+        let cap = share_cap(demands, self.lendable());
+        let starving = self.demand.iter().any(|d| {
+            d.missing_since
+                .is_some_and(|s| now_ns.saturating_sub(s) >= STARVE_NS)
+                && d.holding.saturating_mul(2) < d.demand.min(cap)
+        });
+        let share = (starving && cap != u64::MAX).then_some(cap);
         let slots = kept + fresh;
         let fence = if slots > 0 {
             self.next_fence = self.next_fence.saturating_add(1).min(self.fence_limit);
@@ -479,6 +544,7 @@ impl SlotLedger {
             expires_ns: if slots > 0 { expires_ns } else { 0 },
             fence,
             contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
+            share,
             // An adopted lease takes no new permit while the phantom
             // stands: the lease it names may already have been replaced
             // at the predecessor by one the holder also got (two asks in
@@ -518,6 +584,23 @@ impl SlotLedger {
             None => false,
         }
     }
+}
+
+/// The max-min share of `avail` over `wants` (water-filling), rounded up
+/// (so the shares sum to `avail` at least): `u64::MAX` when every want
+/// fits.
+fn share_cap(mut wants: Vec<u64>, avail: u64) -> u64 {
+    wants.sort_unstable();
+    let mut left = avail;
+    let n = wants.len() as u64;
+    for (i, w) in wants.iter().enumerate() {
+        let share = left.div_ceil(n - i as u64);
+        if *w > share {
+            return share;
+        }
+        left -= w;
+    }
+    u64::MAX
 }
 
 #[cfg(test)]

@@ -60,6 +60,11 @@ pub struct PermitSimConfig {
     /// as the agents and regionals use them; off: the lease protocol's
     /// polling alone.
     pub wakeups: bool,
+    /// Grants carry the holder's max-min share while some holder misses
+    /// slots, and holders above it give back as permits end
+    /// (docs/permits.md "Max-min on what is held"); off: as before
+    /// session 33, max-min shapes fresh slots only.
+    pub shares: bool,
 }
 
 pub mod swarm;
@@ -179,6 +184,7 @@ impl PermitSimConfig {
             faults: PermitFaults::default(),
             regions: None,
             wakeups: true,
+            shares: true,
         }
     }
 
@@ -217,6 +223,12 @@ pub struct PermitReport {
     pub permits: u64,
     /// Acquires whose deadline passed.
     pub timeouts: u64,
+    /// Acquires offered at each agent.
+    pub arrivals_by_agent: Vec<u64>,
+    /// Acquires that reached their deadline waiting, at each agent (an
+    /// ideal global semaphore serves in arrival order whatever the agent,
+    /// so its timeouts fall on the agents as their arrivals do).
+    pub timeouts_by_agent: Vec<u64>,
     /// Permits that expired while their client still held them (a renew
     /// answered expired): should be none.
     pub lost: u64,
@@ -275,6 +287,17 @@ impl PermitReport {
     /// Asks per permit granted.
     pub fn asks_per_permit(&self) -> f64 {
         self.asks as f64 / self.permits.max(1) as f64
+    }
+
+    /// The largest fraction of one agent's acquires that timed out (an
+    /// agent starved of slots shows here; an ideal global semaphore times
+    /// out every agent's acquires alike).
+    pub fn worst_agent_timeouts(&self) -> f64 {
+        self.timeouts_by_agent
+            .iter()
+            .zip(&self.arrivals_by_agent)
+            .map(|(&t, &a)| t as f64 / a.max(1) as f64)
+            .fold(0.0, f64::max)
     }
 }
 
@@ -501,7 +524,11 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     for &(t, a) in &cfg.faults.crashes {
         q.post(t, Ev::Crash { a });
     }
-    let mut r = PermitReport::default();
+    let mut r = PermitReport {
+        arrivals_by_agent: vec![0; cfg.delays_ns.len()],
+        timeouts_by_agent: vec![0; cfg.delays_ns.len()],
+        ..PermitReport::default()
+    };
     let mut waits = Vec::new();
     // For the ideal semaphore: every arrival (time, hold).
     let mut offered: Vec<(u64, u64)> = Vec::new();
@@ -546,6 +573,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                     let h = hold();
                     offered.push((now, h));
                     r.arrivals_ns.push(now);
+                    r.arrivals_by_agent[a] += 1;
                     let ag = &mut agents[a];
                     match ag.pk.acquire(now, 1) {
                         Ok(p) => {
@@ -571,6 +599,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 if ag.inc == inc && ag.waiters.remove(&waiter).is_some() {
                     ag.pk.cancel(waiter);
                     r.timeouts += 1;
+                    r.timeouts_by_agent[a] += 1;
                 }
             }
             Ev::Renew { a, inc, id } => {
@@ -633,6 +662,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             fence: g.fence,
                             over: g.over,
                             ttl_ns: g.expires_ns.saturating_sub(now),
+                            share: g.share.filter(|_| cfg.shares),
                         };
                         let holders = lender.holders();
                         if let Some(rg) = region.filter(|_| g.fresh < sent.want) {
@@ -803,6 +833,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             fence: g.fence,
                             contended: g.contended,
                             over: g.over,
+                            share: g.share.filter(|_| cfg.shares),
                             retry_after_ns: 0,
                             holders: ledger.holders(),
                         };

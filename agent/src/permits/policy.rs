@@ -6,9 +6,11 @@
 //! A key asks when its waiters miss slots (at most once a tick while the
 //! ledger is full), when its lease comes within half its TTL of its
 //! use-by (renewed keeping the slots in use, or given back whole when
-//! nothing uses it), and when it holds free slots no waiter here wants
+//! nothing uses it), when it holds free slots no waiter here wants
 //! while another holder misses some (`contended`) or for
-//! [`IDLE_GIVE_BACK_NS`]. One ask per key in flight.
+//! [`IDLE_GIVE_BACK_NS`], and when its lease holds slots beyond the
+//! max-min share the last grant gave (they go back as permits end). One
+//! ask per key in flight.
 
 use super::{Granted, PermitKey, SentAsk};
 
@@ -98,6 +100,11 @@ impl AskPolicy {
             .is_some_and(|t| now.saturating_sub(t) < TICK_NS);
         let give_back = if self.in_flight {
             return None;
+        } else if pk.beyond_share(now) > 0 {
+            // Holding more than its share while others miss slots: what
+            // no permit uses beyond the share goes back (the ask keeps
+            // the share or what is in use, if more).
+            false
         } else if waiting && free < pk.waiting_slots() && !unmet_recently {
             false
         } else if (self.contended || idle_free) && free > 0 && !waiting {

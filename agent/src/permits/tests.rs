@@ -33,6 +33,7 @@ fn holding_with(settings: PermitSettings, slots: u64, at: u64) -> PermitKey {
             fence: 3,
             over: false,
             ttl_ns: 2_000 * MS,
+            share: None,
         },
     );
     k
@@ -57,6 +58,7 @@ fn waiters_are_served_in_arrival_order_once_slots_arrive() {
             fence: 5,
             over: false,
             ttl_ns: 2_000 * MS,
+            share: None,
         },
     );
     // Two slots: the first waiter (2) fits, the second must wait.
@@ -116,6 +118,7 @@ fn an_ask_in_flight_holds_the_agent_to_what_it_keeps() {
             fence: 4,
             over: false,
             ttl_ns: 2_000 * MS,
+            share: None,
         },
     );
     assert_eq!(k.permits(5)[0].lease_id, 8);
@@ -144,6 +147,7 @@ fn permits_that_cannot_move_stay_on_their_lease_until_they_end() {
             fence: 6,
             over: false,
             ttl_ns: 2_000 * MS,
+            share: None,
         },
     );
     let held = k.permits(4).to_vec();
@@ -175,6 +179,7 @@ fn fencing_tokens_grow_with_the_grant_and_never_wrap() {
                 fence,
                 over: false,
                 ttl_ns: 2_000 * MS,
+                share: None,
             },
         );
         let a = k.acquire(1, 1).expect("free").fence;
@@ -207,6 +212,7 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
         fence: 0,
         over: false,
         ttl_ns: 0,
+        share: None,
     };
     p.on_grant(&mut k, 10 * MS, sent, none, true, 3);
     assert_eq!(
@@ -232,6 +238,7 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
         fence: 4,
         over: false,
         ttl_ns: 2_000 * MS,
+        share: None,
     };
     q.on_grant(&mut h, 0, renewal, kept, false, 2);
     assert_eq!(
@@ -251,4 +258,38 @@ fn wake_ups_are_wanted_while_they_help_and_make_the_key_ask_at_once() {
     q.on_wake(false, true, false);
     let back = q.due(&mut h, 4 * MS).expect("given back at once");
     assert_eq!(back.keep, 0, "{back:?}");
+}
+
+/// A grant with a share below what the key holds (another holder
+/// starves): no permit starts past the share, the slots beyond it that no
+/// permit uses go back at the next ask, and the ones in use stay kept.
+#[test]
+fn a_share_caps_new_permits_and_the_slots_beyond_it_go_back() {
+    let mut k = holding(4, 0);
+    let p: Vec<Permit> = (0..3).map(|_| k.acquire(1, 1).expect("free")).collect();
+    // The allocator says: hold at most 2 (3 in use).
+    let sent = k.ask(2, false);
+    assert_eq!(sent.keep, 4);
+    k.on_grant(
+        3,
+        sent,
+        Granted {
+            lease_id: 8,
+            slots: 4,
+            kept: 4,
+            fence: 4,
+            over: false,
+            ttl_ns: 2_000 * MS,
+            share: Some(2),
+        },
+    );
+    assert_eq!(k.free(3), 0, "3 in use, share 2");
+    assert_eq!(k.beyond_share(3), 1, "the unused fourth slot");
+    assert_eq!(k.acquire(3, 1), Err(AcquireError::Queued(4)));
+    // Permits end: what is beyond the share goes back, the rest is kept.
+    assert!(k.release(4, p[0].id));
+    assert_eq!(k.beyond_share(4), 2);
+    assert!(k.serve_waiters(4).is_empty(), "2 in use = the share");
+    let sent = k.ask(5, false);
+    assert_eq!((sent.keep, sent.want), (2, 1), "{sent:?}");
 }

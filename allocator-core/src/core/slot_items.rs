@@ -164,6 +164,7 @@ impl AllocatorCore {
             fence: g.fence,
             contended: g.contended,
             over: g.over,
+            share: g.share,
             holders: ledger_holders,
             starting: g.lease_id == 0 && phantom_ms.is_some(),
             // A regional's pool short of what a child wants: its upstream

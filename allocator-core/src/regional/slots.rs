@@ -206,6 +206,7 @@ impl RegionalCore {
                 fence: g.fence,
                 contended: g.contended,
                 over: g.over,
+                share: g.share,
                 retry_after_ns: g.retry_after_ms.saturating_mul(MS),
                 holders: g.holders,
             };

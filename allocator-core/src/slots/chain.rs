@@ -31,6 +31,11 @@
 //! * `over` from the parent (its `N` was lowered, or it restarted and
 //!   adopted this lease while its phantom stands): the pool lends nothing
 //!   fresh; the children keep what they hold.
+//! * A `share` from the parent (some holder there misses slots): the pool
+//!   lends at most the region's max-min share; children above it keep
+//!   what they hold and start nothing new until they are below it, and
+//!   the renewals (`contended`: keep what the children hold) give the
+//!   rest back, so regions that want more than `N` each share it.
 
 use super::SlotLedger;
 
@@ -41,7 +46,9 @@ pub const FENCES_PER_PARENT_GRANT: u64 = 16;
 /// When to ask the parent, as the regional's settings say.
 #[derive(Clone, Copy, Debug)]
 pub struct ChainTimes {
-    /// Ask no more often than this for one key (unmet demand, give-back).
+    /// After the parent could not give what was asked, ask no more often
+    /// than this for one key (unmet demand, give-back); after a grant that
+    /// gave it all, a new shortfall is asked for at once.
     pub tick_ns: u64,
     /// Renew at least this long before the parent lease's deadline (and
     /// at half its life if that is earlier).
@@ -84,6 +91,11 @@ pub struct ParentSlotGrant {
     pub contended: bool,
     /// Lend nothing fresh (see the module docs).
     pub over: bool,
+    /// The region's max-min share at the parent while some holder there
+    /// misses slots: the pool lends at most that much (the region's
+    /// children drain to it as their permits end, and the chain gives
+    /// the rest back).
+    pub share: Option<u64>,
     /// Ask again no sooner than this after the answer (the parent's hint).
     pub retry_after_ns: u64,
     /// Holders of the key at the parent (this region included; 0: not
@@ -165,8 +177,9 @@ impl SlotChain {
     /// pool holds slots its children neither hold nor want (given back at
     /// once, as an agent gives back idle slots: through regions the wait
     /// tail fell from 1.03-1.18 s to 0.81-0.97 s in the simulator). At
-    /// most one ask in flight, and at most one per tick unless the lease
-    /// is due.
+    /// most one ask in flight, and after a grant that left children's
+    /// demand unmet (or one that failed) at most one per tick unless the
+    /// lease is due, as an agent asks.
     pub fn plan(
         &mut self,
         now_ns: u64,
@@ -297,6 +310,13 @@ impl SlotChain {
         self.contended = g.contended;
         self.over = g.over;
         self.parent_unmet = g.slots.saturating_sub(g.kept) < ask.want;
+        if !self.parent_unmet {
+            // The parent gave what was asked: a shortfall the children
+            // report from now on is new demand, asked for at once (pacing
+            // it by a tick kept a region's waiters up to 50 ms from free
+            // slots at the parent: docs/permits.md "Wait tail").
+            self.next_ask_ns = now_ns.saturating_add(g.retry_after_ns);
+        }
         let broke = ask.lease_id != 0 && g.kept < ask.keep;
         if broke {
             // The children's leases stay within the old parent lease (or
@@ -327,6 +347,7 @@ impl SlotChain {
         self.asked_ns = ask.sent_ns;
         let n = if g.over { 0 } else { g.slots };
         pool.set_pool(n, deadline, g.fence, FENCES_PER_PARENT_GRANT, g.contended);
+        pool.set_share(g.share);
         // The children's agents size their fail-open semaphores and decide
         // on contention wake-ups by the key's holders everywhere.
         pool.set_other_holders(g.holders.saturating_sub(1));

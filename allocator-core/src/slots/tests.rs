@@ -42,6 +42,54 @@ fn slots_are_lent_up_to_n_and_come_back_on_release_and_expiry() {
     assert_eq!(l.held(), 0);
 }
 
+/// A holder that keeps wanting could keep all `N` for good (kept slots
+/// are never cut): once another holder has starved for `STARVE_NS`, the
+/// grants carry max-min shares, the big holder drains to its share, and
+/// the starved one gets the rest; then shares stop.
+#[test]
+fn a_starving_holder_makes_grants_carry_shares_until_it_holds_its_own() {
+    const MS: u64 = 1_000_000;
+    let mut l = SlotLedger::new(8, 0);
+    let mut id = 10;
+    let mut next = || {
+        id += 1;
+        id
+    };
+    let a = l.ask(0, ask(1, 0, 0, 8, next()));
+    assert_eq!(a.slots, 8);
+    // Holder 2 misses 4 slots at every ask (once a tick); holder 1 keeps
+    // all 8 and wants 4 more.
+    let mut a_lease = a.lease_id;
+    let mut t = 0;
+    while t < STARVE_NS {
+        t += 50 * MS;
+        let b = l.ask(t, ask(2, 0, 0, 4, next()));
+        assert_eq!(b.slots, 0);
+        let a = l.ask(t + MS, ask(1, a_lease, 8, 4, next()));
+        a_lease = a.lease_id;
+        if t + MS < STARVE_NS {
+            assert_eq!(a.share, None, "not starving yet at {t}: {a:?}");
+        }
+    }
+    // Holder 2 has starved for a second: holder 1 is told its share (of
+    // demands 12 and 4: 4 each)...
+    t += 50 * MS;
+    let b = l.ask(t, ask(2, 0, 0, 4, next()));
+    assert_eq!((b.slots, b.share), (0, Some(4)), "{b:?}");
+    let a = l.ask(t + MS, ask(1, a_lease, 8, 4, next()));
+    assert_eq!(
+        (a.slots, a.share),
+        (8, Some(4)),
+        "kept slots are not cut: {a:?}"
+    );
+    // ... and gives back what it holds beyond it as its permits end (it
+    // keeps 4): holder 2 gets them, holds its share, and shares stop.
+    let a = l.ask(t + 2 * MS, ask(1, a.lease_id, 4, 4, next()));
+    assert_eq!((a.slots, a.fresh), (4, 0), "{a:?}");
+    let b = l.ask(t + 3 * MS, ask(2, 0, 0, 4, next()));
+    assert_eq!((b.slots, b.share), (4, None), "{b:?}");
+}
+
 #[test]
 fn kept_slots_are_never_cut_and_the_rest_is_free_at_once() {
     let mut l = SlotLedger::new(4, 0);

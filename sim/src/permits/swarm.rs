@@ -102,6 +102,7 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         },
         regions: regions_cfg,
         wakeups,
+        shares: true,
     };
     let what = format!(
         "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, wake-ups {}",

@@ -184,6 +184,10 @@ log "simulator: swarm sweep (a fault plan per seed, liveness after the faults he
 log "simulator: permit swarm (a permit run and faults per seed; I4 on every event)"
 # One line per seed; shown: the failing ones (with their replay) and the tally.
 "$sim" sim --swarm --permits --seeds 1..200 | grep -E '^  |FAILED|^permits swarm:'
+log "simulator: permit scenarios (sim/scenarios/permits/; I4 on every event; fails if it broke)"
+for f in sim/scenarios/permits/*.yaml; do
+  "$sim" sim --permits --scenario "$f" --seeds 1..20
+done
 
 
 log "simulator: same seed, same bytes"

@@ -23,10 +23,12 @@ pub struct SimArgs {
     /// faults heal.
     #[arg(long)]
     swarm: bool,
-    /// With --swarm: the permit model's swarm instead (every seed draws a
-    /// permit run: topology, `N`, load, holds, faults; I4 on every event
-    /// and liveness after the faults; sim/src/permits/swarm.rs).
-    #[arg(long, requires = "swarm")]
+    /// The permit model: with --scenario, a permit scenario
+    /// (sim/scenarios/permits/*.yaml; report.md in --out); with --swarm,
+    /// the permit swarm (every seed draws a permit run: topology, `N`,
+    /// load, holds, faults; I4 on every event and liveness after the
+    /// faults; sim/src/permits/swarm.rs).
+    #[arg(long)]
     permits: bool,
     /// Seed of the run.
     #[arg(long, default_value_t = 1, conflicts_with = "seeds")]
@@ -77,6 +79,9 @@ fn parse_seeds(s: &str) -> Result<(u64, u64), String> {
 }
 
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    if args.permits && !args.swarm {
+        return permit_scenario(&args);
+    }
     if !(args.scale > 0.0 && args.scale <= 1.0) {
         bail!("--scale {}: must be in (0, 1]", args.scale);
     }
@@ -170,6 +175,76 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 Ok(())
             } else {
                 bail!("{}: {} seed(s) failed", sc.name, failed.len())
+            }
+        }
+    }
+}
+
+/// `--permits --scenario FILE`: a permit scenario: with `--seed`, its
+/// report in `--out`; with `--seeds`, one line per seed. Fails when I4
+/// broke.
+fn permit_scenario(args: &SimArgs) -> anyhow::Result<()> {
+    use quotalease_sim::permits::scenario::{report_md, wait_target_ns, PermitScenario};
+    let Some(path) = &args.scenario else {
+        bail!("--permits: needs --scenario FILE (a permit scenario, sim/scenarios/permits/*.yaml) or --swarm");
+    };
+    if args.scale < 1.0 {
+        bail!("--scale: does not apply to a permit scenario");
+    }
+    let sc = PermitScenario::load(path).map_err(|e| anyhow!("{e}"))?;
+    let started = Instant::now();
+    match args.seeds {
+        None => {
+            let r = quotalease_sim::permits::run(&sc.config(args.seed));
+            let out = args.out_dir();
+            std::fs::create_dir_all(&out).map_err(|e| anyhow!("--out {}: {e}", out.display()))?;
+            let file = out.join("report.md");
+            std::fs::write(&file, report_md(&sc, args.seed, &r))
+                .map_err(|e| anyhow!("{}: {e}", file.display()))?;
+            println!(
+                "{}: seed {}: report in {} ({:.1} s wall)",
+                sc.name,
+                args.seed,
+                file.display(),
+                started.elapsed().as_secs_f64()
+            );
+            match r.i4_broken {
+                Some(why) => bail!("{}: seed {}: {why}", sc.name, args.seed),
+                None => Ok(()),
+            }
+        }
+        Some((a, b)) => {
+            let mut failed = Vec::new();
+            let run = |seed: u64| quotalease_sim::permits::run(&sc.config(seed));
+            runner::for_seeds(a..=b, args.jobs, run, |seed, r| {
+                let target = wait_target_ns(&sc, r.ideal_p99_ns);
+                println!(
+                    "{} seed {seed}: {} permits, max held {} of {}, slots in use {:.1} % while demand >= N, wait p99 {:.0} ms (ideal {:.0} ms, target {:.0} ms: {}), {} timeouts{}",
+                    sc.name,
+                    r.permits,
+                    r.max_held,
+                    sc.concurrency,
+                    100.0 * r.saturated_use,
+                    r.wait_p99_ns as f64 / 1e6,
+                    r.ideal_p99_ns as f64 / 1e6,
+                    target as f64 / 1e6,
+                    if r.wait_p99_ns <= target { "met" } else { "missed" },
+                    r.timeouts,
+                    r.i4_broken.as_ref().map(|w| format!(": FAILED {w}")).unwrap_or_default()
+                );
+                if r.i4_broken.is_some() {
+                    failed.push(seed);
+                }
+            });
+            eprintln!(
+                "{}: seeds {a}..{b} in {:.1} s wall",
+                sc.name,
+                started.elapsed().as_secs_f64()
+            );
+            if failed.is_empty() {
+                Ok(())
+            } else {
+                bail!("{}: I4 broken with seed(s) {failed:?}", sc.name)
             }
         }
     }

@@ -67,6 +67,7 @@ pub struct PermitSimConfig {
     pub shares: bool,
 }
 
+pub mod scenario;
 pub mod swarm;
 
 /// How long a wake-up waits at its allocator at most (4/5 of the

@@ -373,3 +373,38 @@ fn wait_tail_by_load() {
         }
     }
 }
+
+/// The shipped permit scenarios (`sim/scenarios/permits/`, `quotalease sim
+/// --permits --scenario FILE`) load and run: I4 on every event, permits
+/// served, a report; `below-n` meets the wait target.
+#[test]
+fn shipped_permit_scenarios_run() {
+    use quotalease_sim::permits::scenario::{report_md, wait_target_ns, PermitScenario};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join("permits");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("sim/scenarios/permits")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    for f in &files {
+        let sc = PermitScenario::load(f).unwrap_or_else(|e| panic!("{e}"));
+        let r = run(&sc.config(1));
+        assert_eq!(r.i4_broken, None, "{}", f.display());
+        assert!(
+            r.max_held <= sc.concurrency && r.permits > 1_000,
+            "{}: {r:?}",
+            f.display()
+        );
+        assert!(report_md(&sc, 1, &r).contains("**held**"));
+        if sc.name.ends_with("below-n") {
+            assert!(
+                r.wait_p99_ns <= wait_target_ns(&sc, r.ideal_p99_ns),
+                "{r:?}"
+            );
+        }
+    }
+}

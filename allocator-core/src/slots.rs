@@ -48,7 +48,7 @@
 //!   caller makes larger than any predecessor's (its run number in the
 //!   high bits).
 
-use crate::ledger::{water_level, HolderId, PHANTOM};
+use crate::ledger::{HolderId, PHANTOM};
 
 pub mod chain;
 
@@ -491,8 +491,11 @@ impl SlotLedger {
         self.demand.retain(|d| d.holder != ask.holder);
         let mut demands: Vec<u64> = self.demand.iter().map(|d| d.demand).collect();
         demands.push(demand);
-        let level = water_level(demands.clone(), self.lendable());
-        let fresh = ask.want.min(room).min(level.saturating_sub(kept));
+        // The share rounded up: a floor would leave up to one slot per
+        // holder unlent while every holder wants more than its share
+        // (with 3 regions and N = 32: 30 lent, 2 idle for good).
+        let cap = share_cap(demands.clone(), self.lendable());
+        let fresh = ask.want.min(room).min(cap.saturating_sub(kept));
         self.demand.push(Demand {
             holder: ask.holder,
             demand,
@@ -505,7 +508,6 @@ impl SlotLedger {
         // missed slots at every ask for `STARVE_NS` and holds less than
         // half its share. (Shares are rounded up, so they sum to what may
         // be lent at least: a cap never leaves a slot nobody may take.)
-        let cap = share_cap(demands, self.lendable());
         let starving = self.demand.iter().any(|d| {
             d.missing_since
                 .is_some_and(|s| now_ns.saturating_sub(s) >= STARVE_NS)

@@ -219,18 +219,20 @@ fn permit_scenario(args: &SimArgs) -> anyhow::Result<()> {
             runner::for_seeds(a..=b, args.jobs, run, |seed, r| {
                 let target = wait_target_ns(&sc, r.ideal_p99_ns);
                 println!(
-                    "{} seed {seed}: {} permits, max held {} of {}, slots in use {:.1} % while demand >= N, wait p99 {:.0} ms (ideal {:.0} ms, target {:.0} ms: {}), {} timeouts{}",
+                    "{} seed {seed} (N = {}): {}; wait target {:.0} ms: {}{}",
                     sc.name,
-                    r.permits,
-                    r.max_held,
                     sc.concurrency,
-                    100.0 * r.saturated_use,
-                    r.wait_p99_ns as f64 / 1e6,
-                    r.ideal_p99_ns as f64 / 1e6,
+                    permit_figures(&r),
                     target as f64 / 1e6,
-                    if r.wait_p99_ns <= target { "met" } else { "missed" },
-                    r.timeouts,
-                    r.i4_broken.as_ref().map(|w| format!(": FAILED {w}")).unwrap_or_default()
+                    if r.wait_p99_ns <= target {
+                        "met"
+                    } else {
+                        "missed"
+                    },
+                    r.i4_broken
+                        .as_ref()
+                        .map(|w| format!(": FAILED {w}"))
+                        .unwrap_or_default()
                 );
                 if r.i4_broken.is_some() {
                     failed.push(seed);
@@ -250,6 +252,20 @@ fn permit_scenario(args: &SimArgs) -> anyhow::Result<()> {
     }
 }
 
+/// A permit run's figures on one line (the swarm's and a scenario's
+/// sweep).
+fn permit_figures(r: &quotalease_sim::permits::PermitReport) -> String {
+    format!(
+        "{} permits, {} timeouts, max held {}, slots in use {:.1} % while demand >= N, wait p99 {:.0} ms (ideal {:.0} ms)",
+        r.permits,
+        r.timeouts,
+        r.max_held,
+        100.0 * r.saturated_use,
+        r.wait_p99_ns as f64 / 1e6,
+        r.ideal_p99_ns as f64 / 1e6,
+    )
+}
+
 /// `--swarm --permits`: the permit model's swarm, one line per seed (its
 /// draw and what it measured; the wall time on stderr, so stdout is the
 /// same bytes for the same seeds).
@@ -260,13 +276,8 @@ fn permit_swarm(args: &SimArgs) -> anyhow::Result<()> {
     let mut failed = Vec::new();
     runner::for_seeds(a..=b, args.jobs, run_seed, |seed, (what, r, failures)| {
         println!(
-            "permits seed {seed}: {what}: {} permits, {} timeouts, max held {}, slots in use {:.1} % while demand >= N, wait p99 {:.0} ms (ideal {:.0} ms){}",
-            r.permits,
-            r.timeouts,
-            r.max_held,
-            100.0 * r.saturated_use,
-            r.wait_p99_ns as f64 / 1e6,
-            r.ideal_p99_ns as f64 / 1e6,
+            "permits seed {seed}: {what}: {}{}",
+            permit_figures(&r),
             if failures.is_empty() { "" } else { ": FAILED" }
         );
         if !failures.is_empty() {

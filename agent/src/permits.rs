@@ -136,9 +136,9 @@ pub struct Granted {
     /// `TTL_max`): its use-by counts the shorter of this and the TTL
     /// asked for.
     pub ttl_ns: u64,
-    /// While some holder misses slots: the most this agent should hold
-    /// (its max-min share). No new permit past it; the slots beyond it go
-    /// back as permits end.
+    /// While some holder starves (the allocator's `STARVE_NS`): the most
+    /// this agent should hold (its max-min share). No new permit past it;
+    /// the slots beyond it go back as permits end.
     pub share: Option<u64>,
 }
 

@@ -494,7 +494,7 @@ impl SlotLedger {
         // The share rounded up: a floor would leave up to one slot per
         // holder unlent while every holder wants more than its share
         // (with 3 regions and N = 32: 30 lent, 2 idle for good).
-        let cap = share_cap(demands.clone(), self.lendable());
+        let cap = share_cap(demands, self.lendable());
         let fresh = ask.want.min(room).min(cap.saturating_sub(kept));
         self.demand.push(Demand {
             holder: ask.holder,

@@ -491,9 +491,9 @@ impl SlotLedger {
         self.demand.retain(|d| d.holder != ask.holder);
         let mut demands: Vec<u64> = self.demand.iter().map(|d| d.demand).collect();
         demands.push(demand);
-        // The share rounded up: a floor would leave up to one slot per
-        // holder unlent while every holder wants more than its share
-        // (with 3 regions and N = 32: 30 lent, 2 idle for good).
+        // The share as `share_cap` makes it: a floor of the even split
+        // would leave up to one slot per holder unlent while every holder
+        // wants more than its share (3 regions, N = 32: 30 lent, 2 idle).
         let cap = share_cap(demands, self.lendable());
         let fresh = ask.want.min(room).min(cap.saturating_sub(kept));
         self.demand.push(Demand {
@@ -506,14 +506,15 @@ impl SlotLedger {
         });
         // Max-min on what is held, while some holder starves: it has
         // missed slots at every ask for `STARVE_NS` and holds less than
-        // half its share. (Shares are rounded up, so they sum to what may
-        // be lent at least: a cap never leaves a slot nobody may take.)
+        // half its share.
         let starving = self.demand.iter().any(|d| {
             d.missing_since
                 .is_some_and(|s| now_ns.saturating_sub(s) >= STARVE_NS)
                 && d.holding.saturating_mul(2) < d.demand.min(cap)
         });
-        let share = (starving && cap != u64::MAX).then_some(cap);
+        // A regional's pool capped by its parent's share passes shares on
+        // too: its children above theirs drain, or the region never would.
+        let share = ((starving || self.share != u64::MAX) && cap != u64::MAX).then_some(cap);
         let slots = kept + fresh;
         let fence = if slots > 0 {
             self.next_fence = self.next_fence.saturating_add(1).min(self.fence_limit);
@@ -588,17 +589,20 @@ impl SlotLedger {
     }
 }
 
-/// The max-min share of `avail` over `wants` (water-filling), rounded up
-/// (so the shares sum to `avail` at least): `u64::MAX` when every want
-/// fits.
+/// The max-min share of `avail` over `wants`: the smallest level `L`
+/// with `sum(min(w, L)) >= avail` (so capping every holder at `L` leaves
+/// no slot that nobody may take while they want them); `u64::MAX` when
+/// the wants together fit. (Rounding each holder's share up in turn, the
+/// first cut, gave 0 for two holders wanting the one slot of `N` = 1.)
 fn share_cap(mut wants: Vec<u64>, avail: u64) -> u64 {
     wants.sort_unstable();
     let mut left = avail;
     let n = wants.len() as u64;
     for (i, w) in wants.iter().enumerate() {
-        let share = left.div_ceil(n - i as u64);
-        if *w > share {
-            return share;
+        // The level if every want from here on is at least it.
+        let level = left.div_ceil(n - i as u64);
+        if *w >= level {
+            return level;
         }
         left -= w;
     }

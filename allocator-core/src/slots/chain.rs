@@ -310,9 +310,11 @@ impl SlotChain {
         self.contended = g.contended;
         self.over = g.over;
         self.parent_unmet = g.slots.saturating_sub(g.kept) < ask.want;
-        if !self.parent_unmet {
-            // The parent gave what was asked: a shortfall the children
-            // report from now on is new demand, asked for at once (pacing
+        if ask.want > 0 && !self.parent_unmet {
+            // The parent gave all that was asked: a shortfall the children
+            // report from now on is new demand, asked for at once (an ask
+            // that wanted nothing stays paced: a renewal or a give-back
+            // must not repeat every round trip; pacing
             // it by a tick kept a region's waiters up to 50 ms from free
             // slots at the parent: docs/permits.md "Wait tail").
             self.next_ask_ns = now_ns.saturating_add(g.retry_after_ns);

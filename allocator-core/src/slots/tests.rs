@@ -484,3 +484,51 @@ fn a_grant_takes_a_block_of_fencing_numbers_when_asked() {
     let d = l.ask(0, ask(4, 0, 0, 1, 4));
     assert_eq!(d.fence, c.fence + MAX_FENCES_PER_GRANT, "blocks are capped");
 }
+
+/// Found in review (session 33): `N` = 1, two holders each want the one
+/// slot and ask again every 50 ms (agents whose waiters miss it); the
+/// first cut of rounded-up shares capped both at 0 and the free slot was
+/// never lent (the permit swarm's N = 1 seeds failed liveness).
+#[test]
+fn with_n_1_two_holders_wanting_the_slot_get_it_in_turn() {
+    const MS: u64 = 1_000_000;
+    assert_eq!(share_cap(vec![1, 1], 1), 1);
+    assert_eq!(share_cap(vec![1, 1, 1], 2), 1);
+    let mut l = SlotLedger::new(1, 0);
+    assert_eq!(l.ask(0, ask(1, 0, 0, 1, 5)).slots, 1);
+    assert_eq!(l.ask(MS, ask(2, 0, 0, 1, 6)).slots, 0);
+    // Holder 1's permit ends and another of its waiters wants the slot:
+    // it gives its lease back and asks again.
+    let g = l.ask(2 * MS, ask(1, 5, 0, 1, 7));
+    assert_eq!((g.slots, l.held()), (1, 1), "{g:?}");
+}
+
+/// Found in review (session 33): four holders each wanting 3 of `N` =
+/// 10 get all 10 between them (the shares rounded up one by one capped
+/// them at 2: 8 held).
+#[test]
+fn four_holders_wanting_three_of_ten_get_all_ten() {
+    assert_eq!(share_cap(vec![3, 3, 3, 3], 10), 3);
+    let mut l = SlotLedger::new(10, 0);
+    let mut leases = [0u64; 4];
+    let mut id = 10;
+    for round in 0..5u64 {
+        for h in 0..4u32 {
+            let i = h as usize;
+            let kept = l
+                .leases()
+                .iter()
+                .find(|x| x.id == leases[i])
+                .map_or(0, |x| x.slots);
+            id += 1;
+            let g = l.ask(
+                round * 50_000_000 + u64::from(h),
+                ask(h + 1, leases[i], kept, 3 - kept, id),
+            );
+            if g.lease_id != 0 {
+                leases[i] = g.lease_id;
+            }
+        }
+    }
+    assert_eq!(l.held(), 10);
+}

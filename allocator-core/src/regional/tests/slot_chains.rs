@@ -42,6 +42,9 @@ fn slot_regional(region: &str, now: u64) -> RegionalCore {
 #[derive(Clone, Debug, Default)]
 struct Child {
     seq: u64,
+    /// The share its last grant carried: it keeps no more (its permits
+    /// beyond it end, as an agent's do).
+    share: Option<u64>,
     /// (lease id, slots, expiry); the newest last.
     leases: Vec<(u64, u64, u64)>,
 }
@@ -68,10 +71,17 @@ fn child_ask(
 ) -> Grant {
     ch.leases.retain(|l| l.2 > now);
     let (lease_id, slots) = ch.leases.last().map_or((0, 0), |l| (l.0, l.1));
-    let keep = if give_back { 0 } else { slots };
+    let keep = if give_back {
+        0
+    } else {
+        ch.share.map_or(slots, |s| slots.min(s))
+    };
     if give_back {
         // The promise from the send: none of it is used any more.
         ch.leases.pop();
+    } else if let Some(l) = ch.leases.last_mut().filter(|_| keep < slots) {
+        // The promise from the send: at most `keep` of it used from now.
+        l.1 = keep;
     }
     ch.seq += 1;
     let item = LeaseItem {
@@ -88,6 +98,7 @@ fn child_ask(
         .grants
         .remove(0);
     if g.status == GrantStatus::Granted as i32 {
+        ch.share = g.share;
         if keep > 0 && g.carried == keep {
             // The new lease carries the old one's slots.
             ch.leases.pop();
@@ -494,4 +505,42 @@ fn a_release_while_a_renewal_is_out_does_not_strand_the_chain() {
         poll(&mut reg, &mut parent, now, Link::Up);
     }
     assert!(ch.holding(now) >= 1, "stranded: {:?}", reg.stats());
+}
+
+/// Found in review (session 33): region eu's only child keeps wanting
+/// and never gives a slot back of itself; region us's child wants 4. The
+/// global's share capped eu's pool, but the pool told its child no share
+/// (none of its own children starved), so eu kept all of `N` for good.
+/// Now a pool capped by its parent's share passes shares on: us is
+/// served.
+#[test]
+fn a_region_whose_child_never_gives_back_drains_to_its_share() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut regs = [slot_regional("eu", now), slot_regional("us", now)];
+    let mut kids = vec![vec![Child::default()], vec![Child::default()]];
+    let mut us_max = 0;
+    for round in 0..400 {
+        for r in 0..2 {
+            if r == 1 && round < 50 {
+                poll(&mut regs[r], &mut parent, now, Link::Up);
+                continue;
+            }
+            let ch = &mut kids[r][0];
+            let want = if r == 0 {
+                2
+            } else {
+                4 - ch.holding(now).min(4)
+            };
+            child_ask(&mut regs[r], now, &format!("a{r}0"), ch, want, false);
+            poll(&mut regs[r], &mut parent, now, Link::Up);
+        }
+        i4(&kids, now).unwrap();
+        us_max = us_max.max(kids[1][0].holding(now));
+        now += 20 * MS;
+    }
+    assert!(
+        us_max >= 3,
+        "us starved: it held at most {us_max} of its share 4"
+    );
 }

@@ -224,3 +224,27 @@ fn a_chain_wants_a_wake_up_for_room_after_an_unmet_ask_and_for_contention_while_
     assert_eq!(chain.take_wake(now + 100 * MS), None);
     assert!(chain.take_wake(now + 1_100 * MS).is_some());
 }
+
+/// Found in review (session 33): a child's lease outlives its demand
+/// entry and another child misses slots, so the chain renews wanting 0;
+/// the parent "gave all it asked" and, unpaced, the chain asked again
+/// every round trip. An ask that wanted nothing stays paced by the tick.
+#[test]
+fn a_renewal_that_wanted_nothing_stays_paced() {
+    let (mut chain, mut pool) = holding(4);
+    assert_eq!(child(&mut pool, T + 50 * MS, 1, 0, 0, 4, 2).slots, 4);
+    let mut now = T + 1_100 * MS;
+    assert_eq!(child(&mut pool, now, 2, 0, 0, 2, 3).slots, 0);
+    let (mut asks, mut id) = (0, 101);
+    while now < T + 1_300 * MS {
+        if let Some(ask) = chain.plan(now, &mut pool, &TIMES) {
+            asks += 1;
+            chain.sent(now, ask, &mut pool, &TIMES);
+            let g = granted(id, ask.keep + ask.want, ask.keep, 9);
+            chain.on_grant(now + MS, &g, &mut pool, &TIMES);
+            id += 1;
+        }
+        now += 2 * MS;
+    }
+    assert!(asks <= 5, "{asks} parent asks in 200 ms (tick 50 ms)");
+}

@@ -42,19 +42,21 @@ fn slots_are_lent_up_to_n_and_come_back_on_release_and_expiry() {
     assert_eq!(l.held(), 0);
 }
 
-/// Three holders that each want 20 of `N` = 32 from the start (their
-/// asks first met the restart's phantom) get all 32 between them: the
-/// max-min share is rounded up. A floor (10 each) left 2 slots unlent for
-/// as long as they all wanted more; in the simulator, through three
-/// regions at 1.5 x `N`, slots in use 96.6 % -> 98.1 %.
-#[test]
-fn shares_rounded_up_lend_all_of_n() {
-    const MS: u64 = 1_000_000;
-    let mut l = SlotLedger::after_restart(32, 0, 10 * MS, 1_000);
-    let mut leases = [0u64; 3];
-    let mut id = 1_000;
-    for round in 0..4u64 {
-        for h in 0..3u32 {
+/// `holders` holders (1, 2, ...) ask round after round, `every_ns`
+/// apart, each renewing its lease keeping all of it and wanting
+/// `want(kept)` more; new lease ids from `first_id` on.
+fn ask_in_rounds(
+    l: &mut SlotLedger,
+    holders: u32,
+    rounds: u64,
+    every_ns: u64,
+    first_id: u64,
+    want: impl Fn(u64) -> u64,
+) {
+    let mut leases = vec![0u64; holders as usize];
+    let mut id = first_id;
+    for round in 0..rounds {
+        for h in 0..holders {
             let i = h as usize;
             let kept = l
                 .leases()
@@ -62,13 +64,25 @@ fn shares_rounded_up_lend_all_of_n() {
                 .find(|x| x.id == leases[i])
                 .map_or(0, |x| x.slots);
             id += 1;
-            let g = l.ask(
-                round * 10 * MS + u64::from(h),
-                ask(h + 1, leases[i], kept, 20, id),
-            );
-            leases[i] = g.lease_id;
+            let at = round * every_ns + u64::from(h);
+            let g = l.ask(at, ask(h + 1, leases[i], kept, want(kept), id));
+            if g.lease_id != 0 {
+                leases[i] = g.lease_id;
+            }
         }
     }
+}
+
+/// Three holders that each want 20 of `N` = 32 from the start (their
+/// asks first met the restart's phantom) get all 32 between them: the
+/// max-min share is rounded up. A floor (10 each) left 2 slots unlent for
+/// as long as they all wanted more; in the simulator, through three
+/// regions at 1.5 x `N`, slots in use 96.6 % -> 97.7 %.
+#[test]
+fn shares_rounded_up_lend_all_of_n() {
+    const MS: u64 = 1_000_000;
+    let mut l = SlotLedger::after_restart(32, 0, 10 * MS, 1_000);
+    ask_in_rounds(&mut l, 3, 4, 10 * MS, 1_000, |_| 20);
     assert_eq!(l.held(), 32, "{:?}", l.leases());
     let mut each: Vec<u64> = l.leases().iter().map(|x| x.slots).collect();
     each.sort_unstable();
@@ -510,25 +524,6 @@ fn with_n_1_two_holders_wanting_the_slot_get_it_in_turn() {
 fn four_holders_wanting_three_of_ten_get_all_ten() {
     assert_eq!(share_cap(vec![3, 3, 3, 3], 10), 3);
     let mut l = SlotLedger::new(10, 0);
-    let mut leases = [0u64; 4];
-    let mut id = 10;
-    for round in 0..5u64 {
-        for h in 0..4u32 {
-            let i = h as usize;
-            let kept = l
-                .leases()
-                .iter()
-                .find(|x| x.id == leases[i])
-                .map_or(0, |x| x.slots);
-            id += 1;
-            let g = l.ask(
-                round * 50_000_000 + u64::from(h),
-                ask(h + 1, leases[i], kept, 3 - kept, id),
-            );
-            if g.lease_id != 0 {
-                leases[i] = g.lease_id;
-            }
-        }
-    }
+    ask_in_rounds(&mut l, 4, 5, 50_000_000, 10, |kept| 3 - kept);
     assert_eq!(l.held(), 10);
 }

@@ -964,6 +964,124 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
     );
 }
 
+/// A regional allocator SIGKILLed and started again on its address while
+/// an agent of its region holds permits (docs/permits.md "A regional
+/// restart"): the new process resumes the key's parent slot lease, the
+/// agent's renewals adopt their lease out of its phantom, and both permits
+/// are renewed on for longer than any lease lives (`TTL_max` 2 s); the
+/// region's other agent, whose clients acquire and release throughout, is
+/// served again after it; never more than `N` held at the clients. Before
+/// resumes the permits answered `EXPIRED` once their lease's use-by passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn permits_held_across_a_regional_kill_are_renewed_on() {
+    const TTL_MAX: Duration = Duration::from_secs(2);
+    let dir = tempdir("permits-regional-restart");
+    let rules = write_rules(&dir, RULES);
+    let flags = ["--experimental-permits"];
+    let global = allocator_with(&rules, &dir.join("state"), None, "2s", &flags);
+    let reg = regional(&global.url(), "eu", None, &flags);
+    let addr = reg.grpc;
+    let (holder, other) = (
+        agent("permits-rr-0", &reg.url(), None, &[]),
+        agent("permits-rr-1", &reg.url(), None, &[]),
+    );
+    for ag in [&holder, &other] {
+        wait_ok(ag.http, "/readyz", Duration::from_secs(20));
+    }
+    let spans: Spans = Arc::default();
+    let mut hc = permits_client(&holder).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let r = hc.acquire(acquire_req(10_000)).await.unwrap().into_inner();
+        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
+        held.push((Instant::now(), r.permits[0].permit_id.clone()));
+    }
+    let start = Instant::now();
+    let end = start + Duration::from_secs(1) + 2 * TTL_MAX + Duration::from_secs(2);
+    let mut tasks = Vec::new();
+    for i in 0..6u64 {
+        let mut c = permits_client(&other).await;
+        let spans = spans.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            while Instant::now() < end {
+                let Ok(r) = c.acquire(acquire_req(500)).await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let r = r.into_inner();
+                if r.outcome != AcquireOutcome::Acquired as i32 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                let from = Instant::now();
+                tokio::time::sleep(Duration::from_millis(20 + (i * 13) % 40)).await;
+                let to = Instant::now();
+                let _ = c
+                    .release(ReleaseRequest {
+                        permit_id: r.permits[0].permit_id.clone(),
+                    })
+                    .await;
+                spans.lock().push((from, to));
+                got.push(from);
+            }
+            got
+        }));
+    }
+    // The holder renews both permits every 200 ms; the regional dies at
+    // 1 s and a new one starts on its address at once.
+    let mut reg = Some(reg);
+    let mut restarted = None;
+    let mut last_expiry = [Instant::now(); 2];
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if restarted.is_none() && start.elapsed() >= Duration::from_secs(1) {
+            reg.take().expect("running").kill9();
+            reg = Some(regional_at(&global.url(), "eu", Some(addr), None, &flags));
+            restarted = Some(Instant::now());
+        }
+        for (i, (_, id)) in held.iter().enumerate() {
+            let asked = Instant::now();
+            let since = restarted.map(|r| r.elapsed());
+            let r = renew_held(&mut hc, id, ("after the regional's restart", since)).await;
+            last_expiry[i] = asked + Duration::from_millis(r.expires_in_ms);
+        }
+    }
+    let restarted = restarted.expect("restarted");
+    for (i, (from, id)) in held.iter().enumerate() {
+        let to = Instant::now().min(last_expiry[i]);
+        let rel = hc
+            .release(ReleaseRequest {
+                permit_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(rel.released, "{rel:?}");
+        spans.lock().push((*from, to));
+    }
+    let mut others = Vec::new();
+    for t in tasks {
+        others.extend(t.await.unwrap());
+    }
+    let (_, m) = http_get(reg.as_ref().expect("running").http, "/metrics");
+    let resumed = metric(&m, "quotalease_regional_slots_resumed_total");
+    let spans = spans.lock().clone();
+    let most = most_at_once(&spans);
+    let after = others.iter().filter(|&&a| a >= restarted + TTL_MAX).count();
+    eprintln!(
+        "e2e permits: 2 permits held and renewed across a regional SIGKILL and restart ({:?} of renewals after it; {resumed:?} slots resumed); the region's other agent served {} acquires ({after} from 2 s after the restart), at most {most} held at once (N = 5)",
+        end.saturating_duration_since(restarted),
+        others.len()
+    );
+    assert!(resumed.is_some_and(|s| s >= 2.0), "{resumed:?}");
+    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(
+        after > 0,
+        "the other agent was not served after the restart"
+    );
+}
+
 /// A release through another agent (SPEC §5: the dispatcher acquires, the
 /// worker releases), over HTTP between real processes: `202` forwarded;
 /// the holder gets it in its next reply from the allocator and releases

@@ -861,6 +861,15 @@ impl Permits {
             let Some(e) = st.keys.get_mut(&key) else {
                 continue;
             };
+            if g.status == GrantStatus::Resuming as i32 {
+                // A regional that restarted does not know yet whether its
+                // parent still covers the lease the ask named: nothing was
+                // applied and the lease stands as it was; asked again (a
+                // tick later) as after a call that got no answer.
+                tracing::debug!(detail = %g.detail, rule = %key.rule(), "permits: slot ask not applied (a regional starting); asked again");
+                e.asking.not_answered();
+                continue;
+            }
             let granted = if g.status == GrantStatus::Granted as i32 {
                 Granted {
                     lease_id: g.lease_id,

@@ -249,6 +249,9 @@ pub struct Stats {
     pub slots_granted: u64,
     /// Slot leases given back.
     pub slot_releases: u64,
+    /// Children's slot asks naming a predecessor's lease answered
+    /// `RESUMING` (a regional's pool before its chain's resume).
+    pub slot_resume_waits: u64,
     /// Permit releases forwarded to their holder (PERMIT_RELEASE items
     /// queued for it; handed over in its next reply).
     pub forwarded_releases: u64,

@@ -188,6 +188,12 @@ pub struct RegionalStats {
     pub slot_chain_breaks: u64,
     /// Parent slot leases that reached their deadline unrenewed.
     pub slot_chains_lapsed: u64,
+    /// Parent slot leases resumed with slots of a predecessor's (this
+    /// regional restarted while its children held permits), and those
+    /// slots.
+    pub slot_resumes: u64,
+    /// See `slot_resumes`.
+    pub slots_resumed: u64,
 }
 
 /// A key's chain of parent leases, as seen from outside (for `/v1/keys`).
@@ -620,8 +626,19 @@ impl RegionalCore {
                 grants: batch
                     .items
                     .iter()
-                    .map(|_| Grant {
-                        status: GrantStatus::UnknownRule as i32,
+                    .map(|item| Grant {
+                        // A slot lease renewed before the parent's rules
+                        // came (a restart): nothing applied, the lease
+                        // stands (a refusal would end its permits at their
+                        // use-by; docs/permits.md "A regional restart").
+                        status: if !self.stopping
+                            && item.kind == quotalease_proto::lease::ItemKind::Slots as i32
+                            && item.lease_id != 0
+                        {
+                            GrantStatus::Resuming as i32
+                        } else {
+                            GrantStatus::UnknownRule as i32
+                        },
                         retry_after_ms: self.cfg.renew_interval_ns.div_ceil(MS).max(1),
                         parent_unreachable: !self.reachable,
                         detail: why.clone(),

@@ -41,6 +41,18 @@
 //!   is granted while the phantom stands, so the slots counted then never
 //!   fall below what the predecessor could have lent; the adopted leases
 //!   just let their permits be renewed across the restart.
+//! * **Resume** (a regional allocator that restarted, docs/permits.md
+//!   "A regional restart"): its first ask of a key names no lease and
+//!   says `resume`; the grant keeps every slot of the holder's leases
+//!   here (they become the one new lease, expiring no earlier than any),
+//!   so the new instance learns what its predecessor may have lent on.
+//!   Its pool ([`SlotLedger::await_resume`]) answers nothing to children
+//!   naming the predecessor's leases until then, and then holds those
+//!   slots in a phantom of exactly that size ([`SlotLedger::resumed`]),
+//!   which the children's renewals adopt from: fresh slots are lent
+//!   beside it, since it covers all the predecessor could have lent. An
+//!   adopted lease in a pool is counted until the phantom's end, but
+//!   never told to expire after the pool's cap.
 //! * **Fencing**: each grant of slots takes the next number of a per-key
 //!   counter (`fence`); the holder stamps its permits on that lease with
 //!   `fence << 20 | a local sequence number`, so a permit stamped on a
@@ -107,6 +119,12 @@ pub struct SlotAsk {
     /// Fencing numbers wanted (a regional's block for its children's
     /// grants; 0 or 1: one). The grant's `fence` is the block's first.
     pub fences: u64,
+    /// With `lease_id` 0: the holder restarted and knows none of its
+    /// leases (a regional allocator): the new lease keeps every slot of
+    /// every lease it holds here, expiring no earlier than any of them,
+    /// so what its predecessor lent on stays counted and the new
+    /// instance learns how much that may be (module docs, "Resume").
+    pub resume: bool,
 }
 
 /// The largest block of fencing numbers one grant takes.
@@ -189,6 +207,10 @@ pub struct SlotLedger {
     /// first lease id of this ledger's own (lower ids are predecessors'),
     /// and the predecessor ids adopted so far.
     predecessor: Option<Predecessor>,
+    /// A regional's pool before its chain's resume was answered: children
+    /// naming a lease id below this (the predecessor's) are answered
+    /// nothing yet ([`SlotLedger::awaits_resume`]).
+    awaiting_resume: Option<u64>,
 }
 
 /// See [`SlotLedger::after_restart`].
@@ -197,6 +219,9 @@ struct Predecessor {
     until_ns: u64,
     own_ids_from: u64,
     adopted: Vec<u64>,
+    /// The phantom holds exactly what the predecessor may have lent (a
+    /// resumed pool), not all `N`: fresh slots may be lent beside it.
+    exact: bool,
 }
 
 impl SlotLedger {
@@ -214,7 +239,59 @@ impl SlotLedger {
             share: u64::MAX,
             seen: Vec::new(),
             predecessor: None,
+            awaiting_resume: None,
         }
+    }
+
+    /// A regional's pool of an instance that may have a predecessor: until
+    /// [`SlotLedger::resumed`], asks naming a lease id below
+    /// `own_ids_from` are to be answered nothing ([`SlotLedger::awaits_resume`]).
+    pub fn await_resume(&mut self, own_ids_from: u64) {
+        self.awaiting_resume = Some(own_ids_from);
+    }
+
+    /// Whether an ask naming `lease_id` must wait for the chain's resume:
+    /// it names a predecessor's lease, which only the resume can say is
+    /// covered (answered now, it would keep nothing).
+    pub fn awaits_resume(&self, lease_id: u64) -> bool {
+        self.awaiting_resume
+            .is_some_and(|from| lease_id != 0 && lease_id < from)
+    }
+
+    /// The chain's resume was answered: `kept` slots of the parent's grant
+    /// are what the predecessor may have lent on, in use at most until
+    /// `until_ns` (this clock). They go to a phantom of that size, which
+    /// children's asks naming predecessors' leases adopt from; fresh slots
+    /// are lent beside it. Does nothing unless the pool awaited a resume.
+    pub fn resumed(&mut self, kept: u64, until_ns: u64) {
+        let Some(own_ids_from) = self.awaiting_resume.take() else {
+            return;
+        };
+        if kept == 0 {
+            return;
+        }
+        self.leases.retain(|l| l.holder != PHANTOM);
+        self.leases.push(SlotLease {
+            id: 0,
+            holder: PHANTOM,
+            slots: kept,
+            expires_ns: until_ns,
+            kept: 0,
+            fence: 0,
+            adopted: false,
+        });
+        self.predecessor = Some(Predecessor {
+            until_ns,
+            own_ids_from,
+            adopted: Vec::new(),
+            exact: true,
+        });
+    }
+
+    /// Nothing fresh may be lent: a predecessor's leases may be out and
+    /// the phantom holds all `N` for them (not a resumed pool's exact one).
+    fn phantom_blocks(&self) -> bool {
+        self.predecessor.as_ref().is_some_and(|p| !p.exact)
     }
 
     /// A regional allocator's pool of one key (docs/permits.md "Through
@@ -300,6 +377,7 @@ impl SlotLedger {
             until_ns,
             own_ids_from,
             adopted,
+            exact: false,
         });
     }
 
@@ -320,10 +398,11 @@ impl SlotLedger {
         &self.leases
     }
 
-    /// Nothing lent and no demand within the window (as of the last
-    /// [`SlotLedger::advance`]): the ledger may be dropped.
+    /// Nothing lent, no demand within the window (as of the last
+    /// [`SlotLedger::advance`]) and no resume awaited: the ledger may be
+    /// dropped.
     pub fn is_idle(&self) -> bool {
-        self.leases.is_empty() && self.demand.is_empty()
+        self.leases.is_empty() && self.demand.is_empty() && self.awaiting_resume.is_none()
     }
 
     /// Holders with a lease or a recent ask (as of the last
@@ -356,7 +435,7 @@ impl SlotLedger {
     /// none while a predecessor's leases may be out or past the pool's cap
     /// (as of the last [`SlotLedger::advance`]).
     pub fn room(&self, now_ns: u64) -> u64 {
-        if self.predecessor.is_some() || self.cap_ns <= now_ns {
+        if self.phantom_blocks() || self.cap_ns <= now_ns {
             return 0;
         }
         self.lendable().saturating_sub(self.held())
@@ -426,7 +505,7 @@ impl SlotLedger {
                 slots: l.slots,
                 kept: l.kept,
                 fresh: l.slots - l.kept,
-                expires_ns: l.expires_ns,
+                expires_ns: l.expires_ns.min(self.cap_ns),
                 fence: l.fence,
                 contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
                 over: self.held() > self.n || (l.adopted && self.predecessor.is_some()),
@@ -462,6 +541,22 @@ impl SlotLedger {
                 expires_ns = expires_ns.max(self.leases[i].expires_ns);
             }
             self.leases.swap_remove(i);
+        } else if ask.resume && ask.lease_id == 0 {
+            // The holder's predecessor's leases become this one.
+            let (mut slots, mut until) = (0u64, 0u64);
+            self.leases.retain(|l| {
+                let mine = l.holder == ask.holder && l.holder != PHANTOM;
+                if mine {
+                    slots = slots.saturating_add(l.slots);
+                    until = until.max(l.expires_ns);
+                    adopted |= l.adopted;
+                }
+                !mine
+            });
+            if slots > 0 {
+                kept = slots;
+                expires_ns = expires_ns.max(until);
+            }
         } else {
             let slots = self.adopt(&ask);
             if slots > 0 {
@@ -475,7 +570,7 @@ impl SlotLedger {
         }
         let held = self.held() + kept;
         // Nothing fresh while the phantom stands (module docs).
-        let room = if self.predecessor.is_some() || self.cap_ns <= now_ns {
+        let room = if self.phantom_blocks() || self.cap_ns <= now_ns {
             0
         } else {
             self.lendable().saturating_sub(held)
@@ -544,7 +639,13 @@ impl SlotLedger {
             slots,
             kept,
             fresh,
-            expires_ns: if slots > 0 { expires_ns } else { 0 },
+            // A pool counts an adopted lease until the phantom's end, but
+            // tells no expiry past its cap (its parent lease's deadline).
+            expires_ns: if slots > 0 {
+                expires_ns.min(self.cap_ns)
+            } else {
+                0
+            },
             fence,
             contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
             share,
@@ -554,6 +655,19 @@ impl SlotLedger {
             // flight across the restart), which only the phantom counts;
             // the permits that move onto it are covered either way.
             over: self.held() > self.n || adopted,
+        }
+    }
+
+    /// A restarted holder resumes its predecessors' leases (another
+    /// process of the same id and principal: a regional allocator draws a
+    /// new instance nonce at each start): the non-phantom leases of
+    /// `from` become `to`'s, to be folded by `to`'s `resume` ask. Counted
+    /// slots and expiries do not change.
+    pub fn reassign(&mut self, from: &[HolderId], to: HolderId) {
+        for l in self.leases.iter_mut() {
+            if l.holder != PHANTOM && from.contains(&l.holder) {
+                l.holder = to;
+            }
         }
     }
 

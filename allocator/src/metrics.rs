@@ -193,6 +193,11 @@ impl Collector for Snapshot {
                 st.slot_releases,
             ),
             (
+                "quotalease_allocator_slot_resume_waits_total",
+                "Slot asks naming a lease of a restarted regional's predecessor answered RESUMING (asked again once the regional resumed the key's parent lease).",
+                st.slot_resume_waits,
+            ),
+            (
                 "quotalease_allocator_permit_releases_forwarded_total",
                 "Permit releases forwarded to their holder through this allocator.",
                 st.forwarded_releases,
@@ -307,6 +312,16 @@ impl Collector for Snapshot {
                 "quotalease_regional_slot_chains_lapsed_total",
                 "Parent slot leases that reached their deadline unrenewed (a cut).",
                 st.slot_chains_lapsed,
+            ),
+            (
+                "quotalease_regional_slot_resumes_total",
+                "Parent slot leases resumed after a restart with slots the predecessor's children may hold (adopted by their renewals).",
+                st.slot_resumes,
+            ),
+            (
+                "quotalease_regional_slots_resumed_total",
+                "Slots of the predecessor's parent slot leases kept by those resumes.",
+                st.slots_resumed,
             ),
             (
                 "quotalease_regional_tokens_from_parent_total",

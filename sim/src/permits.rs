@@ -133,6 +133,11 @@ pub struct PermitFaults {
     /// clients' permits go on counting until their expiries (they do not
     /// know), its waiters are gone.
     pub crashes: Vec<(u64, usize)>,
+    /// Regional `.1` crashes at `.0` and a new process starts at once: its
+    /// pool, chain and reply cache are gone; its agents keep their leases
+    /// and renew them with the new one, which resumes its parent slot
+    /// lease (docs/permits.md "A regional restart").
+    pub region_restarts: Vec<(u64, usize)>,
 }
 
 /// How long a regional waits for its parent's reply (its default
@@ -268,6 +273,14 @@ pub struct PermitReport {
     pub region_breaks: u64,
     /// See `region_asks`.
     pub region_lapses: u64,
+    /// Regional restarts, the slots their resumes kept of the
+    /// predecessors' parent leases, and the agents' asks answered
+    /// `RESUMING` meanwhile.
+    pub region_restarts: u64,
+    /// See `region_restarts`.
+    pub slots_resumed: u64,
+    /// See `region_restarts`.
+    pub resume_waits: u64,
     /// Wake-ups sent (agents' and regionals'), and those answered with
     /// room or contention.
     pub wakeups: u64,
@@ -353,6 +366,16 @@ enum Ev {
     Restart,
     Crash {
         a: usize,
+    },
+    RegionRestart {
+        r: usize,
+    },
+    /// A regional that restarted answered agent `a`'s ask `RESUMING`:
+    /// nothing applied.
+    NotApplied {
+        a: usize,
+        inc: u32,
+        seq: u64,
     },
     /// A regional looks at its parent slot lease (every tick, and at once
     /// when a child missed slots).
@@ -492,16 +515,19 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     let mut q = Queue::default();
     let no_regions = PermitRegions::default();
     let regions = cfg.regions.as_ref().unwrap_or(&no_regions);
-    let mut regionals: Vec<Regional> = regions
-        .delays_ns
-        .iter()
-        .map(|_| Regional {
+    // A regional's process: a pool whose children may name leases of a
+    // predecessor (ids below `own_ids_from`) until its chain resumed.
+    let regional = |own_ids_from: u64, seq: u64| {
+        let mut pool = SlotLedger::new_pool(0);
+        pool.await_resume(own_ids_from);
+        Regional {
             chain: SlotChain::default(),
-            pool: SlotLedger::new_pool(0),
+            pool,
             asking: None,
-            seq: 0,
-        })
-        .collect();
+            seq,
+        }
+    };
+    let mut regionals: Vec<Regional> = regions.delays_ns.iter().map(|_| regional(1, 0)).collect();
     for r in 0..regionals.len() {
         q.post(r as u64 * 11 * MS, Ev::RegionTick { r, periodic: true });
     }
@@ -524,6 +550,11 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     }
     for &(t, a) in &cfg.faults.crashes {
         q.post(t, Ev::Crash { a });
+    }
+    for &(t, r) in &cfg.faults.region_restarts {
+        if r < regionals.len() {
+            q.post(t, Ev::RegionRestart { r });
+        }
     }
     let mut r = PermitReport {
         arrivals_by_agent: vec![0; cfg.delays_ns.len()],
@@ -632,6 +663,33 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 // this allocator: a restart empties it) gets the same
                 // answer.
                 let cached = replies.get(&(a, inc, sent.seq)).copied();
+                let region = regions.agent_region.get(a).copied();
+                if cached.is_none()
+                    && region.is_some_and(|rg| regionals[rg].pool.awaits_resume(sent.lease_id))
+                {
+                    // A restarted regional before its resume: nothing
+                    // applied (`RESUMING`); its upstream side looks at once.
+                    r.resume_waits += 1;
+                    let rg = region.expect("checked");
+                    q.post(
+                        now,
+                        Ev::RegionTick {
+                            r: rg,
+                            periodic: false,
+                        },
+                    );
+                    if !lost_reply {
+                        q.post(
+                            now + cfg.delays_ns[a],
+                            Ev::NotApplied {
+                                a,
+                                inc,
+                                seq: sent.seq,
+                            },
+                        );
+                    }
+                    continue;
+                }
                 let (granted, contended, holders) = match cached {
                     Some(c) => c,
                     None => {
@@ -639,7 +697,6 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                         next_lease += 1;
                         // The agent's allocator: its regional's pool, or
                         // the allocator's ledger.
-                        let region = regions.agent_region.get(a).copied();
                         let lender = match region {
                             Some(rg) => &mut regionals[rg].pool,
                             None => &mut ledger,
@@ -766,6 +823,49 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 ledger =
                     SlotLedger::after_restart(cfg.n, (restarts + 1) << 32, now + wait, next_lease);
             }
+            Ev::NotApplied { a, inc, seq } => {
+                let ag = &mut agents[a];
+                if ag.inc == inc && ag.asking == Some(seq) {
+                    // As the driver: the lease stands; asked again on the
+                    // next tick.
+                    ag.asking = None;
+                    ag.policy.not_answered();
+                }
+            }
+            Ev::RegionRestart { r: rg } => {
+                r.region_restarts += 1;
+                // Its sequence numbers go on (the parent's reply cache of
+                // the old process is then never hit); its children's reply
+                // cache is gone.
+                let seq = regionals[rg].seq;
+                regionals[rg] = regional(next_lease, seq);
+                replies.retain(|&(a, _, _), _| regions.agent_region.get(a) != Some(&rg));
+                // Wake-ups waiting at its pool fail.
+                wake_waits.retain(|w| {
+                    if let (Lender::Pool(p), Waker::Agent { a, .. }) = (w.lender, w.who) {
+                        if p == rg {
+                            q.post(
+                                now + cfg.delays_ns[a],
+                                Ev::WakeAnswer {
+                                    who: w.who,
+                                    served: false,
+                                    room: false,
+                                    contended: false,
+                                },
+                            );
+                            return false;
+                        }
+                    }
+                    true
+                });
+                q.post(
+                    now,
+                    Ev::RegionTick {
+                        r: rg,
+                        periodic: false,
+                    },
+                );
+            }
             Ev::Crash { a } => {
                 let ag = &mut agents[a];
                 let held: Vec<(u64, u64)> = ag
@@ -823,6 +923,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                                 ttl_ns: (2_000 * MS).min(ttl_max),
                                 new_id: id,
                                 fences: FENCES_PER_PARENT_GRANT,
+                                resume: ask.resume,
                             },
                         );
                         let pg = ParentSlotGrant {
@@ -855,10 +956,10 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let reg = &mut regionals[rg];
                 if reg.asking.is_some_and(|(s, _)| s == seq) {
                     reg.asking = None;
-                    if reg.chain.on_grant(now, &g, &mut reg.pool, &REGION_TIMES)
-                        == ChainChange::Broke
-                    {
-                        r.region_breaks += 1;
+                    match reg.chain.on_grant(now, &g, &mut reg.pool, &REGION_TIMES) {
+                        ChainChange::Broke => r.region_breaks += 1,
+                        ChainChange::Resumed(kept) => r.slots_resumed += kept,
+                        ChainChange::None => {}
                     }
                 }
             }

@@ -523,10 +523,24 @@ pub fn cluster(name: &str, rules_yaml: &str, n: usize) -> Cluster {
 /// Start a regional allocator under `parent_url` for `region` (optional
 /// bootstrap rules; `extra` flags appended).
 pub fn regional(parent_url: &str, region: &str, rules: Option<&Path>, extra: &[&str]) -> Proc {
+    regional_at(parent_url, region, None, rules, extra)
+}
+
+/// [`regional`] listening for its children on `listen` (a restart on the
+/// address its predecessor had) or on any port.
+pub fn regional_at(
+    parent_url: &str,
+    region: &str,
+    listen: Option<SocketAddr>,
+    rules: Option<&Path>,
+    extra: &[&str],
+) -> Proc {
+    let fixed = listen.is_some();
+    let listen = listen.map_or("127.0.0.1:0".into(), |a| a.to_string());
     let mut args: Vec<String> = vec![
         "allocator".into(),
         "--listen".into(),
-        "127.0.0.1:0".into(),
+        listen,
         "--http".into(),
         "127.0.0.1:0".into(),
         "--parent".into(),
@@ -539,7 +553,20 @@ pub fn regional(parent_url: &str, region: &str, rules: Option<&Path>, extra: &[&
         args.push(r.display().to_string());
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::spawn(&format!("regional-{region}"), &args)
+    let name = format!("regional-{region}");
+    // A restart on the same address may find the port held for a moment
+    // (see `allocator_of`).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match Proc::try_spawn(&name, &args) {
+            Ok(p) => return p,
+            Err(line) if fixed && Instant::now() < deadline => {
+                eprintln!("{name} did not start ({line:?}); trying again");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(line) => panic!("{name}: no start line: {line:?}"),
+        }
+    }
 }
 
 /// The value of an unlabelled metric in a Prometheus text body.

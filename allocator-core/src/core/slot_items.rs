@@ -33,6 +33,10 @@ use quotalease_proto::lease::ItemKind;
 use super::*;
 use crate::slots::{SlotAsk, SlotLedger};
 
+/// A child's ask that waits for a regional's resume is told to ask again
+/// after this long (about a round trip to the parent).
+const RESUME_RETRY_MS: u64 = 20;
+
 impl AllocatorCore {
     /// A `SLOTS` or `SLOTS_RELEASE` item.
     pub(super) fn slot_item(
@@ -113,7 +117,11 @@ impl AllocatorCore {
                 // lease says how much (`slots::chain`).
                 _ if self.pooled.is_some() => {
                     self.new_slot_keys.push(key.clone());
-                    SlotLedger::new_pool(0)
+                    let mut pool = SlotLedger::new_pool(0);
+                    // Children may name leases of this regional's
+                    // predecessor: they wait for the chain's resume.
+                    pool.await_resume(self.fence_clock.0);
+                    pool
                 }
                 Some(until) if now_ns < until => {
                     SlotLedger::after_restart(n, base, until, self.fence_clock.0)
@@ -122,9 +130,38 @@ impl AllocatorCore {
             };
             self.slot_keys.insert(key.clone(), ledger);
         }
+        let ledger = self.slot_keys.get_mut(&key).expect("inserted above");
+        if ledger.awaits_resume(item.lease_id) {
+            // Answered now it would keep nothing, and the child's permits
+            // on it would end at their use-by: the chain's resume (asked
+            // at once: `opening`) says how much of it the parent covers.
+            self.stats.slot_resume_waits += 1;
+            return Grant {
+                status: GrantStatus::Resuming as i32,
+                rule_version: version,
+                retry_after_ms: RESUME_RETRY_MS,
+                opening: true,
+                detail: "lease_id: a lease of this regional's predecessor; it is resuming the key's parent lease: ask again".into(),
+                ..Grant::default()
+            };
+        }
+        if item.resume {
+            // Its predecessors are the other processes of its id and
+            // principal (each drew its own instance nonce).
+            let me = self.holder_names.get(&holder);
+            let siblings: Vec<HolderId> = me.map_or(Vec::new(), |me| {
+                self.holders
+                    .iter()
+                    .filter(|(n, h)| {
+                        h.id != holder && n.principal == me.principal && n.agent_id == me.agent_id
+                    })
+                    .map(|(_, h)| h.id)
+                    .collect()
+            });
+            ledger.reassign(&siblings, holder);
+        }
         let new_id = self.next_lease_id;
         self.next_lease_id += 1;
-        let ledger = self.slot_keys.get_mut(&key).expect("inserted above");
         let g = ledger.ask(
             now_ns,
             SlotAsk {
@@ -135,6 +172,7 @@ impl AllocatorCore {
                 ttl_ns,
                 new_id,
                 fences: item.fences,
+                resume: item.resume,
             },
         );
         let ledger_holders = ledger.holders();

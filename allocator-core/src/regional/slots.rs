@@ -145,6 +145,7 @@ impl RegionalCore {
                 keep: pool.held(),
                 want: 0,
                 sent_ns: now_ns,
+                resume: false,
             };
             chain.sent(now_ns, ask, pool, &times);
             asks.push((key.clone(), ask));
@@ -220,8 +221,13 @@ impl RegionalCore {
                 chain.abandon();
                 continue;
             };
-            if chain.on_grant(now_ns, &pg, pool, &times) == ChainChange::Broke {
-                self.stats.slot_chain_breaks += 1;
+            match chain.on_grant(now_ns, &pg, pool, &times) {
+                ChainChange::Broke => self.stats.slot_chain_breaks += 1,
+                ChainChange::Resumed(kept) => {
+                    self.stats.slot_resumes += 1;
+                    self.stats.slots_resumed += kept;
+                }
+                ChainChange::None => {}
             }
         }
     }
@@ -238,6 +244,7 @@ fn slot_item(key: &KeyId, ask: &ParentSlotAsk) -> LeaseItem {
         keep: ask.keep,
         want: ask.want,
         fences: FENCES_PER_PARENT_GRANT,
+        resume: ask.resume,
         ..LeaseItem::default()
     }
 }

@@ -31,6 +31,19 @@
 //! * `over` from the parent (its `N` was lowered, or it restarted and
 //!   adopted this lease while its phantom stands): the pool lends nothing
 //!   fresh; the children keep what they hold.
+//! * **A restart** (docs/permits.md "A regional restart"): a chain's
+//!   first ask names no lease and says `resume`: the parent folds every
+//!   lease it holds for this regional of the key (its predecessor's) into
+//!   the new one, keeping their slots and expiring no earlier. The `kept`
+//!   slots are what the predecessor's children may still run permits on,
+//!   until at most the parent's expiry of them: the pool holds them in a
+//!   phantom of that size until then (on this clock, with the drift
+//!   margin), the children's renewals naming their leases adopt out of
+//!   it, and, from the send on, the renewals keep at least what the pool
+//!   holds. Until the resume is answered the pool answers children naming
+//!   a predecessor's lease `RESUMING` (nothing applied). A resume whose
+//!   batch failed is asked again; one the parent refused ends the wait
+//!   (those children's renewals then keep nothing).
 //! * A `share` from the parent (some holder there misses slots): the pool
 //!   lends at most the region's max-min share; children above it keep
 //!   what they hold and start nothing new until they are below it, and
@@ -69,6 +82,10 @@ pub struct ParentSlotAsk {
     pub want: u64,
     /// When it was first sent (its deadline counts from then).
     pub sent_ns: u64,
+    /// The chain's first ask since the regional started: the parent
+    /// folds every lease it holds for this holder into the new one, and
+    /// says how many slots it kept (module docs, "A restart").
+    pub resume: bool,
 }
 
 /// The parent's answer to a [`ParentSlotAsk`].
@@ -110,6 +127,9 @@ pub enum ChainChange {
     None,
     /// The chain broke: a new pool.
     Broke,
+    /// The resume kept this many slots of the predecessor's (the pool
+    /// holds them in a phantom the children's renewals adopt from).
+    Resumed(u64),
 }
 
 /// One key's parent slot lease at a regional allocator.
@@ -130,6 +150,8 @@ pub struct SlotChain {
     /// A wake-up of the parent is out, or none before this instant.
     waking: bool,
     wake_after_ns: u64,
+    /// The parent applied this chain's resume (its first ask).
+    resumed: bool,
 }
 
 /// What a chain wants to be woken for by its parent (`WaitSlots`).
@@ -194,6 +216,21 @@ impl SlotChain {
         let held = pool.held();
         let (demand, missing) = pool.demand();
         let paced = now_ns < self.next_ask_ns;
+        if !self.resumed {
+            // The first ask since this regional started, whether or not
+            // children miss slots: they may run permits on a predecessor's
+            // leases, which only the parent knows of.
+            if paced {
+                return None;
+            }
+            return Some(ParentSlotAsk {
+                lease_id: 0,
+                keep: 0,
+                want: demand.max(missing),
+                sent_ns: now_ns,
+                resume: true,
+            });
+        }
         if self.lease_id == 0 {
             if missing == 0 || paced {
                 return None;
@@ -203,6 +240,7 @@ impl SlotChain {
                 keep: 0,
                 want: demand.max(missing),
                 sent_ns: now_ns,
+                resume: false,
             });
         }
         let keep = if self.contended || self.over {
@@ -223,6 +261,7 @@ impl SlotChain {
                 keep,
                 want,
                 sent_ns: now_ns,
+                resume: false,
             });
         }
         None
@@ -305,6 +344,14 @@ impl SlotChain {
         };
         self.next_ask_ns = now_ns.saturating_add(t.tick_ns.max(g.retry_after_ns));
         if !g.applied {
+            if ask.resume {
+                // Refused (the rule is gone, a key limit, another shard):
+                // nothing to resume here; children naming a predecessor's
+                // lease keep nothing from now (their permits end at their
+                // use-by, as before resumes existed).
+                self.resumed = true;
+                pool.resumed(0, 0);
+            }
             return ChainChange::None;
         }
         self.contended = g.contended;
@@ -318,6 +365,19 @@ impl SlotChain {
             // it by a tick kept a region's waiters up to 50 ms from free
             // slots at the parent: docs/permits.md "Wait tail").
             self.next_ask_ns = now_ns.saturating_add(g.retry_after_ns);
+        }
+        if ask.resume {
+            self.resumed = true;
+            // The predecessor's children run permits on the kept slots at
+            // most until the parent's expiry of them: its `ttl` from the
+            // grant's instant (before now), on this clock at most that
+            // plus the drift margin, plus a millisecond of rounding.
+            let until = now_ns
+                .saturating_add(g.ttl_ns)
+                .saturating_add(quotalease_model::protocol::drift_margin_ns(g.ttl_ns))
+                .saturating_add(t.epsilon_ns)
+                .saturating_add(1_000_000);
+            pool.resumed(g.kept, until);
         }
         let broke = ask.lease_id != 0 && g.kept < ask.keep;
         if broke {
@@ -355,6 +415,8 @@ impl SlotChain {
         pool.set_other_holders(g.holders.saturating_sub(1));
         if broke {
             ChainChange::Broke
+        } else if ask.resume && g.kept > 0 {
+            ChainChange::Resumed(g.kept)
         } else {
             ChainChange::None
         }

@@ -18,6 +18,7 @@ fn ask(holder: HolderId, lease_id: u64, keep: u64, want: u64, new_id: u64) -> Sl
         ttl_ns: TTL,
         new_id,
         fences: 0,
+        resume: false,
     }
 }
 
@@ -526,4 +527,109 @@ fn four_holders_wanting_three_of_ten_get_all_ten() {
     let mut l = SlotLedger::new(10, 0);
     ask_in_rounds(&mut l, 4, 5, 50_000_000, 10, |kept| 3 - kept);
     assert_eq!(l.held(), 10);
+}
+
+/// A restarted regional's first ask of a key (`resume`) folds every lease
+/// the holder has of it into one that keeps all their slots and expires no
+/// earlier than any: what its predecessor's children may run on stays
+/// counted, and the new instance learns how much that is.
+#[test]
+fn a_resume_folds_the_holders_leases_into_one_that_keeps_them_all() {
+    let mut l = SlotLedger::new(10, 0);
+    l.ask(0, ask(1, 0, 0, 3, 100));
+    // A second lease of holder 1 (an ask whose reply was lost).
+    l.ask(500, ask(1, 0, 0, 2, 101));
+    l.ask(600, ask(2, 0, 0, 4, 102));
+    assert_eq!(l.held(), 9);
+    let g = l.ask(
+        700,
+        SlotAsk {
+            resume: true,
+            ..ask(1, 0, 0, 3, 103)
+        },
+    );
+    assert_eq!(
+        (g.lease_id, g.kept, g.fresh, g.slots),
+        (103, 5, 1, 6),
+        "{g:?}"
+    );
+    assert!(
+        g.expires_ns >= 500 + TTL,
+        "no earlier than the latest folded"
+    );
+    assert_eq!(
+        l.held(),
+        10,
+        "holder 2's lease untouched, nothing counted twice"
+    );
+    assert_eq!(l.leases().len(), 2);
+    // A holder with nothing here resumes nothing.
+    let g = l.ask(
+        800,
+        SlotAsk {
+            resume: true,
+            ..ask(3, 0, 0, 1, 104)
+        },
+    );
+    assert_eq!((g.kept, g.slots), (0, 0));
+    // Without `resume`, an ask naming no lease keeps nothing.
+    let g = l.ask(900, ask(2, 0, 0, 1, 105));
+    assert_eq!(g.kept, 0);
+    assert_eq!(l.held(), 10);
+}
+
+/// A regional's pool after a restart: children naming the predecessor's
+/// leases wait for the resume; then a phantom of exactly what the parent
+/// kept holds those slots, their renewals adopt out of it (never told an
+/// expiry past the pool's cap), and fresh slots are lent beside it.
+#[test]
+fn a_resumed_pool_adopts_the_predecessors_leases_and_lends_beside_them() {
+    let mut pool = SlotLedger::new_pool(0);
+    pool.await_resume(1_000);
+    assert!(pool.awaits_resume(7), "a predecessor's id");
+    assert!(!pool.awaits_resume(0), "no lease named");
+    assert!(!pool.awaits_resume(1_000), "an id of ours");
+    // The resume's grant: 5 slots, 3 of them kept from the predecessor.
+    let cap = TTL;
+    pool.set_pool(5, cap, 40, 16, false);
+    pool.resumed(3, 3 * TTL);
+    assert!(!pool.awaits_resume(7));
+    assert_eq!((pool.held(), pool.room(10)), (3, 2));
+    // A child renews its predecessor lease 7 keeping 2: adopted, and no
+    // new permit on it while the phantom stands.
+    let g = pool.ask(10, ask(1, 7, 2, 0, 1_000));
+    assert_eq!((g.lease_id, g.kept, g.fresh), (1_000, 2, 0));
+    assert!(g.over);
+    assert!(g.expires_ns <= cap, "told no expiry past the cap: {g:?}");
+    assert_eq!(pool.held(), 3, "out of the phantom");
+    // Fresh slots beside the phantom: 2, not more.
+    let g = pool.ask(20, ask(2, 0, 0, 4, 1_001));
+    assert_eq!(g.fresh, 2);
+    assert_eq!(pool.held(), 5);
+    // The adopted lease stays counted until the phantom's end, past the
+    // TTL it was told.
+    pool.set_pool(5, 4 * TTL, 0, 0, false);
+    pool.advance(2 * TTL);
+    assert_eq!(
+        pool.held(),
+        3,
+        "phantom 1 + adopted 2; the fresh lease expired"
+    );
+    pool.advance(3 * TTL);
+    assert_eq!(pool.held(), 0);
+    // A second resume changes nothing (the pool awaited only one).
+    pool.resumed(5, 5 * TTL);
+    assert_eq!(pool.held(), 0);
+}
+
+/// A pool that resumed nothing (its regional's first start, or nothing
+/// left at the parent) lends as any pool and adopts nothing.
+#[test]
+fn a_pool_that_resumed_nothing_adopts_nothing() {
+    let mut pool = SlotLedger::new_pool(0);
+    pool.await_resume(1_000);
+    pool.set_pool(2, TTL, 0, 0, false);
+    pool.resumed(0, 3 * TTL);
+    let g = pool.ask(10, ask(1, 7, 2, 1, 1_000));
+    assert_eq!((g.kept, g.fresh), (0, 1));
 }

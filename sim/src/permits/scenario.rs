@@ -126,6 +126,21 @@ pub struct Faults {
     /// Regions cut from the allocator (with `regions`).
     #[serde(default)]
     pub cuts: Vec<Cut>,
+    /// Regional allocators that crash and start again at once (with
+    /// `regions`): their agents renew with the new process, which resumes
+    /// the parent slot lease.
+    #[serde(default)]
+    pub region_restarts: Vec<RegionRestart>,
+}
+
+/// A regional allocator's restart.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionRestart {
+    /// When (s).
+    pub at_s: f64,
+    /// Which region (numbered from 0).
+    pub region: usize,
 }
 
 /// An agent's crash.
@@ -375,6 +390,25 @@ impl PermitScenario {
                 );
             }
         }
+        for (i, x) in f.region_restarts.iter().enumerate() {
+            if self.regions.is_empty() {
+                bad(
+                    &format!("faults.region_restarts[{i}]"),
+                    "regional restarts need regions".into(),
+                );
+            } else if x.region >= self.regions.len() {
+                bad(
+                    &format!("faults.region_restarts[{i}].region"),
+                    format!("{}: there are {} regions", x.region, self.regions.len()),
+                );
+            }
+            if !(x.at_s >= 0.0 && x.at_s < run_s) {
+                bad(
+                    &format!("faults.region_restarts[{i}].at_s"),
+                    format!("{}: must be within the run (0 to {run_s} s)", x.at_s),
+                );
+            }
+        }
         e
     }
 
@@ -452,6 +486,12 @@ impl PermitScenario {
                     .crashes
                     .iter()
                     .map(|c| (ns(c.at_s), c.agent))
+                    .collect(),
+                region_restarts: self
+                    .faults
+                    .region_restarts
+                    .iter()
+                    .map(|x| (ns(x.at_s), x.region))
                     .collect(),
             },
             regions,
@@ -591,13 +631,20 @@ pub fn report_md(sc: &PermitScenario, seed: u64, r: &PermitReport) -> String {
         "| wake-ups | {} ({} answered with room or contention) |",
         r.wakeups, r.wakeups_answered
     );
-    if sc.faults.loss > 0.0 || !sc.faults.restarts_s.is_empty() || !sc.faults.crashes.is_empty() {
+    if sc.faults.loss > 0.0
+        || !sc.faults.restarts_s.is_empty()
+        || !sc.faults.crashes.is_empty()
+        || !sc.faults.region_restarts.is_empty()
+    {
         let _ = writeln!(
             s,
-            "| faults | {} messages lost, {} allocator restarts, {} permits orphaned by agent crashes |",
+            "| faults | {} messages lost, {} allocator restarts, {} permits orphaned by agent crashes, {} regional restarts ({} slots resumed, {} asks answered RESUMING) |",
             r.lost_messages,
             sc.faults.restarts_s.len(),
-            r.orphaned
+            r.orphaned,
+            r.region_restarts,
+            r.slots_resumed,
+            r.resume_waits
         );
     }
     let _ = writeln!(

@@ -85,6 +85,14 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         }
     }
     let wakeups = g.chance(0.8);
+    // Drawn last: the plans of seeds without regions are as before.
+    let region_restarts = if regions > 0 {
+        (0..g.below(3))
+            .map(|_| (at(&mut g), g.below(regions as u64) as usize))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let cfg = PermitSimConfig {
         seed,
         n,
@@ -99,13 +107,14 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
             loss,
             restarts_ns,
             crashes,
+            region_restarts,
         },
         regions: regions_cfg,
         wakeups,
         shares: true,
     };
     let what = format!(
-        "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, wake-ups {}",
+        "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, {} regional restarts, wake-ups {}",
         if regions > 0 {
             format!(" in {regions} regions")
         } else {
@@ -116,6 +125,7 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         cfg.faults.restarts_ns.len(),
         cfg.faults.crashes.len(),
         cfg.regions.as_ref().map_or(0, |r| r.cuts.len()),
+        cfg.faults.region_restarts.len(),
         if wakeups { "on" } else { "off" },
     );
     (cfg, what)

@@ -540,3 +540,57 @@ fn a_forwarded_release_reaches_its_holder_once_within_its_principal() {
         .remove(0);
     assert_eq!(g.status, GrantStatus::UnknownHolder as i32);
 }
+
+/// A `resume` folds the leases of the other processes of the asker's id
+/// and principal (a regional that restarted drew a new instance nonce),
+/// keeping their slots, and nobody else's: not another id's, not the same
+/// id under another principal (SPEC §8).
+#[test]
+fn a_resume_folds_the_leases_of_the_askers_other_processes_only() {
+    let mut c = core(T, true);
+    let take = |c: &mut AllocatorCore, principal: &str, id: &str, inst: u64, want: u64| {
+        from(
+            c,
+            T,
+            principal,
+            id,
+            inst,
+            1,
+            vec![slots("gen", "t", "/gen", 0, 0, want)],
+        )
+        .grants[0]
+            .tokens
+    };
+    // The old process of region/eu (instance 1), another region, and a
+    // process of region/eu under another principal.
+    assert_eq!(take(&mut c, "p", "region/eu", 1, 2), 2);
+    assert_eq!(take(&mut c, "p", "region/us", 2, 1), 1);
+    assert_eq!(take(&mut c, "q", "region/eu", 3, 1), 1);
+    let resume = LeaseItem {
+        resume: true,
+        ..slots("gen", "t", "/gen", 0, 0, 0)
+    };
+    let g = from(&mut c, T + MS, "p", "region/eu", 4, 1, vec![resume]).grants[0].clone();
+    assert_eq!(
+        (g.carried, g.tokens),
+        (2, 2),
+        "region/eu's old lease only: {g:?}"
+    );
+    assert!(g.ttl_ms >= 999, "no earlier than the folded lease: {g:?}");
+    let ledger = c.slot_ledger_mut(&key("gen", "t", "/gen")).unwrap();
+    assert_eq!(ledger.held(), 4, "nothing counted twice or dropped");
+    assert_eq!(ledger.leases().len(), 3);
+    // Without `resume`, a new process keeps nothing of its predecessor's.
+    let g = from(
+        &mut c,
+        T + 2 * MS,
+        "p",
+        "region/us",
+        5,
+        1,
+        vec![slots("gen", "t", "/gen", 0, 0, 0)],
+    )
+    .grants[0]
+        .clone();
+    assert_eq!(g.carried, 0);
+}

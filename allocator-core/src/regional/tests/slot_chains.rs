@@ -31,11 +31,26 @@ fn parent_of(now: u64, restarted_from: Option<u64>) -> AllocatorCore {
 }
 
 fn slot_regional(region: &str, now: u64) -> RegionalCore {
+    slot_regional_run(region, now, 0)
+}
+
+/// The regional's `run`-th process (0: its first start): a larger
+/// incarnation, and lease ids above every one its predecessors gave.
+fn slot_regional_run(region: &str, now: u64, run: u64) -> RegionalCore {
     let cfg = RegionalConfig {
         region: region.into(),
+        // Each process draws its own instance nonce: the parent sees
+        // another holder of the same id.
+        instance: run + 1,
         ..RegionalConfig::default()
     };
-    RegionalCore::new(cfg, Some(permit_rules(0)), 7_000_000, 5_000_000, now)
+    RegionalCore::new(
+        cfg,
+        Some(permit_rules(0)),
+        7_000_000 + run * 1_000_000_000,
+        5_000_000 + (run << 32),
+        now,
+    )
 }
 
 /// A child of a regional and the slot leases it may be using.
@@ -379,6 +394,11 @@ enum Step {
         r: usize,
     },
     Restart,
+    /// Regional `r`'s process is replaced by a new one (its reply on the
+    /// way is lost with it); its children keep their leases.
+    RegionRestart {
+        r: usize,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -390,6 +410,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => prop_oneof![3 => 1..60u64, 1 => 60..800u64].prop_map(|ms| Step::Wait { ms }),
         1 => (0..2usize).prop_map(|r| Step::Cut { r }),
         1 => Just(Step::Restart),
+        1 => (0..2usize).prop_map(|r| Step::RegionRestart { r }),
     ]
 }
 
@@ -408,6 +429,7 @@ proptest! {
         let mut base = 1_000_000u64;
         let mut on_the_way: [Option<LeaseReply>; 2] = [None, None];
         let mut cut = [false, false];
+        let mut runs = [0u64, 0];
         for s in steps {
             match s {
                 Step::Ask { r, c, want, give_back } => {
@@ -448,6 +470,11 @@ proptest! {
                 Step::Restart => {
                     base += 1 << 32;
                     parent = parent_of(now, Some(base));
+                }
+                Step::RegionRestart { r } => {
+                    runs[r] += 1;
+                    regs[r] = slot_regional_run(["eu", "us"][r], now, runs[r]);
+                    on_the_way[r] = None;
                 }
             }
             prop_assert!(i4(&kids, now).is_ok(), "{}", i4(&kids, now).unwrap_err());
@@ -543,4 +570,58 @@ fn a_region_whose_child_never_gives_back_drains_to_its_share() {
         us_max >= 3,
         "us starved: it held at most {us_max} of its share 4"
     );
+}
+
+/// A regional restarted while a child held slots: the child's renewal
+/// naming its lease waits (`RESUMING`, nothing applied) until the new
+/// regional has resumed the key's parent lease, then adopts; its slots
+/// stay its own across the restart and beyond the phantom, and the
+/// region's other child gets the rest of `N`, never more.
+#[test]
+fn a_restarted_regional_resumes_and_its_childrens_leases_renew_on() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut reg = slot_regional("eu", now);
+    let (mut a, mut b) = (Child::default(), Child::default());
+    child_ask(&mut reg, now, "a", &mut a, 3, false);
+    poll(&mut reg, &mut parent, now, Link::Up);
+    now += 60 * MS;
+    assert_eq!(child_ask(&mut reg, now, "a", &mut a, 3, false).tokens, 3);
+    // The regional's process is replaced.
+    now += 10 * MS;
+    let mut reg = slot_regional_run("eu", now, 1);
+    let g = child_ask(&mut reg, now, "a", &mut a, 0, false);
+    assert_eq!(g.status, GrantStatus::Resuming as i32, "{g:?}");
+    assert_eq!(a.holding(now), 3, "nothing applied: the lease stands");
+    // The child asks again each tick (the new process's first batch is a
+    // heartbeat that brings the parent's rules) until the chain resumed.
+    let mut g = g;
+    for _ in 0..10 {
+        poll(&mut reg, &mut parent, now, Link::Up);
+        now += 50 * MS;
+        g = child_ask(&mut reg, now, "a", &mut a, 0, false);
+        if g.status != GrantStatus::Resuming as i32 {
+            break;
+        }
+        assert_eq!(a.holding(now), 3);
+    }
+    assert_eq!(
+        (reg.stats().slot_resumes, reg.stats().slots_resumed),
+        (1, 3)
+    );
+    assert_eq!(g.status, GrantStatus::Granted as i32, "{g:?}");
+    assert_eq!(g.carried, 3, "adopted");
+    // Both renew every 100 ms for 5 s (past the phantom's end); b wants
+    // all of N.
+    let kids = |a: &Child, b: &Child| vec![vec![a.clone(), b.clone()]];
+    for _ in 0..50 {
+        now += 100 * MS;
+        child_ask(&mut reg, now, "a", &mut a, 0, false);
+        child_ask(&mut reg, now, "b", &mut b, N, false);
+        poll(&mut reg, &mut parent, now, Link::Up);
+        i4(&kids(&a, &b), now).unwrap();
+    }
+    assert_eq!(a.holding(now), 3, "{a:?}");
+    assert_eq!(b.holding(now), N - 3, "{b:?}");
+    assert_eq!(reg.stats().slot_chain_breaks, 0);
 }

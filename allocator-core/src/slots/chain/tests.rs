@@ -29,6 +29,7 @@ fn child(
             ttl_ns: 2_000 * MS,
             new_id: id,
             fences: 0,
+            resume: false,
         },
     )
 }
@@ -148,6 +149,7 @@ fn over_from_the_parent_lends_nothing_fresh_and_keeps_what_children_hold() {
         keep: 2,
         want: 0,
         sent_ns: T + 60 * MS,
+        resume: false,
     });
     assert_eq!(
         chain.on_grant(T + 100 * MS, &g, &mut pool, &TIMES),
@@ -209,6 +211,7 @@ fn a_chain_wants_a_wake_up_for_room_after_an_unmet_ask_and_for_contention_while_
         keep: 0,
         want: 2,
         sent_ns: now + 60 * MS,
+        resume: false,
     };
     chain.in_flight = Some(ask2);
     chain.on_grant(now + 70 * MS, &g, &mut pool, &TIMES);
@@ -247,4 +250,64 @@ fn a_renewal_that_wanted_nothing_stays_paced() {
         now += 2 * MS;
     }
     assert!(asks <= 5, "{asks} parent asks in 200 ms (tick 50 ms)");
+}
+
+/// A regional that restarted: its chain's first ask resumes (even with no
+/// child missing slots); the slots the parent kept go to a phantom the
+/// children's renewals adopt from, and the chain's renewals keep them.
+#[test]
+fn a_restarted_regional_resumes_and_its_children_adopt_their_leases() {
+    let mut chain = SlotChain::default();
+    let mut pool = SlotLedger::new_pool(0);
+    pool.await_resume(1_000);
+    assert!(pool.awaits_resume(7), "a child naming its lease 7 waits");
+    let ask = chain.plan(T, &mut pool, &TIMES).expect("the resume");
+    assert!(ask.resume, "{ask:?}");
+    assert_eq!((ask.lease_id, ask.keep, ask.want), (0, 0, 0));
+    chain.sent(T, ask, &mut pool, &TIMES);
+    let change = chain.on_grant(T + 40 * MS, &granted(100, 3, 3, 9), &mut pool, &TIMES);
+    assert_eq!(change, ChainChange::Resumed(3));
+    assert!(!pool.awaits_resume(7));
+    assert_eq!(pool.held(), 3, "the predecessor's 3 in the phantom");
+    let g = child(&mut pool, T + 50 * MS, 1, 7, 2, 0, 1_000);
+    assert_eq!((g.kept, g.fresh), (2, 0), "adopted: {g:?}");
+    assert!(g.expires_ns <= chain.lease().2, "within the parent lease");
+    // The renewal, when due, keeps what the pool holds.
+    let due = chain.lease().2 - 500 * MS;
+    let ask = chain.plan(due, &mut pool, &TIMES).expect("due");
+    assert!(!ask.resume);
+    assert_eq!((ask.lease_id, ask.keep), (100, 3), "{ask:?}");
+    // No second resume.
+    chain.sent(due, ask, &mut pool, &TIMES);
+    chain.on_grant(due + 40 * MS, &granted(101, 3, 3, 25), &mut pool, &TIMES);
+    assert!(!chain
+        .plan(due + 100 * MS, &mut pool, &TIMES)
+        .is_some_and(|a| a.resume));
+}
+
+/// A resume whose batch failed is asked again (children naming old leases
+/// wait meanwhile); one the parent refused ends the wait.
+#[test]
+fn a_resume_not_applied_is_asked_again() {
+    let mut chain = SlotChain::default();
+    let mut pool = SlotLedger::new_pool(0);
+    pool.await_resume(1_000);
+    let ask = chain.plan(T, &mut pool, &TIMES).expect("the resume");
+    chain.sent(T, ask, &mut pool, &TIMES);
+    chain.abandon();
+    let again = chain
+        .plan(T + 50 * MS, &mut pool, &TIMES)
+        .expect("asked again after a tick");
+    assert!(again.resume);
+    chain.sent(T + 50 * MS, again, &mut pool, &TIMES);
+    let refused = ParentSlotGrant {
+        applied: false,
+        ..ParentSlotGrant::default()
+    };
+    assert!(pool.awaits_resume(7));
+    assert!(!pool.is_idle(), "a pool awaiting its resume stays");
+    chain.on_grant(T + 90 * MS, &refused, &mut pool, &TIMES);
+    assert!(!pool.awaits_resume(7));
+    assert!(pool.is_idle());
+    assert_eq!(chain.plan(T + 150 * MS, &mut pool, &TIMES), None);
 }

@@ -96,6 +96,8 @@ pub struct SlotLease {
     /// answered the same).
     pub kept: u64,
     /// See `kept`.
+    pub folded: u64,
+    /// See `kept`.
     pub fence: u64,
     /// Made by adopting a predecessor's lease (see [`SlotLedger::after_restart`]).
     pub adopted: bool,
@@ -141,6 +143,9 @@ pub struct SlotGrant {
     pub kept: u64,
     /// Of which fresh.
     pub fresh: u64,
+    /// Of `kept`, the slots a `resume` folded in from the holder's other
+    /// leases (its predecessors').
+    pub folded: u64,
     /// The new lease's expiry (allocator clock).
     pub expires_ns: u64,
     /// The grant's fencing number (see the module docs; 0 when nothing is
@@ -207,11 +212,25 @@ pub struct SlotLedger {
     /// first lease id of this ledger's own (lower ids are predecessors'),
     /// and the predecessor ids adopted so far.
     predecessor: Option<Predecessor>,
-    /// A regional's pool before its chain's resume was answered: children
-    /// naming a lease id below this (the predecessor's) are answered
-    /// nothing yet ([`SlotLedger::awaits_resume`]).
-    awaiting_resume: Option<u64>,
+    /// A regional's pool: its predecessors' lease ids and the children
+    /// waiting for a resume ([`SlotLedger::needs_resume`]).
+    resume: Option<Resume>,
 }
+
+/// See [`SlotLedger::await_resume`].
+#[derive(Clone, Debug)]
+struct Resume {
+    own_ids_from: u64,
+    /// Predecessors' lease ids answered `RESUMING`, waiting for the next
+    /// resume to be answered.
+    pending: Vec<u64>,
+    /// Those a resume answered since: named again, they keep nothing.
+    tried: Vec<u64>,
+}
+
+/// The most predecessors' lease ids a pool remembers waiting for, or
+/// tried by, a resume (one per child holding slots at a restart).
+const MAX_RESUME_IDS: usize = 10_000;
 
 /// See [`SlotLedger::after_restart`].
 #[derive(Clone, Debug)]
@@ -239,53 +258,109 @@ impl SlotLedger {
             share: u64::MAX,
             seen: Vec::new(),
             predecessor: None,
-            awaiting_resume: None,
+            resume: None,
         }
     }
 
-    /// A regional's pool of an instance that may have a predecessor: until
-    /// [`SlotLedger::resumed`], asks naming a lease id below
-    /// `own_ids_from` are to be answered nothing ([`SlotLedger::awaits_resume`]).
+    /// A regional's pool (docs/permits.md "A regional restart"): lease
+    /// ids below `own_ids_from` are its predecessors' (other processes of
+    /// its region), which only a resume of its parent lease can cover
+    /// ([`SlotLedger::needs_resume`]).
     pub fn await_resume(&mut self, own_ids_from: u64) {
-        self.awaiting_resume = Some(own_ids_from);
+        self.resume = Some(Resume {
+            own_ids_from,
+            pending: Vec::new(),
+            tried: Vec::new(),
+        });
     }
 
-    /// Whether an ask naming `lease_id` must wait for the chain's resume:
-    /// it names a predecessor's lease, which only the resume can say is
-    /// covered (answered now, it would keep nothing).
-    pub fn awaits_resume(&self, lease_id: u64) -> bool {
-        self.awaiting_resume
-            .is_some_and(|from| lease_id != 0 && lease_id < from)
+    /// Whether an ask naming `lease_id` must wait for a resume of the
+    /// parent lease (answered `RESUMING`, nothing applied): it names a
+    /// predecessor's lease that the pool cannot adopt (no phantom of
+    /// resumed slots holds it) and that no resume answered since it was
+    /// first named has covered. Such an id is remembered until the next
+    /// resume is answered ([`SlotLedger::resume_wanted`]); named again
+    /// after that, it is answered as any ask (keeping nothing).
+    pub fn needs_resume(&mut self, lease_id: u64) -> bool {
+        let adoptable = self.adoptable(lease_id);
+        let Some(r) = self.resume.as_mut() else {
+            return false;
+        };
+        if lease_id == 0 || lease_id >= r.own_ids_from || adoptable {
+            return false;
+        }
+        if let Some(i) = r.tried.iter().position(|&t| t == lease_id) {
+            r.tried.swap_remove(i);
+            return false;
+        }
+        if !r.pending.contains(&lease_id) && r.pending.len() < MAX_RESUME_IDS {
+            r.pending.push(lease_id);
+        }
+        true
     }
 
-    /// The chain's resume was answered: `kept` slots of the parent's grant
-    /// are what the predecessor may have lent on, in use at most until
-    /// `until_ns` (this clock). They go to a phantom of that size, which
-    /// children's asks naming predecessors' leases adopt from; fresh slots
-    /// are lent beside it. Does nothing unless the pool awaited a resume.
-    pub fn resumed(&mut self, kept: u64, until_ns: u64) {
-        let Some(own_ids_from) = self.awaiting_resume.take() else {
+    /// Some child waits for a resume of the parent lease.
+    pub fn resume_wanted(&self) -> bool {
+        self.resume.as_ref().is_some_and(|r| !r.pending.is_empty())
+    }
+
+    /// A resume of the parent lease was answered: `folded` slots of its
+    /// grant came from the predecessors' leases, in use at most until
+    /// `until_ns` (this clock). They join a phantom of exactly what was
+    /// folded, which children's asks naming predecessors' leases adopt
+    /// from; fresh slots are lent beside it. The children that waited may
+    /// now adopt, or keep nothing if nothing covered their leases.
+    pub fn resumed(&mut self, folded: u64, until_ns: u64) {
+        let Some(r) = self.resume.as_mut() else {
             return;
         };
-        if kept == 0 {
+        let own_ids_from = r.own_ids_from;
+        let waited = std::mem::take(&mut r.pending);
+        r.tried.extend(waited);
+        if r.tried.len() > MAX_RESUME_IDS {
+            let extra = r.tried.len() - MAX_RESUME_IDS;
+            r.tried.drain(..extra);
+        }
+        if folded == 0 {
             return;
         }
-        self.leases.retain(|l| l.holder != PHANTOM);
-        self.leases.push(SlotLease {
-            id: 0,
-            holder: PHANTOM,
-            slots: kept,
-            expires_ns: until_ns,
-            kept: 0,
-            fence: 0,
-            adopted: false,
-        });
-        self.predecessor = Some(Predecessor {
-            until_ns,
-            own_ids_from,
-            adopted: Vec::new(),
-            exact: true,
-        });
+        match self.leases.iter_mut().find(|l| l.holder == PHANTOM) {
+            Some(ph) => {
+                ph.slots = ph.slots.saturating_add(folded);
+                ph.expires_ns = ph.expires_ns.max(until_ns);
+            }
+            None => self.leases.push(SlotLease {
+                id: 0,
+                holder: PHANTOM,
+                slots: folded,
+                expires_ns: until_ns,
+                kept: 0,
+                folded: 0,
+                fence: 0,
+                adopted: false,
+            }),
+        }
+        match self.predecessor.as_mut() {
+            Some(p) => p.until_ns = p.until_ns.max(until_ns),
+            None => {
+                self.predecessor = Some(Predecessor {
+                    until_ns,
+                    own_ids_from,
+                    adopted: Vec::new(),
+                    exact: true,
+                })
+            }
+        }
+    }
+
+    /// Whether an ask naming `lease_id` would adopt out of the phantom.
+    fn adoptable(&self, lease_id: u64) -> bool {
+        self.predecessor.as_ref().is_some_and(|p| {
+            lease_id != 0 && lease_id < p.own_ids_from && !p.adopted.contains(&lease_id)
+        }) && self
+            .leases
+            .iter()
+            .any(|l| l.holder == PHANTOM && l.slots > 0)
     }
 
     /// Nothing fresh may be lent: a predecessor's leases may be out and
@@ -326,6 +401,21 @@ impl SlotLedger {
     /// back as their permits end).
     pub fn set_share(&mut self, share: Option<u64>) {
         self.share = share.unwrap_or(u64::MAX);
+    }
+
+    /// What the holders that asked at `since_ns` or later missed at their
+    /// last asks.
+    pub fn missing_since(&self, since_ns: u64) -> u64 {
+        self.demand
+            .iter()
+            .filter(|d| d.at_ns >= since_ns)
+            .fold(0, |m, d| m.saturating_add(d.missing))
+    }
+
+    /// A regional's pool: its share at the parent, if one was given
+    /// ([`SlotLedger::set_share`]).
+    pub fn share(&self) -> Option<u64> {
+        (self.share != u64::MAX).then_some(self.share)
     }
 
     /// What may be held: `N`, or a pool's share of its parent if smaller.
@@ -369,6 +459,7 @@ impl SlotLedger {
             slots: self.n,
             expires_ns: until_ns,
             kept: 0,
+            folded: 0,
             fence: 0,
             adopted: false,
         });
@@ -402,7 +493,7 @@ impl SlotLedger {
     /// [`SlotLedger::advance`]) and no resume awaited: the ledger may be
     /// dropped.
     pub fn is_idle(&self) -> bool {
-        self.leases.is_empty() && self.demand.is_empty() && self.awaiting_resume.is_none()
+        self.leases.is_empty() && self.demand.is_empty() && !self.resume_wanted()
     }
 
     /// Holders with a lease or a recent ask (as of the last
@@ -505,6 +596,7 @@ impl SlotLedger {
                 slots: l.slots,
                 kept: l.kept,
                 fresh: l.slots - l.kept,
+                folded: l.folded,
                 expires_ns: l.expires_ns.min(self.cap_ns),
                 fence: l.fence,
                 contended: self.parent_contended || self.demand.iter().any(|d| d.missing > 0),
@@ -541,22 +633,6 @@ impl SlotLedger {
                 expires_ns = expires_ns.max(self.leases[i].expires_ns);
             }
             self.leases.swap_remove(i);
-        } else if ask.resume && ask.lease_id == 0 {
-            // The holder's predecessor's leases become this one.
-            let (mut slots, mut until) = (0u64, 0u64);
-            self.leases.retain(|l| {
-                let mine = l.holder == ask.holder && l.holder != PHANTOM;
-                if mine {
-                    slots = slots.saturating_add(l.slots);
-                    until = until.max(l.expires_ns);
-                    adopted |= l.adopted;
-                }
-                !mine
-            });
-            if slots > 0 {
-                kept = slots;
-                expires_ns = expires_ns.max(until);
-            }
         } else {
             let slots = self.adopt(&ask);
             if slots > 0 {
@@ -565,6 +641,25 @@ impl SlotLedger {
                 kept = slots;
                 adopted = true;
                 let until = self.predecessor.as_ref().map_or(0, |p| p.until_ns);
+                expires_ns = expires_ns.max(until);
+            }
+        }
+        // A resume: every other lease of the holder (its predecessors',
+        // made its own by `reassign`) becomes part of this one.
+        let mut folded = 0u64;
+        if ask.resume {
+            let mut until = 0u64;
+            self.leases.retain(|l| {
+                let mine = l.holder == ask.holder && l.holder != PHANTOM;
+                if mine {
+                    folded = folded.saturating_add(l.slots);
+                    until = until.max(l.expires_ns);
+                    adopted |= l.adopted;
+                }
+                !mine
+            });
+            if folded > 0 {
+                kept = kept.saturating_add(folded);
                 expires_ns = expires_ns.max(until);
             }
         }
@@ -627,6 +722,7 @@ impl SlotLedger {
                 slots,
                 expires_ns,
                 kept,
+                folded,
                 fence,
                 adopted,
             });
@@ -639,6 +735,7 @@ impl SlotLedger {
             slots,
             kept,
             fresh,
+            folded: if slots > 0 { folded } else { 0 },
             // A pool counts an adopted lease until the phantom's end, but
             // tells no expiry past its cap (its parent lease's deadline).
             expires_ns: if slots > 0 {

@@ -140,6 +140,11 @@ pub struct PermitFaults {
     pub region_restarts: Vec<(u64, usize)>,
 }
 
+/// The shortest stall a run reports (see [`PermitReport::stalls`]): with
+/// round trips under 100 ms, a tick of 50 ms and slot leases of at most
+/// 2 s, a waiter beside a free slot for this long means the slots are stuck.
+pub const STALL_NS: u64 = 2_000 * MS;
+
 /// How long a regional waits for its parent's reply (its default
 /// `fetch_timeout`) before it sends the batch again.
 const REGION_FETCH_TIMEOUT_NS: u64 = 500 * MS;
@@ -295,6 +300,12 @@ pub struct PermitReport {
     pub arrivals_ns: Vec<u64>,
     /// See `arrivals_ns`.
     pub grants_ns: Vec<u64>,
+    /// When the ideal global semaphore granted each permit it granted (ns,
+    /// in time order).
+    pub ideal_grants_ns: Vec<u64>,
+    /// Stretches of at least [`STALL_NS`] in which acquires waited while
+    /// fewer than `N` slots were held by valid permits: (from, length) ns.
+    pub stalls: Vec<(u64, u64)>,
 }
 
 impl PermitReport {
@@ -571,6 +582,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     // The allocator's reply cache: (agent, incarnation, ask) -> answer.
     let mut replies: HashMap<(usize, u32, u64), (Granted, bool, u32)> = HashMap::new();
     let (mut last_t, mut busy_area, mut busy_ns) = (0u64, 0.0f64, 0u64);
+    let mut stall_from: Option<u64> = None;
     while let Some((now, ev)) = q.next() {
         if now > end + cfg.wait_ns + 10_000 * MS {
             break;
@@ -586,6 +598,14 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let dt = now.min(end) - last_t;
                 busy_area += used as f64 * dt as f64;
                 busy_ns += dt;
+            }
+            // A stall: acquires wait while fewer than `N` slots are in use.
+            if waiting > 0 && used < cfg.n {
+                stall_from.get_or_insert(last_t);
+            } else if let Some(from) = stall_from.take() {
+                if now - from >= STALL_NS {
+                    r.stalls.push((from, now - from));
+                }
             }
             last_t = now;
         }
@@ -665,7 +685,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let cached = replies.get(&(a, inc, sent.seq)).copied();
                 let region = regions.agent_region.get(a).copied();
                 if cached.is_none()
-                    && region.is_some_and(|rg| regionals[rg].pool.awaits_resume(sent.lease_id))
+                    && region.is_some_and(|rg| regionals[rg].pool.needs_resume(sent.lease_id))
                 {
                     // A restarted regional before its resume: nothing
                     // applied (`RESUMING`); its upstream side looks at once.
@@ -931,6 +951,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             lease_id: g.lease_id,
                             slots: g.slots,
                             kept: g.kept,
+                            folded: g.folded,
                             ttl_ns: g.expires_ns.saturating_sub(now),
                             fence: g.fence,
                             contended: g.contended,
@@ -1165,13 +1186,18 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             break;
         }
     }
+    if let Some(from) = stall_from.filter(|&f| last_t - f >= STALL_NS) {
+        r.stalls.push((from, last_t - from));
+    }
     r.saturated_s = busy_ns as f64 / 1e9;
     r.saturated_use = busy_area / busy_ns.max(1) as f64 / cfg.n as f64;
     (r.wait_p50_ns, r.wait_p99_ns) = quantiles(&mut waits);
-    let (ideal, ideal_timeouts) = ideal_waits(cfg.n, cfg.wait_ns, &offered);
+    let (ideal, ideal_timeouts, mut ideal_grants) = ideal_waits(cfg.n, cfg.wait_ns, &offered);
     let mut ideal = ideal;
     (r.ideal_p50_ns, r.ideal_p99_ns) = quantiles(&mut ideal);
     r.ideal_timeouts = ideal_timeouts;
+    ideal_grants.sort_unstable();
+    r.ideal_grants_ns = ideal_grants;
     r
 }
 
@@ -1284,15 +1310,15 @@ fn quantiles(v: &mut [u64]) -> (u64, u64) {
 }
 
 /// An ideal global FIFO semaphore of `n` over `offered` (arrival, hold),
-/// each waiting at most `wait_ns`: the waits of those served, and how many
-/// timed out.
-fn ideal_waits(n: u64, wait_ns: u64, offered: &[(u64, u64)]) -> (Vec<u64>, u64) {
+/// each waiting at most `wait_ns`: the waits of those served, how many
+/// timed out, and when each was served.
+fn ideal_waits(n: u64, wait_ns: u64, offered: &[(u64, u64)]) -> (Vec<u64>, u64, Vec<u64>) {
     let mut sorted = offered.to_vec();
     sorted.sort_unstable();
     // When each slot is free next (a min-heap).
     let mut free: std::collections::BinaryHeap<std::cmp::Reverse<u64>> =
         (0..n).map(|_| std::cmp::Reverse(0)).collect();
-    let (mut waits, mut timeouts) = (Vec::new(), 0);
+    let (mut waits, mut timeouts, mut starts) = (Vec::new(), 0, Vec::new());
     for (t, h) in sorted {
         let std::cmp::Reverse(at) = *free.peek().expect("n >= 1");
         let start = at.max(t);
@@ -1303,6 +1329,7 @@ fn ideal_waits(n: u64, wait_ns: u64, offered: &[(u64, u64)]) -> (Vec<u64>, u64) 
         free.pop();
         free.push(std::cmp::Reverse(start + h));
         waits.push(start - t);
+        starts.push(start);
     }
-    (waits, timeouts)
+    (waits, timeouts, starts)
 }

@@ -131,7 +131,7 @@ impl AllocatorCore {
             self.slot_keys.insert(key.clone(), ledger);
         }
         let ledger = self.slot_keys.get_mut(&key).expect("inserted above");
-        if ledger.awaits_resume(item.lease_id) {
+        if ledger.needs_resume(item.lease_id) {
             // Answered now it would keep nothing, and the child's permits
             // on it would end at their use-by: the chain's resume (asked
             // at once: `opening`) says how much of it the parent covers.
@@ -189,6 +189,7 @@ impl AllocatorCore {
             lease_id: g.lease_id,
             tokens: g.slots,
             carried: g.kept,
+            folded: g.folded,
             ttl_ms: g.expires_ns.saturating_sub(now_ns) / 1_000_000,
             rule_version: version,
             // While a predecessor's leases may be out, nothing is free

@@ -203,6 +203,7 @@ impl RegionalCore {
                 lease_id: g.lease_id,
                 slots: g.tokens,
                 kept: g.carried,
+                folded: g.folded,
                 ttl_ns: g.ttl_ms.saturating_mul(MS),
                 fence: g.fence,
                 contended: g.contended,

@@ -31,19 +31,19 @@
 //! * `over` from the parent (its `N` was lowered, or it restarted and
 //!   adopted this lease while its phantom stands): the pool lends nothing
 //!   fresh; the children keep what they hold.
-//! * **A restart** (docs/permits.md "A regional restart"): a chain's
-//!   first ask names no lease and says `resume`: the parent folds every
-//!   lease it holds for this regional of the key (its predecessor's) into
-//!   the new one, keeping their slots and expiring no earlier. The `kept`
-//!   slots are what the predecessor's children may still run permits on,
-//!   until at most the parent's expiry of them: the pool holds them in a
-//!   phantom of that size until then (on this clock, with the drift
-//!   margin), the children's renewals naming their leases adopt out of
-//!   it, and, from the send on, the renewals keep at least what the pool
-//!   holds. Until the resume is answered the pool answers children naming
-//!   a predecessor's lease `RESUMING` (nothing applied). A resume whose
-//!   batch failed is asked again; one the parent refused ends the wait
-//!   (those children's renewals then keep nothing).
+//! * **A restart** (docs/permits.md "A regional restart"): when a child
+//!   names a lease of a predecessor (another process of this region) that
+//!   the pool cannot adopt, the pool answers it `RESUMING` (nothing
+//!   applied) and the chain's next ask, at once, says `resume`: the parent
+//!   folds every other lease of this regional's id of the key (its
+//!   predecessors') into the new one, keeping their slots and expiring no
+//!   earlier. The `folded` slots are what the predecessors' children may
+//!   still run permits on, until at most the parent's expiry of them: the
+//!   pool holds them in a phantom of that size until then (on this clock,
+//!   with the drift margin), the children's renewals adopt out of it, and
+//!   the chain's renewals keep at least what the pool holds. A resume
+//!   whose batch failed is asked again; once one is answered (or
+//!   refused), the children that waited adopt or keep nothing.
 //! * A `share` from the parent (some holder there misses slots): the pool
 //!   lends at most the region's max-min share; children above it keep
 //!   what they hold and start nothing new until they are below it, and
@@ -82,9 +82,9 @@ pub struct ParentSlotAsk {
     pub want: u64,
     /// When it was first sent (its deadline counts from then).
     pub sent_ns: u64,
-    /// The chain's first ask since the regional started: the parent
-    /// folds every lease it holds for this holder into the new one, and
-    /// says how many slots it kept (module docs, "A restart").
+    /// A child named a predecessor's lease: the parent folds every other
+    /// lease of this regional's id (its predecessors') into the new one,
+    /// and says how many slots that was (module docs, "A restart").
     pub resume: bool,
 }
 
@@ -104,6 +104,9 @@ pub struct ParentSlotGrant {
     pub ttl_ns: u64,
     /// The first fencing number of the block it carries.
     pub fence: u64,
+    /// Of `kept`, the slots a `resume` folded in from the predecessors'
+    /// leases.
+    pub folded: u64,
     /// Some holder at the parent misses slots.
     pub contended: bool,
     /// Lend nothing fresh (see the module docs).
@@ -150,8 +153,6 @@ pub struct SlotChain {
     /// A wake-up of the parent is out, or none before this instant.
     waking: bool,
     wake_after_ns: u64,
-    /// The parent applied this chain's resume (its first ask).
-    resumed: bool,
 }
 
 /// What a chain wants to be woken for by its parent (`WaitSlots`).
@@ -216,23 +217,12 @@ impl SlotChain {
         let held = pool.held();
         let (demand, missing) = pool.demand();
         let paced = now_ns < self.next_ask_ns;
-        if !self.resumed {
-            // The first ask since this regional started, whether or not
-            // children miss slots: they may run permits on a predecessor's
-            // leases, which only the parent knows of.
-            if paced {
-                return None;
-            }
-            return Some(ParentSlotAsk {
-                lease_id: 0,
-                keep: 0,
-                want: demand.max(missing),
-                sent_ns: now_ns,
-                resume: true,
-            });
-        }
+        // A child named a predecessor's lease the pool cannot adopt: the
+        // ask goes at once, unpaced, and says `resume` (the parent folds
+        // the predecessors' leases into this one).
+        let resume = pool.resume_wanted();
         if self.lease_id == 0 {
-            if missing == 0 || paced {
+            if !resume && (missing == 0 || paced) {
                 return None;
             }
             return Some(ParentSlotAsk {
@@ -240,11 +230,25 @@ impl SlotChain {
                 keep: 0,
                 want: demand.max(missing),
                 sent_ns: now_ns,
-                resume: false,
+                resume,
             });
         }
-        let keep = if self.contended || self.over {
+        let keep = if self.over {
             held
+        } else if self.contended {
+            // What the children hold, and the slots they missed at asks
+            // within the last two ticks (a waiting child asks once a tick;
+            // up to the region's share): handing those back and asking
+            // for them again in one renewal left the pool lending nothing
+            // for a round trip each tick, and a child whose asks fell in
+            // those windows never got the slot (the permit swarm's
+            // liveness failures at N = 1).
+            let recent = pool.missing_since(now_ns.saturating_sub(2 * t.tick_ns));
+            let missed = held
+                .saturating_add(recent)
+                .min(self.slots)
+                .min(pool.share().unwrap_or(u64::MAX));
+            held.max(missed)
         } else {
             self.slots.min(demand.max(held))
         };
@@ -255,13 +259,13 @@ impl SlotChain {
         let room = pool.n().saturating_sub(held);
         let unmet = missing > room && !self.over;
         let give_back = keep < self.slots;
-        if due || (!paced && (unmet || give_back)) {
+        if resume || due || (!paced && (unmet || give_back)) {
             return Some(ParentSlotAsk {
                 lease_id: self.lease_id,
                 keep,
                 want,
                 sent_ns: now_ns,
-                resume: false,
+                resume,
             });
         }
         None
@@ -346,10 +350,8 @@ impl SlotChain {
         if !g.applied {
             if ask.resume {
                 // Refused (the rule is gone, a key limit, another shard):
-                // nothing to resume here; children naming a predecessor's
-                // lease keep nothing from now (their permits end at their
-                // use-by, as before resumes existed).
-                self.resumed = true;
+                // nothing resumed; the children that waited keep nothing
+                // (their permits end at their use-by).
                 pool.resumed(0, 0);
             }
             return ChainChange::None;
@@ -367,19 +369,20 @@ impl SlotChain {
             self.next_ask_ns = now_ns.saturating_add(g.retry_after_ns);
         }
         if ask.resume {
-            self.resumed = true;
-            // The predecessor's children run permits on the kept slots at
-            // most until the parent's expiry of them: its `ttl` from the
-            // grant's instant (before now), on this clock at most that
-            // plus the drift margin, plus a millisecond of rounding.
+            // The predecessors' children run permits on the folded slots
+            // at most until the parent's expiry of them: its `ttl` from
+            // the grant's instant (before now), on this clock at most
+            // that plus the drift margin, plus a millisecond of rounding.
             let until = now_ns
                 .saturating_add(g.ttl_ns)
                 .saturating_add(quotalease_model::protocol::drift_margin_ns(g.ttl_ns))
                 .saturating_add(t.epsilon_ns)
                 .saturating_add(1_000_000);
-            pool.resumed(g.kept, until);
+            pool.resumed(g.folded, until);
         }
-        let broke = ask.lease_id != 0 && g.kept < ask.keep;
+        // What the parent kept of the lease the ask named (the folded
+        // slots are the predecessors').
+        let broke = ask.lease_id != 0 && g.kept.saturating_sub(g.folded) < ask.keep;
         if broke {
             // The children's leases stay within the old parent lease (or
             // its unknown successor); a new pool for the new one.
@@ -415,8 +418,8 @@ impl SlotChain {
         pool.set_other_holders(g.holders.saturating_sub(1));
         if broke {
             ChainChange::Broke
-        } else if ask.resume && g.kept > 0 {
-            ChainChange::Resumed(g.kept)
+        } else if ask.resume && g.folded > 0 {
+            ChainChange::Resumed(g.folded)
         } else {
             ChainChange::None
         }

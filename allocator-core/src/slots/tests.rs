@@ -529,28 +529,32 @@ fn four_holders_wanting_three_of_ten_get_all_ten() {
     assert_eq!(l.held(), 10);
 }
 
-/// A restarted regional's first ask of a key (`resume`) folds every lease
-/// the holder has of it into one that keeps all their slots and expires no
-/// earlier than any: what its predecessor's children may run on stays
-/// counted, and the new instance learns how much that is.
+/// A `resume` folds every other lease the holder has (its predecessors',
+/// made its own by `reassign`) into the new one, beside what it keeps of
+/// the lease it names: their slots stay counted, expiring no earlier, and
+/// the grant says how many were folded.
 #[test]
-fn a_resume_folds_the_holders_leases_into_one_that_keeps_them_all() {
+fn a_resume_folds_the_holders_other_leases_into_the_new_one() {
     let mut l = SlotLedger::new(10, 0);
     l.ask(0, ask(1, 0, 0, 3, 100));
-    // A second lease of holder 1 (an ask whose reply was lost).
+    // A second lease (an ask whose reply was lost), and another holder's.
     l.ask(500, ask(1, 0, 0, 2, 101));
     l.ask(600, ask(2, 0, 0, 4, 102));
-    assert_eq!(l.held(), 9);
+    // A third holder (the asker's new process) holds 1 and takes over
+    // holder 1's leases.
+    l.ask(650, ask(3, 0, 0, 1, 103));
+    assert_eq!(l.held(), 10);
+    l.reassign(&[1], 3);
     let g = l.ask(
         700,
         SlotAsk {
             resume: true,
-            ..ask(1, 0, 0, 3, 103)
+            ..ask(3, 103, 1, 0, 104)
         },
     );
     assert_eq!(
-        (g.lease_id, g.kept, g.fresh, g.slots),
-        (103, 5, 1, 6),
+        (g.lease_id, g.kept, g.folded, g.fresh, g.slots),
+        (104, 6, 5, 0, 6),
         "{g:?}"
     );
     assert!(
@@ -563,39 +567,52 @@ fn a_resume_folds_the_holders_leases_into_one_that_keeps_them_all() {
         "holder 2's lease untouched, nothing counted twice"
     );
     assert_eq!(l.leases().len(), 2);
-    // A holder with nothing here resumes nothing.
+    // A duplicate of the resume is answered the same.
+    let d = l.ask(
+        710,
+        SlotAsk {
+            resume: true,
+            ..ask(3, 103, 1, 0, 104)
+        },
+    );
+    assert_eq!((d.kept, d.folded), (6, 5));
+    // Nothing left to fold: a resume keeps only what it names.
     let g = l.ask(
         800,
         SlotAsk {
             resume: true,
-            ..ask(3, 0, 0, 1, 104)
+            ..ask(3, 104, 6, 0, 105)
         },
     );
-    assert_eq!((g.kept, g.slots), (0, 0));
+    assert_eq!((g.kept, g.folded), (6, 0));
     // Without `resume`, an ask naming no lease keeps nothing.
-    let g = l.ask(900, ask(2, 0, 0, 1, 105));
+    let g = l.ask(900, ask(2, 0, 0, 1, 106));
     assert_eq!(g.kept, 0);
     assert_eq!(l.held(), 10);
 }
 
-/// A regional's pool after a restart: children naming the predecessor's
-/// leases wait for the resume; then a phantom of exactly what the parent
-/// kept holds those slots, their renewals adopt out of it (never told an
-/// expiry past the pool's cap), and fresh slots are lent beside it.
+/// A regional's pool: a child naming a predecessor's lease waits for a
+/// resume (once per resume); then a phantom of exactly what the parent
+/// folded holds those slots, the child's renewal adopts out of it (never
+/// told an expiry past the pool's cap), and fresh slots are lent beside it.
 #[test]
 fn a_resumed_pool_adopts_the_predecessors_leases_and_lends_beside_them() {
     let mut pool = SlotLedger::new_pool(0);
     pool.await_resume(1_000);
-    assert!(pool.awaits_resume(7), "a predecessor's id");
-    assert!(!pool.awaits_resume(0), "no lease named");
-    assert!(!pool.awaits_resume(1_000), "an id of ours");
-    // The resume's grant: 5 slots, 3 of them kept from the predecessor.
+    assert!(!pool.needs_resume(0), "no lease named");
+    assert!(!pool.needs_resume(1_000), "an id of ours");
+    assert!(!pool.resume_wanted());
+    assert!(pool.needs_resume(7), "a predecessor's id");
+    assert!(pool.resume_wanted());
+    assert!(!pool.is_idle(), "a pool a child waits on stays");
+    // The resume's grant: 5 slots, 3 of them folded from the predecessor.
     let cap = TTL;
     pool.set_pool(5, cap, 40, 16, false);
     pool.resumed(3, 3 * TTL);
-    assert!(!pool.awaits_resume(7));
+    assert!(!pool.resume_wanted());
+    assert!(!pool.needs_resume(7), "adoptable now");
     assert_eq!((pool.held(), pool.room(10)), (3, 2));
-    // A child renews its predecessor lease 7 keeping 2: adopted, and no
+    // The child renews its predecessor lease 7 keeping 2: adopted, and no
     // new permit on it while the phantom stands.
     let g = pool.ask(10, ask(1, 7, 2, 0, 1_000));
     assert_eq!((g.lease_id, g.kept, g.fresh), (1_000, 2, 0));
@@ -617,19 +634,27 @@ fn a_resumed_pool_adopts_the_predecessors_leases_and_lends_beside_them() {
     );
     pool.advance(3 * TTL);
     assert_eq!(pool.held(), 0);
-    // A second resume changes nothing (the pool awaited only one).
-    pool.resumed(5, 5 * TTL);
-    assert_eq!(pool.held(), 0);
 }
 
-/// A pool that resumed nothing (its regional's first start, or nothing
-/// left at the parent) lends as any pool and adopts nothing.
+/// A child whose predecessor's lease no resume covered (nothing was left
+/// at the parent) waits for one resume only, then keeps nothing; a later
+/// child of another predecessor makes the pool resume again, and the
+/// phantom grows by what that resume folded.
 #[test]
-fn a_pool_that_resumed_nothing_adopts_nothing() {
+fn each_uncovered_predecessor_lease_waits_for_one_resume() {
     let mut pool = SlotLedger::new_pool(0);
     pool.await_resume(1_000);
     pool.set_pool(2, TTL, 0, 0, false);
+    assert!(pool.needs_resume(7));
+    assert!(pool.needs_resume(7), "until a resume is answered");
     pool.resumed(0, 3 * TTL);
+    assert!(!pool.needs_resume(7), "tried once");
     let g = pool.ask(10, ask(1, 7, 2, 1, 1_000));
     assert_eq!((g.kept, g.fresh), (0, 1));
+    // Another predecessor's child (the pool's parent lease grew by 2).
+    assert!(pool.needs_resume(8));
+    pool.set_pool(4, TTL, 0, 0, false);
+    pool.resumed(2, 3 * TTL);
+    assert_eq!(pool.held(), 3, "the fresh 1 and a phantom of 2");
+    assert_eq!(pool.ask(20, ask(2, 8, 2, 0, 1_001)).kept, 2);
 }

@@ -142,7 +142,8 @@ pub struct PermitFaults {
 
 /// The shortest stall a run reports (see [`PermitReport::stalls`]): with
 /// round trips under 100 ms, a tick of 50 ms and slot leases of at most
-/// 2 s, a waiter beside a free slot for this long means the slots are stuck.
+/// 2 s, no grant for this long while a waiter is beside a free slot means
+/// the slots are stuck.
 pub const STALL_NS: u64 = 2_000 * MS;
 
 /// How long a regional waits for its parent's reply (its default
@@ -304,7 +305,8 @@ pub struct PermitReport {
     /// in time order).
     pub ideal_grants_ns: Vec<u64>,
     /// Stretches of at least [`STALL_NS`] in which acquires waited while
-    /// fewer than `N` slots were held by valid permits: (from, length) ns.
+    /// fewer than `N` slots were held by valid permits and none was
+    /// granted: (from, length) ns.
     pub stalls: Vec<(u64, u64)>,
 }
 
@@ -599,8 +601,10 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 busy_area += used as f64 * dt as f64;
                 busy_ns += dt;
             }
-            // A stall: acquires wait while fewer than `N` slots are in use.
-            if waiting > 0 && used < cfg.n {
+            // A stall: acquires wait while fewer than `N` slots are in use
+            // (crashed agents' permits counted) and none is granted.
+            let orphaned: u64 = orphans.iter().filter(|o| o.1 > last_t).map(|o| o.0).sum();
+            if waiting > 0 && used + orphaned < cfg.n {
                 stall_from.get_or_insert(last_t);
             } else if let Some(from) = stall_from.take() {
                 if now - from >= STALL_NS {
@@ -1063,6 +1067,14 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                         reg.asking = None;
                         reg.chain.abandon();
                     }
+                }
+            }
+        }
+        // A grant ends a stall: the slots move.
+        if !started.is_empty() {
+            if let Some(from) = stall_from.take() {
+                if now - from >= STALL_NS {
+                    r.stalls.push((from, now - from));
                 }
             }
         }

@@ -452,3 +452,36 @@ fn shipped_permit_scenarios_run() {
         }
     }
 }
+
+/// The swarm's liveness check (docs/simulation.md "The permit swarm"): a
+/// stall (acquires waiting beside free slots, none granted) reaching past
+/// the faults' healing fails a seed, from 2 s, or from twice `TTL_max`
+/// when messages are lost; none granted after the healing fails only if
+/// the slots were not in use throughout (one long hold with `N` = 1 times
+/// everything out behind it, at an ideal semaphore too).
+#[test]
+fn the_swarm_check_fails_stalls_past_the_healing_not_long_holds() {
+    use quotalease_sim::permits::swarm::{check, plan, HEALED_NS};
+    const S: u64 = 1_000_000_000;
+    let (mut cfg, _) = plan(1);
+    cfg.faults.loss = 0.0;
+    let mut r = PermitReport {
+        arrivals_ns: vec![HEALED_NS + S],
+        ..PermitReport::default()
+    };
+    assert!(check(&r, &cfg).is_empty(), "slots in use throughout");
+    r.stalls = vec![(HEALED_NS - S, 3 * S)];
+    assert_eq!(check(&r, &cfg).len(), 2, "{:?}", check(&r, &cfg));
+    r.grants_ns = vec![HEALED_NS + 3 * S];
+    assert_eq!(check(&r, &cfg).len(), 1, "the stall alone");
+    cfg.faults.loss = 0.05;
+    assert!(
+        check(&r, &cfg).is_empty(),
+        "3 s with loss: under 2 x TTL_max"
+    );
+    r.stalls = vec![(HEALED_NS - S, 5 * S)];
+    assert_eq!(check(&r, &cfg).len(), 1);
+    r.stalls = vec![(HEALED_NS - 5 * S, 3 * S)];
+    cfg.faults.loss = 0.0;
+    assert!(check(&r, &cfg).is_empty(), "healed before it ended");
+}

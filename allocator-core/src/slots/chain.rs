@@ -233,22 +233,26 @@ impl SlotChain {
                 resume,
             });
         }
+        // Under contention the children's demand is what they hold and
+        // what they missed at asks within the last two ticks (a waiting
+        // child asks once a tick), not what they wanted at any ask within
+        // the second: the slots that demand covers stay (up to the
+        // region's share), the rest go back, and only it is asked for.
+        // Giving back slots children missed and asking for them again in
+        // one renewal (the stale demand) left the pool lending nothing
+        // for a round trip each tick, and a child whose asks fell in
+        // those windows was never served (the permit swarm's liveness
+        // failures at N = 1).
+        let (demand, missing) = if self.contended && !self.over {
+            let recent = pool.missing_since(now_ns.saturating_sub(2 * t.tick_ns));
+            (held.saturating_add(recent), recent)
+        } else {
+            (demand, missing)
+        };
         let keep = if self.over {
             held
         } else if self.contended {
-            // What the children hold, and the slots they missed at asks
-            // within the last two ticks (a waiting child asks once a tick;
-            // up to the region's share): handing those back and asking
-            // for them again in one renewal left the pool lending nothing
-            // for a round trip each tick, and a child whose asks fell in
-            // those windows never got the slot (the permit swarm's
-            // liveness failures at N = 1).
-            let recent = pool.missing_since(now_ns.saturating_sub(2 * t.tick_ns));
-            let missed = held
-                .saturating_add(recent)
-                .min(self.slots)
-                .min(pool.share().unwrap_or(u64::MAX));
-            held.max(missed)
+            held.max(demand.min(self.slots).min(pool.share().unwrap_or(u64::MAX)))
         } else {
             self.slots.min(demand.max(held))
         };

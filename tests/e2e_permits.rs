@@ -861,23 +861,75 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
         agent("permits-restart-0", &alloc.url(), None, &[]),
         agent("permits-restart-1", &alloc.url(), None, &[]),
     );
-    for ag in [&holder, &other] {
+    let mut alloc = Some(alloc);
+    let run = across_a_restart(&holder, &other, TTL_MAX, || {
+        alloc.take().expect("running").kill9();
+        alloc = Some(allocator_with(&rules, &state, Some(addr), "3s", &flags));
+    })
+    .await;
+    let phantom_end = run.restarted + TTL_MAX + Duration::from_millis(100);
+    let during = run
+        .others
+        .iter()
+        .filter(|&&a| a > run.restarted && a < phantom_end)
+        .count();
+    let after = run
+        .others
+        .iter()
+        .filter(|&&a| a >= phantom_end + Duration::from_millis(200))
+        .count();
+    eprintln!(
+        "e2e permits: 2 permits held and renewed across an allocator SIGKILL and restart ({:?} of renewals after it); the other agent served {} acquires ({during} in the restart wait, {after} after it), at most {} held at once (N = 5)",
+        run.renewed_after,
+        run.others.len(),
+        run.most
+    );
+    assert!(run.most <= 5, "{} permits held at once, N = 5", run.most);
+    assert!(
+        after > 0,
+        "the other agent was not served after the restart wait"
+    );
+}
+
+/// What [`across_a_restart`] saw.
+struct AcrossARestart {
+    /// When the restart was done.
+    restarted: Instant,
+    /// How long the holder renewed its permits after it.
+    renewed_after: Duration,
+    /// When each of the other agent's acquires was answered with a permit.
+    others: Vec<Instant>,
+    /// The most permits held at once at the clients.
+    most: usize,
+}
+
+/// Two permits acquired at `holder`, renewed every 200 ms (each renewal
+/// must answer held) for 1 s, then across `restart`, then for `2 x
+/// ttl_max + 2 s`, while six clients of `other` loop acquire, hold 20-60
+/// ms, release; every permit counted at the clients from its answer until
+/// its release or the expiry it was last told.
+async fn across_a_restart(
+    holder: &Proc,
+    other: &Proc,
+    ttl_max: Duration,
+    mut restart: impl FnMut(),
+) -> AcrossARestart {
+    for ag in [holder, other] {
         wait_ok(ag.http, "/readyz", Duration::from_secs(20));
     }
     let spans: Spans = Arc::default();
-    let mut hc = permits_client(&holder).await;
+    let mut hc = permits_client(holder).await;
     let mut held = Vec::new();
     for _ in 0..2 {
-        let r = hc.acquire(acquire_req(5_000)).await.unwrap().into_inner();
+        let r = hc.acquire(acquire_req(10_000)).await.unwrap().into_inner();
         assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
         held.push((Instant::now(), r.permits[0].permit_id.clone()));
     }
     let start = Instant::now();
-    let end = start + Duration::from_secs(1) + 2 * TTL_MAX + Duration::from_secs(2);
-    // The other agent's clients loop acquire/hold/release throughout.
+    let end = start + Duration::from_secs(1) + 2 * ttl_max + Duration::from_secs(2);
     let mut tasks = Vec::new();
     for i in 0..6u64 {
-        let mut c = permits_client(&other).await;
+        let mut c = permits_client(other).await;
         let spans = spans.clone();
         tasks.push(tokio::spawn(async move {
             let mut got = Vec::new();
@@ -905,16 +957,12 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
             got
         }));
     }
-    // The holder renews both permits every 200 ms; the allocator dies at
-    // 1 s and is back on the same address and state at once.
-    let mut alloc = Some(alloc);
     let mut restarted = None;
     let mut last_expiry = [Instant::now(); 2];
     while Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(200)).await;
         if restarted.is_none() && start.elapsed() >= Duration::from_secs(1) {
-            alloc.take().expect("running").kill9();
-            alloc = Some(allocator_with(&rules, &state, Some(addr), "3s", &flags));
+            restart();
             restarted = Some(Instant::now());
         }
         for (i, (_, id)) in held.iter().enumerate() {
@@ -941,27 +989,13 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
     for t in tasks {
         others.extend(t.await.unwrap());
     }
-    let spans = spans.lock().clone();
-    let most = most_at_once(&spans);
-    let phantom_end = restarted + TTL_MAX + Duration::from_millis(100);
-    let during = others
-        .iter()
-        .filter(|&&a| a > restarted && a < phantom_end)
-        .count();
-    let after = others
-        .iter()
-        .filter(|&&a| a >= phantom_end + Duration::from_millis(200))
-        .count();
-    eprintln!(
-        "e2e permits: 2 permits held and renewed across an allocator SIGKILL and restart ({:?} of renewals after it); the other agent served {} acquires ({during} in the restart wait, {after} after it), at most {most} held at once (N = 5)",
-        end.saturating_duration_since(restarted),
-        others.len()
-    );
-    assert!(most <= 5, "{most} permits held at once, N = 5");
-    assert!(
-        after > 0,
-        "the other agent was not served after the restart wait"
-    );
+    let most = most_at_once(&spans.lock());
+    AcrossARestart {
+        restarted,
+        renewed_after: end.saturating_duration_since(restarted),
+        others,
+        most,
+    }
 }
 
 /// A regional allocator SIGKILLed and started again on its address while
@@ -985,97 +1019,27 @@ async fn permits_held_across_a_regional_kill_are_renewed_on() {
         agent("permits-rr-0", &reg.url(), None, &[]),
         agent("permits-rr-1", &reg.url(), None, &[]),
     );
-    for ag in [&holder, &other] {
-        wait_ok(ag.http, "/readyz", Duration::from_secs(20));
-    }
-    let spans: Spans = Arc::default();
-    let mut hc = permits_client(&holder).await;
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        let r = hc.acquire(acquire_req(10_000)).await.unwrap().into_inner();
-        assert_eq!(r.outcome, AcquireOutcome::Acquired as i32, "{r:?}");
-        held.push((Instant::now(), r.permits[0].permit_id.clone()));
-    }
-    let start = Instant::now();
-    let end = start + Duration::from_secs(1) + 2 * TTL_MAX + Duration::from_secs(2);
-    let mut tasks = Vec::new();
-    for i in 0..6u64 {
-        let mut c = permits_client(&other).await;
-        let spans = spans.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut got = Vec::new();
-            while Instant::now() < end {
-                let Ok(r) = c.acquire(acquire_req(500)).await else {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                };
-                let r = r.into_inner();
-                if r.outcome != AcquireOutcome::Acquired as i32 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                }
-                let from = Instant::now();
-                tokio::time::sleep(Duration::from_millis(20 + (i * 13) % 40)).await;
-                let to = Instant::now();
-                let _ = c
-                    .release(ReleaseRequest {
-                        permit_id: r.permits[0].permit_id.clone(),
-                    })
-                    .await;
-                spans.lock().push((from, to));
-                got.push(from);
-            }
-            got
-        }));
-    }
-    // The holder renews both permits every 200 ms; the regional dies at
-    // 1 s and a new one starts on its address at once.
     let mut reg = Some(reg);
-    let mut restarted = None;
-    let mut last_expiry = [Instant::now(); 2];
-    while Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if restarted.is_none() && start.elapsed() >= Duration::from_secs(1) {
-            reg.take().expect("running").kill9();
-            reg = Some(regional_at(&global.url(), "eu", Some(addr), None, &flags));
-            restarted = Some(Instant::now());
-        }
-        for (i, (_, id)) in held.iter().enumerate() {
-            let asked = Instant::now();
-            let since = restarted.map(|r| r.elapsed());
-            let r = renew_held(&mut hc, id, ("after the regional's restart", since)).await;
-            last_expiry[i] = asked + Duration::from_millis(r.expires_in_ms);
-        }
-    }
-    let restarted = restarted.expect("restarted");
-    for (i, (from, id)) in held.iter().enumerate() {
-        let to = Instant::now().min(last_expiry[i]);
-        let rel = hc
-            .release(ReleaseRequest {
-                permit_id: id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(rel.released, "{rel:?}");
-        spans.lock().push((*from, to));
-    }
-    let mut others = Vec::new();
-    for t in tasks {
-        others.extend(t.await.unwrap());
-    }
+    let run = across_a_restart(&holder, &other, TTL_MAX, || {
+        reg.take().expect("running").kill9();
+        reg = Some(regional_at(&global.url(), "eu", Some(addr), None, &flags));
+    })
+    .await;
     let (_, m) = http_get(reg.as_ref().expect("running").http, "/metrics");
     let resumed = metric(&m, "quotalease_regional_slots_resumed_total");
-    let spans = spans.lock().clone();
-    let most = most_at_once(&spans);
-    let after = others.iter().filter(|&&a| a >= restarted + TTL_MAX).count();
+    let after = run
+        .others
+        .iter()
+        .filter(|&&a| a >= run.restarted + TTL_MAX)
+        .count();
     eprintln!(
-        "e2e permits: 2 permits held and renewed across a regional SIGKILL and restart ({:?} of renewals after it; {resumed:?} slots resumed); the region's other agent served {} acquires ({after} from 2 s after the restart), at most {most} held at once (N = 5)",
-        end.saturating_duration_since(restarted),
-        others.len()
+        "e2e permits: 2 permits held and renewed across a regional SIGKILL and restart ({:?} of renewals after it; {resumed:?} slots resumed); the region's other agent served {} acquires ({after} from 2 s after the restart), at most {} held at once (N = 5)",
+        run.renewed_after,
+        run.others.len(),
+        run.most
     );
     assert!(resumed.is_some_and(|s| s >= 2.0), "{resumed:?}");
-    assert!(most <= 5, "{most} permits held at once, N = 5");
+    assert!(run.most <= 5, "{} permits held at once, N = 5", run.most);
     assert!(
         after > 0,
         "the other agent was not served after the restart"

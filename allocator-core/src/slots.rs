@@ -262,6 +262,15 @@ impl SlotLedger {
         }
     }
 
+    /// A regional's pool whose chain broke: a new pool (nothing lent,
+    /// no lease past 0) that still knows which lease ids are its
+    /// predecessors' and which children wait for a resume.
+    pub fn restart_pool(&mut self) {
+        let resume = self.resume.take();
+        *self = Self::new_pool(0);
+        self.resume = resume;
+    }
+
     /// A regional's pool (docs/permits.md "A regional restart"): lease
     /// ids below `own_ids_from` are its predecessors' (other processes of
     /// its region), which only a resume of its parent lease can cover

@@ -372,25 +372,32 @@ impl SlotChain {
             // slots at the parent: docs/permits.md "Wait tail").
             self.next_ask_ns = now_ns.saturating_add(g.retry_after_ns);
         }
+        // What the parent kept of the lease the ask named (the folded
+        // slots are the predecessors', or an unknown successor's).
+        let broke = ask.lease_id != 0 && g.kept.saturating_sub(g.folded) < ask.keep;
+        if broke {
+            // The children's leases stay within the old parent lease (or
+            // its unknown successor); a new pool for the new one, still
+            // knowing which lease ids are predecessors'.
+            pool.restart_pool();
+        }
         if ask.resume {
-            // The predecessors' children run permits on the folded slots
-            // at most until the parent's expiry of them: its `ttl` from
-            // the grant's instant (before now), on this clock at most
-            // that plus the drift margin, plus a millisecond of rounding.
+            // The folded slots are in use at most until the parent's
+            // expiry of them: its `ttl` from the grant's instant (before
+            // now), on this clock at most that plus the drift margin,
+            // plus a millisecond of rounding. They may be the
+            // predecessors' children's, and, when a resume applied
+            // before was answered too late and this one broke the chain,
+            // also this chain's own old children's (the unknown successor
+            // it folded carried their slots): the new pool's phantom
+            // holds them, set after the break's reset (a review found the
+            // reset dropping it: 8 slots in use of N = 4).
             let until = now_ns
                 .saturating_add(g.ttl_ns)
                 .saturating_add(quotalease_model::protocol::drift_margin_ns(g.ttl_ns))
                 .saturating_add(t.epsilon_ns)
                 .saturating_add(1_000_000);
             pool.resumed(g.folded, until);
-        }
-        // What the parent kept of the lease the ask named (the folded
-        // slots are the predecessors').
-        let broke = ask.lease_id != 0 && g.kept.saturating_sub(g.folded) < ask.keep;
-        if broke {
-            // The children's leases stay within the old parent lease (or
-            // its unknown successor); a new pool for the new one.
-            *pool = SlotLedger::new_pool(0);
         }
         if g.lease_id == 0 || g.slots == 0 {
             // Nothing held now (we kept nothing, or the lease was gone).

@@ -625,3 +625,61 @@ fn a_restarted_regional_resumes_and_its_childrens_leases_renew_on() {
     assert_eq!(b.holding(now), N - 3, "{b:?}");
     assert_eq!(reg.stats().slot_chain_breaks, 0);
 }
+
+/// Found by review (session 34): a resume whose replies are all lost (the
+/// batch abandoned after its resends, though the parent applied it) is
+/// asked again naming the chain's old lease; the parent folds the
+/// successor it made (the predecessor's slots and the chain's own) and
+/// the chain breaks. The break's new pool dropped the phantom and lent
+/// every slot fresh beside the predecessor's children (9 slots in use of
+/// N = 8); now it holds the folded slots in its phantom.
+#[test]
+fn a_lost_resume_asked_again_keeps_the_folded_slots_out_of_the_new_pool() {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let mut reg = slot_regional("eu", now);
+    let (mut a, mut b, mut c) = (Child::default(), Child::default(), Child::default());
+    child_ask(&mut reg, now, "a", &mut a, 3, false);
+    poll(&mut reg, &mut parent, now, Link::Up);
+    now += 60 * MS;
+    assert_eq!(child_ask(&mut reg, now, "a", &mut a, 3, false).tokens, 3);
+    now += 10 * MS;
+    let mut reg = slot_regional_run("eu", now, 1);
+    // A new child c gets a slot from the new process first.
+    for _ in 0..10 {
+        let want = 1 - c.holding(now).min(1);
+        child_ask(&mut reg, now, "c", &mut c, want, false);
+        if c.holding(now) == 1 {
+            break;
+        }
+        poll(&mut reg, &mut parent, now, Link::Up);
+        now += 50 * MS;
+    }
+    assert_eq!(c.holding(now), 1, "{c:?}");
+    // a names its predecessor's lease: RESUMING.
+    now += 10 * MS;
+    let g = child_ask(&mut reg, now, "a", &mut a, 0, false);
+    assert_eq!(g.status, GrantStatus::Resuming as i32, "{g:?}");
+    // The resume's batch: applied, every reply lost, until abandoned.
+    let mut lost = 0;
+    for _ in 0..40 {
+        if poll(&mut reg, &mut parent, now, Link::LoseReply) {
+            lost += 1;
+            if lost > SLOT_RESENDS {
+                break;
+            }
+        }
+        now += 20 * MS;
+    }
+    assert_eq!(lost, SLOT_RESENDS + 1);
+    let kids = |a: &Child, b: &Child, c: &Child| vec![vec![a.clone(), b.clone(), c.clone()]];
+    for _ in 0..40 {
+        now += 50 * MS;
+        child_ask(&mut reg, now, "a", &mut a, 0, false);
+        child_ask(&mut reg, now, "c", &mut c, 0, false);
+        child_ask(&mut reg, now, "b", &mut b, N, false);
+        poll(&mut reg, &mut parent, now, Link::Up);
+        i4(&kids(&a, &b, &c), now).unwrap();
+    }
+    assert!(reg.stats().slot_chain_breaks >= 1, "{:?}", reg.stats());
+}

@@ -379,3 +379,121 @@ fn under_contention_a_chain_keeps_the_slots_its_children_miss() {
         .expect("give back");
     assert_eq!((ask.keep, ask.want), (0, 0), "{ask:?}");
 }
+
+/// A global ledger's answer to `a` from `holder`, as the chain sees it.
+fn at_global(
+    global: &mut SlotLedger,
+    now: u64,
+    holder: u32,
+    a: &ParentSlotAsk,
+    new_id: u64,
+) -> ParentSlotGrant {
+    let g = global.ask(
+        now,
+        SlotAsk {
+            holder,
+            lease_id: a.lease_id,
+            keep: a.keep,
+            want: a.want,
+            ttl_ns: 2_000 * MS,
+            new_id,
+            fences: FENCES_PER_PARENT_GRANT,
+            resume: a.resume,
+        },
+    );
+    ParentSlotGrant {
+        applied: true,
+        lease_id: g.lease_id,
+        slots: g.slots,
+        kept: g.kept,
+        folded: g.folded,
+        ttl_ns: g.expires_ns.saturating_sub(now) / MS * MS,
+        fence: g.fence,
+        contended: g.contended,
+        over: g.over,
+        share: g.share,
+        retry_after_ns: 0,
+        holders: 0,
+    }
+}
+
+/// Found by review (session 34): a resume the global applied whose reply
+/// was lost (its batch abandoned) is asked again naming the chain's old
+/// lease; the global folds the unknown successor (the predecessor's 3
+/// slots and the chain's own 1) and the chain breaks. The break's new pool
+/// dropped the phantom and lent all 4 fresh beside the predecessor's
+/// children and its own old child (8 in use of N = 4); now the new pool's
+/// phantom holds what was folded.
+#[test]
+fn a_resume_asked_again_after_a_lost_reply_keeps_the_folded_slots_in_the_phantom() {
+    const N: u64 = 4;
+    let mut global = SlotLedger::new(N, 0);
+    // The predecessor (holder 10) holds 3 at the global; its children
+    // run permits on them until the global's expiry.
+    let g = global.ask(
+        T,
+        SlotAsk {
+            holder: 10,
+            lease_id: 0,
+            keep: 0,
+            want: 3,
+            ttl_ns: 2_000 * MS,
+            new_id: 7,
+            fences: 1,
+            resume: false,
+        },
+    );
+    assert_eq!(g.slots, 3);
+    let predecessors_until = g.expires_ns;
+    // The new process (holder 11): a new child gets 1.
+    let mut chain = SlotChain::default();
+    let mut pool = SlotLedger::new_pool(0);
+    pool.await_resume(1_000);
+    let now = T + 100 * MS;
+    child(&mut pool, now, 2, 0, 0, 1, 1_000);
+    let ask = chain
+        .plan(now, &mut pool, &TIMES)
+        .expect("a child misses one");
+    chain.sent(now, ask, &mut pool, &TIMES);
+    let pg = at_global(&mut global, now + 10 * MS, 11, &ask, 100);
+    chain.on_grant(now + 20 * MS, &pg, &mut pool, &TIMES);
+    let g = child(&mut pool, now + 25 * MS, 2, 0, 0, 1, 1_001);
+    assert_eq!(g.slots, 1);
+    let own_child_until = g.expires_ns;
+    // A predecessor's child names its lease 5: the resume goes, the
+    // global applies it, its reply is lost: abandoned.
+    let now = T + 200 * MS;
+    assert!(pool.needs_resume(5));
+    let ask = chain.plan(now, &mut pool, &TIMES).expect("the resume");
+    chain.sent(now, ask, &mut pool, &TIMES);
+    global.reassign(&[10], 11);
+    let lost = at_global(&mut global, now + 10 * MS, 11, &ask, 101);
+    assert_eq!((lost.slots, lost.folded), (4, 3));
+    chain.abandon();
+    // Asked again, naming lease 100 (gone at the global): a break.
+    let now = T + 400 * MS;
+    let ask = chain
+        .plan(now, &mut pool, &TIMES)
+        .expect("the resume again");
+    assert!(ask.resume);
+    chain.sent(now, ask, &mut pool, &TIMES);
+    let pg = at_global(&mut global, now + 10 * MS, 11, &ask, 102);
+    assert_eq!(
+        chain.on_grant(now + 20 * MS, &pg, &mut pool, &TIMES),
+        ChainChange::Broke
+    );
+    // New children ask the new pool: nothing beside what is in use.
+    let now = T + 450 * MS;
+    let fresh: u64 = (3..10u32)
+        .map(|h| child(&mut pool, now, h, 0, 0, 1, 2_000 + u64::from(h)).slots)
+        .sum();
+    let in_use = fresh
+        + if now < predecessors_until { 3 } else { 0 }
+        + if now < own_child_until { 1 } else { 0 };
+    assert!(
+        in_use <= N,
+        "{in_use} slots in use of N = {N} (fresh {fresh})"
+    );
+    // The predecessor's child still adopts its lease in the new pool.
+    assert_eq!(child(&mut pool, now, 9, 5, 2, 0, 3_000).kept, 2);
+}

@@ -234,6 +234,14 @@ pub struct AllocatorArgs {
     /// Regional: lease TTL asked of the parent.
     #[arg(long = "upstream-ttl", default_value = "2s", value_parser = parse_duration)]
     upstream_ttl: Duration,
+    /// Regional, with --experimental-permits: after a restart, resume the
+    /// predecessor's parent slot leases so its agents' permits are renewed
+    /// on (docs/permits.md "A regional restart"). Off by default: the limit
+    /// holds only while one process of this region name is alive at a time
+    /// (not during a rolling update's overlap, nor beside a partitioned old
+    /// process).
+    #[arg(long = "experimental-regional-resume")]
+    experimental_regional_resume: bool,
     /// Regional: upstream planner tick (and the least gap between
     /// upstream messages that are not urgent).
     #[arg(long = "upstream-renew-interval", default_value = "50ms", value_parser = parse_duration)]

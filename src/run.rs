@@ -449,6 +449,7 @@ async fn regional(args: AllocatorArgs, stop: Termination) -> anyhow::Result<()> 
         core: CoreConfig {
             ttl_max_ns: ns(args.ttl_max),
             cluster: args.cluster.clone().unwrap_or_default(),
+            resume_slot_leases: args.experimental_regional_resume,
             ..CoreConfig::default()
         },
         region: region.clone(),

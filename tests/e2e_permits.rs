@@ -1013,7 +1013,8 @@ async fn permits_held_across_a_regional_kill_are_renewed_on() {
     let rules = write_rules(&dir, RULES);
     let flags = ["--experimental-permits"];
     let global = allocator_with(&rules, &dir.join("state"), None, "2s", &flags);
-    let reg = regional(&global.url(), "eu", None, &flags);
+    let regional_flags = ["--experimental-permits", "--experimental-regional-resume"];
+    let reg = regional(&global.url(), "eu", None, &regional_flags);
     let addr = reg.grpc;
     let (holder, other) = (
         agent("permits-rr-0", &reg.url(), None, &[]),
@@ -1022,7 +1023,13 @@ async fn permits_held_across_a_regional_kill_are_renewed_on() {
     let mut reg = Some(reg);
     let run = across_a_restart(&holder, &other, TTL_MAX, || {
         reg.take().expect("running").kill9();
-        reg = Some(regional_at(&global.url(), "eu", Some(addr), None, &flags));
+        reg = Some(regional_at(
+            &global.url(),
+            "eu",
+            Some(addr),
+            None,
+            &regional_flags,
+        ));
     })
     .await;
     let (_, m) = http_get(reg.as_ref().expect("running").http, "/metrics");

@@ -71,6 +71,12 @@ pub struct CoreConfig {
     /// ledger's first; ignored when `no_predecessor` is false (then every
     /// kind waits).
     pub slot_leases_may_be_out: bool,
+    /// A regional's pools resume their predecessors' slot leases
+    /// (docs/permits.md "A regional restart"): experimental and off by
+    /// default: I4 holds only while one process of a region name is
+    /// alive at a time (a review found two live ones, as in a rolling
+    /// update's overlap, breaking it).
+    pub resume_slot_leases: bool,
     /// The longest `TTL_max` a predecessor may have granted leases under
     /// (recorded in the state directory; 0: this one's): a restart waits
     /// for the larger.
@@ -160,6 +166,7 @@ impl Default for CoreConfig {
             holder_idle_ns: 3_600_000_000_000,
             no_predecessor: false,
             slot_leases_may_be_out: false,
+            resume_slot_leases: false,
             predecessor_ttl_max_ns: 0,
             first_start_grace_ns: 0,
             ledger_id: 0,

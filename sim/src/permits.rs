@@ -65,6 +65,11 @@ pub struct PermitSimConfig {
     /// (docs/permits.md "Max-min on what is held"); off: as before
     /// session 33, max-min shapes fresh slots only.
     pub shares: bool,
+    /// A restarted regional resumes its predecessor's parent slot leases
+    /// and its agents adopt theirs (`--experimental-regional-resume`,
+    /// docs/permits.md "A regional restart"); off: their permits end at
+    /// their use-by.
+    pub region_resume: bool,
 }
 
 pub mod scenario;
@@ -197,6 +202,7 @@ impl PermitSimConfig {
             regions: None,
             wakeups: true,
             shares: true,
+            region_resume: false,
         }
     }
 
@@ -532,7 +538,9 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     // predecessor (ids below `own_ids_from`) until its chain resumed.
     let regional = |own_ids_from: u64, seq: u64| {
         let mut pool = SlotLedger::new_pool(0);
-        pool.await_resume(own_ids_from);
+        if cfg.region_resume {
+            pool.await_resume(own_ids_from);
+        }
         Regional {
             chain: SlotChain::default(),
             pool,

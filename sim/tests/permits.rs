@@ -196,6 +196,7 @@ fn regional_restarts_keep_i4_and_the_permits_held_across_them() {
         // About 0.8 x N with these holds (the shape's load is for holds
         // of median 200 ms).
         let mut cfg = PermitSimConfig::regions_shape(seed, 0.07);
+        cfg.region_resume = true;
         cfg.hold_median_ns = 3 * S;
         cfg.hold_sigma = 0.3;
         cfg.faults = PermitFaults {

@@ -119,8 +119,10 @@ impl AllocatorCore {
                     self.new_slot_keys.push(key.clone());
                     let mut pool = SlotLedger::new_pool(0);
                     // Children may name leases of this regional's
-                    // predecessor: they wait for the chain's resume.
-                    pool.await_resume(self.fence_clock.0);
+                    // predecessor: with resumes on, they wait for one.
+                    if self.cfg.resume_slot_leases {
+                        pool.await_resume(self.fence_clock.0);
+                    }
                     pool
                 }
                 Some(until) if now_ns < until => {

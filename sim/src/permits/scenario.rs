@@ -61,6 +61,11 @@ pub struct PermitScenario {
     /// The `WaitSlots` wake-ups (default true, as in production).
     #[serde(default = "d_true")]
     pub wakeups: bool,
+    /// A restarted regional resumes its predecessor's slot leases
+    /// (`--experimental-regional-resume`; default false, as in
+    /// production).
+    #[serde(default)]
+    pub region_resume: bool,
     /// Faults (none by default).
     #[serde(default)]
     pub faults: Faults,
@@ -497,6 +502,7 @@ impl PermitScenario {
             regions,
             wakeups: self.wakeups,
             shares: true,
+            region_resume: self.region_resume,
         }
     }
 }

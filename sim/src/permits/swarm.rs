@@ -93,6 +93,7 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
     } else {
         Vec::new()
     };
+    let region_resume = regions > 0 && g.chance(0.5);
     let cfg = PermitSimConfig {
         seed,
         n,
@@ -112,9 +113,10 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         regions: regions_cfg,
         wakeups,
         shares: true,
+        region_resume,
     };
     let what = format!(
-        "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, {} regional restarts, wake-ups {}",
+        "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, {} regional restarts{}, wake-ups {}",
         if regions > 0 {
             format!(" in {regions} regions")
         } else {
@@ -126,6 +128,7 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         cfg.faults.crashes.len(),
         cfg.regions.as_ref().map_or(0, |r| r.cuts.len()),
         cfg.faults.region_restarts.len(),
+        if region_resume { " (resumed)" } else { "" },
         if wakeups { "on" } else { "off" },
     );
     (cfg, what)

@@ -42,6 +42,10 @@ fn slot_regional_run(region: &str, now: u64, run: u64) -> RegionalCore {
         // Each process draws its own instance nonce: the parent sees
         // another holder of the same id.
         instance: run + 1,
+        core: CoreConfig {
+            resume_slot_leases: true,
+            ..CoreConfig::default()
+        },
         ..RegionalConfig::default()
     };
     RegionalCore::new(

@@ -35,15 +35,21 @@ fn slot_regional(region: &str, now: u64) -> RegionalCore {
 }
 
 /// The regional's `run`-th process (0: its first start): a larger
-/// incarnation, and lease ids above every one its predecessors gave.
+/// incarnation, and lease ids above every one its predecessors gave;
+/// resuming its predecessors' slot leases (`--experimental-regional-resume`).
 fn slot_regional_run(region: &str, now: u64, run: u64) -> RegionalCore {
+    slot_regional_with(region, now, run, true)
+}
+
+/// [`slot_regional_run`], resuming or not.
+fn slot_regional_with(region: &str, now: u64, run: u64, resume: bool) -> RegionalCore {
     let cfg = RegionalConfig {
         region: region.into(),
         // Each process draws its own instance nonce: the parent sees
         // another holder of the same id.
         instance: run + 1,
         core: CoreConfig {
-            resume_slot_leases: true,
+            resume_slot_leases: resume,
             ..CoreConfig::default()
         },
         ..RegionalConfig::default()
@@ -686,4 +692,268 @@ fn a_lost_resume_asked_again_keeps_the_folded_slots_out_of_the_new_pool() {
         i4(&kids(&a, &b, &c), now).unwrap();
     }
     assert!(reg.stats().slot_chain_breaks >= 1, "{:?}", reg.stats());
+}
+
+/// One process of a region in [`two_live_processes_of_a_region_without_resumes_never_use_more_than_n`].
+struct Process {
+    reg: RegionalCore,
+    on_the_way: Option<LeaseReply>,
+    cut: bool,
+}
+
+/// A step of [`two_live_processes_of_a_region_without_resumes_never_use_more_than_n`].
+#[derive(Clone, Debug)]
+enum Step2 {
+    Ask {
+        r: usize,
+        c: usize,
+        want: u64,
+        give_back: bool,
+    },
+    Poll {
+        r: usize,
+        p: usize,
+        link: u8,
+    },
+    Reply {
+        r: usize,
+        p: usize,
+    },
+    Wait {
+        ms: u64,
+    },
+    Cut {
+        r: usize,
+        p: usize,
+    },
+    Restart,
+    /// Process `p` of region `r` is replaced by a new one.
+    RegionRestart {
+        r: usize,
+        p: usize,
+    },
+    /// A second live process of region `r` starts (if one runs).
+    Start {
+        r: usize,
+    },
+    /// Process `p` of region `r` stops (if two run); its children move.
+    Stop {
+        r: usize,
+        p: usize,
+    },
+    /// Child `c` of region `r` reconnects to the other process, keeping
+    /// its leases.
+    Move {
+        r: usize,
+        c: usize,
+    },
+    /// Every child asks its process, then every process polls.
+    Round {
+        wants: [u64; 2 * KIDS],
+    },
+}
+
+const KIDS: usize = 3;
+
+fn step2() -> impl Strategy<Value = Step2> {
+    prop_oneof![
+        5 => (0..2usize, 0..KIDS, 0..6u64, prop::bool::weighted(0.15))
+            .prop_map(|(r, c, want, give_back)| Step2::Ask { r, c, want, give_back }),
+        5 => (0..2usize, 0..2usize, 0..10u8).prop_map(|(r, p, link)| Step2::Poll { r, p, link }),
+        2 => (0..2usize, 0..2usize).prop_map(|(r, p)| Step2::Reply { r, p }),
+        3 => prop_oneof![3 => 1..60u64, 1 => 60..800u64].prop_map(|ms| Step2::Wait { ms }),
+        1 => (0..2usize, 0..2usize).prop_map(|(r, p)| Step2::Cut { r, p }),
+        1 => Just(Step2::Restart),
+        1 => (0..2usize, 0..2usize).prop_map(|(r, p)| Step2::RegionRestart { r, p }),
+        2 => (0..2usize).prop_map(|r| Step2::Start { r }),
+        1 => (0..2usize, 0..2usize).prop_map(|(r, p)| Step2::Stop { r, p }),
+        3 => (0..2usize, 0..KIDS).prop_map(|(r, c)| Step2::Move { r, c }),
+        4 => prop::array::uniform6(0..4u64).prop_map(|wants| Step2::Round { wants }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
+
+    /// Two live processes of one region name (a rolling update's overlap,
+    /// or a new process beside an old one cut from the parent), children
+    /// moving between them with their leases, lost requests and replies,
+    /// cuts and restarts: without resumes (the default), the slots the
+    /// children may be using never exceed `N`. (With
+    /// `--experimental-regional-resume` this fails, 9 slots of `N` = 8: a
+    /// review's finding, docs/protocol.md item 13; the property test is a
+    /// session 34 review's.)
+    #[test]
+    fn two_live_processes_of_a_region_without_resumes_never_use_more_than_n(
+        steps in prop::collection::vec(step2(), 1..300)
+    ) {
+        let r = two_live_processes(steps, false);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+/// Run `steps` with regional processes that resume or not.
+fn two_live_processes(steps: Vec<Step2>, resume: bool) -> Result<(), String> {
+    let mut now = T0;
+    let mut parent = parent_of(now, None);
+    let names = ["eu", "us"];
+    let process = |r: usize, now: u64, run: u64| Process {
+        reg: slot_regional_with(names[r], now, run, resume),
+        on_the_way: None,
+        cut: false,
+    };
+    let mut procs: Vec<Vec<Process>> = (0..2).map(|r| vec![process(r, now, 0)]).collect();
+    let mut kids = vec![vec![Child::default(); KIDS], vec![Child::default(); KIDS]];
+    let mut assign = [[0usize; KIDS]; 2];
+    let mut base = 1_000_000u64;
+    let mut runs = [0u64, 0];
+    for s in steps {
+        match s {
+            Step2::Ask {
+                r,
+                c,
+                want,
+                give_back,
+            } => {
+                let p = assign[r][c] % procs[r].len();
+                let name = format!("a{r}{c}");
+                child_ask(
+                    &mut procs[r][p].reg,
+                    now,
+                    &name,
+                    &mut kids[r][c],
+                    want,
+                    give_back,
+                );
+            }
+            Step2::Cut { r, p } => {
+                let p = p % procs[r].len();
+                procs[r][p].cut = !procs[r][p].cut;
+            }
+            Step2::Poll { r, p, link } => {
+                let p = p % procs[r].len();
+                let pr = &mut procs[r][p];
+                if pr.on_the_way.is_some() {
+                } else if pr.cut {
+                    poll(&mut pr.reg, &mut parent, now, Link::LoseRequest);
+                } else if link >= 6 {
+                    if let Some(b) = pr.reg.poll_transmit(now) {
+                        pr.on_the_way = Some(parent.handle(now, &b));
+                    }
+                } else {
+                    let link = match link {
+                        0 => Link::LoseRequest,
+                        1 => Link::LoseReply,
+                        _ => Link::Up,
+                    };
+                    poll(&mut pr.reg, &mut parent, now, link);
+                }
+            }
+            Step2::Reply { r, p } => {
+                let p = p % procs[r].len();
+                let pr = &mut procs[r][p];
+                if let Some(reply) = pr.on_the_way.take() {
+                    pr.reg.handle_timeout(now);
+                    pr.reg.handle_reply(now, &reply);
+                }
+            }
+            Step2::Wait { ms } => now += ms * MS,
+            Step2::Restart => {
+                base += 1 << 32;
+                parent = parent_of(now, Some(base));
+            }
+            Step2::RegionRestart { r, p } => {
+                let p = p % procs[r].len();
+                runs[r] += 1;
+                procs[r][p] = process(r, now, runs[r]);
+            }
+            Step2::Start { r } => {
+                if procs[r].len() < 2 {
+                    runs[r] += 1;
+                    procs[r].push(process(r, now, runs[r]));
+                }
+            }
+            Step2::Stop { r, p } => {
+                if procs[r].len() == 2 {
+                    procs[r].remove(p % 2);
+                    assign[r] = [0; KIDS];
+                }
+            }
+            Step2::Round { wants } => {
+                for r in 0..2 {
+                    for c in 0..KIDS {
+                        let p = assign[r][c] % procs[r].len();
+                        let name = format!("a{r}{c}");
+                        let want = wants[r * KIDS + c];
+                        child_ask(
+                            &mut procs[r][p].reg,
+                            now,
+                            &name,
+                            &mut kids[r][c],
+                            want,
+                            false,
+                        );
+                    }
+                    for pr in procs[r].iter_mut() {
+                        if pr.on_the_way.is_none() {
+                            let link = if pr.cut { Link::LoseRequest } else { Link::Up };
+                            poll(&mut pr.reg, &mut parent, now, link);
+                        }
+                    }
+                }
+                now += 20 * MS;
+            }
+            Step2::Move { r, c } => {
+                if procs[r].len() == 2 {
+                    assign[r][c] = 1 - assign[r][c] % 2;
+                }
+            }
+        }
+        i4(&kids, now)?;
+    }
+    Ok(())
+}
+
+/// The review's shortest case (no parent restart): with resumes on it
+/// breaks I4 (the reason they are off by default); without, it does not.
+#[test]
+fn two_live_processes_break_i4_with_resumes_and_not_without() {
+    use Step2::*;
+    let steps = || {
+        vec![
+            Start { r: 1 },
+            Ask {
+                r: 0,
+                c: 0,
+                want: 0,
+                give_back: false,
+            },
+            Move { r: 1, c: 2 },
+            Round {
+                wants: [0, 0, 0, 3, 0, 2],
+            },
+            Wait { ms: 615 },
+            Round {
+                wants: [0, 0, 0, 2, 2, 0],
+            },
+            Move { r: 1, c: 0 },
+            Cut { r: 1, p: 0 },
+            Wait { ms: 532 },
+            Move { r: 0, c: 0 },
+            Round {
+                wants: [0, 0, 0, 0, 1, 0],
+            },
+            Round {
+                wants: [2, 1, 0, 0, 0, 0],
+            },
+            Wait { ms: 719 },
+            Move { r: 0, c: 0 },
+            Round {
+                wants: [1, 1, 1, 0, 2, 0],
+            },
+        ]
+    };
+    assert!(two_live_processes(steps(), false).is_ok());
+    let with = two_live_processes(steps(), true);
+    assert!(with.is_err(), "the known unsafety of resumes with two live processes went away: update docs/protocol.md item 13");
 }

@@ -432,63 +432,22 @@ proptest! {
     /// never exceed `N`.
     #[test]
     fn children_of_two_regions_never_use_more_than_n(steps in prop::collection::vec(step(), 1..250)) {
-        let mut now = T0;
-        let mut parent = parent_of(now, None);
-        let mut regs = [slot_regional("eu", now), slot_regional("us", now)];
-        let mut kids = vec![vec![Child::default(); 2], vec![Child::default(); 2]];
-        let mut base = 1_000_000u64;
-        let mut on_the_way: [Option<LeaseReply>; 2] = [None, None];
-        let mut cut = [false, false];
-        let mut runs = [0u64, 0];
-        for s in steps {
-            match s {
-                Step::Ask { r, c, want, give_back } => {
-                    child_ask(&mut regs[r], now, &format!("a{r}{c}"), &mut kids[r][c], want, give_back);
-                }
-                Step::Cut { r } => cut[r] = !cut[r],
-                Step::Poll { r, .. } if cut[r] => {
-                    if on_the_way[r].is_none() {
-                        poll(&mut regs[r], &mut parent, now, Link::LoseRequest);
-                    }
-                }
-                Step::Poll { r, link } if link >= 6 => {
-                    // Applied by the parent now, its reply arrives later
-                    // (a Reply step) or never (the regional times out).
-                    if on_the_way[r].is_none() {
-                        if let Some(b) = regs[r].poll_transmit(now) {
-                            on_the_way[r] = Some(parent.handle(now, &b));
-                        }
-                    }
-                }
-                Step::Poll { r, link } => {
-                    let link = match link {
-                        0 => Link::LoseRequest,
-                        1 => Link::LoseReply,
-                        _ => Link::Up,
-                    };
-                    if on_the_way[r].is_none() {
-                        poll(&mut regs[r], &mut parent, now, link);
-                    }
-                }
-                Step::Reply { r } => {
-                    if let Some(reply) = on_the_way[r].take() {
-                        regs[r].handle_timeout(now);
-                        regs[r].handle_reply(now, &reply);
-                    }
-                }
-                Step::Wait { ms } => now += ms * MS,
-                Step::Restart => {
-                    base += 1 << 32;
-                    parent = parent_of(now, Some(base));
-                }
-                Step::RegionRestart { r } => {
-                    runs[r] += 1;
-                    regs[r] = slot_regional_run(["eu", "us"][r], now, runs[r]);
-                    on_the_way[r] = None;
-                }
-            }
-            prop_assert!(i4(&kids, now).is_ok(), "{}", i4(&kids, now).unwrap_err());
-        }
+        // One process per region at a time: the two-process run with
+        // each step on process 0 (regional restarts resume).
+        let steps = steps
+            .into_iter()
+            .map(|s| match s {
+                Step::Ask { r, c, want, give_back } => Step2::Ask { r, c, want, give_back },
+                Step::Poll { r, link } => Step2::Poll { r, p: 0, link },
+                Step::Reply { r } => Step2::Reply { r, p: 0 },
+                Step::Wait { ms } => Step2::Wait { ms },
+                Step::Cut { r } => Step2::Cut { r, p: 0 },
+                Step::Restart => Step2::Restart,
+                Step::RegionRestart { r } => Step2::RegionRestart { r, p: 0 },
+            })
+            .collect();
+        let r = two_live_processes(steps, true);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 }
 

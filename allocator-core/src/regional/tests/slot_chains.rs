@@ -379,48 +379,18 @@ fn a_broken_chain_does_not_carry_its_childrens_leases() {
     assert!(kids[1][0].holding(now) >= 4, "{kids:?}");
 }
 
-#[derive(Clone, Debug)]
-enum Step {
-    Ask {
-        r: usize,
-        c: usize,
-        want: u64,
-        give_back: bool,
-    },
-    Poll {
-        r: usize,
-        link: u8,
-    },
-    /// The reply a delayed poll left on the way arrives.
-    Reply {
-        r: usize,
-    },
-    Wait {
-        ms: u64,
-    },
-    /// Region `r` is cut from the parent (every poll's request lost) or
-    /// joined again.
-    Cut {
-        r: usize,
-    },
-    Restart,
-    /// Regional `r`'s process is replaced by a new one (its reply on the
-    /// way is lost with it); its children keep their leases.
-    RegionRestart {
-        r: usize,
-    },
-}
-
-fn step() -> impl Strategy<Value = Step> {
+/// Steps with one process per region (process 0): asks of two children,
+/// polls, replies, waits, cuts, parent and regional restarts.
+fn step() -> impl Strategy<Value = Step2> {
     prop_oneof![
         4 => (0..2usize, 0..2usize, 0..6u64, prop::bool::weighted(0.15))
-            .prop_map(|(r, c, want, give_back)| Step::Ask { r, c, want, give_back }),
-        4 => (0..2usize, 0..10u8).prop_map(|(r, link)| Step::Poll { r, link }),
-        2 => (0..2usize).prop_map(|r| Step::Reply { r }),
-        3 => prop_oneof![3 => 1..60u64, 1 => 60..800u64].prop_map(|ms| Step::Wait { ms }),
-        1 => (0..2usize).prop_map(|r| Step::Cut { r }),
-        1 => Just(Step::Restart),
-        1 => (0..2usize).prop_map(|r| Step::RegionRestart { r }),
+            .prop_map(|(r, c, want, give_back)| Step2::Ask { r, c, want, give_back }),
+        4 => (0..2usize, 0..10u8).prop_map(|(r, link)| Step2::Poll { r, p: 0, link }),
+        2 => (0..2usize).prop_map(|r| Step2::Reply { r, p: 0 }),
+        3 => prop_oneof![3 => 1..60u64, 1 => 60..800u64].prop_map(|ms| Step2::Wait { ms }),
+        1 => (0..2usize).prop_map(|r| Step2::Cut { r, p: 0 }),
+        1 => Just(Step2::Restart),
+        1 => (0..2usize).prop_map(|r| Step2::RegionRestart { r, p: 0 }),
     ]
 }
 
@@ -432,20 +402,7 @@ proptest! {
     /// never exceed `N`.
     #[test]
     fn children_of_two_regions_never_use_more_than_n(steps in prop::collection::vec(step(), 1..250)) {
-        // One process per region at a time: the two-process run with
-        // each step on process 0 (regional restarts resume).
-        let steps = steps
-            .into_iter()
-            .map(|s| match s {
-                Step::Ask { r, c, want, give_back } => Step2::Ask { r, c, want, give_back },
-                Step::Poll { r, link } => Step2::Poll { r, p: 0, link },
-                Step::Reply { r } => Step2::Reply { r, p: 0 },
-                Step::Wait { ms } => Step2::Wait { ms },
-                Step::Cut { r } => Step2::Cut { r, p: 0 },
-                Step::Restart => Step2::Restart,
-                Step::RegionRestart { r } => Step2::RegionRestart { r, p: 0 },
-            })
-            .collect();
+        // One process per region at a time (regional restarts resume).
         let r = two_live_processes(steps, true);
         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }

@@ -70,6 +70,13 @@ pub struct PermitSimConfig {
     /// docs/permits.md "A regional restart"); off: their permits end at
     /// their use-by.
     pub region_resume: bool,
+    /// What a long-poll *grant* could give at best (docs/permits.md "Wait
+    /// tail"), not a protocol we run: a wake-up answered because slots
+    /// came free is answered at once and the ask it triggers reaches the
+    /// lender at that instant, so the slots go out the moment they are
+    /// free and reach the waiter one way later (as if the wake-up had
+    /// carried the grant). Off: the wake-up's answer and the ask travel.
+    pub grant_on_wake: bool,
 }
 
 pub mod scenario;
@@ -203,6 +210,7 @@ impl PermitSimConfig {
             wakeups: true,
             shares: true,
             region_resume: false,
+            grant_on_wake: false,
         }
     }
 
@@ -446,6 +454,8 @@ struct Regional {
     /// The ask in flight: its sequence number and what it asked.
     asking: Option<(u64, ParentSlotAsk)>,
     seq: u64,
+    /// See [`Agent::instant_at`].
+    instant_at: Option<u64>,
 }
 
 struct Agent {
@@ -462,6 +472,9 @@ struct Agent {
     /// A wake-up is out, or none before this.
     waking: bool,
     wake_after: u64,
+    /// [`PermitSimConfig::grant_on_wake`]: an ask sent at this instant
+    /// reaches the lender at once.
+    instant_at: Option<u64>,
 }
 
 impl Agent {
@@ -501,6 +514,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
         held: HashMap::new(),
         waking: false,
         wake_after: 0,
+        instant_at: None,
     };
     let mut agents: Vec<Agent> = cfg.delays_ns.iter().map(|_| fresh_agent(0)).collect();
     let end: u64 = cfg.phases.iter().map(|p| p.0).sum();
@@ -546,6 +560,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             pool,
             asking: None,
             seq,
+            instant_at: None,
         }
     };
     let mut regionals: Vec<Regional> = regions.delays_ns.iter().map(|_| regional(1, 0)).collect();
@@ -814,7 +829,15 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 if ag.inc == inc && ag.asking == Some(sent.seq) {
                     if tries < RETRIES {
                         r.retries += 1;
-                        q.send(now, &mut faults_rng, cfg, &mut r, (a, inc), sent, tries + 1);
+                        q.send(
+                            now,
+                            &mut faults_rng,
+                            cfg,
+                            &mut r,
+                            (a, inc),
+                            sent,
+                            (tries + 1, false),
+                        );
                     } else {
                         ag.asking = None;
                         ag.policy.not_answered();
@@ -930,7 +953,17 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                         reg.asking = Some((reg.seq, ask));
                         r.region_asks += 1;
                         let seq = reg.seq;
-                        q.send_region(now, &mut faults_rng, cfg, &mut r, &cut, (rg, seq), ask, 0);
+                        let instant = reg.instant_at.take() == Some(now);
+                        q.send_region(
+                            now,
+                            &mut faults_rng,
+                            cfg,
+                            &mut r,
+                            &cut,
+                            (rg, seq),
+                            ask,
+                            (0, instant),
+                        );
                     }
                 }
             }
@@ -1069,7 +1102,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                             &cut,
                             (rg, s),
                             ask,
-                            tries + 1,
+                            (tries + 1, false),
                         );
                     } else {
                         reg.asking = None;
@@ -1101,7 +1134,16 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 r.asks += 1;
                 ag.asking = Some(sent.seq);
                 let inc = ag.inc;
-                q.send(now, &mut faults_rng, cfg, &mut r, (a, inc), sent, 0);
+                let instant = ag.instant_at.take() == Some(now);
+                q.send(
+                    now,
+                    &mut faults_rng,
+                    cfg,
+                    &mut r,
+                    (a, inc),
+                    sent,
+                    (0, instant),
+                );
             }
             // Its wake-up, as the driver starts them.
             if cfg.wakeups && !ag.waking && now >= ag.wake_after {
@@ -1169,10 +1211,17 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
                 let (room, contended) = (l.room(now), l.contended());
                 if (w.room && room > w.room0) || (w.contended && contended) || now >= w.until {
                     wake_waits.swap_remove(i);
-                    let back = match (w.lender, w.who) {
+                    let mut back = match (w.lender, w.who) {
                         (_, Waker::Agent { a, .. }) => cfg.delays_ns[a],
                         (_, Waker::Region { r: rg }) => regions.delays_ns[rg],
                     };
+                    if cfg.grant_on_wake && w.room && room > w.room0 {
+                        back = 0;
+                        match w.who {
+                            Waker::Agent { a, .. } => agents[a].instant_at = Some(now),
+                            Waker::Region { r: rg } => regionals[rg].instant_at = Some(now),
+                        }
+                    }
                     q.post(
                         now + back,
                         Ev::WakeAnswer {
@@ -1252,7 +1301,7 @@ impl Queue {
         r: &mut PermitReport,
         (a, inc): (usize, u32),
         sent: SentAsk,
-        tries: u32,
+        (tries, instant): (u32, bool),
     ) {
         self.post(
             now + FETCH_TIMEOUT_NS,
@@ -1269,7 +1318,7 @@ impl Queue {
         }
         let lost_reply = rng.chance(cfg.faults.loss);
         self.post(
-            now + cfg.delays_ns[a],
+            now + if instant { 0 } else { cfg.delays_ns[a] },
             Ev::AskArrives {
                 a,
                 inc,
@@ -1294,7 +1343,7 @@ impl Queue {
         cut: &dyn Fn(usize, u64) -> bool,
         (r, seq): (usize, u64),
         ask: ParentSlotAsk,
-        tries: u32,
+        (tries, instant): (u32, bool),
     ) {
         self.post(
             now + REGION_FETCH_TIMEOUT_NS,
@@ -1307,7 +1356,7 @@ impl Queue {
         }
         let lost_reply = rng.chance(cfg.faults.loss);
         self.post(
-            now + delays[r],
+            now + if instant { 0 } else { delays[r] },
             Ev::RegionAsk {
                 r,
                 seq,

@@ -359,8 +359,9 @@ fn the_wait_tail_is_within_two_round_trips_and_a_tick_of_the_ideal_below_saturat
 /// per topology and offered load, seeds 1-10, the medians of slots in use
 /// while demand >= `N`, wait p99 (and its range), how many seeds meet the
 /// wait target, asks per permit, timeouts and the worst agent's share of
-/// its acquires timed out, with the grants' shares on and off (run by
-/// hand: `cargo test -p quotalease-sim --release --test permits --
+/// its acquires timed out, with the grants' shares on and off, and with
+/// shares on beside the best a long-poll grant could give
+/// (`PermitSimConfig::grant_on_wake`) (run by hand: `cargo test -p quotalease-sim --release --test permits --
 /// --ignored --nocapture wait_tail_by_load`).
 #[test]
 #[ignore = "a figure for docs/permits.md"]
@@ -379,7 +380,7 @@ fn wait_tail_by_load() {
                     "one allocator"
                 }
             );
-            for shares in [true, false] {
+            for (shares, grant_on_wake) in [(true, false), (false, false), (true, true)] {
                 let (mut used, mut p99, mut asks, mut met) =
                     (Vec::new(), Vec::new(), Vec::new(), 0);
                 let (mut timeouts, mut worst, mut up) = (Vec::new(), Vec::new(), Vec::new());
@@ -390,6 +391,7 @@ fn wait_tail_by_load() {
                         PermitSimConfig::shape(seed, load)
                     };
                     cfg.shares = shares;
+                    cfg.grant_on_wake = grant_on_wake;
                     let r = run(&cfg);
                     assert!(r.max_held <= cfg.n, "{r:?}");
                     used.push(100.0 * r.saturated_use);
@@ -404,8 +406,9 @@ fn wait_tail_by_load() {
                 let lo = p99.iter().cloned().fold(f64::MAX, f64::min);
                 let hi = p99.iter().cloned().fold(0.0, f64::max);
                 line += &format!(
-                    " | shares {}: in use {:.1} %, p99 {:.0} ms ({lo:.0}-{hi:.0}), target met {met}/10, asks/permit {:.2} (regionals' {:.2}), timeouts {:.1} % (worst agent {:.1} %)",
+                    " | shares {}{}: in use {:.1} %, p99 {:.0} ms ({lo:.0}-{hi:.0}), target met {met}/10, asks/permit {:.2} (regionals' {:.2}), timeouts {:.1} % (worst agent {:.1} %)",
                     if shares { "on" } else { "off" },
+                    if grant_on_wake { ", grant on wake-up (bound)" } else { "" },
                     median(used),
                     median(p99),
                     median(asks),

@@ -503,6 +503,7 @@ impl PermitScenario {
             wakeups: self.wakeups,
             shares: true,
             region_resume: self.region_resume,
+            grant_on_wake: false,
         }
     }
 }

@@ -114,6 +114,7 @@ pub fn plan(seed: u64) -> (PermitSimConfig, String) {
         wakeups,
         shares: true,
         region_resume,
+        grant_on_wake: false,
     };
     let what = format!(
         "N {n}, {agents} agents{}, load {load:.2} x N, holds median {} ms, loss {:.1} %, {} restarts, {} crashes, {} cuts, {} regional restarts{}, wake-ups {}",

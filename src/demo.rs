@@ -79,13 +79,8 @@ struct Counts {
 }
 
 pub async fn run(duration: Duration) -> anyhow::Result<()> {
-    // With --experimental-permits, a concurrency rule too (src/demo/permits.rs).
-    let with_permits = quotalease_model::rules::permits_served();
-    let text = if with_permits {
-        format!("{DEMO_RULES}{}", permits::RULE)
-    } else {
-        DEMO_RULES.to_string()
-    };
+    // A concurrency rule beside the rate rules (src/demo/permits.rs).
+    let text = format!("{DEMO_RULES}{}", permits::RULE);
     let rules = RuleSet::parse(&text, "<demo>", 1).map_err(|e| anyhow::anyhow!("{}", e[0]))?;
     // Short TTL_max so the start-up wait (SPEC §2 "Restarts") is brief.
     // This process is the first and only allocator of these keys, so it
@@ -151,10 +146,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let permit_load = match with_permits {
-        true => Some(permits::start(&format!("http://{addr}"), duration).await?),
-        false => None,
-    };
+    let permit_load = permits::start(&format!("http://{addr}"), duration).await?;
     let log: Arc<Log> = Arc::new(Mutex::new(BTreeMap::new()));
     let counts = Arc::new(Mutex::new(Counts::default()));
     let start = Instant::now();
@@ -243,10 +235,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         "chk/msg",
         "I1"
     );
-    let permit_report = match permit_load {
-        Some(p) => Some(p.finish().await),
-        None => None,
-    };
+    let (permit_report, i4_held) = permit_load.finish().await;
     let log = log.lock();
     let counts = counts.lock();
     let mut all_held = true;
@@ -307,19 +296,8 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
         println!("{} checks were answered unavailable.", counts.unavailable);
     }
     println!("I1 is checked over every window of every key from the admissions recorded here, independently of the allocator; shadow-bucket alarms: {violations}");
-    let i4_held = match permit_report {
-        Some((report, held)) => {
-            println!();
-            println!("{report}");
-            held
-        }
-        None => {
-            println!(
-                "(run `quotalease --experimental-permits demo` to see an in-flight limit too)"
-            );
-            true
-        }
-    };
+    println!();
+    println!("{permit_report}");
     if !all_held || violations > 0 {
         anyhow::bail!("the bound B + R*T was broken");
     }

@@ -18,10 +18,10 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "quotalease", version, about)]
 struct Cli {
-    /// Serve rules with `concurrency` (in-flight limits, issue 34): read
-    /// them in rule files and answer permits. Off by default until the
-    /// capability is complete (docs/permits.md says what is missing).
-    #[arg(long, global = true)]
+    /// Accepted and ignored: rules with `concurrency` (in-flight limits)
+    /// are served by default since session 35; this flag turned them on
+    /// before, so scripts that pass it keep working.
+    #[arg(long, global = true, hide = true)]
     experimental_permits: bool,
     #[command(subcommand)]
     command: Command,
@@ -234,7 +234,7 @@ pub struct AllocatorArgs {
     /// Regional: lease TTL asked of the parent.
     #[arg(long = "upstream-ttl", default_value = "2s", value_parser = parse_duration)]
     upstream_ttl: Duration,
-    /// Regional, with --experimental-permits: after a restart, resume the
+    /// Regional: after a restart, resume the
     /// predecessor's parent slot leases so its agents' permits are renewed
     /// on (docs/permits.md "A regional restart"). Off by default: the limit
     /// holds only while one process of this region name is alive at a time
@@ -333,9 +333,7 @@ pub struct AgentArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if cli.experimental_permits {
-        quotalease_model::rules::serve_permits_in_this_process();
-    }
+    let _ = cli.experimental_permits;
     // The demo prints its own progress; keep its log to warnings unless asked.
     let is_sim = matches!(cli.command, Command::Sim(_));
     let default_level = if is_sim {

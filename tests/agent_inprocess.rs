@@ -996,7 +996,7 @@ rules:
     burst: 1
     concurrency: 2
 "#;
-    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
+    let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
     let core = CoreConfig {
         no_predecessor: true,
         ..CoreConfig::default()

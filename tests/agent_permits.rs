@@ -36,7 +36,7 @@ fn allocator() -> Arc<Shared> {
 
 /// An allocator core (no predecessor) serving the rules `yaml`.
 fn allocator_of(yaml: &str) -> Arc<Shared> {
-    let rules = RuleSet::parse_with_permits(yaml, "test", 1).expect("valid rules");
+    let rules = RuleSet::parse(yaml, "test", 1).expect("valid rules");
     let core = CoreConfig {
         no_predecessor: true,
         ..CoreConfig::default()

@@ -1,5 +1,5 @@
 //! End to end, permits (issue 34, SPEC §2 I4, §5 "Permits"): a real
-//! allocator with `--experimental-permits` and real agent processes; the
+//! allocator and real agent processes; the
 //! clients acquire over gRPC and HTTP at several times `N`, and I4 is
 //! checked at the clients: each permit counts from the moment its acquire
 //! was answered until the release was sent or the expiry it was told (a
@@ -120,18 +120,12 @@ fn start(name: &str, agents: usize) -> (TempDir, Proc, Vec<Proc>) {
     start_with(name, agents, RULES, "2s")
 }
 
-/// An allocator with `--experimental-permits`, `rules` and `--ttl-max
+/// An allocator with `rules` and `--ttl-max
 /// ttl_max`, and `agents` agents of it, ready.
 fn start_with(name: &str, agents: usize, rules: &str, ttl_max: &str) -> (TempDir, Proc, Vec<Proc>) {
     let dir = tempdir(name);
     let rules = write_rules(&dir, rules);
-    let a = allocator_with(
-        &rules,
-        &dir.join("state"),
-        None,
-        ttl_max,
-        &["--experimental-permits"],
-    );
+    let a = allocator_with(&rules, &dir.join("state"), None, ttl_max, &[]);
     let agents: Vec<Proc> = (0..agents)
         .map(|i| agent(&format!("{name}-{i}"), &a.url(), None, &[]))
         .collect();
@@ -262,7 +256,7 @@ async fn five_hundred_over(
 }
 
 /// A global allocator and two regional allocators under it (`eu`, `us`),
-/// all with `--experimental-permits` and `rules`; `agents[i]` of the
+/// all with `rules`; `agents[i]` of the
 /// region `regions[i]` (0: eu, 1: us), ready.
 fn start_regions(
     name: &str,
@@ -271,16 +265,10 @@ fn start_regions(
 ) -> (TempDir, Proc, Vec<Proc>, Vec<Proc>) {
     let dir = tempdir(name);
     let rules = write_rules(&dir, rules);
-    let global = allocator_with(
-        &rules,
-        &dir.join("state"),
-        None,
-        "2s",
-        &["--experimental-permits"],
-    );
+    let global = allocator_with(&rules, &dir.join("state"), None, "2s", &[]);
     let regionals: Vec<Proc> = ["eu", "us"]
         .iter()
-        .map(|r| regional(&global.url(), r, None, &["--experimental-permits"]))
+        .map(|r| regional(&global.url(), r, None, &[]))
         .collect();
     let agents: Vec<Proc> = regions
         .iter()
@@ -854,8 +842,7 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
         ),
     );
     let state = dir.join("state");
-    let flags = ["--experimental-permits"];
-    let alloc = allocator_with(&rules, &state, None, "3s", &flags);
+    let alloc = allocator_with(&rules, &state, None, "3s", &[]);
     let addr = alloc.grpc;
     let (holder, other) = (
         agent("permits-restart-0", &alloc.url(), None, &[]),
@@ -864,7 +851,7 @@ async fn permits_held_across_an_allocator_kill_are_renewed_on() {
     let mut alloc = Some(alloc);
     let run = across_a_restart(&holder, &other, TTL_MAX, || {
         alloc.take().expect("running").kill9();
-        alloc = Some(allocator_with(&rules, &state, Some(addr), "3s", &flags));
+        alloc = Some(allocator_with(&rules, &state, Some(addr), "3s", &[]));
     })
     .await;
     let phantom_end = run.restarted + TTL_MAX + Duration::from_millis(100);
@@ -1011,9 +998,8 @@ async fn permits_held_across_a_regional_kill_are_renewed_on() {
     const TTL_MAX: Duration = Duration::from_secs(2);
     let dir = tempdir("permits-regional-restart");
     let rules = write_rules(&dir, RULES);
-    let flags = ["--experimental-permits"];
-    let global = allocator_with(&rules, &dir.join("state"), None, "2s", &flags);
-    let regional_flags = ["--experimental-permits", "--experimental-regional-resume"];
+    let global = allocator_with(&rules, &dir.join("state"), None, "2s", &[]);
+    let regional_flags = ["--experimental-regional-resume"];
     let reg = regional(&global.url(), "eu", None, &regional_flags);
     let addr = reg.grpc;
     let (holder, other) = (
@@ -1255,7 +1241,7 @@ async fn permits_held_across_a_leader_failover_are_renewed_on() {
     );
     let etcd = Etcd::start(&bin, &dir, 3);
     let urls = etcd.urls();
-    let flags = ["--experimental-permits", "--ttl-max", "10s"];
+    let flags = ["--ttl-max", "10s"];
     let mut replicas: Vec<Option<Proc>> = (0..3)
         .map(|i| {
             let log = dir.join(format!("replica-{i}.log"));
@@ -1322,36 +1308,40 @@ async fn permits_held_across_a_leader_failover_are_renewed_on() {
     drop(etcd);
 }
 
-/// Without `--experimental-permits` a rules file with `concurrency` is
-/// refused, naming the field.
+/// A rules file with `concurrency` is read without any flag (in-flight
+/// limits left their experimental gate in session 35), and the gate's old
+/// flag `--experimental-permits` is still accepted, changing nothing.
 #[test]
-fn without_the_flag_a_concurrency_rule_is_refused_naming_the_field() {
-    let dir = tempdir("permits-off");
+fn a_concurrency_rule_is_served_without_a_flag_and_the_old_flag_is_accepted() {
+    let dir = tempdir("permits-served");
     let rules = write_rules(&dir, RULES);
-    let (ok, out) = run_to_end(&dir, &["rules", "validate", &rules.display().to_string()]);
-    assert!(!ok, "{out}");
-    assert!(out.contains("field concurrency"), "{out}");
-    assert!(out.contains("not served by this release"), "{out}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_quotalease"))
-        .args(["--experimental-permits", "rules", "validate"])
-        .arg(&rules)
-        .output()
-        .expect("run quotalease");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
-    assert!(stdout.contains("1 rule(s), valid"), "{stdout}");
-    assert!(
-        stdout.contains("jobs  tenant=* route=/jobs  concurrency=5 permit_ttl=10s max_hold=30m fail_policy=open"),
-        "{stdout}"
-    );
+    for flags in [&[][..], &["--experimental-permits"][..]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_quotalease"))
+            .args(flags)
+            .args(["rules", "validate"])
+            .arg(&rules)
+            .output()
+            .expect("run quotalease");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{flags:?}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("1 rule(s), valid"), "{stdout}");
+        assert!(
+            stdout.contains("jobs  tenant=* route=/jobs  concurrency=5 permit_ttl=10s max_hold=30m fail_policy=open"),
+            "{stdout}"
+        );
+    }
 }
 
-/// `quotalease --experimental-permits demo` shows the in-flight limit
-/// beside the rate rules: held against `N` at the workers, I4 held.
+/// `quotalease demo` shows the in-flight limit beside the rate rules:
+/// held against `N` at the workers, I4 held.
 #[test]
-fn the_demo_shows_an_in_flight_limit_with_the_flag() {
+fn the_demo_shows_an_in_flight_limit() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_quotalease"))
-        .args(["--experimental-permits", "demo", "--duration", "3s"])
+        .args(["demo", "--duration", "3s"])
         .output()
         .expect("run the demo");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -86,7 +86,9 @@ use quotalease_agent::core::EmergencyConfig;
 use quotalease_agent::transport::{GrpcTransport, Transport};
 use quotalease_proto::v1::{CheckResponse, Reason};
 
-pub use permits::{enable_experimental_permits, AcquireError, Permit, PermitLost};
+#[allow(deprecated)]
+pub use permits::enable_experimental_permits;
+pub use permits::{AcquireError, Permit, PermitLost};
 /// The rule set type [`Builder::bootstrap_rules`] takes
 /// (`RuleSet::parse(yaml, source_name, version)` reads SPEC §4 YAML).
 pub use quotalease_model::rules::RuleSet;

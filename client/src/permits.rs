@@ -2,10 +2,9 @@
 //! [`Client::acquire`] waits for a permit on every concurrency rule that
 //! selects a key and returns a [`Permit`], released when dropped.
 //!
-//! Experimental, like the rule kind itself: rule files with `concurrency`
-//! are read only after [`enable_experimental_permits`] (the library's
-//! equivalent of the binary's `--experimental-permits`), and the allocator
-//! must serve them. A permit never outlives the slot lease it stands on:
+//! The allocator must be a release that serves slot leases (older ones
+//! answer no rule with `concurrency`). A permit never outlives the slot
+//! lease it stands on:
 //! with an allocator's default `TTL_max` (2 s) renew it about every second
 //! ([`Permit::expiring`] says when), whatever the rule's `permit_ttl`.
 
@@ -16,12 +15,11 @@ use quotalease_agent::permit_driver::{HeldPermit, PermitError};
 
 use crate::{Client, Key};
 
-/// Read rules with `concurrency` in this process from now on (rule files,
-/// bootstrap rules, the in-process test allocator): in-flight limits are
-/// experimental (docs/permits.md). Process-wide, as the binary's flag.
-pub fn enable_experimental_permits() {
-    quotalease_model::rules::serve_permits_in_this_process();
-}
+/// Does nothing: rules with `concurrency` are read and served by default
+/// since in-flight limits left their experimental gate (docs/permits.md).
+/// Kept so that code written against the gated releases still builds.
+#[deprecated(note = "permits are served by default; this does nothing")]
+pub fn enable_experimental_permits() {}
 
 /// Why an acquire got no permit. Nothing is held after any of them.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quotalease_client::testing::InProcessAllocator;
-use quotalease_client::{enable_experimental_permits, AcquireError, Key};
+use quotalease_client::{AcquireError, Key};
 
 const RULES: &str = r#"
 rules:
@@ -20,7 +20,6 @@ rules:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn permits_across_two_clients_never_exceed_n_and_drop_releases() {
-    enable_experimental_permits();
     let alloc = InProcessAllocator::from_yaml(RULES).expect("rules");
     let clients = [alloc.client("a").unwrap(), alloc.client("b").unwrap()];
     for c in &clients {

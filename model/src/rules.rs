@@ -36,9 +36,8 @@ mod concurrency;
 pub mod yaml;
 
 pub use concurrency::{
-    duration_text, parse_duration_ms, permits_served, serve_permits_in_this_process, PermitRule,
-    DEFAULT_MAX_HOLD_MS, DEFAULT_PERMIT_TTL_MS, MAX_CONCURRENCY, MAX_HOLD_MS, MAX_PERMIT_TTL_MS,
-    MIN_PERMIT_TTL_MS, PERMITS_SERVED,
+    duration_text, parse_duration_ms, PermitRule, DEFAULT_MAX_HOLD_MS, DEFAULT_PERMIT_TTL_MS,
+    MAX_CONCURRENCY, MAX_HOLD_MS, MAX_PERMIT_TTL_MS, MIN_PERMIT_TTL_MS,
 };
 
 /// Largest accepted `burst` (bucket capacity); `burst` is `1..=MAX_BURST`.

@@ -1,6 +1,6 @@
-//! The demo's in-flight limit (experimental, with `--experimental-permits`):
-//! a rule with `concurrency: 8`, two agents on the global allocator (slot
-//! leases do not go through regional allocators yet), and 32 workers (4 x
+//! The demo's in-flight limit: a rule with `concurrency: 8`, two agents
+//! on the global allocator (the demo's regions serve its rate rules), and
+//! 32 workers (4 x
 //! `N`) that loop acquire, hold for a lognormal time (median 50 ms) and
 //! release. I4 is checked from what the workers were told: each permit
 //! counts from its acquire's answer to its release, and at no instant may
@@ -177,7 +177,7 @@ impl Outcome {
         let held = most as usize <= N;
         let refused = *self.timeouts.lock();
         let report = format!(
-            "permits (experimental): rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s), {} refused (allocator unreachable, fail-closed), {} expired before their worker was done (counted to their expiry); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
+            "permits: rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s), {} refused (allocator unreachable, fail-closed), {} expired before their worker was done (counted to their expiry); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
             spans.len(),
             refused.0,
             refused.1,

@@ -29,30 +29,6 @@ pub const DEFAULT_PERMIT_TTL_MS: u64 = 10_000;
 /// `max_hold` when the rule does not say (the SPEC's example).
 pub const DEFAULT_MAX_HOLD_MS: u64 = 30 * 60_000;
 
-/// Whether this release serves rules with `concurrency`. Until the
-/// allocator and the agents enforce them (issue 34), a rule file with one
-/// is refused with an error on that field ([`RuleSet::parse`]) rather than
-/// accepted and left unenforced; [`RuleSet::parse_with_permits`] reads such
-/// files for the code that is being built and its tests.
-pub const PERMITS_SERVED: bool = false;
-
-/// Set by [`serve_permits_in_this_process`].
-static PERMITS_BY_FLAG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Read rules with `concurrency` in this process from now on, whether or
-/// not this release serves them ([`PERMITS_SERVED`]): the binary's
-/// `--experimental-permits` flag, off by default. A process-wide switch on
-/// purpose: every path that reads a rule file (start, reload, `rules
-/// validate`, publishing) must agree.
-pub fn serve_permits_in_this_process() {
-    PERMITS_BY_FLAG.store(true, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether rule files of this process may limit requests in flight.
-pub fn permits_served() -> bool {
-    PERMITS_SERVED || PERMITS_BY_FLAG.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The concurrency part of a rule: at most `concurrency` permits of a key
 /// held at once, across every agent and region (I4).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -360,7 +360,6 @@ fn rule_from_yaml(
     entry: &Value,
     at: &RuleLoc,
     first: &HashMap<&str, usize>,
-    permits_served: bool,
     errs: &mut Errors<'_>,
 ) -> Draft {
     let before = errs.len();
@@ -407,7 +406,7 @@ fn rule_from_yaml(
 
     // concurrency, permit_ttl, max_hold (concurrency.rs)
     let limits_in_flight = map.get("concurrency").is_some();
-    let permit = concurrency_from_yaml(map, at, permits_served, errs);
+    let permit = concurrency_from_yaml(map, at, errs);
 
     // rate and burst: required unless the rule limits requests in flight
     // only (then both are left out).
@@ -566,19 +565,10 @@ fn rule_from_yaml(
 fn concurrency_from_yaml(
     map: &Mapping,
     at: &RuleLoc,
-    permits_served: bool,
     errs: &mut Errors<'_>,
 ) -> Option<concurrency::ConcurrencyFields> {
     let before = errs.len();
     let concurrency = map.get("concurrency").and_then(|v| {
-        if !permits_served {
-            errs.rule(
-                at,
-                "concurrency",
-                "in-flight limits are not served by this release yet (docs/permits.md)",
-            );
-            return None;
-        }
         yaml_uint(v)
             .and_then(concurrency::check_concurrency)
             .map_err(|e| errs.rule(at, "concurrency", e))
@@ -673,27 +663,6 @@ impl RuleSet {
     /// valid empty set; an empty file is an error). YAML merge keys (`<<`)
     /// are applied; the dialect is YAML 1.2 (see the module doc).
     pub fn parse(text: &str, file: &str, version: u64) -> Result<RuleSet, Vec<RuleError>> {
-        Self::parse_as(text, file, version, permits_served())
-    }
-
-    /// [`RuleSet::parse`] with rules that limit requests in flight
-    /// (`concurrency`) read as rules, whether or not this release serves
-    /// them ([`permits_served`]): for the code that is being built to
-    /// serve them and its tests.
-    pub fn parse_with_permits(
-        text: &str,
-        file: &str,
-        version: u64,
-    ) -> Result<RuleSet, Vec<RuleError>> {
-        Self::parse_as(text, file, version, true)
-    }
-
-    fn parse_as(
-        text: &str,
-        file: &str,
-        version: u64,
-        permits_served: bool,
-    ) -> Result<RuleSet, Vec<RuleError>> {
         let mut errs = Errors::new(file);
         let root: Value = match serde_saphyr::from_str_with_options(text, options()) {
             Ok(v) => v,
@@ -767,7 +736,7 @@ impl RuleSet {
         let drafts: Vec<Draft> = entries
             .iter()
             .zip(&locs)
-            .map(|(entry, at)| rule_from_yaml(entry, at, &first, permits_served, &mut errs))
+            .map(|(entry, at)| rule_from_yaml(entry, at, &first, &mut errs))
             .collect();
         finish(version, &locs, drafts, &first, Vec::new(), errs)
     }

@@ -23,7 +23,7 @@ rules:
 "#;
 
 fn rules(version: u64) -> RuleSet {
-    RuleSet::parse_with_permits(PERMIT_RULES, "test.yaml", version).expect("valid rules")
+    RuleSet::parse(PERMIT_RULES, "test.yaml", version).expect("valid rules")
 }
 
 fn core(now: u64, ready: bool) -> AllocatorCore {
@@ -203,10 +203,7 @@ fn a_lowered_n_keeps_the_kept_slots_and_grants_nothing_fresh_until_below_it() {
     let a = ask(&mut c, T, "a", 1, slots("gen", "t", "/gen", 0, 0, 4));
     assert_eq!(a.tokens, 4);
     let lowered = PERMIT_RULES.replace("concurrency: 4", "concurrency: 2");
-    c.set_rules(
-        RuleSet::parse_with_permits(&lowered, "test.yaml", 8).unwrap(),
-        T + MS,
-    );
+    c.set_rules(RuleSet::parse(&lowered, "test.yaml", 8).unwrap(), T + MS);
     let a2 = ask(
         &mut c,
         T + 2 * MS,

@@ -12,7 +12,7 @@ const N: u64 = 8;
 const RULES: &str = "rules:\n  - id: jobs\n    match: { tenant: \"*\" }\n    concurrency: 8\n";
 
 fn permit_rules(version: u64) -> RuleSet {
-    RuleSet::parse_with_permits(RULES, "test.yaml", version).expect("valid rules")
+    RuleSet::parse(RULES, "test.yaml", version).expect("valid rules")
 }
 
 fn parent_of(now: u64, restarted_from: Option<u64>) -> AllocatorCore {

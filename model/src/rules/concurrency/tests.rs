@@ -11,7 +11,7 @@ rules:
 "#;
 
 fn parse(text: &str) -> Result<RuleSet, Vec<RuleError>> {
-    RuleSet::parse_with_permits(text, "f.yaml", 1)
+    RuleSet::parse(text, "f.yaml", 1)
 }
 
 /// A rule with `concurrency: 4` and the other fields valid, with `extra`
@@ -55,20 +55,6 @@ fn the_spec_example_is_a_permit_rule_without_a_rate() {
         rs.summary(),
         "model-calls  tenant=* route=/v1/generate  concurrency=16 permit_ttl=10s max_hold=30m fail_policy=closed\n"
     );
-}
-
-#[test]
-fn a_release_that_does_not_serve_permits_refuses_them_naming_the_field() {
-    let parsed = RuleSet::parse(MODEL_CALLS, "f.yaml", 1);
-    assert_eq!(parsed.is_ok(), permits_served(), "{parsed:?}");
-    let Err(errs) = parsed else { return };
-    assert_eq!(errs.len(), 1, "{errs:#?}");
-    assert_eq!(errs[0].rule_id.as_deref(), Some("model-calls"));
-    assert_eq!(errs[0].field, "concurrency");
-    assert!(errs[0].reason.contains("not served"), "{}", errs[0]);
-    // Rate rules beside it are unaffected by the gate.
-    let rates = "rules:\n  - id: r\n    match: { tenant: \"*\" }\n    rate: 1/s\n    burst: 1\n";
-    assert_eq!(RuleSet::parse(rates, "f.yaml", 1).unwrap().rules.len(), 1);
 }
 
 #[test]

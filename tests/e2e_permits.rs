@@ -703,6 +703,21 @@ async fn a_killed_agents_permits_count_until_their_expiry_then_free() {
     drop(gone);
     let r = c.acquire(acquire_req(0)).await.unwrap().into_inner();
     assert_eq!(r.outcome, AcquireOutcome::Timeout as i32, "full: {r:?}");
+    // A timeout says when to come back (SPEC §5), over gRPC and HTTP.
+    assert!((10..=60_000).contains(&r.retry_after_ms), "{r:?}");
+    let (code, body) = http_json(
+        survivor.http,
+        "POST",
+        "/v1/permits",
+        Some(r#"{"tenant_id":"acme","route_id":"/jobs","wait_ms":1}"#),
+    );
+    assert_eq!(code, 429, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["error"], "timeout", "{body}");
+    assert!(
+        (10..=60_000).contains(&v["retry_after_ms"].as_u64().unwrap_or(0)),
+        "{body}"
+    );
     // Renew, release, renew after release, over gRPC and HTTP.
     let rn = c
         .renew(RenewRequest {

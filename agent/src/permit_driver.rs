@@ -46,6 +46,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::permits::policy::AskPolicy;
 use crate::permits::{
     AcquireError, Granted, Permit, PermitKey, PermitSettings, RenewError, SentAsk,
+    RETRY_HINT_UNKNOWN_NS,
 };
 use crate::transport::Transport;
 
@@ -107,9 +108,14 @@ pub enum PermitError {
     /// More slots than the rule's `N` (or 0).
     #[error("slots: {0}")]
     Invalid(String),
-    /// The deadline passed before slots were free: nothing is held.
-    #[error("no slot was free before the deadline")]
-    Timeout,
+    /// The deadline passed before slots were free: nothing is held. Try
+    /// again after `retry_after_ms` (this agent's estimate,
+    /// [`crate::permits::PermitKey::retry_hint_ns`]).
+    #[error("no slot was free before the deadline; retry after {retry_after_ms} ms")]
+    Timeout {
+        /// When to try again.
+        retry_after_ms: u64,
+    },
     /// The permit is past its expiry or was released: never revived.
     #[error("the permit expired or was released")]
     Expired,
@@ -408,7 +414,7 @@ impl Permits {
                 m.acquired.add(1);
                 m.record_wait(start.elapsed());
             }
-            Err(PermitError::Timeout) => m.timeouts.add(1),
+            Err(PermitError::Timeout { .. }) => m.timeouts.add(1),
             Err(PermitError::Unavailable(_)) => m.unavailable.add(1),
             Err(PermitError::QueueFull(_)) => m.queue_full.add(1),
             Err(_) => {}
@@ -530,8 +536,21 @@ impl Permits {
             // The driver stopped (its sender dropped).
             Ok(Err(_)) => Err(PermitError::Stopping),
             // Dropping `waiting` cancels the waiter (and releases a permit
-            // that reached it in the race).
-            Err(_) => Err(PermitError::Timeout),
+            // that reached it in the race); first its place tells when to
+            // come back.
+            Err(_) => {
+                let now = self.inner.cfg.clock.now();
+                let hint_ns = self
+                    .inner
+                    .state
+                    .lock()
+                    .keys
+                    .get(&key)
+                    .map_or(RETRY_HINT_UNKNOWN_NS, |e| e.pk.retry_hint_ns(now, waiter));
+                Err(PermitError::Timeout {
+                    retry_after_ms: hint_ns.div_ceil(1_000_000),
+                })
+            }
         }
     }
 

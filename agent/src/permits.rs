@@ -36,6 +36,14 @@ pub const MAX_GRANT_FENCE: u64 = (1 << (64 - FENCE_LOCAL_BITS)) - 1;
 /// The largest local sequence number of a token.
 const LOCAL_FENCE_MAX: u64 = (1 << FENCE_LOCAL_BITS) - 1;
 
+/// An acquire that ran out of time is told to try again after at least
+/// this long ([`PermitKey::retry_hint_ns`])...
+pub const RETRY_HINT_MIN_NS: u64 = 10_000_000;
+/// ...and at most this long.
+pub const RETRY_HINT_MAX_NS: u64 = 60_000_000_000;
+/// The hint when this agent has started no permit on the key yet.
+pub const RETRY_HINT_UNKNOWN_NS: u64 = 1_000_000_000;
+
 /// A key's permit settings (from its rule, and the agent's lease TTL).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PermitSettings {
@@ -162,6 +170,11 @@ pub struct PermitKey {
     /// Permits that reached their expiry unreleased (see
     /// [`PermitKey::take_expired`]).
     expired: u64,
+    /// When the last permit started, and the time between permit starts
+    /// per slot (a moving average): how fast this agent serves the key
+    /// ([`PermitKey::retry_hint_ns`]).
+    last_start_ns: Option<u64>,
+    start_gap_ns: Option<u64>,
 }
 
 impl PermitKey {
@@ -179,6 +192,8 @@ impl PermitKey {
             next_seq: 1,
             applied_seq: 0,
             expired: 0,
+            last_start_ns: None,
+            start_gap_ns: None,
         }
     }
 
@@ -278,6 +293,14 @@ impl PermitKey {
         // Saturates: past 2^20 permits on one lease the tokens repeat
         // (they still never fall below the grant's).
         self.next_local_fence = (self.next_local_fence + 1).min(LOCAL_FENCE_MAX);
+        if let Some(last) = self.last_start_ns {
+            let gap = now_ns.saturating_sub(last) / slots;
+            self.start_gap_ns = Some(match self.start_gap_ns {
+                Some(g) => (g.saturating_mul(7).saturating_add(gap)) / 8,
+                None => gap,
+            });
+        }
+        self.last_start_ns = Some(now_ns);
         let p = Permit {
             id,
             slots,
@@ -302,6 +325,36 @@ impl PermitKey {
             out.push((id, self.grant(now_ns, slots)));
         }
         out
+    }
+
+    /// How long `waiter`, whose wait ran out, should wait before it asks
+    /// again (SPEC §5: an acquire that gets nothing says how long to
+    /// wait): the slots queued up to and including its own, times the time
+    /// this agent has taken per slot it started a permit on (a moving
+    /// average, or the time since the last start when that is longer: a
+    /// drought counts), within [`RETRY_HINT_MIN_NS`] and
+    /// [`RETRY_HINT_MAX_NS`]; [`RETRY_HINT_UNKNOWN_NS`] before any start.
+    /// An estimate from this agent's view alone: slots freed at other
+    /// agents reach it only as its grants do.
+    pub fn retry_hint_ns(&self, now_ns: u64, waiter: u64) -> u64 {
+        let Some(last) = self.last_start_ns else {
+            return RETRY_HINT_UNKNOWN_NS;
+        };
+        let per_slot = self
+            .start_gap_ns
+            .unwrap_or(0)
+            .max(now_ns.saturating_sub(last));
+        let mut places = 0u64;
+        for &(id, slots) in &self.waiting {
+            places = places.saturating_add(slots);
+            if id == waiter {
+                break;
+            }
+        }
+        places
+            .max(1)
+            .saturating_mul(per_slot)
+            .clamp(RETRY_HINT_MIN_NS, RETRY_HINT_MAX_NS)
     }
 
     /// A waiter gave up (its deadline, or its client went away).

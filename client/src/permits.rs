@@ -27,9 +27,14 @@ pub enum AcquireError {
     /// No rule with `concurrency` selects the key.
     #[error("no rule with concurrency matches the key")]
     NoRule,
-    /// No slot was free before the wait ended.
-    #[error("no slot was free before the wait ended")]
-    Timeout,
+    /// No slot was free before the wait ended: try again after
+    /// `retry_after` (the agent's estimate from its place in the queue and
+    /// how fast it has been starting permits on the key).
+    #[error("no slot was free before the wait ended; retry after {retry_after:?}")]
+    Timeout {
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// A rate rule of the key denied the request (the permits taken were
     /// given back).
     #[error("rate limited by rule {rule_id}; retry after {retry_after:?}")]
@@ -52,7 +57,9 @@ impl From<PermitError> for AcquireError {
     fn from(e: PermitError) -> Self {
         match e {
             PermitError::NoRule => AcquireError::NoRule,
-            PermitError::Timeout => AcquireError::Timeout,
+            PermitError::Timeout { retry_after_ms } => AcquireError::Timeout {
+                retry_after: Duration::from_millis(retry_after_ms),
+            },
             PermitError::RateLimited {
                 rule_id,
                 retry_after_ms,

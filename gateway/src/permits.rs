@@ -97,9 +97,10 @@ async fn acquire(
             permits: permits_of(agent, &got),
             ..AcquireResponse::default()
         },
-        Err(PermitError::Timeout) => AcquireResponse {
+        Err(e @ PermitError::Timeout { retry_after_ms }) => AcquireResponse {
             outcome: AcquireOutcome::Timeout as i32,
-            detail: PermitError::Timeout.to_string(),
+            detail: e.to_string(),
+            retry_after_ms,
             ..AcquireResponse::default()
         },
         Err(PermitError::RateLimited {
@@ -267,44 +268,34 @@ async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
         Ok(AcquireOutcome::Acquired) => {
             (StatusCode::OK, Json(json!({ "permits": permits }))).into_response()
         }
-        Ok(AcquireOutcome::RateLimited) => {
-            let secs = resp.retry_after_ms.div_ceil(1000).max(1);
-            let mut r = (
-                StatusCode::TOO_MANY_REQUESTS,
-                Json(json!({
-                    "error": "rate_limited",
-                    "rule_id": resp.rule_id,
-                    "retry_after_ms": resp.retry_after_ms,
-                })),
-            )
-                .into_response();
-            r.headers_mut()
-                .insert("retry-after", secs.to_string().parse().expect("digits"));
-            r
-        }
+        Ok(AcquireOutcome::RateLimited) => too_many(
+            json!({
+                "error": "rate_limited",
+                "rule_id": resp.rule_id,
+                "retry_after_ms": resp.retry_after_ms,
+            }),
+            resp.retry_after_ms,
+        ),
+        // An acquire whose wait ran out says when to come back (SPEC §5);
+        // stopping, or the rate side unable to decide, has no hint.
+        Ok(AcquireOutcome::Timeout) if resp.retry_after_ms > 0 => too_many(
+            json!({
+                "error": "timeout",
+                "reason": resp.detail,
+                "retry_after_ms": resp.retry_after_ms,
+            }),
+            resp.retry_after_ms,
+        ),
         Ok(AcquireOutcome::Timeout) => (
             StatusCode::TOO_MANY_REQUESTS,
             Json(json!({ "error": "timeout", "reason": resp.detail })),
         )
             .into_response(),
         Ok(AcquireOutcome::NoRule) => error(StatusCode::NOT_FOUND, "route_id", &resp.detail),
-        Ok(AcquireOutcome::QueueFull) => {
-            let mut r = (
-                StatusCode::TOO_MANY_REQUESTS,
-                Json(json!({ "error": "queue_full", "reason": resp.detail })),
-            )
-                .into_response();
-            r.headers_mut().insert(
-                "retry-after",
-                resp.retry_after_ms
-                    .div_ceil(1000)
-                    .max(1)
-                    .to_string()
-                    .parse()
-                    .expect("digits"),
-            );
-            r
-        }
+        Ok(AcquireOutcome::QueueFull) => too_many(
+            json!({ "error": "queue_full", "reason": resp.detail }),
+            resp.retry_after_ms,
+        ),
         Ok(AcquireOutcome::Unavailable) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({ "error": "limiter_unavailable", "reason": resp.detail })),
@@ -318,6 +309,16 @@ async fn http_acquire(State(agent): State<Agent>, body: Bytes) -> Response {
             error(StatusCode::BAD_REQUEST, field, reason)
         }
     }
+}
+
+/// A `429` with `body` and a `Retry-After` of `retry_after_ms` in whole
+/// seconds (rounded up, at least 1).
+fn too_many(body: serde_json::Value, retry_after_ms: u64) -> Response {
+    let mut r = (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
+    let secs = retry_after_ms.div_ceil(1000).max(1);
+    r.headers_mut()
+        .insert("retry-after", secs.to_string().parse().expect("digits"));
+    r
 }
 
 /// Reads an acquire body; errors name the field.

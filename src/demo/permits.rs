@@ -81,7 +81,7 @@ pub async fn start(url: &str, duration: Duration) -> anyhow::Result<Outcome> {
                     };
                     let got = match agent.acquire(input).await {
                         Ok(got) => got,
-                        Err(PermitError::Timeout) => {
+                        Err(PermitError::Timeout { .. }) => {
                             timeouts.lock().0 += 1;
                             continue;
                         }

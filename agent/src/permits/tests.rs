@@ -293,3 +293,55 @@ fn a_share_caps_new_permits_and_the_slots_beyond_it_go_back() {
     let sent = k.ask(5, false);
     assert_eq!((sent.keep, sent.want), (2, 1), "{sent:?}");
 }
+
+/// An acquire whose wait ran out is told how long to wait (SPEC §5): its
+/// place in the queue times the time this agent took per slot it started,
+/// or the time since the last start when that is longer; 1 s before any
+/// start; within 10 ms and 60 s.
+#[test]
+fn a_waiter_that_ran_out_is_told_its_place_times_the_pace_of_starts() {
+    let long = PermitSettings {
+        permit_ttl_ns: 10_000 * MS,
+        max_hold_ns: 10_000 * MS,
+        ..settings()
+    };
+    let mut k = holding_with(long, 2, 0);
+    let Err(AcquireError::Queued(w0)) = k.acquire(0, 3) else {
+        panic!("3 of 2 slots waits")
+    };
+    assert_eq!(
+        k.retry_hint_ns(1, w0),
+        RETRY_HINT_UNKNOWN_NS,
+        "nothing started"
+    );
+    k.cancel(w0);
+    let p0 = k.acquire(0, 1).expect("free");
+    assert_eq!(
+        k.retry_hint_ns(0, 99),
+        RETRY_HINT_MIN_NS,
+        "a start just now"
+    );
+    k.acquire(20 * MS, 1).expect("free");
+    let Err(AcquireError::Queued(w1)) = k.acquire(25 * MS, 1) else {
+        panic!("full")
+    };
+    let Err(AcquireError::Queued(w2)) = k.acquire(26 * MS, 2) else {
+        panic!("full")
+    };
+    // 20 ms per slot started; w2 has 3 slots up to and including its own.
+    assert_eq!(k.retry_hint_ns(30 * MS, w1), 20 * MS);
+    assert_eq!(k.retry_hint_ns(30 * MS, w2), 60 * MS);
+    // Nothing started for 500 ms: the drought is the pace.
+    assert_eq!(k.retry_hint_ns(520 * MS, w1), 500 * MS);
+    assert_eq!(k.retry_hint_ns(520 * MS, w2), 1_500 * MS);
+    // A release serves w1 at 530 ms: the average takes the 510 ms in.
+    assert!(k.release(530 * MS, p0.id));
+    assert_eq!(k.serve_waiters(530 * MS).len(), 1);
+    let per_slot = (20 * MS * 7 + 510 * MS) / 8;
+    assert_eq!(k.retry_hint_ns(531 * MS, w2), 2 * per_slot);
+    // Far down a long queue: at most 60 s.
+    for t in 0..1_000 {
+        let _ = k.acquire(532 * MS + t, 1);
+    }
+    assert_eq!(k.retry_hint_ns(600 * MS, u64::MAX), RETRY_HINT_MAX_NS);
+}

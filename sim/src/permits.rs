@@ -322,6 +322,12 @@ pub struct PermitReport {
     /// fewer than `N` slots were held by valid permits and none was
     /// granted: (from, length) ns.
     pub stalls: Vec<(u64, u64)>,
+    /// For each acquire that timed out: the retry hint its agent gave
+    /// (`PermitKey::retry_hint_ns`) and how long after the timeout that
+    /// agent had started as many permits as were queued up to the
+    /// acquire's place (when it stayed, it would have been served by
+    /// then; `None`: not before the run ended or the agent crashed).
+    pub retry_hints: Vec<(u64, Option<u64>)>,
 }
 
 impl PermitReport {
@@ -598,6 +604,11 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
         ..PermitReport::default()
     };
     let mut waits = Vec::new();
+    // Timeouts (agent, incarnation, when, slots queued up to its place,
+    // hint), and each agent incarnation's permit starts, for the hints'
+    // check.
+    let mut timed_out: Vec<(usize, u32, u64, u64, u64)> = Vec::new();
+    let mut starts: HashMap<(usize, u32), Vec<u64>> = HashMap::new();
     // For the ideal semaphore: every arrival (time, hold).
     let mut offered: Vec<(u64, u64)> = Vec::new();
     // Permits of crashed agents: (slots, expiry); their clients hold them.
@@ -676,6 +687,14 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             Ev::Deadline { a, inc, waiter } => {
                 let ag = &mut agents[a];
                 if ag.inc == inc && ag.waiters.remove(&waiter).is_some() {
+                    let mut places = 0;
+                    for (id, slots) in ag.pk.waiters() {
+                        places += slots;
+                        if id == waiter {
+                            break;
+                        }
+                    }
+                    timed_out.push((a, inc, now, places, ag.pk.retry_hint_ns(now, waiter)));
                     ag.pk.cancel(waiter);
                     r.timeouts += 1;
                     r.timeouts_by_agent[a] += 1;
@@ -1124,6 +1143,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             r.last_permit_ns = now;
             r.grants_ns.push(now);
             let inc = agents[a].inc;
+            starts.entry((a, inc)).or_default().push(now);
             agents[a].held.insert(id, until);
             q.post(until, Ev::Release { a, inc, id });
             q.post(now + cfg.renew_every_ns, Ev::Renew { a, inc, id });
@@ -1258,6 +1278,15 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
     if let Some(from) = stall_from.filter(|&f| last_t - f >= STALL_NS) {
         r.stalls.push((from, last_t - from));
     }
+    r.retry_hints = timed_out
+        .iter()
+        .map(|&(a, inc, at, places, hint)| {
+            let s = starts.get(&(a, inc)).map_or(&[][..], |v| &v[..]);
+            let after = s.partition_point(|&t| t <= at);
+            let truth = s.get(after + places as usize - 1).map(|&t| t - at);
+            (hint, truth)
+        })
+        .collect();
     r.saturated_s = busy_ns as f64 / 1e9;
     r.saturated_use = busy_area / busy_ns.max(1) as f64 / cfg.n as f64;
     (r.wait_p50_ns, r.wait_p99_ns) = quantiles(&mut waits);

@@ -489,3 +489,56 @@ fn the_swarm_check_fails_stalls_past_the_healing_not_long_holds() {
     cfg.faults.loss = 0.0;
     assert!(check(&r, &cfg).is_empty(), "healed before it ended");
 }
+
+/// Figures for docs/permits.md "The agent's driver" (the retry hint of an
+/// acquire that timed out): per topology and overload, seeds 1-10, the
+/// hints against how long after the timeout its agent had started as many
+/// permits as were queued up to its place (run by hand: `cargo test -p
+/// quotalease-sim --release --test permits -- --ignored --nocapture
+/// retry_hints_against_what_followed`).
+#[test]
+#[ignore = "a figure for docs/permits.md"]
+fn retry_hints_against_what_followed() {
+    for regions in [false, true] {
+        for load in [1.2, 1.5, 2.0] {
+            let (mut ratios, mut never, mut n) = (Vec::new(), 0usize, 0usize);
+            let (mut hints, mut truths) = (Vec::new(), Vec::new());
+            for seed in 1..=10 {
+                let cfg = if regions {
+                    PermitSimConfig::regions_shape(seed, load)
+                } else {
+                    PermitSimConfig::shape(seed, load)
+                };
+                let r = run(&cfg);
+                assert!(r.max_held <= cfg.n, "{r:?}");
+                assert_eq!(r.retry_hints.len() as u64, r.timeouts);
+                for &(hint, truth) in &r.retry_hints {
+                    n += 1;
+                    hints.push(hint);
+                    match truth {
+                        Some(t) => {
+                            truths.push(t);
+                            ratios.push(hint as f64 / t.max(1) as f64);
+                        }
+                        None => never += 1,
+                    }
+                }
+            }
+            ratios.sort_by(f64::total_cmp);
+            hints.sort_unstable();
+            truths.sort_unstable();
+            let q = |v: &[f64], f: f64| v[((v.len() as f64 * f) as usize).min(v.len() - 1)];
+            let within = ratios.iter().filter(|&&x| (0.5..=2.0).contains(&x)).count();
+            eprintln!(
+                "retry hints, {} load {load}: {n} timeouts; hint median {} ms, what followed median {} ms; hint / what followed p10 {:.2}, median {:.2}, p90 {:.2}; within 0.5-2 x: {:.0} %; never followed: {never}",
+                if regions { "three regions" } else { "one allocator" },
+                hints[hints.len() / 2] / 1_000_000,
+                truths[truths.len() / 2] / 1_000_000,
+                q(&ratios, 0.1),
+                q(&ratios, 0.5),
+                q(&ratios, 0.9),
+                100.0 * within as f64 / ratios.len() as f64,
+            );
+        }
+    }
+}

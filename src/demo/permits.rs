@@ -177,14 +177,14 @@ impl Outcome {
         let held = most as usize <= N;
         let refused = *self.timeouts.lock();
         let report = format!(
-            "permits: rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s), {} refused (allocator unreachable, fail-closed), {} expired before their worker was done (counted to their expiry); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {:?}, p99 {:?}",
+            "permits: rule jobs, concurrency {N} per tenant; {WORKERS} workers on {AGENTS} agents of the global allocator, holds lognormal (median {HOLD_MEDIAN_MS} ms)\n  {} permits, {} acquires timed out (2 s), {} refused (allocator unreachable, fail-closed), {} expired before their worker was done (counted to their expiry); at most {most} held at once (N = {N}): I4 {}; slots in use {used:.1} % of N (time-averaged after the first second); wait p50 {} ms, p99 {} ms",
             spans.len(),
             refused.0,
             refused.1,
             refused.2,
             if held { "held" } else { "BROKEN" },
-            q(0.5),
-            q(0.99),
+            q(0.5).as_millis(),
+            q(0.99).as_millis(),
         );
         (report, held)
     }

@@ -1323,6 +1323,77 @@ async fn permits_held_across_a_leader_failover_are_renewed_on() {
     drop(etcd);
 }
 
+/// `concurrency` lowered from 5 to 2 in the watched rules file, alone (no
+/// rate beside it): the running allocator takes it (`/v1/keys` shows 2)
+/// and, once the permits from before are gone, six concurrent acquires
+/// over two agents hold at most 2 at once at the clients, each further one
+/// only after a release. Found by a session 35 review: the reload compared
+/// only the rate rules, so a change of `concurrency` alone was ignored
+/// until a restart (5 held at once of `N` = 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lowered_concurrency_in_the_rules_file_is_enforced_without_a_restart() {
+    let (dir, alloc, agents) = start("permits-lower-n", 2);
+    // Before: 5 at once.
+    let mut c0 = permits_client(&agents[0]).await;
+    let mut five = Vec::new();
+    for _ in 0..5 {
+        five.push(acquire_one(&mut c0, 5_000).await);
+    }
+    for id in five {
+        let rel = c0
+            .release(ReleaseRequest { permit_id: id })
+            .await
+            .expect("release")
+            .into_inner();
+        assert!(rel.released, "{rel:?}");
+    }
+    // The operator lowers N; the allocator reloads the file.
+    write_rules(&dir, &RULES.replace("concurrency: 5", "concurrency: 2"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let key_path = "/v1/keys?rule=jobs&tenant=acme&route=/jobs";
+    loop {
+        let (status, body) = http_get(alloc.http, key_path);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+        if v["slots"]["concurrency"] == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the allocator never took concurrency 2: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Six at once, three at each agent, each holding 300 ms.
+    let spans: Spans = Arc::default();
+    let mut tasks = Vec::new();
+    for ag in &agents {
+        for _ in 0..3 {
+            let mut c = permits_client(ag).await;
+            let spans = spans.clone();
+            tasks.push(tokio::spawn(async move {
+                let r = c
+                    .acquire(acquire_req(8_000))
+                    .await
+                    .expect("acquire")
+                    .into_inner();
+                let from = Instant::now();
+                hold_then_release(&mut c, &r, from, Duration::from_millis(300), &spans).await;
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("client");
+    }
+    let spans = spans.lock();
+    assert_eq!(spans.len(), 6, "every acquire served");
+    assert!(
+        most_at_once(&spans) <= 2,
+        "{} held at once of N = 2",
+        most_at_once(&spans)
+    );
+}
+
 /// A rules file with `concurrency` is read without any flag (in-flight
 /// limits left their experimental gate in session 35), and the gate's old
 /// flag `--experimental-permits` is still accepted, changing nothing.

@@ -338,12 +338,16 @@ impl Shared {
             Ok(rules) => {
                 let mut node = self.core.lock();
                 let core = node.core();
-                if rules.rules == core.rules().rules {
+                // Both lists: a change of `concurrency` alone is a change
+                // (it was ignored until a restart: found by a session 35
+                // review, `N` lowered from 5 to 2 and 5 held at once).
+                if rules.same_limits(core.rules()) {
                     return;
                 }
                 tracing::info!(
                     version = rules.version,
                     rules = rules.rules.len(),
+                    permit_rules = rules.permit_rules.len(),
                     "rules reloaded"
                 );
                 core.set_rules(rules, self.now());

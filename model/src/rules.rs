@@ -868,6 +868,12 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
+    /// Whether `other` limits exactly what this set does: the same rate
+    /// rules and the same permit rules (the version aside).
+    pub fn same_limits(&self, other: &RuleSet) -> bool {
+        self.rules == other.rules && self.permit_rules == other.permit_rules
+    }
+
     /// The rule with this id.
     pub fn get(&self, id: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| r.id == id)

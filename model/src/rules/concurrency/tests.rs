@@ -295,3 +295,21 @@ fn durations_read_and_print() {
         assert_eq!(duration_text(ms), text);
     }
 }
+
+/// Two sets limit the same only when their rate and permit rules are the
+/// same: a change of `concurrency` alone is a change (a reload once
+/// ignored it).
+#[test]
+fn a_change_of_concurrency_alone_changes_the_limits() {
+    let a = RuleSet::parse(MODEL_CALLS, "f.yaml", 1).unwrap();
+    let same = RuleSet::parse(MODEL_CALLS, "f.yaml", 2).unwrap();
+    let lowered = RuleSet::parse(
+        &MODEL_CALLS.replace("concurrency: 16", "concurrency: 2"),
+        "f.yaml",
+        3,
+    )
+    .unwrap();
+    assert!(a.same_limits(&same));
+    assert_eq!(a.rules, lowered.rules, "no rate rule differs");
+    assert!(!a.same_limits(&lowered));
+}

@@ -503,19 +503,25 @@ fn a_region_whose_child_never_gives_back_drains_to_its_share() {
 /// regional has resumed the key's parent lease, then adopts; its slots
 /// stay its own across the restart and beyond the phantom, and the
 /// region's other child gets the rest of `N`, never more.
-#[test]
-fn a_restarted_regional_resumes_and_its_childrens_leases_renew_on() {
+/// Child `a` holds 3 slots of region `eu`, whose process is then
+/// replaced by its next run: the time, the parent, the new process, `a`.
+fn a_child_of_a_replaced_regional() -> (u64, AllocatorCore, RegionalCore, Child) {
     let mut now = T0;
     let mut parent = parent_of(now, None);
     let mut reg = slot_regional("eu", now);
-    let (mut a, mut b) = (Child::default(), Child::default());
+    let mut a = Child::default();
     child_ask(&mut reg, now, "a", &mut a, 3, false);
     poll(&mut reg, &mut parent, now, Link::Up);
     now += 60 * MS;
     assert_eq!(child_ask(&mut reg, now, "a", &mut a, 3, false).tokens, 3);
-    // The regional's process is replaced.
     now += 10 * MS;
-    let mut reg = slot_regional_run("eu", now, 1);
+    (now, parent, slot_regional_run("eu", now, 1), a)
+}
+
+#[test]
+fn a_restarted_regional_resumes_and_its_childrens_leases_renew_on() {
+    let (mut now, mut parent, mut reg, mut a) = a_child_of_a_replaced_regional();
+    let mut b = Child::default();
     let g = child_ask(&mut reg, now, "a", &mut a, 0, false);
     assert_eq!(g.status, GrantStatus::Resuming as i32, "{g:?}");
     assert_eq!(a.holding(now), 3, "nothing applied: the lease stands");
@@ -561,16 +567,8 @@ fn a_restarted_regional_resumes_and_its_childrens_leases_renew_on() {
 /// N = 8); now it holds the folded slots in its phantom.
 #[test]
 fn a_lost_resume_asked_again_keeps_the_folded_slots_out_of_the_new_pool() {
-    let mut now = T0;
-    let mut parent = parent_of(now, None);
-    let mut reg = slot_regional("eu", now);
-    let (mut a, mut b, mut c) = (Child::default(), Child::default(), Child::default());
-    child_ask(&mut reg, now, "a", &mut a, 3, false);
-    poll(&mut reg, &mut parent, now, Link::Up);
-    now += 60 * MS;
-    assert_eq!(child_ask(&mut reg, now, "a", &mut a, 3, false).tokens, 3);
-    now += 10 * MS;
-    let mut reg = slot_regional_run("eu", now, 1);
+    let (mut now, mut parent, mut reg, mut a) = a_child_of_a_replaced_regional();
+    let (mut b, mut c) = (Child::default(), Child::default());
     // A new child c gets a slot from the new process first.
     for _ in 0..10 {
         let want = 1 - c.holding(now).min(1);

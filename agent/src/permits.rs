@@ -344,17 +344,23 @@ impl PermitKey {
             .start_gap_ns
             .unwrap_or(0)
             .max(now_ns.saturating_sub(last));
-        let mut places = 0u64;
-        for &(id, slots) in &self.waiting {
-            places = places.saturating_add(slots);
+        self.queued_up_to(waiter)
+            .max(1)
+            .saturating_mul(per_slot)
+            .clamp(RETRY_HINT_MIN_NS, RETRY_HINT_MAX_NS)
+    }
+
+    /// The slots queued up to and including `waiter`'s (all queued when
+    /// it is not).
+    pub fn queued_up_to(&self, waiter: u64) -> u64 {
+        let mut slots = 0u64;
+        for &(id, s) in &self.waiting {
+            slots = slots.saturating_add(s);
             if id == waiter {
                 break;
             }
         }
-        places
-            .max(1)
-            .saturating_mul(per_slot)
-            .clamp(RETRY_HINT_MIN_NS, RETRY_HINT_MAX_NS)
+        slots
     }
 
     /// A waiter gave up (its deadline, or its client went away).

@@ -687,13 +687,7 @@ pub fn run(cfg: &PermitSimConfig) -> PermitReport {
             Ev::Deadline { a, inc, waiter } => {
                 let ag = &mut agents[a];
                 if ag.inc == inc && ag.waiters.remove(&waiter).is_some() {
-                    let mut places = 0;
-                    for (id, slots) in ag.pk.waiters() {
-                        places += slots;
-                        if id == waiter {
-                            break;
-                        }
-                    }
+                    let places = ag.pk.queued_up_to(waiter);
                     timed_out.push((a, inc, now, places, ag.pk.retry_hint_ns(now, waiter)));
                     ag.pk.cancel(waiter);
                     r.timeouts += 1;

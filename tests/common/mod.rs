@@ -839,7 +839,18 @@ impl Example {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let status = self.child.wait().expect("wait");
         assert!(status.success(), "clean exit: {status}");
-        self.log
+        std::mem::take(&mut self.log)
+    }
+}
+
+impl Drop for Example {
+    /// A test that fails before [`Example::stop`] leaves no example
+    /// running (one that had exited is not signalled again).
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
